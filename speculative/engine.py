@@ -1,0 +1,334 @@
+"""The speculative decoding engine: propose -> verify -> accept, with per-request state by id.
+
+One :meth:`SpeculativeEngine.step` is one target forward. Invariants per request:
+  - ``tokens``: prompt + output so far; the last token is *pending* (not yet in the target cache)
+  - ``target_len``: positions of ``tokens`` whose KV entries in the target cache are final
+A step feeds the target ``tokens[target_len:] + draft_tokens`` (the pending token, or the whole
+prompt on the first step, then the k draft tokens) and reads k + 1 rows of logits: row i scores
+the token after ``tokens + d_1..d_i``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from config import EngineConfig, KPolicyConfig, SamplingParams
+
+from .kpolicy import CostModel, KPolicy
+from .proposers import EMPTY, Proposal, Proposer
+from .runner import ModelRunner
+from .sampling import greedy_accept, rejection_accept, sparse_top_k, warp_logits
+from .stats import SpecStats
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as given (empty prompt, prompt too long, unknown id)."""
+
+
+@dataclass
+class StepResult:
+    """Everything a step produced, for the client, the metrics and the learner.
+
+    Row i of the target arrays is the target's distribution (temperature 1, top-K + tail) for the
+    token at position ``start + i``, conditioned on ``context[:start] + draft_tokens[:i]``. Rows
+    0..accepted are conditioned on final tokens (teacher context); later rows on the draft's own,
+    rejected tokens (student context) - free extra training signal.
+    """
+
+    request_id: str
+    source: str  # proposer that drafted this step: "draft" | "ngram" | "none"
+    draft_version: int
+    start: int  # position of row 0 = number of tokens before this step
+    draft_tokens: list[int]  # [k]
+    accepted: int  # n in 0..k
+    draft_matches_target: list[bool]  # [k] d_i == argmax of target row i (the draft was right there)
+    emitted: list[int]  # output tokens this step (after EOS / stop / max_tokens truncation)
+    target_top_ids: torch.Tensor  # [k+1, K] long
+    target_top_probs: torch.Tensor  # [k+1, K] float
+    target_tail: torch.Tensor  # [k+1] float
+    draft_s: float
+    target_s: float
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | None
+
+    @property
+    def proposed(self) -> int:
+        return len(self.draft_tokens)
+
+    @property
+    def accepted_mask(self) -> list[bool]:  # [k] True where the draft token was kept
+        return [i < self.accepted for i in range(self.proposed)]
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    params: SamplingParams
+    tokens: list[int]
+    prompt_len: int
+    policy: KPolicy
+    generator: torch.Generator | None
+    target_len: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    stats: SpecStats = field(default_factory=SpecStats)
+    started: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str
+    stats: SpecStats
+    seconds: float
+    first_token_s: float | None
+
+
+class SpeculativeEngine:
+    """Target + proposer + k policy, serving many requests addressed by id (single-threaded)."""
+
+    def __init__(
+        self,
+        target: ModelRunner,
+        tokenizer: PreTrainedTokenizerBase,
+        proposer: Proposer | None,
+        cfg: EngineConfig = EngineConfig(),
+    ):
+        self.target = target
+        self.tokenizer = tokenizer
+        self.proposer = proposer
+        self.cfg = cfg
+        self.costs = CostModel(ema=cfg.k.ema)
+        self.global_policy = KPolicy(cfg.k, self.costs)  # engine-wide acceptance: the prior of new requests
+        self.requests: dict[str, RequestState] = {}
+        self.vocab_size = target.model.config.vocab_size
+        self.max_positions = getattr(target.model.config, "max_position_embeddings", None)
+        self.eos_ids = self._eos_ids(tokenizer, target.model)
+
+    @staticmethod
+    def _eos_ids(tokenizer, model) -> set[int]:
+        ids = set()
+        for src in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif src:
+                ids.update(src)
+        return ids
+
+    # -- requests -------------------------------------------------------------------------
+    def encode(self, prompt: str) -> list[int]:
+        if not prompt or not prompt.strip():
+            raise RequestError("prompt is empty")
+        if self.cfg.chat_template and self.tokenizer.chat_template:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return list(ids)
+        return self.tokenizer(prompt)["input_ids"]
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams = SamplingParams(), request_id: str | None = None
+    ) -> str:
+        tokens = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not tokens:
+            raise RequestError("prompt is empty")
+        if self.max_positions and len(tokens) + params.max_tokens > self.max_positions:
+            raise RequestError(
+                f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {self.max_positions} positions"
+            )
+        rid = request_id or uuid.uuid4().hex
+        if rid in self.requests:
+            raise RequestError(f"request id {rid!r} is already active")
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed())
+        prior = {s: e.value for s, e in self.global_policy.alpha.items()}
+        self.requests[rid] = RequestState(rid, params, tokens, len(tokens), KPolicy(self.cfg.k, self.costs, prior), gen)
+        return rid
+
+    def release(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.target.release(request_id)
+        if self.proposer is not None:
+            self.proposer.release(request_id)
+
+    # -- the speculative step -----------------------------------------------------------------
+    def step(self, request_id: str) -> StepResult:
+        st = self.requests.get(request_id)
+        if st is None:
+            raise RequestError(f"unknown request id {request_id!r}")
+        if st.finished:
+            raise RequestError(f"request {request_id!r} has finished ({st.finish_reason})")
+        params, start = st.params, len(st.tokens)
+        budget = params.max_tokens - len(st.output) - 1  # drafting past max_tokens is wasted work
+
+        # 1. propose: k draft tokens d_1..d_k, and the draft distribution q they came from
+        prop: Proposal = EMPTY
+        if self.proposer is not None and budget > 0:
+            prop = self.proposer.propose(request_id, st.tokens, lambda s: min(st.policy.choose(s), budget), params, st.generator)
+        k = prop.k
+        draft = torch.tensor(prop.tokens, dtype=torch.long)  # [k]
+
+        # 2. verify: one target forward over the uncached suffix + the k draft tokens
+        t0 = time.perf_counter()
+        feed = st.tokens[st.target_len :] + prop.tokens
+        logits = self.target.forward(request_id, st.target_len, feed, keep_last=k + 1)  # [k+1, V]
+        target_s = time.perf_counter() - t0
+
+        # 3. accept: the longest acceptable prefix, then a recovered (or bonus) token from the target
+        if params.greedy:
+            n, next_token = greedy_accept(draft, logits)
+        else:
+            p = warp_logits(logits, params)  # [k+1, V] target
+            q = prop.probs if prop.probs is not None else torch.nn.functional.one_hot(draft, p.shape[-1]).float()
+            n, next_token = rejection_accept(draft, q, p, st.generator)  # q: [k, V] draft
+
+        # commit: the target cache keeps tokens + d_1..d_n; the new token is pending
+        st.target_len = start + n
+        if self.proposer is not None:
+            self.proposer.feedback(request_id, start + n)
+        emitted = self._append(st, prop.tokens[:n] + [next_token])
+        self._observe(st, prop, n, len(emitted), len(feed), target_s)
+
+        top_ids, top_probs, tail = sparse_top_k(logits, self.cfg.record_top_k)
+        return StepResult(
+            request_id=request_id,
+            source=prop.source,
+            draft_version=getattr(getattr(self.proposer, "draft", self.proposer), "version", 0),
+            start=start,
+            draft_tokens=prop.tokens,
+            accepted=n,
+            draft_matches_target=(draft == logits[:k].argmax(-1)).tolist(),
+            emitted=emitted,
+            target_top_ids=top_ids,
+            target_top_probs=top_probs,
+            target_tail=tail,
+            draft_s=prop.seconds,
+            target_s=target_s,
+            finished=st.finished,
+            finish_reason=st.finish_reason,
+        )
+
+    def _append(self, st: RequestState, new: list[int]) -> list[int]:
+        """Append output tokens, ending the request at EOS, a stop string or max_tokens."""
+        params, out = st.params, []
+        for tok in new:
+            if not params.ignore_eos and tok in self.eos_ids:
+                st.finished, st.finish_reason = True, "stop"
+                break
+            st.tokens.append(tok)
+            out.append(tok)
+            if params.stop and self._hit_stop(st):
+                st.finished, st.finish_reason = True, "stop"
+                break
+            if len(st.output) >= params.max_tokens:
+                st.finished, st.finish_reason = True, "length"
+                break
+        if st.first_token_s is None and out:
+            st.first_token_s = time.perf_counter() - st.started
+        return out
+
+    def _hit_stop(self, st: RequestState) -> bool:
+        longest = max(len(s) for s in st.params.stop)
+        tail = self.tokenizer.decode(st.output[-(longest + 8) :], skip_special_tokens=True)
+        return any(s in tail for s in st.params.stop)
+
+    def _observe(self, st: RequestState, prop: Proposal, n: int, emitted: int, fed: int, target_s: float) -> None:
+        st.stats.observe(prop.k, n, emitted, prop.seconds, target_s)
+        if prop.k:
+            st.policy.observe(prop.source, prop.k, n)
+            self.global_policy.observe(prop.source, prop.k, n)
+            if prop.input_tokens <= prop.k + 1:  # no catch-up/prefill inside: a clean per-token cost
+                self.costs.observe_draft(prop.source, prop.k, prop.seconds)
+        if fed == prop.k + 1:  # no prefill inside: a clean verify cost
+            self.costs.observe_verify(fed, target_s)
+
+    # -- whole generations ----------------------------------------------------------------------
+    def text_of(self, st: RequestState) -> str:
+        text = self.tokenizer.decode(st.output, skip_special_tokens=True)
+        for s in st.params.stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text = text[:cut]
+        return text
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams = SamplingParams(),
+        on_step: Callable[[StepResult], None] | None = None,
+    ) -> Generation:
+        rid = self.add_request(prompt, params)
+        st = self.requests[rid]
+        try:
+            while not st.finished:
+                res = self.step(rid)
+                if on_step is not None:
+                    on_step(res)
+            return Generation(
+                text=self.text_of(st),
+                token_ids=list(st.output),
+                prompt_tokens=st.prompt_len,
+                finish_reason=st.finish_reason or "length",
+                stats=st.stats,
+                seconds=time.perf_counter() - st.started,
+                first_token_s=st.first_token_s,
+            )
+        finally:
+            self.release(rid)
+
+    # -- cost calibration ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def calibrate(self, context: int = 64, repeats: int = 3) -> dict:
+        """Measure the target's time to verify j = 1..k_max+1 tokens and the draft's time per token
+        at a ``context``-token prefix (best of ``repeats``), seeding the k policy's cost model.
+        Online measurements refine these as traffic flows."""
+        ids = list(range(100, 100 + context + self.cfg.k.k_max + 1))
+        seq = "__calibrate__"
+        try:
+            self.target.forward(seq, 0, ids[:context])
+            for j in range(1, self.cfg.k.k_max + 2):
+                best = min(self._timed(self.target.forward, seq, context, ids[context : context + j], j) for _ in range(repeats))
+                self.costs.verify_s[j] = best
+            draft = getattr(self.proposer, "draft", self.proposer)
+            runner = getattr(draft, "runner", None)
+            if runner is not None:
+                runner.forward(seq, 0, ids[:context])
+                best = min(self._timed(runner.forward, seq, context, ids[context : context + 1]) for _ in range(repeats))
+                self.costs.draft_s["draft"] = best
+                runner.release(seq)
+            if self.proposer is not None and "ngram" in self.proposer.sources:
+                self.costs.draft_s["ngram"] = 0.0
+        finally:
+            self.target.release(seq)
+        return {"verify_s": dict(self.costs.verify_s), "draft_s": dict(self.costs.draft_s)}
+
+    @staticmethod
+    def _timed(fn, *args) -> float:
+        t0 = time.perf_counter()
+        fn(*args)
+        return time.perf_counter() - t0
+
+    # -- draft weights ----------------------------------------------------------------------
+    def swap_draft(self, state: dict, version: int) -> None:
+        """Install new draft weights (numpy arrays or tensors) between steps."""
+        draft = getattr(self.proposer, "draft", self.proposer)
+        if draft is None or not hasattr(draft, "load_state_dict"):
+            raise RuntimeError("this engine has no learned draft to update")
+        draft.load_state_dict(state, version)

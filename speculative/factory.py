@@ -1,0 +1,31 @@
+"""Build an engine from an :class:`config.EngineConfig` (the one place that wires components)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from config import EngineConfig
+
+from .engine import SpeculativeEngine
+from .models import load_model
+from .runner import ModelRunner
+
+
+def build_engine(cfg: EngineConfig = EngineConfig(), texts: Iterable[str] = (), calibrate: bool = True) -> SpeculativeEngine:
+    """Load the target, build the proposer the config names, return the engine.
+
+    ``texts`` (e.g. workload prompts) choose the tokens a restricted draft head keeps.
+    """
+    from drafts.build import build_proposer, check_tokenizer_path  # drafts builds on this package
+
+    if cfg.model.num_threads:
+        torch.set_num_threads(cfg.model.num_threads)
+    target, tok = load_model(cfg.model)
+    check_tokenizer_path(cfg.draft, tok)
+    proposer = build_proposer(cfg.draft, target, tok, texts)
+    engine = SpeculativeEngine(ModelRunner(target, name="target"), tok, proposer, cfg)
+    if calibrate:
+        engine.calibrate()
+    return engine

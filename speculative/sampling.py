@@ -1,0 +1,100 @@
+"""Acceptance rules of speculative decoding, as pure functions.
+
+Vocabulary (after vLLM's rejection sampler):
+  - *draft tokens*: the k tokens the proposer suggests, ``d_1..d_k``.
+  - *p* is always the **target** distribution, *q* the **draft** distribution.
+  - *accepted tokens*: the longest prefix of draft tokens the rule keeps.
+  - *recovered token*: on the first rejection, a token drawn from norm(max(0, p - q)).
+  - *bonus token*: when all k are accepted, a token drawn from p at position k+1.
+  - *output tokens*: accepted tokens + (recovered or bonus) token: always 1..k+1 tokens.
+
+Greedy: accept while the draft token equals argmax p; the next token is argmax p at the first
+mismatch (or the bonus). Sampling: accept d_i with probability min(1, p(d_i) / q(d_i)); this
+leaves the output distributed exactly as p (Leviathan et al. 2023, Chen et al. 2023).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from config import SamplingParams
+
+
+def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k and top-p (nucleus) filtering, then softmax.
+
+    logits: [T, V] -> probs [T, V]. Must be applied identically to target and draft logits.
+    Greedy (temperature 0) gives a one-hot at the argmax.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [T, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [T, V]
+        sorted_probs = sorted_logits.softmax(-1)
+        # keep a token while the mass strictly before it is < top_p (always keeps the first)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        keep_sorted = mass_before < params.top_p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        logits = logits.masked_fill(~keep, float("-inf"))
+    return logits.softmax(-1)
+
+
+def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """Longest prefix of draft tokens equal to the target's argmax, then the target's own token.
+
+    draft_tokens: [k] long; target_logits: [k+1, V] (row i scores the token after d_1..d_i).
+    Returns (number accepted n in 0..k, next token = argmax p at row n).
+    """
+    k = draft_tokens.shape[0]
+    target_argmax = target_logits.argmax(-1)  # [k+1]
+    match = (draft_tokens == target_argmax[:k]).long()  # [k]
+    n = int(match.cumprod(0).sum())
+    return n, int(target_argmax[n])
+
+
+def rejection_accept(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[int, int]:
+    """Speculative sampling: accept d_i w.p. min(1, p_i(d_i)/q_i(d_i)); resample on rejection.
+
+    draft_tokens: [k] long; draft_probs q: [k, V]; target_probs p: [k+1, V] (already warped).
+    Returns (number accepted n, next token: recovered from norm(max(0, p_n - q_n)) if n < k,
+    else the bonus token from p_k).
+    """
+    k = draft_tokens.shape[0]
+    if k:
+        idx = torch.arange(k)
+        p_d = target_probs[idx, draft_tokens]  # [k]
+        q_d = draft_probs[idx, draft_tokens]  # [k]
+        u = torch.rand(k, generator=generator)  # [k]
+        # u < p/q  <=>  u * q < p  (no division by a zero q)
+        accepted = (u * q_d < p_d).long()
+        n = int(accepted.cumprod(0).sum())
+    else:
+        n = 0
+    if n < k:
+        residual = (target_probs[n] - draft_probs[n]).clamp_min(0)  # [V]
+        if float(residual.sum()) <= 0.0:  # p == q up to rounding: rejection had probability ~0
+            residual = target_probs[n]
+        return n, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return n, int(torch.multinomial(target_probs[k], 1, generator=generator))
+
+
+def sparse_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distribution softmax(logits) stored sparsely: top-k ids, their probs, and the tail mass.
+
+    logits: [T, V] -> ids [T, k] long, probs [T, k] float, tail [T] float (1 - sum probs, >= 0).
+    This is what the learner trains on; it is computed from the verification pass itself.
+    """
+    probs = logits.float().softmax(-1)
+    top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+    tail = (1.0 - top.values.sum(-1)).clamp_min(0.0)
+    return top.indices, top.values, tail
