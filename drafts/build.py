@@ -1,0 +1,196 @@
+"""Drafts: (a) truncated target, (b) fresh small model sharing the target's embeddings,
+(c) any model by path, (d) any of these with a head restricted to frequent tokens,
+(e) prompt lookup (no model), alone or ahead of a learned draft.
+
+A small draft's cost is dominated by its output head (49152 x 576 for SmolLM2): a head over the
+target's N most frequent tokens cuts that cost roughly by 49152 / N while still covering most of
+what the target emits. Proposed ids are mapped back to the target's through ``keep_ids``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from config import DraftConfig, ModelConfig
+from speculative.models import ModelLoadError, check_same_vocab, load_model, load_tokenizer
+from speculative.proposers import ChainedProposer, DraftModelProposer, NgramProposer
+from speculative.runner import ModelRunner
+
+DRAFT_META = "osd_draft.json"
+DRAFT_WEIGHTS = "weights.safetensors"
+
+
+def _draft_config(target: PreTrainedModel, num_layers: int, tie: bool):
+    cfg = copy.deepcopy(target.config)
+    if num_layers > cfg.num_hidden_layers:
+        raise ValueError(f"draft num_layers {num_layers} > target layers {cfg.num_hidden_layers}")
+    cfg.num_hidden_layers = num_layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:num_layers]
+    cfg.tie_word_embeddings = tie
+    return cfg
+
+
+def truncated_draft(target: PreTrainedModel, num_layers: int) -> PreTrainedModel:
+    """The target's embeddings, first ``num_layers`` decoder layers, final norm and head, copied.
+
+    A fresh model is built from a config with fewer layers (so each layer carries its own
+    ``layer_idx`` for the cache) and the matching weights are copied in: training it never
+    touches the target.
+    """
+    draft = AutoModelForCausalLM.from_config(
+        _draft_config(target, num_layers, target.config.tie_word_embeddings), dtype=target.dtype
+    )
+    own = draft.state_dict()
+    missing = draft.load_state_dict({k: v.clone() for k, v in target.state_dict().items() if k in own}, strict=False)
+    if missing.missing_keys:
+        raise RuntimeError(f"truncated draft: weights not found in the target: {missing.missing_keys[:5]}")
+    return draft.eval()
+
+
+def fresh_draft(target: PreTrainedModel, num_layers: int, seed: int = 0) -> PreTrainedModel:
+    """A randomly initialised ``num_layers``-layer model of the target's architecture; embeddings,
+    final norm and head are copies of the target's (the vocabulary geometry is kept)."""
+    torch.manual_seed(seed)
+    draft = AutoModelForCausalLM.from_config(
+        _draft_config(target, num_layers, target.config.tie_word_embeddings), dtype=target.dtype
+    )
+    t = target.state_dict()
+    shared = {k: t[k].clone() for k in draft.state_dict() if not k.startswith("model.layers.") and k in t}
+    draft.load_state_dict(shared, strict=False)
+    return draft.eval()
+
+
+def restrict_head(draft: PreTrainedModel, keep_ids: torch.Tensor) -> PreTrainedModel:
+    """Replace the draft's output head by one over ``keep_ids`` ([N] target ids) only (untied, trainable)."""
+    head = draft.get_output_embeddings()
+    new = torch.nn.Linear(head.in_features, len(keep_ids), bias=False, dtype=head.weight.dtype)
+    with torch.no_grad():
+        new.weight.copy_(head.weight[keep_ids])
+    draft.config.tie_word_embeddings = False
+    draft.set_output_embeddings(new)
+    return draft
+
+
+def frequent_token_ids(
+    tokenizer: PreTrainedTokenizerBase, n: int, texts: Iterable[str] = (), always: Iterable[int] = ()
+) -> torch.Tensor:
+    """The n ids to keep in a restricted head: special tokens, then the most frequent ids in
+    ``texts``, then the lowest ids (byte-level BPE numbers frequent merges first). Sorted."""
+    vocab = len(tokenizer)
+    n = min(n, vocab)
+    chosen: dict[int, None] = dict.fromkeys(i for i in list(always) + list(tokenizer.all_special_ids) if i < vocab)
+    counts: Counter[int] = Counter()
+    for t in texts:
+        counts.update(tokenizer(t)["input_ids"])
+    for i, _ in counts.most_common():
+        if len(chosen) >= n:
+            break
+        chosen.setdefault(i, None)
+    i = 0
+    while len(chosen) < n:
+        chosen.setdefault(i, None)
+        i += 1
+    return torch.tensor(sorted(list(chosen)[:n]), dtype=torch.long)
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+def save_draft(draft: PreTrainedModel, path: str | Path, keep_ids: torch.Tensor | None = None, meta: dict | None = None):
+    """Write a draft atomically: config + weights + keep_ids + meta in one folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
+    try:
+        state = {k: v.detach().contiguous().clone() for k, v in draft.state_dict().items()}
+        if draft.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, tmp / DRAFT_WEIGHTS)
+        info = {
+            "config": draft.config.to_dict(),
+            "keep_ids": keep_ids.tolist() if keep_ids is not None else None,
+            "meta": meta or {},
+        }
+        (tmp / DRAFT_META).write_text(json.dumps(info))
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_draft(path: str | Path) -> tuple[PreTrainedModel, torch.Tensor | None, dict]:
+    path = Path(path)
+    if not (path / DRAFT_META).exists():
+        raise ModelLoadError(f"not a saved draft (no {DRAFT_META}): {path}")
+    info = json.loads((path / DRAFT_META).read_text())
+    cfg_dict = dict(info["config"])
+    cfg = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+    draft = AutoModelForCausalLM.from_config(cfg)
+    keep = torch.tensor(info["keep_ids"], dtype=torch.long) if info["keep_ids"] is not None else None
+    if keep is not None:
+        draft = restrict_head(draft, keep)
+    draft.load_state_dict(load_file(path / DRAFT_WEIGHTS), strict=not cfg.tie_word_embeddings)
+    if cfg.tie_word_embeddings:
+        draft.tie_weights()
+    return draft.eval(), keep, info["meta"]
+
+
+# -- from config -------------------------------------------------------------------------------------
+def build_draft_model(
+    cfg: DraftConfig, target: PreTrainedModel, target_tok: PreTrainedTokenizerBase, texts: Iterable[str] = ()
+) -> tuple[PreTrainedModel, torch.Tensor | None]:
+    """The learned draft a config asks for (not for kind ngram/none)."""
+    if cfg.checkpoint:
+        draft, keep, _ = load_draft(cfg.checkpoint)
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(
+                f"draft checkpoint {cfg.checkpoint} has vocab {draft.config.vocab_size}, target "
+                f"{target_tok.name_or_path!r} has {target.config.vocab_size}"
+            )
+        return draft.to(target.device), keep
+    if cfg.kind == "truncated":
+        draft = truncated_draft(target, cfg.num_layers)
+    elif cfg.kind == "fresh":
+        draft = fresh_draft(target, cfg.num_layers)
+    elif cfg.kind == "path":
+        draft, draft_tok = load_model(ModelConfig(name=cfg.path, dtype=str(target.dtype).removeprefix("torch.")))
+        check_same_vocab(target_tok, draft_tok)
+    else:
+        raise ValueError(f"draft kind {cfg.kind!r} has no model")
+    keep = None
+    if cfg.head_vocab:
+        keep = frequent_token_ids(target_tok, cfg.head_vocab, texts)
+        draft = restrict_head(draft, keep)
+    return draft.to(target.device).eval(), keep
+
+
+def build_proposer(
+    cfg: DraftConfig, target: PreTrainedModel, target_tok: PreTrainedTokenizerBase, texts: Iterable[str] = ()
+):
+    """The proposer for ``cfg``: None (target only), prompt lookup, a learned draft, or both."""
+    if cfg.kind == "none":
+        return None
+    ngram = NgramProposer(cfg.ngram)
+    if cfg.kind == "ngram":
+        return ngram
+    draft, keep = build_draft_model(cfg, target, target_tok, texts)
+    learned = DraftModelProposer(ModelRunner(draft, keep, name="draft"), target.config.vocab_size)
+    return ChainedProposer(ngram, learned) if cfg.ngram_first else learned
+
+
+def check_tokenizer_path(cfg: DraftConfig, target_tok: PreTrainedTokenizerBase) -> None:
+    """Refuse a draft given by path whose tokenizer differs, before loading its weights."""
+    if cfg.kind == "path" and cfg.path:
+        check_same_vocab(target_tok, load_tokenizer(cfg.path))
