@@ -1,0 +1,1 @@
+"""Online distillation: replay shards, losses, trainer, publisher."""
