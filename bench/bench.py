@@ -1,0 +1,237 @@
+"""``osd bench``: target-only vs our speculative decoding vs Hugging Face assisted generation and
+prompt-lookup decoding, on the same prompts, interleaved, in one process.
+
+Every method decodes greedily, so every output must equal target-only greedy token for token;
+the report says whether it did. Figures per domain and overall: tokens/s, speedup over
+target-only on the same prompts, and for our engine alpha, mean acceptance length, c (draft cost
+per token / one target step) and the speedup the measured alpha and c predict.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from config import DraftConfig, EngineConfig, KPolicyConfig, ModelConfig, SamplingParams
+from speculative.engine import SpeculativeEngine
+from speculative.kpolicy import expected_speedup
+from speculative.stats import SpecStats
+
+from .workloads import WorkloadRecord, load_workload
+
+METHODS = ("target", "spec", "hf_assisted", "hf_lookup")
+
+
+def select(records: list[WorkloadRecord], n: int, domains: list[str] | None = None) -> list[WorkloadRecord]:
+    """Up to n records, round-robin over domains (in file order within each) so every prefix is balanced."""
+    by_domain: dict[str, list[WorkloadRecord]] = defaultdict(list)
+    for r in records:
+        if not domains or r.domain in domains:
+            by_domain[r.domain].append(r)
+    out, i = [], 0
+    queues = list(by_domain.values())
+    while len(out) < n and any(i < len(q) for q in queues):
+        out.extend(q[i] for q in queues if i < len(q))
+        i += 1
+    return out[:n]
+
+
+@dataclass
+class Tally:
+    tokens: int = 0
+    seconds: float = 0.0
+    prompts: int = 0
+    equal: int = 0
+    spec: SpecStats = field(default_factory=SpecStats)
+
+    def add(self, tokens: int, seconds: float, equal: bool | None) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+        self.prompts += 1
+        self.equal += bool(equal)
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def _hf_generate(model, ids: list[int], max_tokens: int, eos: set[int], **kw) -> tuple[list[int], float]:
+    inp = torch.tensor([ids])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_tokens, do_sample=False, **kw
+        )
+    dt = time.perf_counter() - t0
+    toks = out[0, len(ids) :].tolist()
+    for i, t in enumerate(toks):  # HF keeps the EOS token; our engine ends before it
+        if t in eos:
+            return toks[:i], dt
+    return toks, dt
+
+
+def run_bench(
+    engine: SpeculativeEngine,
+    records: list[WorkloadRecord],
+    max_tokens: int,
+    methods: tuple[str, ...] = METHODS,
+    lookup_tokens: int = 10,
+    progress: bool = True,
+) -> dict:
+    target = engine.target.model
+    draft_proposer = getattr(engine.proposer, "draft", engine.proposer)
+    runner = getattr(draft_proposer, "runner", None)
+    assistant = runner.model if runner is not None and runner.vocab_map is None else None
+    skipped = {}
+    if "hf_assisted" in methods and assistant is None:
+        skipped["hf_assisted"] = "needs a full-vocabulary draft model (this draft has none or a restricted head)"
+        methods = tuple(m for m in methods if m != "hf_assisted")
+    if "target" not in methods:
+        methods = ("target",) + methods  # the reference output and speed
+    params = SamplingParams(max_tokens=max_tokens)
+    tallies: dict[tuple[str, str], Tally] = defaultdict(Tally)
+    rows = []
+    for rec in tqdm(records, desc="bench", disable=not progress, unit="prompt"):
+        ids = engine.encode(rec.text)
+        ref, dt = _hf_generate(target, ids, max_tokens, engine.eos_ids)
+        row = {"domain": rec.domain, "lang": rec.lang, "source": rec.source, "prompt_tokens": len(ids), "target": {"tokens": len(ref), "s": dt}}
+        for dom in (rec.domain, "overall"):
+            tallies[("target", dom)].add(len(ref), dt, True)
+        for m in methods:
+            if m == "target":
+                continue
+            stats = None
+            if m == "spec":
+                g = engine.generate(ids, params)
+                toks, dt, stats = g.token_ids, g.seconds, g.stats
+            elif m == "hf_assisted":
+                toks, dt = _hf_generate(target, ids, max_tokens, engine.eos_ids, assistant_model=assistant)
+            elif m == "hf_lookup":
+                toks, dt = _hf_generate(target, ids, max_tokens, engine.eos_ids, prompt_lookup_num_tokens=lookup_tokens)
+            else:
+                raise ValueError(f"unknown method {m!r}; choose from {METHODS}")
+            equal = toks == ref
+            row[m] = {"tokens": len(toks), "s": dt, "equal": equal}
+            if stats is not None:
+                row[m].update(proposed=stats.proposed, accepted=stats.accepted, steps=stats.steps)
+            for dom in (rec.domain, "overall"):
+                t = tallies[(m, dom)]
+                t.add(len(toks), dt, equal)
+                if stats is not None:
+                    t.spec.merge(stats)
+        rows.append(row)
+    return summarise(engine, tallies, rows, methods, skipped, max_tokens)
+
+
+def summarise(engine, tallies, rows, methods, skipped, max_tokens) -> dict:
+    costs = engine.costs
+    t1 = costs.verify_s.get(1)
+    domains = sorted({d for (_, d) in tallies if d != "overall"}) + ["overall"]
+    result = {"max_tokens": max_tokens, "methods": list(methods), "skipped": skipped, "domains": {}, "costs": {
+        "target_ms_per_step": 1000 * t1 if t1 else None,
+        "draft_ms_per_token": {s: 1000 * v for s, v in costs.draft_s.items()},
+        "c": {s: costs.c(s) for s in costs.draft_s},
+        "verify_cost_relative": {j: costs.relative_verify(j) for j in sorted(costs.verify_s)},
+    }}
+    for dom in domains:
+        base = tallies[("target", dom)]
+        d = {}
+        for m in methods:
+            t = tallies[(m, dom)]
+            entry = {
+                "prompts": t.prompts,
+                "tokens": t.tokens,
+                "seconds": round(t.seconds, 3),
+                "tokens_per_s": round(t.tps, 2),
+                "speedup": round(t.tps / base.tps, 3) if base.tps else None,
+                "all_equal_target_greedy": t.equal == t.prompts,
+                "equal_prompts": t.equal,
+            }
+            if m == "spec":
+                s = t.spec
+                a = s.alpha
+                src = "draft" if "draft" in costs.draft_s else next(iter(costs.draft_s), None)
+                c = costs.c(src) if src else 0.0
+                k_max = engine.cfg.k.k_max
+                entry.update(
+                    alpha=None if a is None else round(a, 4),
+                    mean_acceptance_length=None if s.mean_acceptance_length is None else round(s.mean_acceptance_length, 3),
+                    proposed=s.proposed,
+                    accepted=s.accepted,
+                    steps=s.steps,
+                    mean_k=round(s.proposed / s.steps, 3) if s.steps else None,
+                    c=round(c, 4),
+                    # the paper's formula (free verification) and with this machine's measured verify cost
+                    theoretical_speedup=None if a is None else round(max(expected_speedup(a, k, c) for k in range(k_max + 1)), 3),
+                    theoretical_speedup_measured_verify=None if a is None else round(
+                        max(expected_speedup(a, k, c, costs.relative_verify(k + 1)) for k in range(k_max + 1)), 3),
+                )
+            d[m] = entry
+        result["domains"][dom] = d
+    result["rows"] = rows
+    return result
+
+
+def format_table(result: dict) -> str:
+    lines = []
+    hdr = f"{'domain':<9}{'method':<13}{'n':>4}{'tok/s':>8}{'speedup':>9}{'equal':>7}{'alpha':>7}{'acc.len':>8}{'mean k':>7}{'c':>6}{'theory':>8}"
+    lines.append(hdr)
+    lines.append("-" * len(hdr))
+    for dom, d in result["domains"].items():
+        for m, e in d.items():
+            def f(key, fmt):
+                v = e.get(key)
+                return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
+            lines.append(
+                f"{dom:<9}{m:<13}{e['prompts']:>4}{e['tokens_per_s']:>8.2f}{f('speedup', '.2f'):>9}"
+                f"{'yes' if e['all_equal_target_greedy'] else str(e['equal_prompts']):>7}{f('alpha', '.3f'):>7}"
+                f"{f('mean_acceptance_length', '.2f'):>8}{f('mean_k', '.2f'):>7}{f('c', '.2f'):>6}{f('theoretical_speedup', '.2f'):>8}"
+            )
+    c = result["costs"]
+    if c["target_ms_per_step"]:
+        lines.append(f"target {c['target_ms_per_step']:.1f} ms/step; draft ms/token {c['draft_ms_per_token']}; "
+                     f"verify cost v(j) {({j: round(v, 2) for j, v in c['verify_cost_relative'].items()})}")
+    for m, why in result["skipped"].items():
+        lines.append(f"skipped {m}: {why}")
+    return "\n".join(lines)
+
+
+def bench_main(args) -> int:
+    torch.set_num_threads(args.threads)
+    records = select(load_workload(args.workload), args.n, args.domains)
+    if not records:
+        raise SystemExit(f"no records in {args.workload} (domains {args.domains})")
+    from speculative.factory import build_engine
+
+    cfg = engine_config_from_args(args)
+    engine = build_engine(cfg, texts=[r.text for r in load_workload(args.workload)])
+    result = run_bench(engine, records, args.max_tokens, tuple(args.methods.split(",")), args.lookup_tokens)
+    result["config"] = json.loads(cfg.model_dump_json())
+    result["workload"] = str(args.workload)
+    print(format_table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def engine_config_from_args(args) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(name=args.target),
+        draft=DraftConfig(
+            kind=args.draft,
+            num_layers=args.draft_layers,
+            path=args.draft_path,
+            head_vocab=args.head_vocab,
+            ngram_first=args.ngram_first,
+            checkpoint=args.draft_checkpoint,
+        ),
+        k=KPolicyConfig(k_max=args.k_max, fixed_k=args.fixed_k),
+    )
