@@ -30,7 +30,7 @@ ChooseK = Callable[[str], int]
 @dataclass
 class Proposal:
     tokens: list[int]  # [k] draft tokens, target ids
-    probs: torch.Tensor | None  # [k, V_target] draft distribution q; None = deterministic (one-hot) proposals
+    probs: torch.Tensor | None  # [k, V_target] draft distribution q; None = one-hot (greedy or deterministic)
     source: str  # "draft" | "ngram" | "none"
     seconds: float = 0.0
     input_tokens: int = 0  # tokens the draft model consumed (> k means it caught up on a lag)
@@ -86,18 +86,24 @@ class DraftModelProposer:
         pos = start
         draft_tokens: list[int] = []
         rows = []
+        vm = self.runner.vocab_map
         for i in range(k):
             logits = self.runner.forward(seq_id, pos, feed)[-1]  # [V_draft]
             pos += len(feed)
-            q = self._to_target(warp_logits(logits[None], params))[0]  # [V_target]
-            tok = int(q.argmax()) if params.greedy else int(torch.multinomial(q, 1, generator=gen))
+            if params.greedy:  # greedy verification needs only the tokens, not q
+                j = int(logits.argmax())
+                tok = j if vm is None else int(vm[j])
+            else:
+                q = self._to_target(warp_logits(logits[None], params))[0]  # [V_target]
+                tok = int(torch.multinomial(q, 1, generator=gen))
+                rows.append(q)
             draft_tokens.append(tok)
-            rows.append(q)
             feed = [tok]
             consumed += i < k - 1
         # the cache now holds tokens + d_1..d_{k-1}
         self._valid[seq_id] = pos
-        return Proposal(draft_tokens, torch.stack(rows), "draft", time.perf_counter() - t0, consumed)
+        probs = torch.stack(rows) if rows else None  # [k, V_target] (sampling only)
+        return Proposal(draft_tokens, probs, "draft", time.perf_counter() - t0, consumed)
 
     def feedback(self, seq_id: str, committed: int) -> None:
         self._valid[seq_id] = min(self._valid.get(seq_id, 0), committed)
