@@ -62,10 +62,11 @@ def truncated_draft(target: PreTrainedModel, num_layers: int) -> PreTrainedModel
 def fresh_draft(target: PreTrainedModel, num_layers: int, seed: int = 0) -> PreTrainedModel:
     """A randomly initialised ``num_layers``-layer model of the target's architecture; embeddings,
     final norm and head are copies of the target's (the vocabulary geometry is kept)."""
-    torch.manual_seed(seed)
-    draft = AutoModelForCausalLM.from_config(
-        _draft_config(target, num_layers, target.config.tie_word_embeddings), dtype=target.dtype
-    )
+    with torch.random.fork_rng():  # seeded init without disturbing the caller's RNG
+        torch.manual_seed(seed)
+        draft = AutoModelForCausalLM.from_config(
+            _draft_config(target, num_layers, target.config.tie_word_embeddings), dtype=target.dtype
+        )
     t = target.state_dict()
     shared = {k: t[k].clone() for k in draft.state_dict() if not k.startswith("model.layers.") and k in t}
     draft.load_state_dict(shared, strict=False)
@@ -122,6 +123,7 @@ def save_draft(draft: PreTrainedModel, path: str | Path, keep_ids: torch.Tensor 
             "meta": meta or {},
         }
         (tmp / DRAFT_META).write_text(json.dumps(info))
+        tmp.chmod(0o755)  # mkdtemp makes it 0700
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)

@@ -147,6 +147,9 @@ class SpeculativeEngine:
         tokens = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not tokens:
             raise RequestError("prompt is empty")
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         if self.max_positions and len(tokens) + params.max_tokens > self.max_positions:
             raise RequestError(
                 f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
@@ -157,7 +160,11 @@ class SpeculativeEngine:
             raise RequestError(f"request id {rid!r} is already active")
         gen = None
         if not params.greedy:
-            gen = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed())
+            gen = torch.Generator()
+            if params.seed is not None:
+                gen.manual_seed(params.seed)
+            else:
+                gen.seed()  # fresh entropy for this request only; the global RNG is untouched
         prior = {s: e.value for s, e in self.global_policy.alpha.items()}
         self.requests[rid] = RequestState(rid, params, tokens, len(tokens), KPolicy(self.cfg.k, self.costs, prior), gen)
         return rid
@@ -299,7 +306,7 @@ class SpeculativeEngine:
         """Measure the target's time to verify j = 1..k_max+1 tokens and the draft's time per token
         at a ``context``-token prefix (best of ``repeats``), seeding the k policy's cost model.
         Online measurements refine these as traffic flows."""
-        ids = list(range(100, 100 + context + self.cfg.k.k_max + 1))
+        ids = [(100 + i) % self.vocab_size for i in range(context + self.cfg.k.k_max + 1)]
         seq = "__calibrate__"
         try:
             self.target.forward(seq, 0, ids[:context])

@@ -53,10 +53,17 @@ class CostModel:
         if k > 0:
             self._update(self.draft_s, source, seconds / k)
 
+    def _one(self) -> float | None:
+        """t_verify(1); before a k = 0 step was measured, the smallest measured size stands in
+        (so c and v stay conservative instead of 0 and 1)."""
+        if not self.verify_s:
+            return None
+        return self.verify_s.get(1) or self.verify_s[min(self.verify_s)]
+
     def relative_verify(self, j: int) -> float:
         """v(j) = t_verify(j) / t_verify(1); unmeasured sizes borrow the nearest measured smaller one
         (optimistic, so larger k gets tried and measured)."""
-        one = self.verify_s.get(1)
+        one = self._one()
         if not one or j <= 1:
             return 1.0
         known = [i for i in self.verify_s if i <= j]
@@ -64,7 +71,7 @@ class CostModel:
 
     def c(self, source: str) -> float:
         """Draft cost per token relative to one target step (0 until both are measured)."""
-        one = self.verify_s.get(1)
+        one = self._one()
         d = self.draft_s.get(source)
         return d / one if one and d is not None else 0.0
 
@@ -74,8 +81,8 @@ class AcceptanceEstimate:
     """Per-token acceptance a as a decayed Beta posterior: (prior * m + accepted) / (m + trials)."""
 
     prior: float
-    strength: float = 2.0
-    decay: float = 0.9
+    strength: float = 1.0
+    decay: float = 0.9  # memory of about 10 steps
     accepted: float = 0.0
     trials: float = 0.0
 

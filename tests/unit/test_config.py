@@ -1,0 +1,136 @@
+"""Bad input is refused at the edge with a clear error (pydantic ValidationError, RequestError,
+ModelLoadError, VocabMismatchError), not a deep traceback from inside a model."""
+
+from __future__ import annotations
+
+import pytest
+
+from config import DraftConfig, EngineConfig, KPolicyConfig, ModelConfig, NgramConfig, SamplingParams, ValidationError
+from speculative import ModelLoadError, RequestError, VocabMismatchError
+from speculative.models import check_same_vocab, load_model
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -5}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ["ok", ""]}, "stop"),
+        ({"max_token": 5}, "max_token"),  # typo: extra fields are refused, not ignored
+    ],
+)
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValidationError) as e:
+        SamplingParams(**kwargs)
+    assert field in str(e.value)
+
+
+def test_good_sampling_params():
+    p = SamplingParams(max_tokens=1, temperature=0.7, top_p=1.0, top_k=0, stop=["\n"], seed=3)
+    assert not p.greedy and SamplingParams().greedy
+
+
+def test_draft_config_validation():
+    with pytest.raises(ValidationError, match="draft.path"):
+        DraftConfig(kind="path")
+    assert DraftConfig(kind="path", path="/some/model").path == "/some/model"
+    with pytest.raises(ValidationError):
+        DraftConfig(kind="medusa")
+    with pytest.raises(ValidationError):
+        DraftConfig(head_vocab=4)
+    with pytest.raises(ValidationError, match="min_n"):
+        NgramConfig(min_n=3, max_n=2)
+
+
+def test_kpolicy_and_engine_config_validation():
+    for kw in ({"fixed_k": -1}, {"k_max": 33}, {"prior_alpha": 1.5}, {"ema": 0}, {"probe_every": 0}):
+        with pytest.raises(ValidationError):
+            KPolicyConfig(**kw)
+    with pytest.raises(ValidationError):
+        EngineConfig(record_top_k=0)
+    with pytest.raises(ValidationError):
+        ModelConfig(dtype="float64")
+
+
+# -- requests -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(make_engine):
+    return make_engine(None)
+
+
+@pytest.mark.parametrize("prompt", ["", "   ", "\n\t "])
+def test_empty_text_prompt(engine, prompt):
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request(prompt)
+    assert not engine.requests
+
+
+def test_empty_token_prompt(engine):
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request([])
+
+
+def test_prompt_longer_than_context(engine):
+    with pytest.raises(RequestError, match="256"):
+        engine.add_request(list(range(2, 122)) * 2 + [5] * 10, SamplingParams(max_tokens=16))  # 250 + 16 > 256
+    with pytest.raises(RequestError, match="context"):
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=300))
+    rid = engine.add_request([5] * 240, SamplingParams(max_tokens=16))  # exactly fits
+    engine.release(rid)
+    assert not engine.requests
+
+
+def test_text_prompt_is_encoded(engine, tok):
+    rid = engine.add_request("Hello")
+    assert engine.requests[rid].tokens == tok("Hello")["input_ids"]
+    engine.release(rid)
+
+
+def test_chat_template_falls_back_without_template(make_engine, tok):
+    eng = make_engine(None, chat_template=True)  # the tiny tokenizer has no chat template
+    assert eng.encode("Hi there") == tok("Hi there")["input_ids"]
+
+
+# -- models and vocabularies --------------------------------------------------------------------------------
+def test_missing_model_path():
+    with pytest.raises(ModelLoadError, match="/no/such/model"):
+        load_model(ModelConfig(name="/no/such/model"))
+
+
+def test_missing_gguf_file(tmp_path):
+    path = str(tmp_path / "missing.gguf")
+    with pytest.raises(ModelLoadError, match="missing.gguf"):
+        load_model(ModelConfig(name=path))
+
+
+def test_folder_without_model(tmp_path):
+    with pytest.raises(ModelLoadError, match=str(tmp_path)):
+        load_model(ModelConfig(name=str(tmp_path)))
+
+
+def test_vocab_mismatch_names_both_tokenizers(make_tokenizer):
+    a = make_tokenizer(name="tok-alpha")
+    chars = [t for t, i in sorted(a.get_vocab().items(), key=lambda kv: kv[1]) if i >= 2]
+    b = make_tokenizer(name="tok-beta", chars=chars[::-1])  # same tokens, other ids
+    with pytest.raises(VocabMismatchError) as e:
+        check_same_vocab(a, b)
+    msg = str(e.value)
+    assert "tok-alpha" in msg and "tok-beta" in msg
+    assert "different ids" in msg
+    check_same_vocab(a, make_tokenizer(name="tok-gamma"))  # same vocabulary: accepted
+
+
+@pytest.mark.parametrize("bad", [[5, 128], [-1, 5]])
+def test_out_of_vocab_token_ids(engine, bad):
+    try:
+        with pytest.raises(RequestError):
+            rid = engine.add_request(bad, SamplingParams(max_tokens=2))
+            engine.step(rid)
+    finally:
+        for rid in list(engine.requests):
+            engine.release(rid)

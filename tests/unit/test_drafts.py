@@ -1,0 +1,229 @@
+"""Draft construction (truncated, fresh, restricted head), checkpoints, and prompt lookup."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from config import NgramConfig, SamplingParams
+from drafts.build import fresh_draft, frequent_token_ids, load_draft, restrict_head, save_draft, truncated_draft
+from speculative import ModelLoadError, NgramProposer
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0]
+
+
+# -- truncated -------------------------------------------------------------------------------------
+def test_truncated_draft_copies_first_layers(target):
+    draft = truncated_draft(target, 2)
+    assert draft.config.num_hidden_layers == 2 and len(draft.model.layers) == 2
+    assert target.config.num_hidden_layers == 3 and len(target.model.layers) == 3
+    t = target.state_dict()
+    d = draft.state_dict()
+    assert any(k.startswith("model.layers.1.") for k in d) and not any(k.startswith("model.layers.2.") for k in d)
+    for name, value in d.items():
+        assert torch.equal(value, t[name]), name
+
+
+def test_truncated_draft_computes_target_prefix(target, prompts):
+    """Hidden states after layer 1 are the target's (same weights, same positions)."""
+    draft = truncated_draft(target, 2)
+    ids = torch.tensor([prompts[0]])
+    with torch.inference_mode():
+        hd = draft(ids, output_hidden_states=True).hidden_states
+        ht = target(ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(hd[1], ht[1])
+    assert not torch.allclose(_logits(draft, prompts[0]), _logits(target, prompts[0]))
+
+
+def test_truncated_draft_is_independent(target):
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    draft = truncated_draft(target, 1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(1.0)
+    for k, v in target.state_dict().items():
+        assert torch.equal(v, before[k]), f"training the draft changed the target's {k}"
+
+
+def test_truncated_draft_too_many_layers(target):
+    with pytest.raises(ValueError, match="num_layers"):
+        truncated_draft(target, 4)
+
+
+# -- fresh -----------------------------------------------------------------------------------------
+def test_fresh_draft_shares_embedding_values(target):
+    draft = fresh_draft(target, 1, seed=0)
+    emb_t, emb_d = target.model.embed_tokens.weight, draft.model.embed_tokens.weight
+    assert torch.equal(emb_d, emb_t)
+    assert emb_d.data_ptr() != emb_t.data_ptr()  # a copy, not the target's tensor
+    assert torch.equal(draft.model.norm.weight, target.model.norm.weight)
+    # the decoder layer is new, not the target's
+    assert not torch.equal(draft.model.layers[0].mlp.up_proj.weight, target.model.layers[0].mlp.up_proj.weight)
+    # seeded
+    again = fresh_draft(target, 1, seed=0)
+    other = fresh_draft(target, 1, seed=1)
+    w = lambda m: m.model.layers[0].self_attn.q_proj.weight  # noqa: E731
+    assert torch.equal(w(draft), w(again)) and not torch.equal(w(draft), w(other))
+
+
+# -- restricted head -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def keep(tok, prompt_texts):
+    return frequent_token_ids(tok, 40, prompt_texts)
+
+
+def test_frequent_token_ids(tok):
+    ids = lambda s: tok(s)["input_ids"]  # noqa: E731
+    z, y, sp = ids("z")[0], ids("y")[0], ids(" ")[0]
+    got = frequent_token_ids(tok, 5, ["zzzz yy", "zz"])
+    assert got.tolist() == sorted([0, 1, z, y, sp])  # specials first, then the most frequent
+    got = frequent_token_ids(tok, 4, ["zzzz yy", "zz"])
+    assert got.tolist() == sorted([0, 1, z, y])  # ' ' occurs once: dropped first
+    got = frequent_token_ids(tok, 7, ["zzzz yy"])
+    assert got.tolist() == sorted([0, 1, 2, 3, z, y, sp])  # filled with the lowest ids
+    tilde, a = ids("~")[0], ids("a")[0]
+    assert tilde > a
+    assert frequent_token_ids(tok, 3, ["~~~ a"]).tolist() == [0, 1, tilde]  # by count, not by id
+    assert frequent_token_ids(tok, 1000).tolist() == list(range(len(tok)))
+
+
+def test_restrict_head(target, keep, prompts):
+    full = truncated_draft(target, 2)
+    draft = restrict_head(truncated_draft(target, 2), keep)
+    out = _logits(draft, prompts[0])
+    assert out.shape[-1] == len(keep) == 40
+    assert draft.get_output_embeddings().weight.shape == (40, 32)
+    torch.testing.assert_close(out, _logits(full, prompts[0])[:, keep])  # the same scores, fewer rows
+    # untied: the embeddings are unchanged and independent of the new head
+    assert torch.equal(draft.model.embed_tokens.weight, target.model.embed_tokens.weight)
+    with torch.no_grad():
+        draft.get_output_embeddings().weight.add_(1.0)
+    assert torch.equal(draft.model.embed_tokens.weight, target.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_restricted_proposals_map_back_to_target_ids(target, keep, prompts, draft_proposer, V, temperature):
+    model = restrict_head(truncated_draft(target, 2), keep)
+    proposer = draft_proposer(model, keep)
+    gen = torch.Generator().manual_seed(0)
+    keep_set = set(keep.tolist())
+    params = SamplingParams(temperature=temperature, seed=0)
+    for i, p in enumerate(prompts):
+        prop = proposer.propose(f"s{i}", p, lambda source: 5, params, gen)
+        assert prop.k == 5 and prop.source == "draft"
+        assert set(prop.tokens) <= keep_set
+        if temperature == 0.0:
+            # d_1 = the restricted head's argmax, as a target id
+            assert prop.tokens[0] == int(keep[_logits(model, p)[-1].argmax()])
+        else:  # sampling needs q over the target vocabulary, zero outside keep_ids
+            assert prop.probs.shape == (5, V)
+            torch.testing.assert_close(prop.probs.sum(-1), torch.ones(5))
+            outside = torch.ones(V, dtype=torch.bool)
+            outside[keep] = False
+            assert (prop.probs[:, outside] == 0).all()
+            assert all(prop.probs[j, t] > 0 for j, t in enumerate(prop.tokens))
+            # row 0 is the restricted head's softmax, placed at the right target ids
+            torch.testing.assert_close(prop.probs[0, keep], _logits(model, p)[-1].softmax(-1), atol=1e-5, rtol=1e-4)
+        proposer.release(f"s{i}")
+    assert len(proposer.runner) == 0
+
+
+# -- the draft proposer's own cache -------------------------------------------------------------------------
+def test_draft_proposer_rolls_back_rejected_tokens(target, draft_proposer, prompts):
+    """After a rejection and later tokens from elsewhere (e.g. prompt lookup), the draft must not
+    keep its rejected proposals in its cache: it proposes exactly what a fresh proposer would."""
+    draft = truncated_draft(target, 2)
+    greedy = SamplingParams()
+    for p in prompts:
+        proposer = draft_proposer(draft)
+        first = proposer.propose("s", p, lambda source: 4, greedy, None)
+        assert proposer.runner.cached_length("s") == len(p) + 3  # prompt + d_1..d_3
+        # the verifier kept none of them; then 5 tokens arrived that the draft did not propose
+        proposer.feedback("s", len(p))
+        extra = [t + 1 if t < 120 else 2 for t in first.tokens] + [7]
+        tokens = p + extra
+        again = proposer.propose("s", tokens, lambda source: 3, greedy, None)
+        fresh = draft_proposer(draft).propose("s", tokens, lambda source: 3, greedy, None)
+        assert again.tokens == fresh.tokens
+        assert again.input_tokens == len(extra) + 2  # caught up on the lag, then 2 draft steps
+        assert proposer.runner.cached_length("s") == len(tokens) + 2
+
+
+def test_draft_proposer_swap_resets_caches(target, draft_proposer, prompts):
+    a, b = truncated_draft(target, 1), fresh_draft(target, 1, seed=9)
+    proposer = draft_proposer(truncated_draft(target, 1))
+    proposer.propose("s", prompts[0], lambda source: 3, SamplingParams(), None)
+    proposer.load_state_dict(b.state_dict(), version=2)
+    assert proposer.version == 2
+    got = proposer.propose("s", prompts[0] + [5], lambda source: 3, SamplingParams(), None).tokens
+    want = draft_proposer(b).propose("s", prompts[0] + [5], lambda source: 3, SamplingParams(), None).tokens
+    old = draft_proposer(a).propose("s", prompts[0] + [5], lambda source: 3, SamplingParams(), None).tokens
+    assert got == want and got != old
+
+
+# -- checkpoints -----------------------------------------------------------------------------------------
+def test_save_load_round_trip(target, prompts, tmp_path):
+    draft = truncated_draft(target, 2)
+    with torch.no_grad():
+        draft.model.layers[0].mlp.down_proj.weight.mul_(1.5)  # "trained": differs from the target
+    save_draft(draft, tmp_path / "d", meta={"step": 12})
+    loaded, keep, meta = load_draft(tmp_path / "d")
+    assert keep is None and meta == {"step": 12}
+    assert loaded.config.num_hidden_layers == 2
+    torch.testing.assert_close(_logits(loaded, prompts[1]), _logits(draft, prompts[1]), rtol=0, atol=0)
+    # saving again over the same path replaces it
+    save_draft(truncated_draft(target, 1), tmp_path / "d")
+    assert load_draft(tmp_path / "d")[0].config.num_hidden_layers == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["d"]  # no temporary folders left behind
+
+
+def test_save_load_round_trip_restricted_head(target, keep, prompts, tmp_path):
+    draft = restrict_head(truncated_draft(target, 2), keep)
+    with torch.no_grad():
+        draft.get_output_embeddings().weight.mul_(0.5)  # head trained apart from the embeddings
+    save_draft(draft, tmp_path / "r", keep_ids=keep)
+    loaded, keep2, _ = load_draft(tmp_path / "r")
+    assert torch.equal(keep2, keep)
+    out = _logits(loaded, prompts[2])
+    assert out.shape[-1] == len(keep)
+    torch.testing.assert_close(out, _logits(draft, prompts[2]), rtol=0, atol=0)
+    assert torch.equal(loaded.model.embed_tokens.weight, target.model.embed_tokens.weight)
+
+
+def test_load_draft_refuses_other_folders(tmp_path):
+    with pytest.raises(ModelLoadError, match=str(tmp_path)):
+        load_draft(tmp_path)
+
+
+# -- prompt lookup -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "tokens, k, want",
+    [
+        ([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2, [7, 5]),  # the most recent earlier match
+        ([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 1, [7]),  # respects k
+        ([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 10, [7, 5, 1, 2, 3]),  # up to the end of the context
+        ([1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3], 2, [4, 9]),  # a longer match wins over a more recent shorter one
+        ([1, 2, 9, 3, 4, 2], 2, [9, 3]),  # falls back to n = 1
+        ([1, 2, 3, 4], 3, []),  # no match
+        ([5], 3, []),
+        ([], 3, []),
+    ],
+)
+def test_ngram_lookup(tokens, k, want):
+    assert NgramProposer(NgramConfig(max_n=3, min_n=1)).lookup(tokens, k) == want
+
+
+def test_ngram_min_n():
+    assert NgramProposer(NgramConfig(max_n=3, min_n=2)).lookup([1, 2, 9, 3, 4, 2], 2) == []
+    assert NgramProposer(NgramConfig(max_n=3, min_n=2)).lookup([1, 2, 9, 3, 1, 2], 2) == [9, 3]
+
+
+def test_ngram_propose():
+    ng = NgramProposer()
+    prop = ng.propose("s", [4, 5, 6, 4, 5], lambda source: 2, SamplingParams(), None)
+    assert (prop.tokens, prop.probs, prop.source) == ([6, 4], None, "ngram")
+    assert ng.propose("s", [4, 5, 6, 4, 5], lambda source: 0, SamplingParams(), None).k == 0
+    assert ng.propose("s", [1, 2, 3], lambda source: 2, SamplingParams(), None).source == "none"

@@ -1,0 +1,415 @@
+"""The speculative engine on a tiny random Llama: greedy equality with target-only decoding for every
+proposer, EOS / max_tokens / stop handling, sampling, cache cropping, StepResult, swap_draft, ids."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from config import KPolicyConfig, NgramConfig, SamplingParams
+from drafts.build import fresh_draft, frequent_token_ids, restrict_head, truncated_draft
+from speculative import ChainedProposer, ModelRunner, NgramProposer, RequestError, StepResult
+
+GREEDY = SamplingParams(max_tokens=24)
+
+
+def assert_same_logits(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal up to float32 rounding: probabilities within 1e-5; logits (|logit| up to ~20 with this
+    model's large init) within 1e-4. A wrong cache (missing or stale positions) is off by O(1)."""
+    torch.testing.assert_close(got.softmax(-1), want.softmax(-1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def trunc1(target):
+    return truncated_draft(target, 1)
+
+
+@pytest.fixture(scope="module")
+def trunc2(target):
+    return truncated_draft(target, 2)
+
+
+@pytest.fixture(scope="module")
+def restricted(target, tok, prompt_texts):
+    keep = frequent_token_ids(tok, 48, prompt_texts)
+    return restrict_head(truncated_draft(target, 2), keep), keep
+
+
+@pytest.fixture
+def build(target, trunc1, trunc2, restricted, draft_proposer, make_engine):
+    """name -> a fresh engine (fresh proposer state) for that proposer configuration."""
+
+    def make(name: str, **cfg):
+        if name == "none":
+            return make_engine(None, **cfg)
+        if name.startswith("trunc1-k"):
+            return make_engine(draft_proposer(trunc1), k=int(name.removeprefix("trunc1-k")), **cfg)
+        if name.startswith("trunc2-k"):
+            return make_engine(draft_proposer(trunc2), k=int(name.removeprefix("trunc2-k")), **cfg)
+        if name == "fresh":
+            return make_engine(draft_proposer(fresh_draft(target, 1, seed=3)), k=3, **cfg)
+        if name == "restricted":
+            model, keep = restricted
+            return make_engine(draft_proposer(model, keep), k=3, **cfg)
+        if name == "ngram":
+            return make_engine(NgramProposer(NgramConfig(max_n=3, min_n=1)), k=3, **cfg)
+        if name == "chained":
+            return make_engine(ChainedProposer(NgramProposer(NgramConfig(max_n=3, min_n=2)), draft_proposer(trunc2)), k=3, **cfg)
+        if name == "adaptive":
+            return make_engine(draft_proposer(trunc2), k=KPolicyConfig(), **cfg)
+        if name.startswith("perfect-k"):  # the draft is the target itself
+            return make_engine(draft_proposer(target), k=int(name.removeprefix("perfect-k")), **cfg)
+        raise KeyError(name)
+
+    return make
+
+
+# -- greedy equality ---------------------------------------------------------------------------
+def test_target_only_engine_matches_hf_generate(prompts, greedy_reference, hf_greedy):
+    for p in prompts:
+        ref = greedy_reference(p, 24)
+        assert len(ref) >= 8  # the comparison is not vacuous
+        assert ref == hf_greedy(p, 24)
+
+
+CONFIGS = ["trunc1-k1", "trunc1-k3", "trunc1-k5", "trunc2-k3", "fresh", "restricted", "ngram", "chained", "adaptive", "perfect-k4"]
+WITH_REJECTIONS = {"trunc1-k1", "trunc1-k3", "trunc1-k5", "trunc2-k3", "fresh", "restricted", "adaptive"}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_greedy_speculative_equals_target_only(name, build, prompts, greedy_reference, hf_greedy):
+    engine = build(name)
+    proposed = accepted = 0
+    sources = set()
+    for p in prompts:
+        steps: list[StepResult] = []
+        gen = engine.generate(p, GREEDY, on_step=steps.append)
+        assert gen.token_ids == greedy_reference(p, 24), f"{name}: prompt {p}"
+        assert gen.token_ids == hf_greedy(p, 24)
+        assert [t for s in steps for t in s.emitted] == gen.token_ids
+        proposed += gen.stats.proposed
+        accepted += gen.stats.accepted
+        sources |= {s.source for s in steps}
+    assert proposed > 0, f"{name}: the proposer never proposed, so equality proves nothing"
+    if name in WITH_REJECTIONS:
+        assert 0 < accepted < proposed, f"{name}: want both accepted and rejected draft tokens, got {accepted}/{proposed}"
+    if name == "chained":
+        assert {"ngram", "draft"} <= sources
+    if name.startswith("perfect"):
+        assert accepted == proposed  # alpha == 1
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_perfect_draft_accepts_everything(k, build, prompts):
+    engine = build(f"perfect-k{k}")
+    for p in prompts:
+        gen = engine.generate(p, SamplingParams(max_tokens=20, ignore_eos=True))
+        assert gen.stats.alpha == 1.0
+        # every step emits k + 1 tokens (the last step is clipped by the budget)
+        assert gen.stats.steps == math.ceil(20 / (k + 1))
+
+
+# -- ending a request --------------------------------------------------------------------------
+def _eos_case(prompts, greedy_reference):
+    """A prompt and greedy output whose token at index 3 does not occur before it."""
+    for p in prompts:
+        g = greedy_reference(p, 12, ignore_eos=True)
+        if g[3] not in g[:3] and 0 not in g[:4]:
+            return p, g
+    pytest.fail("no prompt has a fresh token at step 3")
+
+
+def test_eos_inside_proposal_ends_request(make_tokenizer, tok, target, make_engine, draft_proposer, prompts, greedy_reference):
+    p, g = _eos_case(prompts, greedy_reference)
+    eos_tok = make_tokenizer(eos=tok.convert_ids_to_tokens(g[3]))
+    assert eos_tok.eos_token_id == g[3]
+    engine = make_engine(draft_proposer(target), tokenizer=eos_tok, k=5)
+    steps: list[StepResult] = []
+    gen = engine.generate(p, SamplingParams(max_tokens=12), on_step=steps.append)
+    assert gen.token_ids == g[:3]
+    assert gen.finish_reason == "stop"
+    assert len(steps) == 1
+    assert steps[0].draft_tokens[:5] == g[:5]  # the draft proposed past the EOS ...
+    assert steps[0].emitted == g[:3] and steps[0].finished  # ... and the output stops before it
+
+
+def test_ignore_eos(make_tokenizer, tok, target, make_engine, draft_proposer, prompts, greedy_reference):
+    p, g = _eos_case(prompts, greedy_reference)
+    engine = make_engine(draft_proposer(target), tokenizer=make_tokenizer(eos=tok.convert_ids_to_tokens(g[3])), k=5)
+    gen = engine.generate(p, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert gen.token_ids == g
+    assert gen.finish_reason == "length"
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 4, 7, 13])
+def test_max_tokens_exact(max_tokens, build, prompts, greedy_reference):
+    engine = build("perfect-k5")  # every proposal is accepted: the bonus token would overshoot
+    p = prompts[1]
+    steps: list[StepResult] = []
+    gen = engine.generate(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), on_step=steps.append)
+    assert len(gen.token_ids) == max_tokens
+    assert gen.token_ids == greedy_reference(p, max_tokens, ignore_eos=True)
+    assert gen.finish_reason == "length"
+    done = 0
+    for s in steps:
+        assert s.proposed <= max(0, max_tokens - done - 1)  # never drafts past the budget
+        done += len(s.emitted)
+
+
+def test_stop_string_truncates_text(build, prompts, tok, greedy_reference):
+    p = prompts[3]
+    g = greedy_reference(p, 24, ignore_eos=True)
+    assert min(g) >= 2  # no special tokens: one token per character
+    text = tok.decode(g)
+    stop = text[6:8]
+    cut = text.find(stop)
+    engine = build("trunc1-k3")
+    gen = engine.generate(p, SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop]))
+    assert gen.finish_reason == "stop"
+    assert gen.text == text[:cut]
+    assert gen.token_ids == g[: cut + len(stop)]  # generation ended at the token completing the stop
+    # a stop string that never occurs changes nothing
+    gen = engine.generate(p, SamplingParams(max_tokens=24, ignore_eos=True, stop=["~~~~"]))
+    assert "~~~~" not in text
+    assert (gen.text, gen.finish_reason) == (text, "length")
+
+
+# -- sampling ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["trunc1-k3", "restricted", "ngram", "chained"])
+def test_seeded_sampling_determinism(name, build, prompts):
+    engine = build(name)
+
+    def run(seed):
+        return engine.generate(prompts[2], SamplingParams(max_tokens=16, temperature=1.0, seed=seed, ignore_eos=True)).token_ids
+
+    first = run(7)
+    assert len(first) == 16 and all(0 <= t < 128 for t in first)
+    assert run(7) == first
+    assert len({tuple(run(s)) for s in (1, 2, 3, 4)}) > 1
+
+
+def test_top_k_sampling_emits_only_target_top_k(build, prompts, target):
+    """Draft tokens outside the target's top-k must be rejected, recovered tokens come from warped p."""
+    engine = build("trunc1-k3")
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_k=3, seed=0, ignore_eos=True)
+    for p in prompts[:2]:
+        gen = engine.generate(p, params)
+        seq = torch.tensor([p + gen.token_ids])
+        with torch.inference_mode():
+            logits = target(seq).logits[0, len(p) - 1 : -1]  # [24, V] rows predicting each output token
+        top3 = logits.topk(3, -1).indices
+        assert all(t in top3[i].tolist() for i, t in enumerate(gen.token_ids))
+        assert gen.stats.proposed > gen.stats.accepted  # rejections happened
+
+
+def test_first_token_distribution_through_engine(target, trunc2, tok, make_engine, draft_proposer):
+    """Temperature 1: the first generated token of speculative decoding is distributed as the target's
+    softmax at the prompt's last position, although the draft's distribution is far from it."""
+    prompt = tok("x =")["input_ids"]
+    x = torch.tensor([prompt])
+    with torch.inference_mode():
+        p = target(x).logits[0, -1].softmax(-1)
+        q = trunc2(x).logits[0, -1].softmax(-1)
+    n_draws = 1000
+    # E[TV] <= 0.5 * sum sqrt(p (1 - p) / N); TV moves by <= 1/N per draw (McDiarmid: +0.05 at p ~ 0.7%)
+    threshold = 0.5 * float((p * (1 - p) / n_draws).sqrt().sum()) + 0.05
+    tv_q = 0.5 * float((p - q).abs().sum())
+    assert tv_q > threshold + 0.1, "the draft must differ from the target for this test to have power"
+
+    engine = make_engine(draft_proposer(trunc2), k=1)
+    counts = torch.zeros(p.shape[0])
+    accepted = 0
+    for seed in range(n_draws):
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=1.0, seed=seed, ignore_eos=True))
+        res = engine.step(rid)
+        engine.release(rid)
+        assert res.proposed == 1
+        counts[res.emitted[0]] += 1
+        accepted += res.accepted
+    assert 0.2 * n_draws < accepted < 0.95 * n_draws  # both acceptance and recovery were exercised
+    tv = 0.5 * float((counts / n_draws - p).abs().sum())
+    assert tv < threshold, f"TV(empirical, p) = {tv:.3f} >= {threshold:.3f} (TV(q, p) = {tv_q:.3f})"
+
+
+# -- caches ------------------------------------------------------------------------------------------
+def test_cache_cropping_after_rejections(build, prompts, target, greedy_reference):
+    engine = build("trunc1-k3")
+    p = prompts[0]
+    rid = engine.add_request(p, SamplingParams(max_tokens=24))
+    st = engine.requests[rid]
+    rejected_steps = 0
+    checked_recompute = False
+    while not st.finished:
+        res = engine.step(rid)
+        if st.finished:
+            break
+        # the pending token is not cached; rejected draft positions are dropped lazily, on the next call
+        assert st.target_len == len(st.tokens) - 1
+        assert engine.target.cached_length(rid) == st.target_len + (res.proposed - res.accepted)
+        if res.accepted < res.proposed:
+            rejected_steps += 1
+            if not checked_recompute:
+                # the trusted prefix in the cache is right: extend it and compare with a full recompute
+                got = engine.target.forward(rid, st.target_len, st.tokens[st.target_len :])[-1]
+                assert engine.target.cached_length(rid) == len(st.tokens)
+                with torch.inference_mode():
+                    want = target(torch.tensor([st.tokens])).logits[0, -1]
+                assert_same_logits(got, want)
+                checked_recompute = True
+    assert rejected_steps >= 2
+    assert st.output == greedy_reference(p, 24)  # continuing after crops == a fresh run
+    engine.release(rid)
+
+
+def test_runner_forward_crops_and_refuses_gaps(target, prompts):
+    runner = ModelRunner(target, name="t")
+    ids = prompts[3]
+    runner.forward("s", 0, ids[:10])
+    runner.forward("s", 10, ids[10:14], keep_last=4)
+    assert runner.cached_length("s") == 14
+    new = [40, 41, 42]
+    got = runner.forward("s", 11, new, keep_last=3)  # drop positions 11..13, extend with `new`
+    assert runner.cached_length("s") == 14
+    with torch.inference_mode():
+        want = target(torch.tensor([ids[:11] + new])).logits[0, -3:]
+    assert got.shape == (3, 128)
+    assert_same_logits(got, want)
+    # start == 0 restarts the sequence
+    got0 = runner.forward("s", 0, ids[:5])
+    assert runner.cached_length("s") == 5
+    with torch.inference_mode():
+        assert_same_logits(got0[-1], target(torch.tensor([ids[:5]])).logits[0, -1])
+    with pytest.raises(ValueError, match="cannot start at 9"):
+        runner.forward("s", 9, [1, 2])
+    with pytest.raises(ValueError):
+        runner.forward("other", 3, [1])
+    with pytest.raises(ValueError):
+        runner.forward("s", 5, [])
+    assert len(runner) == 1  # the failed calls created no cache
+    runner.release("s")
+    assert len(runner) == 0 and runner.cached_length("s") == 0
+
+
+# -- StepResult ----------------------------------------------------------------------------------
+def test_step_result_fields(build, prompts, target):
+    engine = build("trunc1-k3", record_top_k=5)
+    p = prompts[0]
+    rid = engine.add_request(p, SamplingParams(max_tokens=20))
+    res = engine.step(rid)
+    k, n = res.proposed, res.accepted
+    assert k == 3 and res.source == "draft" and res.draft_version == 0 and res.start == len(p)
+    assert res.target_top_ids.shape == (k + 1, 5) and res.target_top_ids.dtype == torch.long
+    assert res.target_top_probs.shape == (k + 1, 5)
+    assert res.target_tail.shape == (k + 1,)
+    assert ((res.target_tail >= 0) & (res.target_tail <= 1)).all()
+    torch.testing.assert_close(res.target_top_probs.sum(-1) + res.target_tail, torch.ones(k + 1))
+    # row i = the target's distribution after prompt + d_1..d_i
+    with torch.inference_mode():
+        full = target(torch.tensor([p + res.draft_tokens])).logits[0, len(p) - 1 :].softmax(-1)  # [k+1, V]
+    top = full.topk(5, -1)
+    assert torch.equal(res.target_top_ids, top.indices)
+    torch.testing.assert_close(res.target_top_probs, top.values, atol=1e-5, rtol=1e-4)
+    argmax = full.argmax(-1)
+    assert res.draft_matches_target == [res.draft_tokens[i] == int(argmax[i]) for i in range(k)]
+    assert len(res.draft_matches_target) == k
+    assert res.accepted_mask == [True] * n + [False] * (k - n)
+    assert res.emitted == res.draft_tokens[:n] + [int(argmax[n])]
+    engine.release(rid)
+
+
+def test_step_result_without_proposal(build, prompts):
+    engine = build("trunc1-k3", record_top_k=4)
+    rid = engine.add_request(prompts[0], SamplingParams(max_tokens=1))  # no budget to draft
+    res = engine.step(rid)
+    assert res.proposed == 0 and res.source == "none" and res.accepted_mask == [] and res.draft_matches_target == []
+    assert res.target_top_ids.shape == (1, 4)
+    assert res.finished and res.finish_reason == "length" and len(res.emitted) == 1
+
+
+def test_ngram_step_source(build, tok):
+    engine = build("ngram")
+    rid = engine.add_request(tok("abcabcab")["input_ids"], SamplingParams(max_tokens=8))
+    res = engine.step(rid)
+    assert res.source == "ngram" and res.draft_tokens == tok("cab")["input_ids"]
+
+
+# -- swapping draft weights ----------------------------------------------------------------------------
+def test_swap_draft(target, trunc1, draft_proposer, make_engine, prompts, greedy_reference):
+    p = prompts[1]
+    engine = make_engine(draft_proposer(fresh_draft(target, 1, seed=5)), k=3)
+    rid = engine.add_request(p, GREEDY)
+    st = engine.requests[rid]
+    for _ in range(2):
+        engine.step(rid)
+    context = list(st.tokens)
+
+    def first_proposal(model):
+        other = make_engine(draft_proposer(model), k=3)
+        r = other.add_request(context, GREEDY)
+        tokens = other.step(r).draft_tokens
+        other.release(r)
+        return tokens
+
+    before = first_proposal(fresh_draft(target, 1, seed=5))  # what the old weights would propose now
+    after = first_proposal(trunc1)
+    assert before != after
+    engine.swap_draft(trunc1.state_dict(), version=7)
+    res = engine.step(rid)
+    assert res.draft_version == 7
+    assert res.draft_tokens == after
+    while not st.finished:
+        engine.step(rid)
+    assert st.output == greedy_reference(p, 24)
+    engine.release(rid)
+
+
+def test_swap_draft_without_learned_draft_refused(build):
+    with pytest.raises(RuntimeError):
+        build("ngram").swap_draft({}, 1)
+
+
+# -- request ids -----------------------------------------------------------------------------------------
+def test_request_ids_and_release(build, prompts):
+    engine = build("trunc1-k3")
+    draft_runner = engine.proposer.runner
+    with pytest.raises(RequestError, match="unknown"):
+        engine.step("nope")
+    a = engine.add_request(prompts[0], GREEDY, request_id="a")
+    assert a == "a"
+    with pytest.raises(RequestError, match="already active"):
+        engine.add_request(prompts[1], GREEDY, request_id="a")
+    b = engine.add_request(prompts[1], GREEDY)
+    assert b != a
+    engine.step(a)
+    engine.step(b)
+    assert len(engine.target) == 2 and len(draft_runner) == 2
+    engine.release(a)
+    assert len(engine.target) == 1 and len(draft_runner) == 1
+    with pytest.raises(RequestError):
+        engine.step(a)
+    engine.release(b)
+    engine.release("never-existed")  # idempotent
+    assert len(engine.target) == 0 and len(draft_runner) == 0 and not engine.requests
+    engine.generate(prompts[2], GREEDY)  # generate releases its request
+    assert len(engine.target) == 0 and len(draft_runner) == 0
+
+
+def test_step_after_finish_refused(build, prompts):
+    engine = build("trunc1-k3")
+    rid = engine.add_request(prompts[0], SamplingParams(max_tokens=1))
+    assert engine.step(rid).finished
+    with pytest.raises(RequestError, match="finished"):
+        engine.step(rid)
+
+
+def test_unseeded_request_leaves_global_rng_alone(build, prompts):
+    engine = build("none")
+    torch.manual_seed(0)
+    want = torch.rand(3)
+    torch.manual_seed(0)
+    rid = engine.add_request(prompts[0], SamplingParams(temperature=1.0, max_tokens=2))
+    engine.release(rid)
+    assert torch.equal(torch.rand(3), want)

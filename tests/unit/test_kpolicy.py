@@ -1,0 +1,165 @@
+"""Choosing k: closed forms, the cost model, the acceptance estimate and the adaptive policy."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from config import KPolicyConfig, SamplingParams
+from speculative import CostModel, KPolicy, expected_speedup, expected_tokens
+from speculative.kpolicy import AcceptanceEstimate
+
+
+# -- closed forms ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [0, 1, 3, 8])
+def test_expected_tokens_extremes(k):
+    assert expected_tokens(0.0, k) == 1.0  # useless draft: only the target's own token
+    assert expected_tokens(1.0, k) == k + 1  # perfect draft: all k + the bonus
+
+
+def test_expected_tokens_hand_values():
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)  # 1.875
+    assert expected_tokens(0.8, 2) == pytest.approx(1 + 0.8 + 0.64)
+    assert expected_tokens(0.999999, 4) == pytest.approx(5.0, abs=1e-4)  # continuous at a -> 1
+
+
+def test_expected_speedup_hand_values():
+    assert expected_speedup(0.5, 3, 0.1) == pytest.approx(1.875 / 1.3)
+    assert expected_speedup(0.5, 3, 0.1, v=1.5) == pytest.approx(1.875 / 1.8)
+    assert expected_speedup(0.9, 0, 0.3) == 1.0  # k = 0 is plain decoding
+    assert expected_speedup(1.0, 4, 0.0) == 5.0
+
+
+# -- best k --------------------------------------------------------------------------------------
+def test_best_k_zero_for_useless_draft():
+    policy = KPolicy(KPolicyConfig(k_max=8), CostModel())
+    assert policy.best_k(0.02, 0.2) == 0
+    assert policy.best_k(0.0, 0.0) == 0  # ties go to the smaller k
+
+
+@pytest.mark.parametrize("k_max, want", [(6, 6), (12, 8), (2, 2)])
+def test_best_k_for_good_cheap_draft(k_max, want):
+    # S(k) = (1 - 0.8^(k+1)) / 0.2 / (0.05 k + 1): 1.71 2.22 2.57 2.80 2.95 3.04 3.08 3.092 3.078 ...
+    policy = KPolicy(KPolicyConfig(k_max=k_max), CostModel())
+    assert policy.best_k(0.8, 0.05) == want
+
+
+def test_best_k_zero_when_verification_is_not_parallel():
+    """If verifying j tokens costs j target steps, drafting never pays."""
+    costs = CostModel(verify_s={j: 0.01 * j for j in range(1, 8)})
+    assert KPolicy(KPolicyConfig(k_max=6), costs).best_k(0.6, 0.05) == 0
+    assert KPolicy(KPolicyConfig(k_max=6), CostModel(verify_s={1: 0.01})).best_k(0.6, 0.05) > 0
+
+
+def test_fixed_k():
+    assert KPolicy(KPolicyConfig(fixed_k=3), CostModel()).choose("draft") == 3
+    assert KPolicy(KPolicyConfig(fixed_k=0), CostModel()).choose("draft") == 0
+
+
+def test_probing_backs_off_exponentially():
+    policy = KPolicy(KPolicyConfig(prior_alpha=0.0, probe_every=4, k_max=4), CostModel())
+    picks = [policy.choose("draft") for _ in range(40)]
+    probes = [i + 1 for i, k in enumerate(picks) if k]
+    assert set(picks) <= {0, 1}
+    assert probes == [4, 12, 28]  # gaps 4, 8, 16
+
+
+# -- cost model -----------------------------------------------------------------------------------
+def test_cost_model_relative_verify():
+    costs = CostModel()
+    assert costs.relative_verify(5) == 1.0  # nothing measured: optimistic
+    costs.verify_s.update({1: 0.010, 4: 0.020})
+    assert costs.relative_verify(1) == 1.0
+    assert costs.relative_verify(2) == 1.0  # nearest measured smaller size is 1
+    assert costs.relative_verify(4) == pytest.approx(2.0)
+    assert costs.relative_verify(7) == pytest.approx(2.0)  # borrows 4
+    costs.verify_s[3] = 0.005  # faster than one token (noise): never below 1
+    assert costs.relative_verify(3) == 1.0
+
+
+def test_cost_model_ema_and_c():
+    costs = CostModel(ema=0.5)
+    assert costs.c("draft") == 0.0
+    costs.observe_verify(1, 1.0)
+    costs.observe_verify(1, 2.0)
+    assert costs.verify_s[1] == pytest.approx(1.5)
+    costs.observe_draft("draft", 4, 0.6)  # 0.15 s per proposed token
+    costs.observe_draft("draft", 0, 9.0)  # nothing proposed: ignored
+    assert costs.draft_s["draft"] == pytest.approx(0.15)
+    assert costs.c("draft") == pytest.approx(0.1)
+    assert costs.c("ngram") == 0.0
+
+
+# -- acceptance estimate ----------------------------------------------------------------------------
+def _observe_bernoulli(est: AcceptanceEstimate, a: float, steps: int, k: int, rng: random.Random) -> list[float]:
+    values = []
+    for _ in range(steps):
+        n = 0
+        while n < k and rng.random() < a:
+            n += 1
+        est.observe(k, n)
+        values.append(est.value)
+    return values
+
+
+@pytest.mark.parametrize("a", [0.1, 0.5, 0.9])
+def test_acceptance_estimate_converges_without_decay(a):
+    est = AcceptanceEstimate(prior=0.6, decay=1.0)
+    _observe_bernoulli(est, a, 4000, k=4, rng=random.Random(0))
+    assert est.value == pytest.approx(a, abs=0.02)
+
+
+@pytest.mark.parametrize("a", [0.3, 0.7])
+def test_acceptance_estimate_tracks_rate_with_default_decay(a):
+    est = AcceptanceEstimate(prior=0.5)
+    values = _observe_bernoulli(est, a, 3000, k=4, rng=random.Random(1))
+    mean = sum(values[100:]) / len(values[100:])
+    assert mean == pytest.approx(a, abs=0.05)
+
+
+def test_acceptance_estimate_follows_a_change():
+    est = AcceptanceEstimate(prior=0.6)
+    rng = random.Random(2)
+    _observe_bernoulli(est, 0.9, 200, k=4, rng=rng)
+    assert est.value > 0.8
+    _observe_bernoulli(est, 0.0, 50, k=4, rng=rng)
+    assert est.value < 0.2
+    est.observe(0, 0)  # nothing proposed: no information
+    assert est.value < 0.2
+
+
+# -- through the engine ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def random_draft(make_llama):
+    return make_llama(1, seed=123)  # untrained: shares nothing with the target
+
+
+def _ks_of_request(engine, prompt, n=120) -> list[int]:
+    ks: list[int] = []
+    engine.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True), on_step=lambda r: ks.append(r.proposed))
+    return ks
+
+
+def test_adaptive_k_stops_drafting_with_a_useless_draft(random_draft, draft_proposer, make_engine, prompts):
+    # an optimistic prior: the policy starts out drafting and must learn that the draft is useless
+    engine = make_engine(draft_proposer(random_draft), k=KPolicyConfig(k_max=4, probe_every=4, prior_alpha=0.95))
+    engine.calibrate(context=16)  # what build_engine does by default: measured verify/draft costs
+    ks = _ks_of_request(engine, prompts[0])
+    assert ks[0] > 0, ks
+    later = ks[10:]
+    assert sum(k == 0 for k in later) >= 0.8 * len(later), ks
+    assert 1 in later, "the policy must keep probing the draft now and then"
+    assert max(later) <= 1
+
+
+def test_adaptive_k_stops_drafting_without_calibration(random_draft, draft_proposer, make_engine, prompts):
+    engine = make_engine(draft_proposer(random_draft), k=KPolicyConfig(k_max=4, probe_every=4, prior_alpha=0.95))
+    later = _ks_of_request(engine, prompts[0])[10:]
+    assert sum(k == 0 for k in later) >= 0.8 * len(later)
+
+
+def test_calibrate_default_context_small_vocab(make_engine):
+    engine = make_engine(None)
+    engine.calibrate(repeats=1)
+    assert 1 in engine.costs.verify_s

@@ -1,0 +1,247 @@
+"""Unit tests for learner.offline (offline distillation from the target's own generations).
+
+Tiny random Llama models only (vocab 96, hidden 32): no real model, no downloads.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from drafts.build import load_draft, restrict_head, save_draft, truncated_draft
+from learner.losses import SparseDist, forward_kl, sparse_from_logits
+from learner.offline import (
+    DistillConfig,
+    collect_teacher_data,
+    distill,
+    load_samples,
+    pad_placeholders,
+    save_samples,
+    student_logits_for,
+    to_student_space,
+    top1_agreement_on,
+)
+
+VOCAB, EOS, TOP_K, MAX_TOKENS = 96, 2, 16, 12
+
+
+def tiny_target(layers: int = 4, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        initializer_range=0.1,  # peakier than the default 0.02: a target with a learnable top-1
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def random_prompts(n: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def data():
+    torch.set_num_threads(1)
+    target = tiny_target()
+    samples = collect_teacher_data(target, None, random_prompts(56), max_tokens=MAX_TOKENS, top_k=TOP_K)
+    return target, samples[:44], samples[44:]
+
+
+def fast_cfg(**kw) -> DistillConfig:
+    base = dict(top_k=TOP_K, lr=3e-3, seconds=20, epochs=5, batch_positions=128, warmup_steps=2, log_every=1000)
+    return DistillConfig(**{**base, **kw})
+
+
+# --- teacher data -----------------------------------------------------------------------------
+
+
+def test_collect_shapes_and_greedy_outputs(data):
+    target, train, held = data
+    prompts = random_prompts(56)
+    assert len(train) + len(held) == 56
+    for s, p in zip(train + held, prompts):
+        assert s.tokens[: s.prompt_len].tolist() == p
+        assert 1 <= s.n_out <= MAX_TOKENS
+        out = s.output
+        assert EOS not in out[:-1]  # cut at the first EOS (kept as the last output token)
+        assert out[-1] == EOS or s.n_out == MAX_TOKENS
+        assert s.ids.shape == (s.n_out, TOP_K) and s.ids.dtype == torch.int32
+        assert s.probs.shape == (s.n_out, TOP_K) and s.tail.shape == (s.n_out,)
+        # greedy: the target's top-1 at each output position is the emitted token
+        assert s.ids[:, 0].tolist() == out
+
+
+def test_sparse_probs_match_softmax_of_target_logits(data):
+    target, train, _ = data
+    for s in train[:5]:
+        with torch.no_grad():
+            logits = target(input_ids=s.tokens[None]).logits[0]  # [L, V]
+        probs = torch.softmax(logits[s.prompt_len - 1 : -1].float(), dim=-1)  # [T, V] rows predicting the outputs
+        assert torch.allclose(probs.gather(1, s.ids.long()), s.probs, atol=1e-5)
+        top = torch.topk(probs, TOP_K, dim=-1)
+        assert torch.equal(top.indices, s.ids.long())
+        assert torch.allclose(s.tail, 1 - top.values.sum(-1), atol=1e-5)
+
+
+def test_collect_text_prompts_use_chat_template_and_unwraps_engine():
+    target = tiny_target(layers=2)
+    seen = []
+
+    class StubTok:
+        chat_template = "stub"
+        eos_token_id = EOS
+        pad_token_id = 0
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            seen.append((messages, add_generation_prompt, tokenize))
+            return {"input_ids": [5, 6, 7, len(messages[0]["content"])], "attention_mask": [1, 1, 1, 1]}
+
+    engine = SimpleNamespace(target=SimpleNamespace(model=target), tokenizer=StubTok())
+    (s,) = collect_teacher_data(engine, None, ["hello"], max_tokens=4, top_k=8)
+    assert seen == [([{"role": "user", "content": "hello"}], True, True)]
+    assert s.tokens[: s.prompt_len].tolist() == [5, 6, 7, 5] and s.prompt == "hello"
+    assert s.ids.shape == (s.n_out, 8)
+
+
+def test_samples_round_trip(tmp_path, data):
+    _, train, _ = data
+    save_samples(train[:3], tmp_path / "t.pt")
+    back = load_samples(tmp_path / "t.pt")
+    for a, b in zip(train[:3], back):
+        assert torch.equal(a.tokens, b.tokens) and a.prompt_len == b.prompt_len
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.probs, b.probs) and torch.equal(a.tail, b.tail)
+
+
+# --- restricted head: id mapping --------------------------------------------------------------
+
+
+def test_to_student_space_folds_dropped_ids_into_tail():
+    target = SparseDist(
+        ids=torch.tensor([[7, 3, 9], [2, 8, 5]]),
+        probs=torch.tensor([[0.5, 0.2, 0.1], [0.6, 0.3, 0.05]]),
+        tail=torch.tensor([0.2, 0.05]),
+    )
+    keep = torch.tensor([2, 3, 5, 7])  # 9 and 8 are not in the head
+    mapped, n_ph = to_student_space(target, keep)
+    assert n_ph == 1
+    # kept ids -> their column in keep; a dropped id -> placeholder column len(keep) + rank, prob 0
+    assert mapped.ids.tolist() == [[3, 1, 4], [0, 4, 2]]
+    assert torch.allclose(mapped.probs, torch.tensor([[0.5, 0.2, 0.0], [0.6, 0.0, 0.05]]))
+    assert torch.allclose(mapped.tail, torch.tensor([0.3, 0.35]))
+    # nothing dropped: no placeholders, same probabilities
+    mapped2, n2 = to_student_space(target, torch.arange(10))
+    assert n2 == 0 and torch.equal(mapped2.ids, target.ids) and torch.equal(mapped2.tail, target.tail)
+
+
+def test_restricted_loss_equals_loss_on_kept_bins():
+    torch.manual_seed(0)
+    keep = torch.tensor([0, 2, 4, 5, 7, 9, 11, 12])
+    teacher = sparse_from_logits(torch.randn(6, 14), 4)
+    student = torch.randn(6, len(keep), requires_grad=True)
+    mapped, n_ph = to_student_space(teacher, keep)
+    got = forward_kl(pad_placeholders(student, n_ph), mapped)
+    assert torch.isfinite(got).all()
+    got.sum().backward()
+    assert torch.isfinite(student.grad).all()
+    # reference: bins = named ids that the head has + one bin for everything else
+    q = torch.softmax(student.detach(), -1)
+    for r in range(6):
+        col = {int(t): j for j, t in enumerate(keep)}
+        named = [(col[int(i)], float(p)) for i, p in zip(teacher.ids[r], teacher.probs[r]) if int(i) in col]
+        p_bins = [p for _, p in named]
+        q_bins = [float(q[r, j]) for j, _ in named]
+        p_bins.append(1 - sum(p_bins))
+        q_bins.append(1 - sum(q_bins))
+        ref = sum(p * torch.log(torch.tensor(p / qq)).item() for p, qq in zip(p_bins, q_bins) if p > 0)
+        assert got[r].item() == pytest.approx(ref, rel=1e-4, abs=1e-6)
+
+
+# --- training ---------------------------------------------------------------------------------
+
+
+def test_distill_raises_heldout_agreement(data):
+    target, train, held = data
+    draft = truncated_draft(target, 1)
+    before = top1_agreement_on(draft, held)
+    hist = distill(draft, train, fast_cfg(), log=None, heldout=held)
+    assert hist["agreement_before"] == pytest.approx(before)
+    assert hist["agreement_on"] == "heldout"
+    assert hist["steps"] >= 5 and len(hist["loss_curve"]) == hist["steps"]
+    assert hist["seconds"] < 20
+    assert hist["loss_curve"][-1] < hist["loss_curve"][0]
+    assert hist["agreement_after"] > hist["agreement_before"] + 0.05
+    assert hist["agreement_after"] == pytest.approx(top1_agreement_on(draft, held))
+    # the target is untouched by training its truncated copy
+    assert all(p.grad is None for p in target.parameters())
+
+
+def test_distill_respects_max_steps_and_freezing(data):
+    target, train, _ = data
+    draft = truncated_draft(target, 1)
+    emb = draft.get_input_embeddings().weight.detach().clone()
+    layer = draft.model.layers[0].mlp.up_proj.weight.detach().clone()
+    hist = distill(draft, train, fast_cfg(max_steps=3, train_head=False), log=None)
+    assert hist["steps"] == 3 and hist["stop_reason"] == "max_steps" and hist["agreement_on"] == "train"
+    assert torch.equal(draft.get_input_embeddings().weight, emb)  # tied head frozen -> embeddings frozen
+    assert not torch.equal(draft.model.layers[0].mlp.up_proj.weight, layer)
+    assert all(p.requires_grad for p in draft.parameters())  # flags restored
+
+
+def test_student_logits_rows_match_plain_forward(data):
+    target, train, _ = data
+    draft = truncated_draft(target, 2)
+    batch = train[:4]
+    got = student_logits_for(draft, batch)  # [sum T, V]
+    with torch.no_grad():
+        ref = torch.cat([draft(input_ids=s.tokens[None, :-1]).logits[0, s.prompt_len - 1 :] for s in batch])
+    assert got.shape == ref.shape
+    assert torch.allclose(got.detach(), ref, atol=1e-5)
+
+
+def test_restricted_head_distill_and_save_load_round_trip(tmp_path, data):
+    target, train, held = data
+    keep = torch.arange(3, 3 + 64)  # 64 of 96 ids
+    draft = restrict_head(truncated_draft(target, 1), keep)
+    hist = distill(draft, train, fast_cfg(), keep_ids=keep, log=None, heldout=held)
+    assert hist["agreement_after"] > hist["agreement_before"]
+    agree = top1_agreement_on(draft, held, keep)
+    assert agree == pytest.approx(hist["agreement_after"])
+    # the head can only emit kept ids
+    pred = keep[student_logits_for(draft, held).argmax(-1)]
+    assert set(pred.tolist()) <= set(keep.tolist())
+
+    save_draft(draft, tmp_path / "d", keep, meta={"agreement_after": agree})
+    back, keep2, meta = load_draft(tmp_path / "d")
+    assert torch.equal(keep2, keep) and meta["agreement_after"] == agree
+    assert top1_agreement_on(back, held, keep2) == pytest.approx(agree)
+
+
+def test_save_load_round_trip_tied_draft(tmp_path, data):
+    target, train, held = data
+    draft = truncated_draft(target, 1)
+    distill(draft, train, fast_cfg(max_steps=4), log=None)
+    agree = top1_agreement_on(draft, held)
+    save_draft(draft, tmp_path / "d")
+    back, keep, _ = load_draft(tmp_path / "d")
+    assert keep is None
+    assert top1_agreement_on(back, held) == pytest.approx(agree)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        DistillConfig(loss="nope")
+    with pytest.raises(ValueError):
+        DistillConfig(top_k=0)
+    with pytest.raises(ValueError):
+        distill(truncated_draft(tiny_target(layers=2), 1), [], fast_cfg(), log=None)
