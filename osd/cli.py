@@ -78,17 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     wb.add_argument("--seed", type=int, default=0)
     wb.add_argument("--cache-dir", default=None)
 
-    t = sub.add_parser("train-draft", help="distil a draft offline from the target's generations (by hand)")
-    t.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
-    t.add_argument("--domain", default=None)
-    t.add_argument("--out", required=True)
-    t.add_argument("--n-prompts", type=int, default=60)
-    t.add_argument("--seconds", type=float, default=300)
-    t.add_argument("--max-tokens", type=int, default=64)
-    t.add_argument("--loss", default="forward_kl")
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--json", default=None)
-    _engine_args(t)
+    sub.add_parser("train-draft", help="distil a draft offline from the target's generations (osd train-draft -h)", add_help=False)
     return ap
 
 
@@ -155,6 +145,11 @@ def _generate(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train-draft"]:  # its options live with the trainer
+        from learner.offline import main as train_main
+
+        return train_main(argv[1:])
     args = _parser().parse_args(argv)
     from transformers.utils import logging as hf_logging
 
@@ -185,10 +180,6 @@ def main(argv: list[str] | None = None) -> int:
             if args.cache_dir:
                 argv2 += ["--cache-dir", args.cache_dir]
             return workload_main(argv2)
-        if args.cmd == "train-draft":
-            from learner.offline import train_main
-
-            return train_main(args)
     except (ValidationError, RequestError, ModelLoadError, VocabMismatchError, ValueError) as e:
         print(f"osd {args.cmd}: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,712 @@
+"""Offline distillation: train a draft by hand on the target's own greedy generations.
+
+A script-level trainer (the online learner, fed by live ``StepResult`` rows, is separate):
+
+1. :func:`collect_teacher_data` - one greedy generation of the target per prompt, then ONE
+   teacher-forced target forward over ``prompt + output``; the target's distribution at every
+   output position is kept as a sparse top-K summary (ids, probs, tail mass). Full ``[T, V]``
+   logits never outlive the sample they belong to.
+2. :func:`distill` - teacher-forced training of the draft on ``prompt + output`` with one of the
+   sparse losses of :mod:`learner.losses`, on output positions only (AdamW, gradient clipping,
+   stops after ``cfg.seconds`` or ``cfg.epochs``).
+3. :func:`train_draft` - workload -> split -> target + draft -> teacher data -> distil -> save.
+
+Restricted heads (``keep_ids``): the draft's logits have ``len(keep_ids)`` columns, column j
+being target id ``keep_ids[j]``. :func:`to_student_space` maps a sparse target into that index
+space; target ids the head cannot emit fold into the tail bin.
+
+Row t of a sample's sparse target is the target's distribution for the token at position
+``prompt_len + t`` given ``tokens[:prompt_len + t]`` (temperature 1); with greedy outputs its
+top-1 is the output token itself (up to float ties).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from learner.losses import LOSSES, SparseDist, get_loss, sparse_from_logits
+
+__all__ = [
+    "DistillConfig",
+    "Sample",
+    "collect_teacher_data",
+    "to_student_space",
+    "student_logits_for",
+    "top1_agreement_on",
+    "distill",
+    "train_draft",
+    "save_samples",
+    "load_samples",
+    "main",
+]
+
+#: Logit given to the placeholder columns of :func:`to_student_space` (exp underflows to 0 in float32).
+_PLACEHOLDER_LOGIT = -1.0e4
+
+
+class DistillConfig(BaseModel):
+    """Settings of one offline distillation run."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    loss: str = "forward_kl"
+    #: extra keyword arguments of the loss (e.g. {"beta": 0.5} for jsd, {"temperature": 2.0})
+    loss_options: dict[str, float] = Field(default_factory=dict)
+    #: K of the sparse target kept per output position
+    top_k: int = Field(default=64, ge=1)
+    lr: float = Field(default=1e-3, gt=0.0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    #: max global gradient norm; 0 disables clipping
+    grad_clip: float = Field(default=1.0, ge=0.0)
+    #: linear learning-rate warm-up over the first steps
+    warmup_steps: int = Field(default=10, ge=0)
+    #: target greedy generation length per prompt
+    max_tokens: int = Field(default=64, gt=0)
+    #: prompts per target ``generate`` call while collecting (left-padded when > 1)
+    gen_batch_size: int = Field(default=8, ge=1)
+    #: output positions per optimiser step (whole sequences are packed until this is reached)
+    batch_positions: int = Field(default=512, ge=1)
+    #: wall-clock budget of the training loop (evaluation not included)
+    seconds: float = Field(default=300.0, gt=0.0)
+    epochs: int = Field(default=3, ge=1)
+    max_steps: int | None = Field(default=None, ge=1)
+    seed: int = 0
+    #: train the output head (for a tied head: the shared embedding matrix, see train_embeddings)
+    train_head: bool = True
+    #: train the input embeddings; a tied embedding/head matrix trains only if both flags are set
+    train_embeddings: bool = True
+    log_every: int = Field(default=10, ge=1)
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, v: str) -> str:
+        if v not in LOSSES:
+            raise ValueError(f"unknown loss {v!r}; expected one of {sorted(LOSSES)}")
+        return v
+
+
+@dataclass
+class Sample:
+    """One prompt + the target's greedy output, with the target's sparse distribution per output position."""
+
+    tokens: torch.Tensor  # [L] long, prompt + output
+    prompt_len: int
+    ids: torch.Tensor  # [T, K] int32 target token ids, T = L - prompt_len
+    probs: torch.Tensor  # [T, K] float32, sorted descending per row
+    tail: torch.Tensor  # [T] float32
+    prompt: str = ""
+
+    @property
+    def n_out(self) -> int:
+        return int(self.tokens.shape[0]) - self.prompt_len
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :].tolist()
+
+    def target(self) -> SparseDist:
+        return SparseDist(ids=self.ids.long(), probs=self.probs, tail=self.tail)
+
+
+# ---------------------------------------------------------------------------------------------
+# Teacher data
+# ---------------------------------------------------------------------------------------------
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, prompt: str, chat_template: bool) -> list[int]:
+    """Token ids of a text prompt, as the engine encodes it (chat template when the tokenizer has one)."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(tokenizer, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif src:
+            ids.update(int(i) for i in src)
+    return ids
+
+
+def _unwrap_target(engine_or_model: Any, tokenizer: PreTrainedTokenizerBase | None):
+    """(target model, tokenizer) from a SpeculativeEngine or a bare model."""
+    runner = getattr(engine_or_model, "target", None)
+    if runner is not None and hasattr(runner, "model"):
+        return runner.model, tokenizer if tokenizer is not None else engine_or_model.tokenizer
+    return engine_or_model, tokenizer
+
+
+@torch.inference_mode()
+def _greedy_outputs(model: PreTrainedModel, prompts: list[list[int]], max_tokens: int, eos: set[int], pad_id: int) -> list[list[int]]:
+    """Greedy outputs of ``model`` (up to and including the first EOS). Left-pads a batch."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, W]
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, W]
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    out = model.generate(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        do_sample=False,
+        max_new_tokens=max_tokens,
+        min_new_tokens=0,
+        pad_token_id=pad_id,
+        eos_token_id=sorted(eos) if eos else None,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )  # [B, W + T]
+    outputs = []
+    for row in out[:, width:].tolist():
+        cut = []
+        for t in row:
+            cut.append(t)
+            if t in eos:
+                break
+        outputs.append(cut)
+    return outputs
+
+
+@torch.inference_mode()
+def _teacher_rows(model: PreTrainedModel, tokens: list[int], prompt_len: int, top_k: int) -> SparseDist:
+    """One teacher-forced forward over ``tokens[:-1]``; sparse top-k at the T output positions."""
+    device = next(model.parameters()).device
+    n_out = len(tokens) - prompt_len
+    ids = torch.tensor([tokens[:-1]], dtype=torch.long, device=device)  # [1, L-1]
+    logits = model(input_ids=ids, use_cache=False, logits_to_keep=n_out).logits[0, -n_out:]  # [T, V]
+    return sparse_from_logits(logits.float().cpu(), min(top_k, logits.shape[-1]))
+
+
+def collect_teacher_data(
+    engine_or_target_model: Any,
+    tokenizer: PreTrainedTokenizerBase | None,
+    prompts: Sequence[str] | Sequence[list[int]],
+    max_tokens: int,
+    top_k: int,
+    chat_template: bool = True,
+    batch_size: int = 1,
+    log: Callable[[str], None] | None = None,
+) -> list[Sample]:
+    """One target greedy generation per prompt, then its sparse top-``top_k`` distribution at each output position.
+
+    ``prompts`` are texts (encoded with ``tokenizer``, chat template applied when asked and
+    available) or lists of token ids (used as given). ``engine_or_target_model`` is a
+    :class:`speculative.engine.SpeculativeEngine` (its target and tokenizer are used) or a model.
+    Prompts whose output is empty are skipped.
+    """
+    model, tokenizer = _unwrap_target(engine_or_target_model, tokenizer)
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+    encoded: list[tuple[str, list[int]]] = []
+    for p in prompts:
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ValueError("text prompts need a tokenizer")
+            encoded.append((p, _encode(tokenizer, p, chat_template)))
+        else:
+            encoded.append(("", [int(t) for t in p]))
+    if any(not ids for _, ids in encoded):
+        raise ValueError("empty prompt")
+    eos = _eos_ids(model, tokenizer)
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    if pad_id is None:
+        pad_id = min(eos) if eos else 0
+    was_training = model.training
+    model.eval()
+    samples: list[Sample] = []
+    t0 = time.perf_counter()
+    try:
+        for b in range(0, len(encoded), batch_size):
+            chunk = encoded[b : b + batch_size]
+            outs = _greedy_outputs(model, [ids for _, ids in chunk], max_tokens, eos, pad_id)
+            for (text, ids), out in zip(chunk, outs):
+                if not out:
+                    continue
+                tokens = ids + out
+                sd = _teacher_rows(model, tokens, len(ids), top_k)
+                samples.append(
+                    Sample(
+                        tokens=torch.tensor(tokens, dtype=torch.long),
+                        prompt_len=len(ids),
+                        ids=sd.ids.to(torch.int32),
+                        probs=sd.probs.float(),
+                        tail=sd.tail.float(),
+                        prompt=text,
+                    )
+                )
+            if log is not None:
+                done = min(b + batch_size, len(encoded))
+                log(f"teacher data: {done}/{len(encoded)} prompts, {time.perf_counter() - t0:.1f}s")
+    finally:
+        model.train(was_training)
+    return samples
+
+
+def save_samples(samples: list[Sample], path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [
+        {"tokens": s.tokens, "prompt_len": s.prompt_len, "ids": s.ids, "probs": s.probs, "tail": s.tail, "prompt": s.prompt}
+        for s in samples
+    ]
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(rows, tmp)
+    tmp.replace(path)
+
+
+def load_samples(path: str | Path) -> list[Sample]:
+    return [Sample(**row) for row in torch.load(Path(path), weights_only=True)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Restricted heads: target ids -> the student's column index
+# ---------------------------------------------------------------------------------------------
+
+
+def to_student_space(target: SparseDist, keep_ids: torch.Tensor, n_student: int | None = None) -> tuple[SparseDist, int]:
+    """Map a sparse target over target ids into a restricted head's index space.
+
+    Column j of the student is target id ``keep_ids[j]``. Named ids outside ``keep_ids`` fold
+    into the tail bin (their probability is added to ``tail``). To keep the [N, K] shape with
+    distinct ids per row, each folded column is renamed to a *placeholder* column
+    ``n_student + r`` (r = its rank among the row's folded columns) with probability 0; the
+    caller appends that many columns of a very negative logit to the student (see
+    :func:`pad_placeholders`), which then carry no mass for either side and every loss equals
+    the loss on (kept named ids + tail). Returns ``(mapped target, number of placeholder columns)``.
+
+    The student's tail bin is the mass on kept ids not named in the row; with
+    ``len(keep_ids) <= K`` it can be empty, so use a head larger than K.
+    """
+    keep_ids = keep_ids.to(torch.long).cpu()
+    n_student = len(keep_ids) if n_student is None else n_student
+    ids = target.ids.to(torch.long).cpu()  # [N, K]
+    size = int(max(ids.max().item() if ids.numel() else 0, keep_ids.max().item() if keep_ids.numel() else 0)) + 1
+    lookup = torch.full((size,), -1, dtype=torch.long)  # [size] target id -> student column or -1
+    lookup[keep_ids] = torch.arange(len(keep_ids))
+    col = lookup[ids]  # [N, K]
+    dropped = col < 0  # [N, K]
+    probs = target.probs
+    folded = (probs * dropped.to(probs.dtype)).sum(dim=-1)  # [N]
+    rank = dropped.long().cumsum(dim=-1) - 1  # [N, K] rank among the row's dropped columns
+    col = torch.where(dropped, n_student + rank, col)
+    n_placeholder = int(dropped.sum(dim=-1).max().item()) if dropped.numel() else 0
+    mapped = SparseDist(
+        ids=col,
+        probs=probs.masked_fill(dropped.to(probs.device), 0.0),
+        tail=target.tail + folded.to(target.tail.device),
+    )
+    return mapped, n_placeholder
+
+
+def pad_placeholders(student_logits: torch.Tensor, n_placeholder: int) -> torch.Tensor:
+    """Append ``n_placeholder`` columns of a very negative logit: [N, V] -> [N, V + n_placeholder]."""
+    if n_placeholder <= 0:
+        return student_logits
+    pad = student_logits.new_full((student_logits.shape[0], n_placeholder), _PLACEHOLDER_LOGIT)
+    return torch.cat([student_logits, pad], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Student forward on output positions
+# ---------------------------------------------------------------------------------------------
+
+
+def _pad_id(model: PreTrainedModel) -> int:
+    pid = getattr(model.config, "pad_token_id", None)
+    return int(pid) if isinstance(pid, int) else 0
+
+
+def student_logits_for(draft: PreTrainedModel, batch: Sequence[Sample]) -> torch.Tensor:
+    """Teacher-forced draft logits at the output positions of ``batch``, rows in sample order: [sum T, V_draft].
+
+    Sequences are right-padded; the decoder runs over every position (the prompt is the
+    context), the head only over the output positions.
+    """
+    device = next(draft.parameters()).device
+    lens = [int(s.tokens.shape[0]) - 1 for s in batch]  # inputs are tokens[:-1]
+    width = max(lens)
+    ids = torch.full((len(batch), width), _pad_id(draft), dtype=torch.long)  # [B, W]
+    mask = torch.zeros((len(batch), width), dtype=torch.long)  # [B, W]
+    rows, cols = [], []
+    for i, s in enumerate(batch):
+        ids[i, : lens[i]] = s.tokens[:-1]
+        mask[i, : lens[i]] = 1
+        pos = torch.arange(s.prompt_len - 1, lens[i])  # [T] positions whose next token is an output token
+        rows.append(torch.full_like(pos, i))
+        cols.append(pos)
+    decoder = getattr(draft, draft.base_model_prefix)
+    hidden = decoder(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).last_hidden_state  # [B, W, H]
+    picked = hidden[torch.cat(rows).to(device), torch.cat(cols).to(device)]  # [sum T, H]
+    return draft.get_output_embeddings()(picked)  # [sum T, V_draft]
+
+
+def _batch_target(batch: Sequence[Sample]) -> SparseDist:
+    return SparseDist(
+        ids=torch.cat([s.ids for s in batch]).long(),
+        probs=torch.cat([s.probs for s in batch]),
+        tail=torch.cat([s.tail for s in batch]),
+    )
+
+
+def _batches(samples: Sequence[Sample], positions: int) -> list[list[Sample]]:
+    """Consecutive samples packed until their output positions reach ``positions``."""
+    out, cur, n = [], [], 0
+    for s in samples:
+        cur.append(s)
+        n += s.n_out
+        if n >= positions:
+            out.append(cur)
+            cur, n = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+@torch.no_grad()
+def top1_agreement_on(draft: PreTrainedModel, samples: Sequence[Sample], keep_ids: torch.Tensor | None = None, batch_positions: int = 512) -> float:
+    """Teacher-forced top-1 agreement at output positions: the draft's argmax (mapped through
+    ``keep_ids``) equals the target's most probable token. In [0, 1]; nan without positions."""
+    was_training = draft.training
+    draft.eval()
+    hits = total = 0
+    try:
+        for batch in _batches([s for s in samples if s.n_out > 0], batch_positions):
+            pred = student_logits_for(draft, batch).argmax(dim=-1).cpu()  # [N] draft columns
+            if keep_ids is not None:
+                pred = keep_ids.cpu()[pred]  # [N] target ids
+            tgt = _batch_target(batch)
+            best = tgt.probs.argmax(dim=-1, keepdim=True)
+            top1 = tgt.ids.gather(1, best).squeeze(1)  # [N]
+            hits += int((pred == top1).sum())
+            total += int(top1.numel())
+    finally:
+        draft.train(was_training)
+    return hits / total if total else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------
+
+
+def _set_trainable(draft: PreTrainedModel, cfg: DistillConfig) -> list[torch.nn.Parameter]:
+    head = draft.get_output_embeddings().weight
+    emb = draft.get_input_embeddings().weight
+    tied = head is emb
+    for p in draft.parameters():
+        p.requires_grad_(True)
+    if tied:
+        emb.requires_grad_(cfg.train_head and cfg.train_embeddings)
+    else:
+        head.requires_grad_(cfg.train_head)
+        emb.requires_grad_(cfg.train_embeddings)
+    return [p for p in draft.parameters() if p.requires_grad]
+
+
+def distill(
+    draft: PreTrainedModel,
+    samples: Sequence[Sample],
+    cfg: DistillConfig = DistillConfig(),
+    keep_ids: torch.Tensor | None = None,
+    log: Callable[[str], None] | None = print,
+    heldout: Sequence[Sample] | None = None,
+) -> dict:
+    """Train ``draft`` in place on ``samples`` (teacher-forced, loss on output positions only).
+
+    AdamW with linear warm-up then a constant rate, global-norm gradient clipping; stops after
+    ``cfg.seconds`` of training, ``cfg.epochs`` passes or ``cfg.max_steps`` steps, whichever is
+    first. Top-1 agreement is measured before and after on ``heldout`` (or on ``samples`` when
+    no held-out set is given; ``agreement_on`` says which). Returns a JSON-serialisable history.
+    """
+    samples = [s for s in samples if s.n_out > 0]
+    if not samples:
+        raise ValueError("distill: no samples with output positions")
+    n_head = draft.get_output_embeddings().weight.shape[0]
+    if keep_ids is not None and len(keep_ids) != n_head:
+        raise ValueError(f"keep_ids has {len(keep_ids)} ids but the draft head has {n_head} rows")
+    loss_fn = get_loss(cfg.loss, **cfg.loss_options)
+    eval_set = list(heldout) if heldout else samples
+    agreement_on = "heldout" if heldout else "train"
+    say = log or (lambda _m: None)
+
+    before = top1_agreement_on(draft, eval_set, keep_ids, cfg.batch_positions)
+    say(f"distill: {len(samples)} samples, {sum(s.n_out for s in samples)} positions; agreement({agreement_on}) before {before:.4f}")
+
+    flags = [p.requires_grad for p in draft.parameters()]
+    params = _set_trainable(draft, cfg)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    rng = random.Random(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    keep_cpu = keep_ids.cpu() if keep_ids is not None else None
+    device = next(draft.parameters()).device
+
+    losses: list[float] = []
+    steps = positions = epochs_done = 0
+    stop_reason = "epochs"
+    draft.train()
+    t0 = time.perf_counter()
+    try:
+        for epoch in range(cfg.epochs):
+            order = list(samples)
+            rng.shuffle(order)
+            for batch in _batches(order, cfg.batch_positions):
+                target = _batch_target(batch)
+                n_ph = 0
+                if keep_cpu is not None:
+                    target, n_ph = to_student_space(target, keep_cpu)
+                target = SparseDist(ids=target.ids.to(device), probs=target.probs.to(device), tail=target.tail.to(device))
+                logits = pad_placeholders(student_logits_for(draft, batch), n_ph)  # [N, V_draft + n_ph]
+                loss = loss_fn(logits, target).mean()
+                if cfg.warmup_steps:
+                    for g in opt.param_groups:
+                        g["lr"] = cfg.lr * min(1.0, (steps + 1) / cfg.warmup_steps)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if cfg.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                opt.step()
+                steps += 1
+                positions += target.ids.shape[0]
+                losses.append(float(loss.detach()))
+                if steps % cfg.log_every == 0:
+                    el = time.perf_counter() - t0
+                    recent = losses[-cfg.log_every :]
+                    say(f"step {steps} epoch {epoch} loss {sum(recent) / len(recent):.4f} ({steps / el:.2f} steps/s, {positions / el:.0f} pos/s)")
+                if cfg.max_steps is not None and steps >= cfg.max_steps:
+                    stop_reason = "max_steps"
+                    break
+                if time.perf_counter() - t0 >= cfg.seconds:
+                    stop_reason = "seconds"
+                    break
+            else:
+                epochs_done += 1
+                continue
+            break
+    finally:
+        seconds = time.perf_counter() - t0
+        draft.eval()
+        for p, flag in zip(draft.parameters(), flags):
+            p.requires_grad_(flag)
+
+    after = top1_agreement_on(draft, eval_set, keep_ids, cfg.batch_positions)
+    say(f"distill: {steps} steps in {seconds:.1f}s ({stop_reason}); agreement({agreement_on}) {before:.4f} -> {after:.4f}")
+    return {
+        "steps": steps,
+        "seconds": seconds,
+        "steps_per_s": steps / seconds if seconds > 0 else float("nan"),
+        "positions_per_s": positions / seconds if seconds > 0 else float("nan"),
+        "epochs_done": epochs_done,
+        "stop_reason": stop_reason,
+        "loss_curve": losses,
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+        "agreement_on": agreement_on,
+        "agreement_before": before,
+        "agreement_after": after,
+        "n_train_samples": len(samples),
+        "n_train_positions": sum(s.n_out for s in samples),
+        "n_eval_positions": sum(s.n_out for s in eval_set),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end
+# ---------------------------------------------------------------------------------------------
+
+
+def _split(records: list, holdout: float, seed: int) -> tuple[list, list]:
+    order = list(records)
+    random.Random(seed).shuffle(order)
+    n_held = int(round(holdout * len(order)))
+    if holdout > 0 and len(order) > 1:
+        n_held = min(max(n_held, 1), len(order) - 1)
+    return order[n_held:], order[:n_held]
+
+
+def train_draft(
+    workload: str | Path,
+    domain: str | None,
+    out: str | Path,
+    draft_cfg: Any = None,
+    cfg: DistillConfig = DistillConfig(),
+    n_prompts: int = 60,
+    holdout: float = 0.2,
+    model_cfg: Any = None,
+    num_threads: int | None = 2,
+    teacher_cache: str | Path | None = None,
+    log: Callable[[str], None] | None = print,
+    exclude: str | Path | None = None,
+) -> dict:
+    """Distil a draft for ``domain`` (None: all) of ``workload`` and save it at ``out``.
+
+    The domain's records are split (seeded by ``cfg.seed``) into a held-out fraction
+    ``holdout`` and a training part, of which the first ``n_prompts`` are used. The target is
+    :class:`config.ModelConfig` (or ``model_cfg``), the draft ``draft_cfg`` (default: truncated,
+    2 layers); a restricted head keeps the frequent ids of the training prompts and the target's
+    outputs on them. ``teacher_cache``: a file to reuse (or write) the collected teacher data.
+    ``exclude``: a workload file whose texts must not be trained on (e.g. the benchmark's prompts).
+    Returns a JSON-serialisable report; the same summary goes into the saved draft's meta.
+    """
+    from bench.workloads import load_workload
+    from config import DraftConfig, ModelConfig
+    from drafts.build import build_draft_model, save_draft
+    from speculative.models import load_model
+
+    say = log or (lambda _m: None)
+    draft_cfg = draft_cfg if draft_cfg is not None else DraftConfig()
+    model_cfg = model_cfg if model_cfg is not None else ModelConfig()
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    torch.manual_seed(cfg.seed)
+
+    records = [r for r in load_workload(workload) if domain is None or r.domain == domain]
+    if exclude:
+        banned = {r.text for r in load_workload(exclude)}
+        records = [r for r in records if r.text not in banned]
+    if not records:
+        raise ValueError(f"no records of domain {domain!r} in {workload}")
+    train_recs, held_recs = _split(records, holdout, cfg.seed)
+    train_recs = train_recs[:n_prompts]
+    train_prompts = [r.text for r in train_recs]
+    held_prompts = [r.text for r in held_recs]
+
+    t0 = time.perf_counter()
+    target, tok = load_model(model_cfg)
+    load_s = time.perf_counter() - t0
+
+    cache = Path(teacher_cache) if teacher_cache else None
+    t0 = time.perf_counter()
+    if cache is not None and cache.exists():
+        data = load_samples(cache)
+        train_s = data[: len(train_prompts)]
+        held_s = data[len(train_prompts) :]
+        if [s.prompt for s in data] != train_prompts + held_prompts or any(s.ids.shape[1] != cfg.top_k for s in data):
+            raise ValueError(f"teacher cache {cache} was collected for other prompts or top_k")
+        say(f"teacher data: loaded {len(data)} samples from {cache}")
+    else:
+        everything = collect_teacher_data(
+            target, tok, train_prompts + held_prompts, cfg.max_tokens, cfg.top_k, batch_size=cfg.gen_batch_size, log=say
+        )
+        if len(everything) != len(train_prompts) + len(held_prompts):
+            raise RuntimeError("some prompts produced no output")  # keeps the train/held-out boundary simple
+        train_s, held_s = everything[: len(train_prompts)], everything[len(train_prompts) :]
+        if cache is not None:
+            save_samples(everything, cache)
+    teacher_s = time.perf_counter() - t0
+    teacher_tokens = sum(s.n_out for s in train_s + held_s)
+    say(f"teacher data: {len(train_s)} train + {len(held_s)} held-out samples, {teacher_tokens} output tokens, {teacher_s:.1f}s")
+
+    texts = train_prompts + [tok.decode(s.output, skip_special_tokens=True) for s in train_s]
+    draft, keep = build_draft_model(draft_cfg, target, tok, texts)
+    del target  # the teacher is no longer needed; free its memory before training
+    coverage = None
+    if keep is not None:
+        kept = set(keep.tolist())
+        top1 = [int(s.ids[t, 0]) for s in held_s for t in range(s.n_out)]
+        coverage = sum(t in kept for t in top1) / len(top1) if top1 else None
+
+    hist = distill(draft, train_s, cfg, keep_ids=keep, log=log, heldout=held_s or None)
+    meta = {
+        "domain": domain,
+        "loss": cfg.loss,
+        "steps": hist["steps"],
+        "agreement_before": hist["agreement_before"],
+        "agreement_after": hist["agreement_after"],
+        "agreement_on": hist["agreement_on"],
+        "seconds": hist["seconds"],
+        "n_train_prompts": len(train_s),
+        "n_heldout_prompts": len(held_s),
+        "draft": draft_cfg.model_dump(),
+        "distill": cfg.model_dump(),
+        "target": model_cfg.name,
+    }
+    save_draft(draft, out, keep, meta=meta)
+    report = {
+        **meta,
+        "out": str(out),
+        "workload": str(workload),
+        "target_load_s": load_s,
+        "teacher_s": teacher_s,
+        "teacher_tokens": teacher_tokens,
+        "teacher_tokens_per_s": teacher_tokens / teacher_s if teacher_s > 0 else None,
+        "steps_per_s": hist["steps_per_s"],
+        "positions_per_s": hist["positions_per_s"],
+        "stop_reason": hist["stop_reason"],
+        "epochs_done": hist["epochs_done"],
+        "loss_first": hist["loss_first"],
+        "loss_last": hist["loss_last"],
+        "loss_curve": hist["loss_curve"],
+        "heldout_top1_in_head": coverage,
+        "head_rows": int(draft.get_output_embeddings().weight.shape[0]),
+    }
+    return json.loads(json.dumps(report, default=str))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``osd train-draft --domain code --out DIR`` (= ``python -m learner.offline``); prints the JSON report."""
+    from config import DraftConfig
+
+    ap = argparse.ArgumentParser(prog="osd train-draft", description="Distil a draft offline from the target's greedy generations.")
+    ap.add_argument("--workload", default=str(Path(__file__).resolve().parent.parent / "bench" / "data" / "workload.jsonl"))
+    ap.add_argument("--domain", default=None)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--kind", default="truncated", choices=["truncated", "fresh"])
+    ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--head-vocab", type=int, default=None)
+    ap.add_argument("--n-prompts", type=int, default=60)
+    ap.add_argument("--holdout", type=float, default=0.2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--teacher-cache", default=None)
+    ap.add_argument("--loss", default="forward_kl")
+    ap.add_argument("--top-k", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--batch-positions", type=int, default=512)
+    ap.add_argument("--seconds", type=float, default=300.0)
+    ap.add_argument("--epochs", type=int, default=1000, help="upper bound; --seconds usually decides")
+    ap.add_argument("--exclude", default=None, help="workload file whose prompts are never trained on")
+    ap.add_argument("--json", default=None, help="write the report here")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    report = train_draft(
+        a.workload,
+        a.domain,
+        a.out,
+        DraftConfig(kind=a.kind, num_layers=a.num_layers, head_vocab=a.head_vocab),
+        DistillConfig(
+            loss=a.loss, top_k=a.top_k, lr=a.lr, max_tokens=a.max_tokens, batch_positions=a.batch_positions,
+            seconds=a.seconds, epochs=a.epochs, seed=a.seed,
+        ),
+        n_prompts=a.n_prompts,
+        holdout=a.holdout,
+        num_threads=a.threads,
+        teacher_cache=a.teacher_cache,
+        exclude=a.exclude,
+    )
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(report, indent=1))
+    report.pop("loss_curve", None)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
