@@ -21,11 +21,15 @@ from tqdm import tqdm
 from config import DraftConfig, EngineConfig, KPolicyConfig, ModelConfig, SamplingParams
 from speculative.engine import SpeculativeEngine
 from speculative.kpolicy import expected_speedup
+from speculative.proposers import NgramProposer
 from speculative.stats import SpecStats
 
 from .workloads import WorkloadRecord, load_workload
 
-METHODS = ("target", "spec", "hf_assisted", "hf_lookup")
+#: target: HF greedy generate (the reference); spec: our engine with the configured draft;
+#: spec_lookup: our engine with the prompt-lookup proposer alone; hf_assisted: HF generate with
+#: assistant_model = the same draft; hf_lookup: HF prompt-lookup decoding.
+METHODS = ("target", "spec", "spec_lookup", "hf_assisted", "hf_lookup")
 
 
 def select(records: list[WorkloadRecord], n: int, domains: list[str] | None = None) -> list[WorkloadRecord]:
@@ -95,6 +99,13 @@ def run_bench(
     if "target" not in methods:
         methods = ("target",) + methods  # the reference output and speed
     params = SamplingParams(max_tokens=max_tokens)
+    lookup = None
+    if "spec_lookup" in methods:
+        cfg = engine.cfg.model_copy(update={"draft": DraftConfig(kind="ngram")})
+        lookup = SpeculativeEngine(engine.target, engine.tokenizer, NgramProposer(cfg.draft.ngram), cfg)
+        lookup.costs.verify_s.update(engine.costs.verify_s)
+        lookup.costs.draft_s["ngram"] = 0.0
+    engines = {"spec": engine, "spec_lookup": lookup}
     tallies: dict[tuple[str, str], Tally] = defaultdict(Tally)
     rows = []
     for rec in tqdm(records, desc="bench", disable=not progress, unit="prompt"):
@@ -107,8 +118,8 @@ def run_bench(
             if m == "target":
                 continue
             stats = None
-            if m == "spec":
-                g = engine.generate(ids, params)
+            if m in engines:
+                g = engines[m].generate(ids, params)
                 toks, dt, stats = g.token_ids, g.seconds, g.stats
             elif m == "hf_assisted":
                 toks, dt = _hf_generate(target, ids, max_tokens, engine.eos_ids, assistant_model=assistant)
@@ -126,10 +137,11 @@ def run_bench(
                 if stats is not None:
                     t.spec.merge(stats)
         rows.append(row)
-    return summarise(engine, tallies, rows, methods, skipped, max_tokens)
+    return summarise(engines, tallies, rows, methods, skipped, max_tokens)
 
 
-def summarise(engine, tallies, rows, methods, skipped, max_tokens) -> dict:
+def summarise(engines, tallies, rows, methods, skipped, max_tokens) -> dict:
+    engine = engines["spec"]
     costs = engine.costs
     t1 = costs.verify_s.get(1)
     domains = sorted({d for (_, d) in tallies if d != "overall"}) + ["overall"]
@@ -153,11 +165,12 @@ def summarise(engine, tallies, rows, methods, skipped, max_tokens) -> dict:
                 "all_equal_target_greedy": t.equal == t.prompts,
                 "equal_prompts": t.equal,
             }
-            if m == "spec":
+            if m in engines:
                 s = t.spec
                 a = s.alpha
-                src = "draft" if "draft" in costs.draft_s else next(iter(costs.draft_s), None)
-                c = costs.c(src) if src else 0.0
+                mc = engines[m].costs
+                src = "draft" if "draft" in mc.draft_s else next(iter(mc.draft_s), None)
+                c = mc.c(src) if src else 0.0
                 k_max = engine.cfg.k.k_max
                 entry.update(
                     alpha=None if a is None else round(a, 4),
@@ -170,7 +183,7 @@ def summarise(engine, tallies, rows, methods, skipped, max_tokens) -> dict:
                     # the paper's formula (free verification) and with this machine's measured verify cost
                     theoretical_speedup=None if a is None else round(max(expected_speedup(a, k, c) for k in range(k_max + 1)), 3),
                     theoretical_speedup_measured_verify=None if a is None else round(
-                        max(expected_speedup(a, k, c, costs.relative_verify(k + 1)) for k in range(k_max + 1)), 3),
+                        max(expected_speedup(a, k, c, mc.relative_verify(k + 1)) for k in range(k_max + 1)), 3),
                 )
             d[m] = entry
         result["domains"][dom] = d

@@ -1,0 +1,69 @@
+"""The benchmark harness end to end on the tiny model: balanced selection, every method's output
+checked against target-only greedy, and the report's figures consistent with its rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.bench import format_table, run_bench, select
+from bench.workloads import WorkloadRecord
+from drafts.build import truncated_draft
+
+
+def _records():
+    texts = {
+        "code": ["def f(x): return x", "abcabc abcabc", "for i in range(3):"],
+        "chat": ["Hello world!", "The quick brown fox", "How are you?"],
+        "math": ["1 + 1 = 2, 2 + 2 = 4", "x*x - 1 = 0"],
+    }
+    return [WorkloadRecord(t, d, "en", f"test:{d}{i}") for d, ts in texts.items() for i, t in enumerate(ts)]
+
+
+def test_select_is_round_robin_and_bounded():
+    recs = _records()
+    picked = select(recs, 5)
+    assert [r.domain for r in picked] == ["code", "chat", "math", "code", "chat"]
+    assert select(recs, 100) == [r for r in picked] + [r for r in select(recs, 100)[5:]]
+    assert len(select(recs, 100)) == len(recs)
+    assert {r.domain for r in select(recs, 10, ["math"])} == {"math"}
+
+
+@pytest.fixture
+def bench_engine(make_engine, target, draft_proposer):
+    return make_engine(draft_proposer(truncated_draft(target, 1)), k=2)
+
+
+def test_run_bench_all_methods(bench_engine):
+    recs = _records()
+    res = run_bench(bench_engine, recs, max_tokens=12, progress=False)
+    overall = res["domains"]["overall"]
+    assert set(overall) == {"target", "spec", "spec_lookup", "hf_assisted", "hf_lookup"}
+    # every method decodes greedily: all outputs equal the target's
+    for m, e in overall.items():
+        assert e["all_equal_target_greedy"], m
+        assert e["prompts"] == len(recs)
+    # the report is consistent with its per-prompt rows
+    rows = res["rows"]
+    assert overall["target"]["tokens"] == sum(r["target"]["tokens"] for r in rows)
+    assert overall["spec"]["proposed"] == sum(r["spec"]["proposed"] for r in rows)
+    spec = overall["spec"]
+    assert spec["alpha"] == pytest.approx(spec["accepted"] / spec["proposed"], abs=1e-4)
+    assert spec["mean_k"] == pytest.approx(spec["proposed"] / spec["steps"], abs=1e-3)
+    assert overall["target"]["speedup"] == 1.0
+    assert set(res["domains"]) == {"code", "chat", "math", "overall"}
+    table = format_table(res)
+    assert "overall" in table and "spec_lookup" in table
+
+
+def test_run_bench_skips_assisted_for_restricted_head(make_engine, target, draft_proposer):
+    import torch
+
+    from drafts.build import restrict_head
+
+    keep = torch.arange(0, 64)
+    draft = restrict_head(truncated_draft(target, 1), keep)
+    engine = make_engine(draft_proposer(draft, keep), k=2)
+    res = run_bench(engine, _records()[:2], max_tokens=6, methods=("spec", "hf_assisted"), progress=False)
+    assert "hf_assisted" in res["skipped"]
+    assert set(res["domains"]["overall"]) == {"target", "spec"}
+    assert res["domains"]["overall"]["spec"]["all_equal_target_greedy"]
