@@ -49,10 +49,11 @@ def _char_tokenizer(name: str = "tiny-char", eos: str = "<eos>", chars: list[str
     )
 
 
-def _tiny_llama(num_layers: int = 3, seed: int = 0):
+def tiny_llama(num_layers: int = 3, seed: int = 0, **overrides):
+    """A tiny random Llama; ``overrides`` change LlamaConfig fields (vocab_size, eos_token_id, ...)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
+    fields = dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=32,
         intermediate_size=64,
@@ -68,12 +69,16 @@ def _tiny_llama(num_layers: int = 3, seed: int = 0):
         bos_token_id=None,
         pad_token_id=0,
     )
+    cfg = LlamaConfig(**{**fields, **overrides})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = 0
-    model.generation_config.pad_token_id = 0
-    model.generation_config.bos_token_id = None
+    model.generation_config.eos_token_id = cfg.eos_token_id
+    model.generation_config.pad_token_id = cfg.pad_token_id
+    model.generation_config.bos_token_id = cfg.bos_token_id
     return model
+
+
+_tiny_llama = tiny_llama
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
+
+from conftest import tiny_llama
 
 from drafts.build import load_draft, restrict_head, save_draft, truncated_draft
 from learner.losses import SparseDist, forward_kl, sparse_from_logits
@@ -27,22 +29,8 @@ VOCAB, EOS, TOP_K, MAX_TOKENS = 96, 2, 16, 12
 
 
 def tiny_target(layers: int = 4, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=EOS,
-        pad_token_id=0,
-        initializer_range=0.1,  # peakier than the default 0.02: a target with a learnable top-1
-    )
-    return LlamaForCausalLM(cfg).eval()
+    # peakier than the default 0.02 init: a target with a learnable top-1
+    return tiny_llama(layers, seed, vocab_size=VOCAB, bos_token_id=1, eos_token_id=EOS, initializer_range=0.1)
 
 
 def random_prompts(n: int, seed: int = 1) -> list[list[int]]:
