@@ -1,0 +1,425 @@
+"""Unit tests for learner.replay: records from hand-made StepResults, bounded shards, crash-safe logs.
+
+No model anywhere: steps and records are built from small tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import statistics
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from learner.losses import SparseDist
+from learner.replay import (
+    MAGIC,
+    RecordBuilder,
+    ReplayRecord,
+    ReplayShard,
+    ShardConfig,
+    ShardSet,
+    decode_record,
+    encode_record,
+    shard_path,
+)
+from speculative.engine import StepResult
+
+K = 4
+
+
+def make_step(start, draft, accepted, emitted, matches=None, source="draft", version=3, rid="r1", seed=0) -> StepResult:
+    k = len(draft)
+    g = torch.Generator().manual_seed(seed + start)
+    probs = torch.rand(k + 1, K, generator=g).softmax(-1) * 0.9  # [k+1, K]
+    probs, order = probs.sort(-1, descending=True)
+    ids = (torch.arange(K) * 7 + start)[order]  # [k+1, K] distinct per row, row-dependent
+    ids = ids + torch.arange(k + 1)[:, None] * 100
+    return StepResult(
+        request_id=rid,
+        source=source,
+        draft_version=version,
+        start=start,
+        draft_tokens=list(draft),
+        accepted=accepted,
+        draft_matches_target=list(matches) if matches is not None else [i < accepted for i in range(k)],
+        emitted=list(emitted),
+        target_top_ids=ids.long(),
+        target_top_probs=probs,
+        target_tail=1.0 - probs.sum(-1),
+        draft_s=0.0,
+        target_s=0.0,
+        finished=False,
+        finish_reason=None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# RecordBuilder
+# ---------------------------------------------------------------------------------------------
+
+
+def test_builder_keeps_rows_up_to_first_rejection():
+    prompt = [5, 6, 7]
+    step = make_step(3, draft=[10, 11], accepted=1, emitted=[10, 20], matches=[True, False])
+    b = RecordBuilder(probs_dtype=torch.float32)
+    b.add(step)
+    rec = b.finish(prompt + [10, 20], prompt_len=3, domain="code", tenant="t", draft_id="d")
+    assert rec.positions.tolist() == [3, 4]
+    assert torch.equal(rec.top_ids, step.target_top_ids[:2].int())
+    assert torch.equal(rec.top_probs, step.target_top_probs[:2])
+    assert torch.allclose(rec.tail.float(), step.target_tail[:2])
+    # row 0: draft proposed 10 = target argmax; row 1: proposed 11 != argmax
+    assert rec.draft_wrong.tolist() == [False, True]
+    assert rec.proposed.tolist() == [True, True]
+    assert (rec.domain, rec.tenant, rec.draft_id, rec.draft_version, rec.request_id) == ("code", "t", "d", 3, "r1")
+    assert rec.context == "teacher" and rec.loss is None and len(b) == 0
+    sd = rec.to_sparse()
+    assert isinstance(sd, SparseDist) and sd.ids.dtype == torch.long and sd.ids.shape == (2, K)
+
+
+def test_builder_k0_step_has_one_unproposed_row():
+    b = RecordBuilder()
+    b.add(make_step(2, draft=[], accepted=0, emitted=[9], source="none"))
+    rec = b.finish([1, 2, 9], prompt_len=2, draft_id="d")
+    assert rec.positions.tolist() == [2]
+    assert rec.top_ids.shape == (1, K) and rec.top_probs.dtype == torch.float16
+    assert rec.draft_wrong.tolist() == [True] and rec.proposed.tolist() == [False]
+
+
+def test_builder_multi_step_contiguous_and_bonus_rows():
+    prompt = [1, 2, 3, 4]
+    steps = [
+        make_step(4, draft=[7, 8, 9], accepted=3, emitted=[7, 8, 9, 30]),  # all accepted + bonus token
+        make_step(8, draft=[], accepted=0, emitted=[31], source="none"),
+        make_step(9, draft=[40, 41], accepted=0, emitted=[32], matches=[False, True]),
+        make_step(10, draft=[50], accepted=1, emitted=[50, 33], source="ngram"),
+    ]
+    tokens = prompt + [7, 8, 9, 30, 31, 32, 50, 33]
+    b = RecordBuilder(probs_dtype=torch.float32)
+    for s in reversed(steps):  # order of arrival does not matter
+        b.add(s)
+    rec = b.finish(tokens, prompt_len=4, draft_id="d")
+    assert rec.positions.tolist() == list(range(4, 12))
+    assert rec.draft_wrong.tolist() == [False, False, False, True, True, True, True, True]
+    assert rec.proposed.tolist() == [True, True, True, False, False, True, False, False]
+    assert torch.equal(rec.top_ids[3], steps[0].target_top_ids[3].int())  # the bonus row
+    sample = rec.to_sample()
+    assert sample.prompt_len == 4 and sample.n_out == 8 and sample.ids.shape == (8, K)
+
+
+def test_builder_request_ending_inside_a_step():
+    # 3 drafts accepted but the 2nd was EOS: emitted = [d1]; rows 0..1 kept, row 1 predicts EOS past the end
+    step = make_step(2, draft=[5, 2, 6], accepted=3, emitted=[5])
+    b = RecordBuilder()
+    b.add(step)
+    rec = b.finish([1, 1, 5], prompt_len=2, draft_id="d")
+    assert rec.positions.tolist() == [2, 3]
+    assert rec.to_sample().n_out == 1  # the row past the end is dropped there
+    # EOS as the very first output token: nothing emitted, one row (predicting the EOS)
+    b.add(make_step(2, draft=[], accepted=0, emitted=[]))
+    rec = b.finish([1, 1], prompt_len=2)
+    assert rec.positions.tolist() == [2]
+    with pytest.raises(ValueError):
+        rec.to_sample()
+
+
+def test_builder_student_rows_optional():
+    step = make_step(3, draft=[10, 11, 12], accepted=1, emitted=[10, 20], matches=[True, False, True])
+    tokens = [5, 6, 7, 10, 20]
+    b = RecordBuilder(keep_student_rows=False)
+    b.add(step)
+    assert b.finish(tokens, 3, draft_id="d").n_rows == 2 and b.student_records == []
+    b = RecordBuilder(keep_student_rows=True, probs_dtype=torch.float32)
+    b.add(step)
+    rec = b.finish(tokens, 3, draft_id="d")
+    assert rec.n_rows == 2
+    (stu,) = b.student_records
+    assert stu.context == "student"
+    assert stu.tokens.tolist() == [5, 6, 7, 10, 11, 12]  # the draft's own branch
+    assert stu.positions.tolist() == [5, 6]  # rows 2..3, conditioned on the rejected d_2
+    assert torch.equal(stu.top_ids, step.target_top_ids[2:].int())
+    assert stu.draft_wrong.tolist() == [False, True] and stu.proposed.tolist() == [True, False]
+
+
+def test_builder_rejects_mismatched_tokens():
+    b = RecordBuilder()
+    b.add(make_step(3, draft=[10], accepted=1, emitted=[10, 20]))
+    with pytest.raises(ValueError, match="does not match"):
+        b.finish([5, 6, 7, 10, 21], prompt_len=3)
+    b = RecordBuilder()
+    b.add(make_step(3, draft=[], accepted=0, emitted=[9], rid="a"))
+    with pytest.raises(ValueError, match="request"):
+        b.add(make_step(4, draft=[], accepted=0, emitted=[9], rid="b"))
+
+
+def test_encode_decode_round_trip():
+    rec = make_record(3, loss=1.5, probs_dtype=torch.float16)
+    rec.seq = 17
+    back = decode_record(encode_record(rec))
+    assert back.same_as(rec)
+    assert abs(len(encode_record(rec)) - rec.nbytes) < 256  # nbytes approximates the on-disk size
+
+
+# ---------------------------------------------------------------------------------------------
+# Shards
+# ---------------------------------------------------------------------------------------------
+
+
+def make_record(i: int, loss=None, draft_id="d", rows=8, length=24, probs_dtype=torch.float32) -> ReplayRecord:
+    g = torch.Generator().manual_seed(i)
+    probs = torch.rand(rows, K, generator=g).softmax(-1).sort(-1, descending=True).values * 0.9
+    return ReplayRecord(
+        tokens=torch.randint(0, 100, (length,), generator=g),
+        prompt_len=length - rows,
+        positions=torch.arange(length - rows, length),
+        top_ids=torch.randint(0, 100, (rows, K), generator=g),
+        top_probs=probs.to(probs_dtype),
+        tail=(1 - probs.sum(-1)).to(probs_dtype),
+        draft_wrong=torch.rand(rows, generator=g) < 0.5,
+        domain="code",
+        tenant=f"t{i % 3}",
+        draft_id=draft_id,
+        draft_version=i,
+        created=1000.0 + i,
+        loss=loss,
+        request_id=f"req{i:05d}",
+    )
+
+
+REC_BYTES = make_record(0).nbytes
+
+
+@pytest.mark.parametrize("policy", ["fifo", "reservoir", "high_loss"])
+def test_byte_bound_holds(policy):
+    cfg = ShardConfig(max_bytes=10 * REC_BYTES + 5, eviction=policy)
+    shard = ReplayShard(cfg, "d")
+    for i in range(300):
+        shard.append(make_record(i, loss=float(i % 17) if i % 2 else None))
+        if policy == "high_loss" and i % 5 == 0 and len(shard):
+            shard.update_loss(shard.records()[0].seq, 0.5)
+        assert shard.nbytes <= cfg.max_bytes
+        assert shard.appended == len(shard) + shard.evicted
+    assert len(shard) == 10 and shard.nbytes == sum(r.nbytes for r in shard.records())
+    assert shard.stats()["appended"] == 300 and shard.stats()["evicted"] == 290
+
+
+def test_fifo_evicts_oldest():
+    shard = ReplayShard(ShardConfig(max_bytes=5 * REC_BYTES, eviction="fifo"), "d")
+    for i in range(20):
+        shard.append(make_record(i))
+    assert [r.seq for r in shard.records()] == list(range(15, 20))
+    assert [r.request_id for r in shard.records()] == [f"req{i:05d}" for i in range(15, 20)]
+
+
+def test_reservoir_is_roughly_uniform():
+    n, cap = 2000, 100
+    shard = ReplayShard(ShardConfig(max_bytes=cap * REC_BYTES, eviction="reservoir", seed=1), "d")
+    rec = make_record(0)
+    for _ in range(n):
+        shard.append(rec)  # same content: only the seq differs
+    kept = [r.seq for r in shard.records()]
+    assert len(kept) == cap and len(set(kept)) == cap
+    assert abs(statistics.mean(kept) - (n - 1) / 2) < 0.12 * n  # ~4 standard errors
+    quarters = np.histogram(kept, bins=4, range=(0, n))[0]
+    assert quarters.min() >= cap // 4 - 12, quarters  # every quarter of the stream is represented
+
+
+def test_high_loss_keeps_high_losses_and_unscored():
+    shard = ReplayShard(ShardConfig(max_bytes=10 * REC_BYTES, eviction="high_loss"), "d")
+    losses = list(range(50))
+    random.Random(0).shuffle(losses)
+    for i, l in enumerate(losses):
+        shard.append(make_record(i, loss=float(l)))
+    assert sorted(r.loss for r in shard.records()) == [float(x) for x in range(40, 50)]
+    # an unscored newcomer stays (+inf) and pushes out the lowest loss
+    seq = shard.append(make_record(99))
+    assert seq in shard and sorted(r.loss for r in shard.records() if r.loss is not None)[0] == 41.0
+    # once scored low, it is the next one out
+    shard.update_loss(seq, 0.1)
+    shard.append(make_record(100, loss=45.5))
+    assert seq not in shard
+    # a newcomer scored below everything is evicted at once
+    assert shard.append(make_record(101, loss=-1.0)) is not None and len(shard) == 10
+    assert min(r.loss for r in shard.records()) > 0
+
+
+def test_oversize_record_refused():
+    shard = ReplayShard(ShardConfig(max_bytes=REC_BYTES - 1), "d")
+    assert shard.append(make_record(0)) is None
+    assert len(shard) == 0 and shard.evicted == 1 and shard.appended == 1
+
+
+def test_sample():
+    shard = ReplayShard(ShardConfig(max_bytes=100 * REC_BYTES), "d")
+    for i in range(30):
+        shard.append(make_record(i))
+    a = shard.sample(10, random.Random(3))
+    assert len(a) == 10 and len({r.seq for r in a}) == 10
+    assert [r.seq for r in a] == [r.seq for r in shard.sample(10, random.Random(3))]
+    assert len(shard.sample(100, np.random.default_rng(0))) == 30
+    assert shard.sample(0) == []
+
+
+def test_draft_id_mismatch_rejected():
+    with pytest.raises(ValueError):
+        ReplayShard(ShardConfig(), "d").append(make_record(0, draft_id="other"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Persistence
+# ---------------------------------------------------------------------------------------------
+
+
+def assert_same(a: list[ReplayRecord], b: list[ReplayRecord]):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.same_as(y), (x.seq, y.seq)
+
+
+@pytest.mark.parametrize("policy", ["fifo", "reservoir", "high_loss"])
+def test_persistence_round_trip(tmp_path, policy):
+    cfg = ShardConfig(max_bytes=8 * REC_BYTES, eviction=policy, dir=tmp_path, fsync=True, seed=2)
+    shard = ReplayShard.open(cfg, "draft/A")
+    for i in range(40):
+        shard.append(make_record(i, draft_id="draft/A", loss=float((i * 7) % 13)))
+        if i % 4 == 0 and len(shard):
+            shard.update_loss(shard.records()[-1].seq, 20.0 + i)
+    before, stats = shard.records(), shard.stats()
+    shard.close()
+    assert shard_path(tmp_path, "draft/A").exists()
+    again = ReplayShard.open(cfg, "draft/A")
+    assert_same(again.records(), before)
+    for k in ("records", "bytes", "appended", "evicted"):
+        assert again.stats()[k] == stats[k]
+    # the reloaded shard keeps going under the same bound
+    for i in range(40, 60):
+        again.append(make_record(i, draft_id="draft/A"))
+        assert again.nbytes <= cfg.max_bytes
+    assert again.appended == 60
+    again.close()
+
+
+def test_reopen_with_smaller_bound_evicts(tmp_path):
+    cfg = ShardConfig(max_bytes=10 * REC_BYTES, dir=tmp_path)
+    with ReplayShard.open(cfg, "d") as shard:
+        for i in range(10):
+            shard.append(make_record(i))
+    small = ReplayShard.open(cfg.model_copy(update={"max_bytes": 4 * REC_BYTES}), "d")
+    assert [r.seq for r in small.records()] == [6, 7, 8, 9] and small.evicted == 6
+    small.close()
+
+
+def fill(tmp_path, n=5, **kw) -> tuple[ShardConfig, list[ReplayRecord], list[int]]:
+    """n records in a fresh log; returns the config, the records and the byte offset after each frame."""
+    cfg = ShardConfig(max_bytes=100 * REC_BYTES, dir=tmp_path, **kw)
+    ends = []
+    with ReplayShard.open(cfg, "d") as shard:
+        for i in range(n):
+            shard.append(make_record(i))
+            ends.append(shard_path(tmp_path, "d").stat().st_size)
+        recs = shard.records()
+    return cfg, recs, ends
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "header_only"])
+def test_torn_final_record(tmp_path, caplog, damage):
+    cfg, recs, ends = fill(tmp_path)
+    path = shard_path(tmp_path, "d")
+    data = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(data[:-7])  # the last record loses its last bytes
+        expect = recs[:-1]
+    elif damage == "garbage":
+        path.write_bytes(data + b"\x00\xff" * 10)  # bad magic
+        expect = recs
+    else:
+        path.write_bytes(data + MAGIC + struct.pack("<II", 1000, 0) + b"xyz")  # payload cut short
+        expect = recs
+    with caplog.at_level(logging.WARNING, logger="learner.replay"):
+        shard = ReplayShard.open(cfg, "d")
+    assert any("dropped" in r.getMessage() for r in caplog.records)
+    assert_same(shard.records(), expect)
+    assert path.stat().st_size == ends[len(expect) - 1]  # truncated to the last good frame
+    assert list(tmp_path.glob("shard-d.log.corrupt-*"))  # the dropped bytes were set aside
+    seq = shard.append(make_record(50))
+    assert seq == len(expect)
+    shard.close()
+    again = ReplayShard.open(cfg, "d")
+    assert [r.seq for r in again.records()] == [r.seq for r in expect] + [seq]
+    again.close()
+
+
+def test_crc_corruption_in_the_middle_stops_there(tmp_path, caplog):
+    """A bad frame ends the replay: later frames are dropped even if intact (boundaries are untrusted)."""
+    cfg, recs, ends = fill(tmp_path)
+    path = shard_path(tmp_path, "d")
+    data = bytearray(path.read_bytes())
+    data[(ends[1] + ends[2]) // 2] ^= 0xFF  # flip a payload byte of the 3rd record
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="learner.replay"):
+        shard = ReplayShard.open(cfg, "d")
+    assert any("crc mismatch" in r.getMessage() for r in caplog.records)
+    assert_same(shard.records(), recs[:2])
+    assert path.stat().st_size == ends[1]
+    assert shard.appended == 2  # the lost records' seqs are reused: nothing after them survived
+    shard.append(make_record(9))
+    shard.close()
+    assert len(ReplayShard.open(cfg, "d")) == 3
+
+
+def test_compaction_preserves_live_records(tmp_path):
+    cfg = ShardConfig(max_bytes=6 * REC_BYTES, dir=tmp_path, eviction="high_loss")
+    shard = ReplayShard.open(cfg, "d")
+    path = shard_path(tmp_path, "d")
+    for i in range(12):
+        shard.append(make_record(i, loss=float(i % 5)))
+    shard.update_loss(shard.records()[0].seq, 99.0)
+    live, size = shard.records(), path.stat().st_size
+    shard.compact()
+    assert path.stat().st_size < size and not list(tmp_path.glob("*.tmp"))
+    assert_same(shard.records(), live)
+    shard.append(make_record(100, loss=50.0))  # appends go to the new file
+    live, stats = shard.records(), shard.stats()
+    shard.close()
+    again = ReplayShard.open(cfg, "d")
+    assert_same(again.records(), live)
+    assert (again.appended, again.evicted) == (stats["appended"], stats["evicted"])
+    assert 99.0 in [r.loss for r in again.records()]
+    again.close()
+
+
+def test_automatic_compaction_bounds_the_log(tmp_path):
+    cfg = ShardConfig(max_bytes=5 * REC_BYTES, dir=tmp_path, compact_factor=2.0)
+    shard = ReplayShard.open(cfg, "d")
+    for i in range(200):
+        shard.append(make_record(i))
+        assert shard.log_bytes == shard_path(tmp_path, "d").stat().st_size
+        assert shard.log_bytes <= 3 * cfg.max_bytes + REC_BYTES
+    assert shard.compactions > 5
+    live = shard.records()
+    shard.close()
+    again = ReplayShard.open(cfg, "d")
+    assert_same(again.records(), live)
+    assert again.appended == 200 and again.evicted == 195
+    again.close()
+
+
+def test_shard_set(tmp_path):
+    cfg = ShardConfig(max_bytes=3 * REC_BYTES, dir=tmp_path)
+    with ShardSet(cfg) as ss:
+        for i in range(5):
+            ss.append(make_record(i, draft_id="a"))
+        ss.append(make_record(9, draft_id="b/c"))
+        stats = ss.stats()
+    assert stats["a"]["records"] == 3 and stats["a"]["appended"] == 5 and stats["a"]["evicted"] == 2
+    assert stats["b/c"]["records"] == 1 and stats["b/c"]["bytes"] == make_record(9, draft_id="b/c").nbytes
+    with ShardSet.open(cfg) as again:
+        assert set(again) == {"a", "b/c"}
+        for d in ("a", "b/c"):
+            assert {k: again.stats()[d][k] for k in ("records", "bytes", "appended", "evicted")} == {
+                k: stats[d][k] for k in ("records", "bytes", "appended", "evicted")
+            }
