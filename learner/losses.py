@@ -290,6 +290,13 @@ LOSSES: Dict[str, LossFn] = {
 }
 
 
+def check_loss_name(name: str) -> str:
+    """Validate a loss name (for typed configs): one of :data:`LOSSES`."""
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; expected one of {sorted(LOSSES)}")
+    return name
+
+
 def get_loss(name: str, **kw) -> LossFn:
     """Loss ``name`` with keyword arguments bound: ``fn(student_logits, target) -> [N]``.
 

@@ -28,13 +28,13 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Annotated, Any, Callable, Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from learner.losses import LOSSES, SparseDist, get_loss, sparse_from_logits
+from learner.losses import check_loss_name, SparseDist, get_loss, sparse_from_logits
 
 __all__ = [
     "DistillConfig",
@@ -59,7 +59,7 @@ class DistillConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    loss: str = "forward_kl"
+    loss: Annotated[str, AfterValidator(check_loss_name)] = "forward_kl"
     #: extra keyword arguments of the loss (e.g. {"beta": 0.5} for jsd, {"temperature": 2.0})
     loss_options: dict[str, float] = Field(default_factory=dict)
     #: K of the sparse target kept per output position
@@ -86,13 +86,6 @@ class DistillConfig(BaseModel):
     #: train the input embeddings; a tied embedding/head matrix trains only if both flags are set
     train_embeddings: bool = True
     log_every: int = Field(default=10, ge=1)
-
-    @field_validator("loss")
-    @classmethod
-    def _known_loss(cls, v: str) -> str:
-        if v not in LOSSES:
-            raise ValueError(f"unknown loss {v!r}; expected one of {sorted(LOSSES)}")
-        return v
 
 
 @dataclass

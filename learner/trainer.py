@@ -1,0 +1,536 @@
+"""The online learner core: distil each draft from the replay shards while serving (Ray-free).
+
+* :class:`DraftTrainer` - one per draft. Holds a *training copy* of the draft (never the serving
+  model), its AdamW optimiser, ``keep_ids``, the version counter and the held-back records of the
+  gate. :meth:`DraftTrainer.train_round` runs a few steps on a batch of replay records (the maths
+  is :mod:`learner.offline`'s: records -> :class:`learner.offline.Sample` via ``to_sample()``,
+  :func:`learner.offline.student_logits_for`, :func:`learner.offline.to_student_space`,
+  :func:`learner.offline.pad_placeholders`), then :meth:`DraftTrainer.gate` decides; a failing
+  candidate is discarded (pre-round weights and optimiser state restored) and logged.
+  :meth:`DraftTrainer.publish` bumps the version, checkpoints atomically
+  (``checkpoint_dir/<draft_id>/v<version>`` + an atomically replaced ``LATEST`` file) and returns
+  the state dict as numpy arrays (what an object store carries to the serving engines).
+* :class:`OnlineLearner` - holds a :class:`learner.replay.ShardSet` and the trainers. ``observe``
+  routes records to the shards (or, a ``holdout_fraction`` of them, to the trainer's held-back
+  set) and keeps per-draft traffic / lost-acceptance counts over a recent window; ``maybe_train``
+  runs one round every ``train_every`` records on the draft with the largest
+  ``traffic x (1 - acceptance)`` and hands accepted weights to the subscribers
+  (e.g. ``engine.swap_draft``).
+
+The learner never blocks a request: ``should_yield()`` is checked before every training step and
+the round stops as soon as it returns True; ``max_cpu_share`` sleeps between steps so training
+uses at most that share of wall time.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import random
+import re
+import shutil
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Any, Callable, Iterable, Literal, Sequence
+
+import numpy as np
+import torch
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from drafts.build import load_draft, save_draft
+from learner.losses import check_loss_name, SparseDist, get_loss
+from learner.offline import Sample, pad_placeholders, student_logits_for, to_student_space, top1_agreement_on
+from learner.replay import ReplayRecord, ShardConfig, ShardSet
+
+__all__ = ["LearnerConfig", "RoundReport", "DraftTrainer", "OnlineLearner", "records_to_batch"]
+
+log = logging.getLogger(__name__)
+
+LATEST = "LATEST"
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+class LearnerConfig(BaseModel):
+    """Settings of the online learner (shared by all drafts)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: records observed (all drafts together) between training rounds
+    train_every: int = Field(default=64, ge=1)
+    #: records sampled from the chosen draft's shard per round
+    batch_records: int = Field(default=16, ge=1)
+    #: optimiser steps per round (each over the whole batch)
+    steps_per_round: int = Field(default=4, ge=1)
+    lr: float = Field(default=1e-4, gt=0.0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    #: max global gradient norm; 0 disables clipping
+    grad_clip: float = Field(default=1.0, ge=0.0)
+    #: loss name for learner.losses.get_loss
+    loss: Annotated[str, AfterValidator(check_loss_name)] = "forward_kl"
+    loss_options: dict[str, float] = Field(default_factory=dict)
+    #: train only where the draft was wrong (``draft_wrong`` rows) or on all rows
+    positions: Literal["wrong", "all"] = "wrong"
+    #: share of observed records held back (never trained on) for the gate
+    holdout_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
+    #: held-back records kept per draft (oldest dropped)
+    holdout_max: int = Field(default=64, ge=1)
+    #: max allowed drop of held-out top-1 agreement (candidate >= current - margin)
+    gate_margin: float = Field(default=0.0, ge=0.0)
+    checkpoint_dir: Path | None = None
+    #: checkpoints kept per draft (the newest ones; LATEST is never deleted)
+    keep_versions: int = Field(default=3, ge=1)
+    #: recent records per draft used by pick_draft
+    window: int = Field(default=256, ge=1)
+    #: fraction of wall time training may use (sleeps between steps); 1 = no sleeping
+    max_cpu_share: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int = 0
+
+
+@dataclass
+class RoundReport:
+    draft_id: str
+    steps: int = 0
+    loss_before: float | None = None
+    loss_after: float | None = None
+    seconds: float = 0.0
+    records: int = 0
+    positions: int = 0  # trained rows per step
+    stopped_early: bool = False  # should_yield stopped the round
+    accepted: bool = False
+    reason: str = ""
+    agreement_before: float | None = None  # held-out top-1 agreement, pre-round weights
+    agreement_after: float | None = None
+    version: int | None = None  # published version (set by OnlineLearner on success)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Records -> training batch
+# ---------------------------------------------------------------------------------------------
+
+
+def records_to_batch(records: Iterable[ReplayRecord], positions: str = "all") -> tuple[list[Sample], torch.Tensor]:
+    """Samples (``to_sample()``) and the row mask over their concatenated output rows.
+
+    ``positions="wrong"`` keeps the rows where ``draft_wrong``; ``"all"`` every row. Records that
+    cannot become a Sample (no row inside the sequence, non-contiguous rows) are skipped.
+    """
+    samples, masks = [], []
+    for rec in records:
+        try:
+            s = rec.to_sample()
+        except ValueError:
+            continue
+        if s.n_out <= 0:
+            continue
+        if positions == "wrong":
+            m = rec.draft_wrong[rec.positions < rec.tokens.shape[0]]
+        else:
+            m = torch.ones(s.n_out, dtype=torch.bool)
+        samples.append(s)
+        masks.append(m)
+    mask = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
+    return samples, mask
+
+
+def _state_numpy(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {k: v.detach().cpu().clone().numpy() for k, v in model.state_dict().items()}
+
+
+def _all_finite(model: torch.nn.Module) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# One draft
+# ---------------------------------------------------------------------------------------------
+
+
+class DraftTrainer:
+    """Training copy + optimiser + versions + checkpoints of one draft.
+
+    ``draft`` is deep-copied: the serving model is never touched (it gets weights through
+    :meth:`publish` and a subscriber). ``version`` is the version of the weights currently
+    accepted (0 = the initial draft). With ``cfg.checkpoint_dir`` set, the constructor reloads
+    the latest checkpoint (:meth:`load_latest`) or, when there is none, saves the initial weights
+    as ``v<version>``.
+    """
+
+    def __init__(
+        self,
+        draft_id: str,
+        draft: torch.nn.Module,
+        cfg: LearnerConfig = LearnerConfig(),
+        keep_ids: torch.Tensor | None = None,
+        version: int = 0,
+    ):
+        self.draft_id = draft_id
+        self.cfg = cfg
+        self.model = copy.deepcopy(draft).eval()  # the training copy; the serving model is never touched
+        for p in self.model.parameters():
+            p.requires_grad_(True)
+        self.keep_ids = keep_ids.to(torch.long).cpu() if keep_ids is not None else None
+        n_head = self.model.get_output_embeddings().weight.shape[0]
+        if self.keep_ids is not None and len(self.keep_ids) != n_head:
+            raise ValueError(f"keep_ids has {len(self.keep_ids)} ids but the draft head has {n_head} rows")
+        self.loss_fn = get_loss(cfg.loss, **cfg.loss_options)
+        self.opt = self._new_optimizer()
+        self.version = int(version)
+        self.holdout: deque[ReplayRecord] = deque(maxlen=cfg.holdout_max)
+        self.rounds = 0
+        self.rejected = 0
+        self.history: list[RoundReport] = []
+        if self.ckpt_root is not None:
+            if self.load_latest() is None:
+                self._checkpoint(self.version, {"initial": True})
+
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+
+    # -- held-back records ----------------------------------------------------------------------
+    def add_holdout(self, record: ReplayRecord) -> None:
+        self.holdout.append(record)
+
+    def holdout_samples(self) -> list[Sample]:
+        return records_to_batch(self.holdout, "all")[0]
+
+    def agreement(self, model: torch.nn.Module | None = None) -> float | None:
+        """Teacher-forced top-1 agreement on the held-back records (None without any)."""
+        samples = self.holdout_samples()
+        if not samples:
+            return None
+        a = top1_agreement_on(model if model is not None else self.model, samples, self.keep_ids)
+        return None if math.isnan(a) else a
+
+    # -- training -------------------------------------------------------------------------------
+    def _loss(self, samples: Sequence[Sample], mask: torch.Tensor) -> torch.Tensor:
+        target = SparseDist(
+            ids=torch.cat([s.ids for s in samples]).long()[mask],
+            probs=torch.cat([s.probs for s in samples])[mask],
+            tail=torch.cat([s.tail for s in samples])[mask],
+        )
+        n_ph = 0
+        if self.keep_ids is not None:
+            target, n_ph = to_student_space(target, self.keep_ids)
+        device = next(self.model.parameters()).device
+        target = SparseDist(ids=target.ids.to(device), probs=target.probs.to(device), tail=target.tail.to(device))
+        logits = student_logits_for(self.model, samples)[mask.to(device)]  # [N, V_draft]
+        return self.loss_fn(pad_placeholders(logits, n_ph), target).mean()
+
+    @torch.no_grad()
+    def _eval_loss(self, samples, mask) -> float:
+        was = self.model.training
+        self.model.eval()
+        try:
+            return float(self._loss(samples, mask))
+        finally:
+            self.model.train(was)
+
+    def snapshot(self) -> tuple[dict, dict]:
+        """Deep copies of the weights and the optimiser state."""
+        return (
+            {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            copy.deepcopy(self.opt.state_dict()),
+        )
+
+    def restore(self, snap: tuple[dict, dict]) -> None:
+        weights, opt_state = snap
+        self.model.load_state_dict(weights)
+        self.opt.load_state_dict(copy.deepcopy(opt_state))
+
+    def train_round(self, records: Sequence[ReplayRecord], should_yield: Callable[[], bool] | None = None) -> RoundReport:
+        """Up to ``steps_per_round`` steps on ``records``, then the gate.
+
+        Returns the report; ``accepted`` is True when the new weights passed the gate (they stay
+        in the training copy; call :meth:`publish` to version and ship them). Otherwise the
+        pre-round weights and optimiser state are restored. ``should_yield`` is checked before
+        every step: when it returns True the round stops (a round with 0 steps changes nothing).
+        """
+        cfg = self.cfg
+        rep = RoundReport(draft_id=self.draft_id, records=len(records))
+        t0 = time.perf_counter()
+        samples, mask = records_to_batch(records, cfg.positions)
+        rep.positions = int(mask.sum())
+        if rep.positions == 0:
+            rep.reason = "no trainable rows"
+            rep.seconds = time.perf_counter() - t0
+            return rep
+        if should_yield is not None and should_yield():
+            rep.stopped_early, rep.reason = True, "yielded before the first step"
+            rep.seconds = time.perf_counter() - t0
+            return rep
+        snap = self.snapshot()
+        rep.agreement_before = self.agreement()
+        rep.loss_before = self._eval_loss(samples, mask)
+        self.model.train()
+        try:
+            for i in range(cfg.steps_per_round):
+                if i > 0 and should_yield is not None and should_yield():
+                    rep.stopped_early = True
+                    break
+                ts = time.perf_counter()
+                loss = self._loss(samples, mask)
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if cfg.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+                self.opt.step()
+                rep.steps += 1
+                if cfg.max_cpu_share < 1.0 and i + 1 < cfg.steps_per_round:
+                    self._pause((time.perf_counter() - ts) * (1.0 / cfg.max_cpu_share - 1.0), should_yield)
+        except Exception:
+            self.restore(snap)
+            self.model.eval()
+            raise
+        self.model.eval()
+        rep.loss_after = self._eval_loss(samples, mask)
+        ok, reason = self.gate(baseline=rep.agreement_before, loss=rep.loss_after)
+        rep.agreement_after = self._last_gate_agreement
+        rep.accepted, rep.reason = ok, reason if not rep.stopped_early else f"{reason}; stopped early (yield)"
+        if not ok:
+            self.restore(snap)
+            self.rejected += 1
+            log.warning("draft %r: candidate rejected (%s); weights of v%d restored", self.draft_id, reason, self.version)
+        self.rounds += 1
+        rep.seconds = time.perf_counter() - t0
+        self.history.append(rep)
+        return rep
+
+    @staticmethod
+    def _pause(seconds: float, should_yield: Callable[[], bool] | None) -> None:
+        end = time.perf_counter() + seconds
+        while True:
+            left = end - time.perf_counter()
+            if left <= 0 or (should_yield is not None and should_yield()):
+                return
+            time.sleep(min(left, 0.01))
+
+    # -- gate -------------------------------------------------------------------------------------
+    _last_gate_agreement: float | None = None
+
+    def gate(
+        self,
+        candidate: torch.nn.Module | dict | None = None,
+        baseline: float | None = None,
+        loss: float | None = None,
+    ) -> tuple[bool, str]:
+        """Whether ``candidate`` may replace the current weights: ``(ok, reason)``.
+
+        ``candidate``: a model, a state dict (tensors or numpy arrays; loaded into a scratch copy)
+        or None (the training copy). Fails on any NaN/Inf parameter (or a non-finite ``loss``), and
+        when its top-1 agreement on the held-back records is below ``baseline - gate_margin``;
+        ``baseline`` defaults to the agreement of the training copy (meaningful when the candidate
+        is a separate model / state). Without held-back records only the finiteness checks apply.
+        """
+        self._last_gate_agreement = None
+        if candidate is None:
+            model = self.model
+        elif isinstance(candidate, dict):
+            model = copy.deepcopy(self.model)
+            model.load_state_dict({k: torch.as_tensor(v) for k, v in candidate.items()}, strict=True)
+        else:
+            model = candidate
+        if not _all_finite(model):
+            return False, "non-finite parameter"
+        if loss is not None and not math.isfinite(loss):
+            return False, "non-finite loss"
+        if baseline is None and model is not self.model:
+            baseline = self.agreement()
+        got = self.agreement(model)
+        self._last_gate_agreement = got
+        if got is None or baseline is None:
+            return True, "ok (no held-out records)"
+        if got < baseline - self.cfg.gate_margin:
+            return False, f"held-out agreement {got:.4f} < {baseline:.4f} - margin {self.cfg.gate_margin}"
+        return True, f"ok (held-out agreement {baseline:.4f} -> {got:.4f})"
+
+    # -- versions and checkpoints ----------------------------------------------------------------
+    @property
+    def ckpt_root(self) -> Path | None:
+        return Path(self.cfg.checkpoint_dir) / self.draft_id if self.cfg.checkpoint_dir is not None else None
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The training copy's state dict as numpy arrays."""
+        return _state_numpy(self.model)
+
+    def publish(self) -> tuple[int, dict[str, np.ndarray]]:
+        """Bump the version, checkpoint it, return ``(version, {name: numpy array})``."""
+        self.version += 1
+        self._checkpoint(self.version)
+        return self.version, self.state()
+
+    def versions(self) -> list[int]:
+        """Checkpointed versions, ascending."""
+        root = self.ckpt_root
+        if root is None or not root.is_dir():
+            return []
+        out = []
+        for p in root.iterdir():
+            m = _VERSION_DIR.match(p.name)
+            if m and p.is_dir():
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def latest_version(self) -> int | None:
+        root = self.ckpt_root
+        if root is None or not (root / LATEST).exists():
+            return None
+        m = _VERSION_DIR.match((root / LATEST).read_text().strip())
+        return int(m.group(1)) if m else None
+
+    def _checkpoint(self, version: int, meta: dict | None = None) -> None:
+        root = self.ckpt_root
+        if root is None:
+            return
+        root.mkdir(parents=True, exist_ok=True)
+        save_draft(self.model, root / f"v{version}", self.keep_ids, {"draft_id": self.draft_id, "version": version, **(meta or {})})
+        _write_atomic(root / LATEST, f"v{version}\n")
+        for old in self.versions()[: -self.cfg.keep_versions]:
+            if old != version:
+                shutil.rmtree(root / f"v{old}", ignore_errors=True)
+
+    def _load_version(self, version: int) -> None:
+        root = self.ckpt_root
+        if root is None:
+            raise RuntimeError("no checkpoint_dir configured")
+        path = root / f"v{version}"
+        if not path.is_dir():
+            raise FileNotFoundError(f"draft {self.draft_id!r}: no checkpoint v{version} in {root}")
+        model, keep, _meta = load_draft(path)
+        self.model.load_state_dict(model.state_dict(), strict=True)
+        self.keep_ids = keep
+        self.opt = self._new_optimizer()  # the optimiser state belongs to other weights
+
+    def load_latest(self) -> int | None:
+        """Load the checkpoint named by ``LATEST`` (weights, keep_ids, version); None if there is none."""
+        v = self.latest_version()
+        if v is None:
+            return None
+        self._load_version(v)
+        self.version = v
+        log.info("draft %r: loaded checkpoint v%d", self.draft_id, v)
+        return v
+
+    def rollback(self, version: int) -> tuple[int, dict[str, np.ndarray]]:
+        """Restore the weights of checkpoint ``version`` and re-publish them under a NEW version
+        (versions stay monotonic for the serving side and the replay records). Returns
+        ``(new version, state)`` to hand to the subscribers."""
+        self._load_version(version)
+        self.version = max([self.version, *self.versions()]) + 1
+        self._checkpoint(self.version, {"rolled_back_from": version})
+        log.warning("draft %r: rolled back to the weights of v%d, published as v%d", self.draft_id, version, self.version)
+        return self.version, self.state()
+
+
+# ---------------------------------------------------------------------------------------------
+# All drafts
+# ---------------------------------------------------------------------------------------------
+
+
+class OnlineLearner:
+    """Replay shards + one :class:`DraftTrainer` per draft; decides when and what to train."""
+
+    def __init__(
+        self,
+        cfg: LearnerConfig,
+        shards: ShardSet | ShardConfig | None = None,
+        trainers: Iterable[DraftTrainer] = (),
+        should_yield: Callable[[], bool] | None = None,
+    ):
+        self.cfg = cfg
+        if shards is None:
+            shards = ShardConfig()
+        self.shards = shards if isinstance(shards, ShardSet) else ShardSet(shards)
+        self.trainers: dict[str, DraftTrainer] = {}
+        for t in trainers:
+            self.add_trainer(t)
+        self.should_yield = should_yield
+        self._recent: dict[str, deque[tuple[int, int, int]]] = {}  # (rows, proposed rows, wrong proposed rows)
+        self._since = 0
+        self._rng = random.Random(f"holdout:{cfg.seed}")
+        self.observed = 0
+        self.reports: list[RoundReport] = []
+
+    def add_trainer(self, trainer: DraftTrainer) -> DraftTrainer:
+        self.trainers[trainer.draft_id] = trainer
+        return trainer
+
+    # -- traffic ----------------------------------------------------------------------------------
+    def observe(self, record: ReplayRecord) -> None:
+        """Count the record's traffic and lost acceptance, then store it (shard or held-back set)."""
+        d = record.draft_id
+        proposed = record.proposed
+        wrong = int((record.draft_wrong & proposed).sum())
+        self._recent.setdefault(d, deque(maxlen=self.cfg.window)).append((record.n_rows, int(proposed.sum()), wrong))
+        self.observed += 1
+        self._since += 1
+        trainer = self.trainers.get(d)
+        if trainer is not None and record.context == "teacher" and self._rng.random() < self.cfg.holdout_fraction:
+            trainer.add_holdout(record)
+        else:
+            self.shards.append(record)
+
+    def traffic(self, draft_id: str) -> dict:
+        """Over the recent window: rows (traffic), proposed rows, acceptance, score."""
+        rows = proposed = wrong = 0
+        for r, p, w in self._recent.get(draft_id, ()):
+            rows, proposed, wrong = rows + r, proposed + p, wrong + w
+        acceptance = (proposed - wrong) / proposed if proposed else 0.0
+        return {"rows": rows, "proposed": proposed, "acceptance": acceptance, "score": rows * (1.0 - acceptance)}
+
+    def pick_draft(self) -> str | None:
+        """The trainable draft (trainer + non-empty shard) with max traffic x (1 - acceptance)."""
+        best, best_score = None, -1.0
+        for d in self.trainers:
+            if d not in self.shards or len(self.shards[d]) == 0:
+                continue
+            score = self.traffic(d)["score"]
+            if score > best_score:
+                best, best_score = d, score
+        return best
+
+    # -- training ---------------------------------------------------------------------------------
+    def maybe_train(self, subscribers: Sequence[Callable[[dict, int], Any]] | dict[str, Sequence[Callable]] = (), force: bool = False) -> RoundReport | None:
+        """Every ``train_every`` observed records (or when ``force``): one round on the picked
+        draft; on success publish and call each subscriber with ``(state, version)``.
+
+        ``subscribers``: callables for every draft, or a dict draft id -> callables.
+        Returns the round's report, or None when no round ran.
+        """
+        if not force and self._since < self.cfg.train_every:
+            return None
+        if self.should_yield is not None and self.should_yield():
+            return None  # keep the count: train at the next quiet moment
+        self._since = 0
+        d = self.pick_draft()
+        if d is None:
+            return None
+        trainer = self.trainers[d]
+        batch = self.shards[d].sample(self.cfg.batch_records)
+        rep = trainer.train_round(batch, self.should_yield)
+        if rep.accepted and rep.steps > 0:
+            version, state = trainer.publish()
+            rep.version = version
+            subs = subscribers.get(d, ()) if isinstance(subscribers, dict) else subscribers
+            for sub in subs:
+                sub(state, version)
+        self.reports.append(rep)
+        return rep
+
+    def close(self) -> None:
+        self.shards.close()
