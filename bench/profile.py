@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from config import DraftConfig, ModelConfig
-from drafts.build import build_draft_model, frequent_token_ids
+from drafts.build import build_draft_model
 from speculative.models import load_model
 from speculative.proposers import NgramProposer
 from speculative.runner import ModelRunner

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from config import EngineConfig, KPolicyConfig, SamplingParams
+from config import EngineConfig, SamplingParams
 
 from .kpolicy import CostModel, KPolicy
 from .proposers import EMPTY, Proposal, Proposer
