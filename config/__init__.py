@@ -82,7 +82,8 @@ class DraftConfig(_Strict):
     ``head_vocab``: keep only the N most frequent target tokens in the draft's output head
     (the 49152-row head dominates a small draft's cost); ids are mapped back to the target's.
     ``ngram_first``: try prompt lookup before the learned draft on every step.
-    ``checkpoint``: a saved draft (``osd train-draft`` output) to load instead of building one.
+    ``checkpoint``: a saved draft (``osd train-draft`` output) to load instead of building one;
+    ``"default"`` is the general starting draft that ``osd distill`` builds and caches.
     """
 
     kind: Literal["truncated", "fresh", "path", "ngram", "none"] = "truncated"

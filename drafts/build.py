@@ -28,6 +28,24 @@ from speculative.proposers import ChainedProposer, DraftModelProposer, NgramProp
 from speculative.runner import ModelRunner
 
 DRAFT_META = "osd_draft.json"
+#: ``DraftConfig.checkpoint = "default"`` names the general starting draft that ``osd distill`` writes.
+DEFAULT_CHECKPOINT = "default"
+
+
+def default_draft_path() -> Path:
+    from config import cache_dir
+
+    return cache_dir() / "drafts" / "default"
+
+
+def resolve_checkpoint(name: str) -> Path:
+    """A checkpoint folder, or the general starting draft for ``"default"`` (refused if not built yet)."""
+    if name != DEFAULT_CHECKPOINT:
+        return Path(name)
+    path = default_draft_path()
+    if not (path / DRAFT_META).exists():
+        raise ModelLoadError(f"no default starting draft at {path}: build it once with `osd distill`")
+    return path
 DRAFT_WEIGHTS = "weights.safetensors"
 
 
@@ -155,7 +173,7 @@ def build_draft_model(
 ) -> tuple[PreTrainedModel, torch.Tensor | None]:
     """The learned draft a config asks for (not for kind ngram/none)."""
     if cfg.checkpoint:
-        draft, keep, _ = load_draft(cfg.checkpoint)
+        draft, keep, _ = load_draft(resolve_checkpoint(cfg.checkpoint))
         if draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(
                 f"draft checkpoint {cfg.checkpoint} has vocab {draft.config.vocab_size}, target "

@@ -6,6 +6,7 @@
   osd profile                      draft options' cost ratio c, verify cost of j tokens
   osd workload build --out F       build the workload file from public corpora
   osd train-draft --domain code    distil a draft offline for a few minutes (by hand)
+  osd distill                      the general starting draft (all domains), cached; --draft-checkpoint default
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", default="truncated", choices=["truncated", "fresh", "path", "ngram", "none"])
     g.add_argument("--draft-layers", type=int, default=2)
     g.add_argument("--draft-path", default=None, help="with --draft path: any causal LM sharing the target's vocabulary")
-    g.add_argument("--draft-checkpoint", default=None, help="a draft saved by osd train-draft")
+    g.add_argument("--draft-checkpoint", default=None, help="a draft saved by osd train-draft, or 'default' (osd distill)")
     g.add_argument("--head-vocab", type=int, default=None, help="restrict the draft head to the N most frequent tokens")
     g.add_argument("--ngram-first", action="store_true", help="try prompt lookup before the learned draft")
     g.add_argument("--k-max", type=int, default=6)
@@ -79,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     wb.add_argument("--cache-dir", default=None)
 
     sub.add_parser("train-draft", help="distil a draft offline from the target's generations (osd train-draft -h)", add_help=False)
+    sub.add_parser("distill", help="build the cached general starting draft (train-draft on all domains)", add_help=False)
     return ap
 
 
@@ -150,6 +152,15 @@ def main(argv: list[str] | None = None) -> int:
         from learner.offline import main as train_main
 
         return train_main(argv[1:])
+    if argv[:1] == ["distill"]:  # the general starting draft: all domains, cached as "default"
+        from drafts.build import default_draft_path
+        from learner.offline import main as train_main
+
+        train = str(DEFAULT_WORKLOAD.parent / "train.jsonl")
+        defaults = ["--workload", train, "--exclude", str(DEFAULT_WORKLOAD), "--out", str(default_draft_path()),
+                    "--n-prompts", "400", "--holdout", "0.05", "--max-tokens", "48", "--head-vocab", "8192",
+                    "--seconds", "900"]
+        return train_main(defaults + argv[1:])  # later options override the defaults
     args = _parser().parse_args(argv)
     from transformers.utils import logging as hf_logging
 

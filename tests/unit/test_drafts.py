@@ -193,6 +193,22 @@ def test_save_load_round_trip_restricted_head(target, keep, prompts, tmp_path):
     assert torch.equal(loaded.model.embed_tokens.weight, target.model.embed_tokens.weight)
 
 
+def test_default_checkpoint_resolves_to_the_distilled_draft(target, tok, prompts, tmp_path, monkeypatch):
+    from config import DraftConfig
+    from drafts.build import build_draft_model, default_draft_path
+
+    monkeypatch.setenv("OSD_CACHE_DIR", str(tmp_path))
+    cfg = DraftConfig(checkpoint="default")
+    with pytest.raises(ModelLoadError, match="osd distill"):
+        build_draft_model(cfg, target, tok)
+    draft = truncated_draft(target, 1)
+    save_draft(draft, default_draft_path())
+    assert default_draft_path().is_relative_to(tmp_path)
+    loaded, keep = build_draft_model(cfg, target, tok)
+    assert keep is None and loaded.config.num_hidden_layers == 1
+    torch.testing.assert_close(_logits(loaded, prompts[0]), _logits(draft, prompts[0]), rtol=0, atol=0)
+
+
 def test_load_draft_refuses_other_folders(tmp_path):
     with pytest.raises(ModelLoadError, match=str(tmp_path)):
         load_draft(tmp_path)
