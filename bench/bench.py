@@ -228,11 +228,16 @@ def bench_main(args) -> int:
     result["config"] = json.loads(cfg.model_dump_json())
     result["workload"] = str(args.workload)
     print(format_table(result))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.json}")
+    write_json(result, args.json)
     return 0
+
+
+def write_json(result: dict, path: str | None) -> None:
+    """Write a report as JSON (parents created) and say so; nothing when no path was given."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=1))
+        print(f"wrote {path}")
 
 
 def engine_config_from_args(args) -> EngineConfig:

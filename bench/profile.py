@@ -8,10 +8,8 @@ heads it also reports how many of the target's greedy output tokens the kept ids
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -21,6 +19,7 @@ from speculative.models import load_model
 from speculative.proposers import NgramProposer
 from speculative.runner import ModelRunner
 
+from .bench import write_json
 from .workloads import load_workload
 
 DRAFT_OPTIONS = [
@@ -104,8 +103,5 @@ def profile_main(args) -> int:
     for name, e in res["drafts"].items():
         cov = e.get("head_coverage_of_target_tokens")
         print(f"{name:<24}{e['ms_per_token']:>10.3f}{e['c']:>8.3f}{'' if cov is None else format(cov, '.3f'):>15}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=1))
-        print(f"wrote {args.json}")
+    write_json(res, args.json)
     return 0

@@ -6,6 +6,7 @@
   osd profile                      draft options' cost ratio c, verify cost of j tokens
   osd workload build --out F       build the workload file from public corpora
   osd train-draft --domain code    distil a draft offline for a few minutes (by hand)
+  osd experiment online|shift      alpha vs records: static / online learner / offline bound
   osd distill                      the general starting draft (all domains), cached; --draft-checkpoint default
 """
 
@@ -80,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     wb.add_argument("--cache-dir", default=None)
 
     sub.add_parser("train-draft", help="distil a draft offline from the target's generations (osd train-draft -h)", add_help=False)
+    sub.add_parser("experiment", help="the paper's experiments: online | shift (osd experiment online -h)", add_help=False)
     sub.add_parser("distill", help="build the cached general starting draft (train-draft on all domains)", add_help=False)
     return ap
 
@@ -152,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         from learner.offline import main as train_main
 
         return train_main(argv[1:])
+    if argv[:1] == ["experiment"]:  # osd experiment online|shift: options live with the harness
+        from bench.experiments import main as experiment_main
+
+        return experiment_main(argv[1:])
     if argv[:1] == ["distill"]:  # the general starting draft: all domains, cached as "default"
         from drafts.build import default_draft_path
         from learner.offline import main as train_main

@@ -1,0 +1,519 @@
+"""The paper's experiments, in-process: acceptance (alpha) over a stream of requests.
+
+* :func:`run_online` - the workload streamed once through a fresh engine per method:
+  ``static`` (the starting draft, never updated), ``online`` (an :class:`learner.trainer.OnlineLearner`
+  fed one :class:`learner.replay.ReplayRecord` per request, publishing into ``engine.swap_draft``)
+  and ``offline`` (the upper bound: a draft distilled beforehand on the target's greedy outputs for
+  ALL the stream's prompts, then streamed without updates).
+* :func:`run_shift` - the same, with the stream ordered in domain blocks; offline drafts trained
+  on the first 30/50/70/100% of the stream; block boundaries are reported.
+* :func:`plot` - alpha vs records processed, one line per method (block boundaries for shift).
+* :func:`main` - ``python -m bench.experiments {online,shift} ...`` on the real engine.
+
+Alpha of a request = accepted draft tokens / proposed draft tokens (greedy, fixed k, so the draft
+proposes on every step that has budget). Curves are moving windows over the last ``window``
+requests (token-weighted: sum accepted / sum proposed), sampled every ``eval_every`` requests.
+Everything returned is JSON-serialisable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from config import KPolicyConfig, SamplingParams
+from learner.offline import DistillConfig, collect_teacher_data, distill
+from learner.replay import RecordBuilder, ShardConfig
+from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
+
+__all__ = ["run_online", "run_shift", "plot", "main", "order_blocks", "stream", "format_table"]
+
+DRAFT_ID = "draft"
+DEFAULT_SHIFT_ORDER = ("sql", "math", "code", "chat")
+DEFAULT_FRACTIONS = (0.3, 0.5, 0.7, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _norm(records: Sequence[Any]) -> list[tuple[Any, str]]:
+    """(prompt, domain) pairs from WorkloadRecords, dicts ({"text"|"prompt", "domain"}), (prompt, domain)
+    tuples or bare prompts (text or token ids)."""
+    out = []
+    for r in records:
+        if hasattr(r, "text"):
+            out.append((r.text, getattr(r, "domain", "unknown") or "unknown"))
+        elif isinstance(r, dict):
+            p = r.get("prompt", r.get("text"))
+            if p is None:
+                raise ValueError(f"record without 'text' or 'prompt': {r!r}")
+            out.append((p, r.get("domain") or "unknown"))
+        elif isinstance(r, tuple) and len(r) == 2 and isinstance(r[1], str):
+            out.append((r[0], r[1]))
+        else:
+            out.append((r, "unknown"))
+    if not out:
+        raise ValueError("no records")
+    return out
+
+
+def _draft_of(engine):
+    """The learned draft's proposer (``.runner.model``, ``.runner.vocab_map``) of an engine."""
+    prop = engine.proposer
+    for cand in (getattr(prop, "draft", None), getattr(prop, "learned", None), prop):
+        if cand is not None and hasattr(cand, "runner") and hasattr(cand, "load_state_dict"):
+            return cand
+    raise RuntimeError("the engine has no learned draft (DraftModelProposer)")
+
+
+def _force_k(engine, k: int | None) -> None:
+    """Fixed k for new requests (the k policy of a request is built from ``engine.cfg.k``)."""
+    if k is not None:
+        engine.cfg = engine.cfg.model_copy(update={"k": KPolicyConfig(k_max=max(k, 1), fixed_k=k)})
+
+
+def _alpha(acc: int, prop: int) -> float | None:
+    return acc / prop if prop else None
+
+
+class _RoundBudget:
+    """``should_yield`` for the learner: True once ``seconds`` have passed since :meth:`start`."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+        self.t0 = time.perf_counter()
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __call__(self) -> bool:
+        return self.seconds is not None and time.perf_counter() - self.t0 > self.seconds
+
+
+def stream(
+    engine,
+    items: list[tuple[Any, str]],
+    *,
+    max_tokens: int,
+    learner: OnlineLearner | None = None,
+    budget: _RoundBudget | None = None,
+    eval_every: int = 1,
+    window: int = 20,
+    ignore_eos: bool = False,
+    log: Callable[[str], None] | None = print,
+    label: str = "",
+) -> dict:
+    """Stream ``items`` through ``engine`` (greedy); with a learner, observe each request's record and
+    train (subscriber: ``engine.swap_draft``). Returns per-request rows and the window curves."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+    subs = [engine.swap_draft]
+    win: deque[tuple[int, int]] = deque(maxlen=window)
+    dwin: dict[str, deque[tuple[int, int]]] = {}
+    rows, curve, dcurve = [], [], {}
+    t_start = time.perf_counter()
+    for i, (prompt, domain) in enumerate(items, start=1):
+        b = RecordBuilder(probs_dtype=torch.float32)
+        acc = prop = 0
+
+        def on_step(res, b=b):
+            nonlocal acc, prop
+            b.add(res)
+            if res.source == "draft":
+                acc += res.accepted
+                prop += res.proposed
+
+        tokens = engine.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        gen = engine.generate(list(tokens), params, on_step=on_step)
+        row = {"i": i, "domain": domain, "accepted": acc, "proposed": prop, "alpha": _alpha(acc, prop),
+               "tokens": len(gen.token_ids), "draft_version": int(getattr(_draft_of(engine), "version", 0))}
+        if learner is not None:
+            rec = b.finish(list(tokens) + gen.token_ids, len(tokens), domain=domain, draft_id=DRAFT_ID)
+            learner.observe(rec)
+            if budget is not None:
+                budget.start()
+            rep = learner.maybe_train(subs)
+            if rep is not None:
+                row["round"] = {"accepted": rep.accepted, "steps": rep.steps, "seconds": rep.seconds,
+                                "version": rep.version, "reason": rep.reason}
+        rows.append(row)
+        win.append((acc, prop))
+        dwin.setdefault(domain, deque(maxlen=window)).append((acc, prop))
+        if i % eval_every == 0 or i == len(items):
+            a = _alpha(sum(x for x, _ in win), sum(y for _, y in win))
+            curve.append([i, a])
+            da = _alpha(sum(x for x, _ in dwin[domain]), sum(y for _, y in dwin[domain]))
+            dcurve.setdefault(domain, []).append([i, da])
+            if log is not None:
+                v = row["draft_version"]
+                log(f"[{label}] {i}/{len(items)} {domain}: alpha {row['alpha'] if row['alpha'] is None else round(row['alpha'], 3)}"
+                    f" window {a if a is None else round(a, 3)} (draft v{v}, {time.perf_counter() - t_start:.1f}s)")
+    return {"rows": rows, "curve": curve, "domain_curves": dcurve}
+
+
+def _summary(res: dict, window: int) -> dict:
+    rows = res["rows"]
+
+    def a(rs):
+        return _alpha(sum(r["accepted"] for r in rs), sum(r["proposed"] for r in rs))
+
+    domains = list(dict.fromkeys(r["domain"] for r in rows))
+    by_dom = {d: [r for r in rows if r["domain"] == d] for d in domains}
+    return {
+        "final_alpha": a(rows[-window:]),
+        "final_alpha_domain": {d: a(rs[-window:]) for d, rs in by_dom.items()},
+        "mean_alpha": a(rows),
+        "mean_alpha_domain": {d: a(rs) for d, rs in by_dom.items()},
+    }
+
+
+def _offline_train(engine, prompts: list, max_tokens: int, distill_cfg: DistillConfig, log) -> dict:
+    """Distil the engine's serving draft in place on the target's greedy outputs for ``prompts``."""
+    t0 = time.perf_counter()
+    dp = _draft_of(engine)
+    samples = collect_teacher_data(engine, None, prompts, max_tokens, distill_cfg.top_k,
+                                   chat_template=engine.cfg.chat_template, log=None)
+    t_collect = time.perf_counter() - t0
+    model = dp.runner.model
+    hist = distill(model, samples, distill_cfg, keep_ids=dp.runner.vocab_map, log=log)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    dp.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, 1)  # drop caches, version 1
+    return {"collect_seconds": t_collect, "train_seconds": hist["seconds"], "seconds": time.perf_counter() - t0,
+            "samples": len(samples), "steps": hist["steps"], "agreement_before": hist["agreement_before"],
+            "agreement_after": hist["agreement_after"], "prompts": len(prompts)}
+
+
+def _run_methods(
+    engine_factory: Callable[[], Any],
+    items: list[tuple[Any, str]],
+    methods: Sequence[str],
+    learner_cfg: LearnerConfig,
+    *,
+    offline_prompts: dict[str, list] ,
+    distill_cfg: DistillConfig,
+    max_tokens: int,
+    k: int | None,
+    eval_every: int,
+    window: int,
+    seconds_per_round: float | None,
+    ignore_eos: bool,
+    log,
+) -> dict:
+    out = {}
+    for m in methods:
+        engine = engine_factory()
+        _force_k(engine, k)
+        entry: dict[str, Any] = {"training_seconds": 0.0, "rounds": 0, "accepted_rounds": 0, "rejected_rounds": 0,
+                                 "versions_published": 0}
+        learner = budget = None
+        if m == "online":
+            dp = _draft_of(engine)
+            budget = _RoundBudget(seconds_per_round)
+            trainer = DraftTrainer(DRAFT_ID, dp.runner.model, learner_cfg, keep_ids=dp.runner.vocab_map)
+            learner = OnlineLearner(learner_cfg, ShardConfig(), [trainer], should_yield=budget)
+        elif m in offline_prompts:
+            if log:
+                log(f"[{m}] distilling the offline draft on {len(offline_prompts[m])} prompts")
+            off = _offline_train(engine, offline_prompts[m], max_tokens, distill_cfg, log)
+            entry["offline"] = off
+            entry["training_seconds"] = off["seconds"]
+            entry["rounds"] = entry["accepted_rounds"] = 1
+        elif m != "static":
+            raise ValueError(f"unknown method {m!r}")
+        res = stream(engine, items, max_tokens=max_tokens, learner=learner, budget=budget, eval_every=eval_every,
+                     window=window, ignore_eos=ignore_eos, log=log, label=m)
+        if learner is not None:
+            reps = learner.reports
+            entry["training_seconds"] = sum(r.seconds for r in reps)
+            entry["rounds"] = len(reps)
+            entry["accepted_rounds"] = sum(1 for r in reps if r.accepted and r.steps > 0)
+            entry["rejected_rounds"] = sum(1 for r in reps if not r.accepted)
+            entry["versions_published"] = sum(1 for r in reps if r.version is not None)
+            entry["reports"] = [r.to_dict() for r in reps]
+            learner.close()
+        entry.update(_summary(res, window))
+        entry.update(curve=res["curve"], domain_curves=res["domain_curves"], rows=res["rows"])
+        out[m] = entry
+    return out
+
+
+def _check_common(methods, eval_every, window, max_tokens):
+    if not methods:
+        raise ValueError("no methods")
+    if eval_every < 1 or window < 1 or max_tokens < 1:
+        raise ValueError("eval_every, window and max_tokens must be >= 1")
+
+
+# ---------------------------------------------------------------------------------------------
+# experiments
+# ---------------------------------------------------------------------------------------------
+
+
+def run_online(
+    engine_factory: Callable[[], Any],
+    records: Sequence[Any],
+    learner_cfg: LearnerConfig = LearnerConfig(),
+    methods: Sequence[str] = ("static", "online", "offline"),
+    eval_every: int = 1,
+    max_tokens: int = 32,
+    k: int | None = 4,
+    window: int = 20,
+    seconds_per_round: float | None = None,
+    distill_cfg: DistillConfig | None = None,
+    ignore_eos: bool = False,
+    log: Callable[[str], None] | None = print,
+) -> dict:
+    """Alpha over the stream for static / online / offline (bound trained on ALL prompts).
+
+    ``engine_factory()`` must return a fresh engine with a fresh copy of the same starting draft.
+    ``k``: fixed draft length (None keeps the engine's policy). ``seconds_per_round``: wall budget
+    of one online round (None: ``learner_cfg.steps_per_round`` steps). ``distill_cfg``: the
+    offline bound's training (default: 3 epochs, lr = learner lr x 10, <= 120 s).
+    """
+    _check_common(methods, eval_every, window, max_tokens)
+    items = _norm(records)
+    distill_cfg = distill_cfg or DistillConfig(max_tokens=max_tokens, seconds=120.0, epochs=3, warmup_steps=0,
+                                               lr=min(learner_cfg.lr * 10, 1e-2), log_every=1000)
+    offline = {m: [p for p, _ in items] for m in methods if m == "offline"}
+    res = _run_methods(engine_factory, items, methods, learner_cfg, offline_prompts=offline, distill_cfg=distill_cfg,
+                       max_tokens=max_tokens, k=k, eval_every=eval_every, window=window,
+                       seconds_per_round=seconds_per_round, ignore_eos=ignore_eos, log=log)
+    return {"experiment": "online", "n_records": len(items), "domains": list(dict.fromkeys(d for _, d in items)),
+            "max_tokens": max_tokens, "k": k, "eval_every": eval_every, "window": window,
+            "learner": json.loads(learner_cfg.model_dump_json()), "distill": json.loads(distill_cfg.model_dump_json()),
+            "methods": res}
+
+
+def order_blocks(records: Sequence[Any], order: Sequence[str] | None = DEFAULT_SHIFT_ORDER) -> tuple[list[tuple[Any, str]], list[dict]]:
+    """The records ordered in domain blocks (file order inside a block); domains not in ``order``
+    follow in first-seen order. Returns (items, boundaries [{"domain", "start", "end"}]) with
+    ``start`` = records seen before the block (0-based), ``end`` = records seen after it."""
+    items = _norm(records)
+    seen = list(dict.fromkeys(d for _, d in items))
+    order = [d for d in (order or ()) if d in seen] + [d for d in seen if d not in (order or ())]
+    out, bounds = [], []
+    for d in order:
+        blk = [it for it in items if it[1] == d]
+        bounds.append({"domain": d, "start": len(out), "end": len(out) + len(blk)})
+        out.extend(blk)
+    return out, bounds
+
+
+def run_shift(
+    engine_factory: Callable[[], Any],
+    records: Sequence[Any],
+    learner_cfg: LearnerConfig = LearnerConfig(),
+    order: Sequence[str] | None = DEFAULT_SHIFT_ORDER,
+    fractions: Sequence[float] = DEFAULT_FRACTIONS,
+    methods: Sequence[str] | None = None,
+    eval_every: int = 1,
+    max_tokens: int = 32,
+    k: int | None = 4,
+    window: int = 20,
+    seconds_per_round: float | None = None,
+    distill_cfg: DistillConfig | None = None,
+    ignore_eos: bool = False,
+    log: Callable[[str], None] | None = print,
+) -> dict:
+    """Domain-shift stream (blocks in ``order``): static, online, and ``offline@<pct>`` drafts
+    trained on the first ``fraction`` of the stream. ``boundaries`` mark the blocks."""
+    items, bounds = order_blocks(records, order)
+    if any(not 0 < f <= 1 for f in fractions):
+        raise ValueError(f"fractions must be in (0, 1], got {list(fractions)}")
+    offline = {f"offline@{round(f * 100)}": [p for p, _ in items[: max(1, round(f * len(items)))]] for f in fractions}
+    methods = list(methods) if methods is not None else ["static", "online", *offline]
+    _check_common(methods, eval_every, window, max_tokens)
+    distill_cfg = distill_cfg or DistillConfig(max_tokens=max_tokens, seconds=120.0, epochs=3, warmup_steps=0,
+                                               lr=min(learner_cfg.lr * 10, 1e-2), log_every=1000)
+    res = _run_methods(engine_factory, items, methods, learner_cfg, offline_prompts=offline, distill_cfg=distill_cfg,
+                       max_tokens=max_tokens, k=k, eval_every=eval_every, window=window,
+                       seconds_per_round=seconds_per_round, ignore_eos=ignore_eos, log=log)
+    return {"experiment": "shift", "n_records": len(items), "order": [b["domain"] for b in bounds], "boundaries": bounds,
+            "fractions": list(fractions), "max_tokens": max_tokens, "k": k, "eval_every": eval_every, "window": window,
+            "learner": json.loads(learner_cfg.model_dump_json()), "distill": json.loads(distill_cfg.model_dump_json()),
+            "methods": res}
+
+
+# ---------------------------------------------------------------------------------------------
+# output
+# ---------------------------------------------------------------------------------------------
+
+
+def plot(result: dict, path: str | Path) -> Path:
+    """PNG: window alpha vs records processed, one line per method; block boundaries (shift) as
+    dashed vertical lines labelled with the block's domain."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    try:
+        for m, e in result["methods"].items():
+            pts = [(x, y) for x, y in e["curve"] if y is not None]
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], label=m, lw=1.5)
+        for b in result.get("boundaries", []):
+            if b["start"] > 0:
+                ax.axvline(b["start"] + 0.5, color="grey", ls="--", lw=1)
+            ax.text(b["start"] + 1, 1.01, b["domain"], fontsize=8, va="bottom")
+        ax.set_xlabel("records processed")
+        ax.set_ylabel(f"alpha (window {result.get('window', '?')})")
+        ax.set_ylim(0, 1.08)
+        ax.set_title(f"{result.get('experiment', '')}: acceptance vs records")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def format_table(result: dict) -> str:
+    """Method x domain final alpha (last ``window`` records), with training time and rounds."""
+    doms = []
+    for e in result["methods"].values():
+        doms += [d for d in e["final_alpha_domain"] if d not in doms]
+
+    def f(v):
+        return f"{v:.3f}" if isinstance(v, (int, float)) else "-"
+
+    hdr = f"{'method':<13}" + "".join(f"{d[:8]:>9}" for d in doms) + f"{'all':>9}{'mean':>9}{'train s':>9}{'rounds':>8}{'acc/rej':>9}"
+    lines = [hdr, "-" * len(hdr)]
+    for m, e in result["methods"].items():
+        lines.append(f"{m:<13}" + "".join(f"{f(e['final_alpha_domain'].get(d)):>9}" for d in doms)
+                     + f"{f(e['final_alpha']):>9}{f(e['mean_alpha']):>9}{e['training_seconds']:>9.1f}{e['rounds']:>8}"
+                     + f"{str(e['accepted_rounds']) + '/' + str(e['rejected_rounds']):>9}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="osd experiment", description="online / shift acceptance experiments")
+    sub = ap.add_subparsers(dest="cmd", metavar="{online,shift}")
+    sub.required = True
+    default_wl = Path(__file__).resolve().parent / "data" / "workload.jsonl"
+    for name, help_ in (("online", "static vs online vs offline-bound draft on one stream"),
+                        ("shift", "domain-block stream; offline drafts on the first 30/50/70/100%")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--workload", default=str(default_wl), help="workload JSONL (bench/workloads.py format)")
+        p.add_argument("--n", type=int, default=40, help="records (round-robin over domains, bench.select)")
+        p.add_argument("--domains", nargs="*", default=None, help="keep only these domains")
+        p.add_argument("--max-tokens", type=int, default=48)
+        p.add_argument("--k", type=int, default=4, help="fixed draft length")
+        p.add_argument("--eval-every", type=int, default=1)
+        p.add_argument("--window", type=int, default=10, help="moving-window size (records)")
+        p.add_argument("--methods", default=None, help="comma list (online default static,online,offline)")
+        p.add_argument("--train-every", type=int, default=4)
+        p.add_argument("--batch-records", type=int, default=16)
+        p.add_argument("--steps-per-round", type=int, default=4)
+        p.add_argument("--seconds-per-round", type=float, default=None, help="wall budget of one online round")
+        p.add_argument("--lr", type=float, default=1e-4)
+        p.add_argument("--gate-margin", type=float, default=0.01)
+        p.add_argument("--holdout-fraction", type=float, default=0.1)
+        p.add_argument("--positions", choices=["wrong", "all"], default="all")
+        p.add_argument("--offline-seconds", type=float, default=120.0)
+        p.add_argument("--offline-epochs", type=int, default=3)
+        p.add_argument("--offline-lr", type=float, default=1e-3)
+        p.add_argument("--target", default=None, help="target model (default: the embedded one)")
+        p.add_argument("--draft-layers", type=int, default=2)
+        p.add_argument("--head-vocab", type=int, default=None)
+        p.add_argument("--draft-checkpoint", default=None, help="starting draft (a saved draft folder)")
+        p.add_argument("--threads", type=int, default=2)
+        p.add_argument("--json", default=None, help="write the result JSON here")
+        p.add_argument("--png", default=None, help="write the plot here")
+        p.add_argument("--quiet", action="store_true")
+        if name == "shift":
+            p.add_argument("--order", default=",".join(DEFAULT_SHIFT_ORDER), help="domain block order")
+            p.add_argument("--fractions", default="0.3,0.5,0.7,1.0")
+    return ap
+
+
+def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
+    """A factory over ONE loaded target: each call = a new engine with a fresh copy of the starting draft."""
+    from config import DraftConfig, EngineConfig, ModelConfig
+    from speculative.engine import SpeculativeEngine
+    from speculative.factory import build_engine
+    from speculative.proposers import DraftModelProposer
+    from speculative.runner import ModelRunner
+
+    model = ModelConfig(name=args.target) if args.target else ModelConfig()
+    ckpt = args.draft_checkpoint
+    if ckpt:
+        try:
+            from drafts.build import resolve_checkpoint  # "default" etc., where available
+            ckpt = str(resolve_checkpoint(ckpt))
+        except ImportError:
+            pass
+    cfg = EngineConfig(model=model, draft=DraftConfig(kind="truncated", num_layers=args.draft_layers,
+                                                      head_vocab=args.head_vocab, checkpoint=ckpt),
+                       k=KPolicyConfig(k_max=max(args.k, 1), fixed_k=args.k))
+    base = build_engine(cfg, texts=texts, calibrate=False)
+    dp = _draft_of(base)
+    start_model, keep = copy.deepcopy(dp.runner.model), dp.runner.vocab_map
+    target = base.target.model
+    first = [base]
+
+    def factory():
+        if first:
+            return first.pop()
+        prop = DraftModelProposer(ModelRunner(copy.deepcopy(start_model), keep, name="draft"), target.config.vocab_size)
+        return SpeculativeEngine(ModelRunner(target, name="target"), base.tokenizer, prop, cfg)
+
+    return factory
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from bench.bench import select, write_json
+    from bench.workloads import load_workload
+
+    torch.set_num_threads(args.threads)
+    all_recs = load_workload(args.workload)
+    records = select(all_recs, args.n, args.domains)
+    if not records:
+        raise SystemExit(f"no records in {args.workload} (domains {args.domains})")
+    lcfg = LearnerConfig(train_every=args.train_every, batch_records=args.batch_records, steps_per_round=args.steps_per_round,
+                         lr=args.lr, gate_margin=args.gate_margin, holdout_fraction=args.holdout_fraction,
+                         positions=args.positions)
+    dcfg = DistillConfig(max_tokens=args.max_tokens, seconds=args.offline_seconds, epochs=args.offline_epochs,
+                         lr=args.offline_lr, warmup_steps=0, log_every=1000)
+    factory = real_engine_factory(args, texts=[r.text for r in all_recs])
+    log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    methods = tuple(args.methods.split(",")) if args.methods else None
+    common = dict(eval_every=args.eval_every, max_tokens=args.max_tokens, k=args.k, window=args.window,
+                  seconds_per_round=args.seconds_per_round, distill_cfg=dcfg, log=log)
+    if args.cmd == "online":
+        result = run_online(factory, records, lcfg, methods=methods or ("static", "online", "offline"), **common)
+    else:
+        order = [d for d in args.order.split(",") if d]
+        fractions = [float(x) for x in args.fractions.split(",") if x]
+        result = run_shift(factory, records, lcfg, order=order, fractions=fractions, methods=methods, **common)
+    result["workload"] = str(args.workload)
+    print(format_table(result))
+    write_json(result, args.json)
+    if args.png:
+        print(f"wrote {plot(result, args.png)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

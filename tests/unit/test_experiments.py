@@ -1,0 +1,109 @@
+"""bench.experiments on the tiny target: online / shift streams, plot, CLI parsing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench.experiments import main, order_blocks, plot, run_online, run_shift
+from drafts.build import truncated_draft
+from learner.offline import DistillConfig
+from learner.trainer import LearnerConfig
+
+torch.set_num_threads(1)
+
+TEXTS = {
+    "code": ["def f(x): return x", "def g(y): return y"],
+    "chat": ["Hello world, how are", "The quick brown fox"],
+    "math": ["1 + 2 = 3, 4 + 5 =", "0123456789"],
+}
+RECORDS = [{"text": t, "domain": d} for i in range(2) for d, ts in TEXTS.items() for t in ts[i : i + 1]]
+LCFG = LearnerConfig(train_every=2, batch_records=4, steps_per_round=3, lr=3e-2, positions="all",
+                     holdout_fraction=0.0, gate_margin=1.0)
+DCFG = DistillConfig(max_tokens=12, epochs=2, seconds=10.0, lr=1e-2, warmup_steps=0, log_every=1000)
+
+
+@pytest.fixture(scope="module")
+def factory(target, make_engine, draft_proposer):
+    start = truncated_draft(target, 1)
+
+    def make():
+        import copy
+
+        return make_engine(draft_proposer(copy.deepcopy(start)), k=4)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def online(factory):
+    return run_online(factory, RECORDS, LCFG, max_tokens=12, k=4, window=3, distill_cfg=DCFG, ignore_eos=True, log=None)
+
+
+def _check_curve(curve, n):
+    xs = [x for x, _ in curve]
+    assert xs == sorted(set(xs)) and xs[-1] == n
+    assert all(a is None or 0.0 <= a <= 1.0 for _, a in curve)
+
+
+def test_run_online(online):
+    assert set(online["methods"]) == {"static", "online", "offline"}
+    for m, e in online["methods"].items():
+        _check_curve(e["curve"], len(RECORDS))
+        assert 0.0 <= e["final_alpha"] <= 1.0
+        assert set(e["final_alpha_domain"]) == set(TEXTS)
+        assert sum(r["proposed"] for r in e["rows"]) > 0
+    on = online["methods"]["online"]
+    assert on["versions_published"] >= 1 and on["accepted_rounds"] >= 1 and on["training_seconds"] > 0
+    assert max(r["draft_version"] for r in on["rows"]) >= 1
+    st = online["methods"]["static"]
+    assert st["rounds"] == 0 and all(r["draft_version"] == 0 for r in st["rows"])
+    off = online["methods"]["offline"]
+    assert off["offline"]["steps"] > 0 and off["offline"]["prompts"] == len(RECORDS)
+    assert off["offline"]["agreement_after"] >= off["offline"]["agreement_before"]
+    json.dumps(online)  # JSON-serialisable
+
+
+def test_order_blocks_and_shift(factory):
+    items, bounds = order_blocks(RECORDS, ["math", "code"])
+    assert [b["domain"] for b in bounds] == ["math", "code", "chat"]
+    assert [d for _, d in items] == ["math"] * 2 + ["code"] * 2 + ["chat"] * 2
+    res = run_shift(factory, RECORDS, LCFG, order=["math", "code", "chat"], fractions=(0.5, 1.0), max_tokens=8, k=3,
+                    window=2, distill_cfg=DCFG.model_copy(update={"epochs": 1}), ignore_eos=True, log=None)
+    assert res["order"] == ["math", "code", "chat"]
+    starts = [b["start"] for b in res["boundaries"]]
+    assert starts == [0, 2, 4] and all(b["end"] - b["start"] == 2 for b in res["boundaries"])
+    assert list(res["methods"]) == ["static", "online", "offline@50", "offline@100"]
+    assert res["methods"]["offline@50"]["offline"]["prompts"] == 3
+    for e in res["methods"].values():
+        _check_curve(e["curve"], 6)
+        assert [r["domain"] for r in e["rows"]] == [d for _, d in items]
+    json.dumps(res)
+
+
+def test_plot(online, tmp_path):
+    p = plot(online, tmp_path / "a" / "online.png")
+    assert p.exists() and p.stat().st_size > 1000
+    assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    shifted = dict(online, boundaries=[{"domain": "code", "start": 0, "end": 2}, {"domain": "chat", "start": 2, "end": 6}])
+    assert plot(shifted, tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_unknown_method(factory):
+    with pytest.raises(ValueError, match="unknown method"):
+        run_online(factory, RECORDS[:1], LCFG, methods=("nope",), max_tokens=4, log=None)
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["bogus"], "invalid choice"),
+    ([], "required"),
+    (["online", "--n", "x"], "invalid int"),
+    (["shift", "--nope"], "unrecognized arguments"),
+])
+def test_main_parse_errors(argv, msg, capsys):
+    with pytest.raises(SystemExit) as ei:
+        main(argv)
+    assert ei.value.code == 2
+    assert msg in capsys.readouterr().err
