@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     argv = sys.argv[1:] if argv is None else argv
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     if argv[:1] == ["train-draft"]:  # its options live with the trainer
         from learner.offline import main as train_main
 
@@ -168,9 +171,6 @@ def main(argv: list[str] | None = None) -> int:
                     "--seconds", "900"]
         return train_main(defaults + argv[1:])  # later options override the defaults
     args = _parser().parse_args(argv)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from pydantic import ValidationError
 
