@@ -65,7 +65,9 @@ class Tally:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def _hf_generate(model, ids: list[int], max_tokens: int, eos: set[int], **kw) -> tuple[list[int], float]:
+def hf_greedy_generate(model, ids: list[int], max_tokens: int, eos: set[int], **kw) -> tuple[list[int], float]:
+    """Hugging Face greedy ``generate`` on one prompt: (new tokens cut before the first EOS, seconds).
+    ``kw`` go to ``generate`` (``assistant_model``, ``prompt_lookup_num_tokens``, ...)."""
     inp = torch.tensor([ids])
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -89,8 +91,7 @@ def run_bench(
     progress: bool = True,
 ) -> dict:
     target = engine.target.model
-    draft_proposer = getattr(engine.proposer, "draft", engine.proposer)
-    runner = getattr(draft_proposer, "runner", None)
+    runner = engine.learned_draft.runner if engine.learned_draft is not None else None
     assistant = runner.model if runner is not None and runner.vocab_map is None else None
     skipped = {}
     if "hf_assisted" in methods and assistant is None:
@@ -110,7 +111,7 @@ def run_bench(
     rows = []
     for rec in tqdm(records, desc="bench", disable=not progress, unit="prompt"):
         ids = engine.encode(rec.text)
-        ref, dt = _hf_generate(target, ids, max_tokens, engine.eos_ids)
+        ref, dt = hf_greedy_generate(target, ids, max_tokens, engine.eos_ids)
         row = {"domain": rec.domain, "lang": rec.lang, "source": rec.source, "prompt_tokens": len(ids), "target": {"tokens": len(ref), "s": dt}}
         for dom in (rec.domain, "overall"):
             tallies[("target", dom)].add(len(ref), dt, True)
@@ -122,9 +123,9 @@ def run_bench(
                 g = engines[m].generate(ids, params)
                 toks, dt, stats = g.token_ids, g.seconds, g.stats
             elif m == "hf_assisted":
-                toks, dt = _hf_generate(target, ids, max_tokens, engine.eos_ids, assistant_model=assistant)
+                toks, dt = hf_greedy_generate(target, ids, max_tokens, engine.eos_ids, assistant_model=assistant)
             elif m == "hf_lookup":
-                toks, dt = _hf_generate(target, ids, max_tokens, engine.eos_ids, prompt_lookup_num_tokens=lookup_tokens)
+                toks, dt = hf_greedy_generate(target, ids, max_tokens, engine.eos_ids, prompt_lookup_num_tokens=lookup_tokens)
             else:
                 raise ValueError(f"unknown method {m!r}; choose from {METHODS}")
             equal = toks == ref
@@ -217,13 +218,14 @@ def format_table(result: dict) -> str:
 
 def bench_main(args) -> int:
     torch.set_num_threads(args.threads)
-    records = select(load_workload(args.workload), args.n, args.domains)
+    workload = load_workload(args.workload)
+    records = select(workload, args.n, args.domains)
     if not records:
         raise SystemExit(f"no records in {args.workload} (domains {args.domains})")
     from speculative.factory import build_engine
 
     cfg = engine_config_from_args(args)
-    engine = build_engine(cfg, texts=[r.text for r in load_workload(args.workload)])
+    engine = build_engine(cfg, texts=[r.text for r in workload])
     result = run_bench(engine, records, args.max_tokens, tuple(args.methods.split(",")), args.lookup_tokens)
     result["config"] = json.loads(cfg.model_dump_json())
     result["workload"] = str(args.workload)

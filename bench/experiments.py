@@ -281,18 +281,11 @@ def run_online(
     of one online round (None: ``learner_cfg.steps_per_round`` steps). ``distill_cfg``: the
     offline bound's training (default: 3 epochs, lr = learner lr x 10, <= 120 s).
     """
-    _check_common(methods, eval_every, window, max_tokens)
     items = _norm(records)
-    distill_cfg = distill_cfg or DistillConfig(max_tokens=max_tokens, seconds=120.0, epochs=3, warmup_steps=0,
-                                               lr=min(learner_cfg.lr * 10, 1e-2), log_every=1000)
     offline = {m: [p for p, _ in items] for m in methods if m == "offline"}
-    res = _run_methods(engine_factory, items, methods, learner_cfg, offline_prompts=offline, distill_cfg=distill_cfg,
-                       max_tokens=max_tokens, k=k, eval_every=eval_every, window=window,
-                       seconds_per_round=seconds_per_round, ignore_eos=ignore_eos, log=log)
-    return {"experiment": "online", "n_records": len(items), "domains": list(dict.fromkeys(d for _, d in items)),
-            "max_tokens": max_tokens, "k": k, "eval_every": eval_every, "window": window,
-            "learner": json.loads(learner_cfg.model_dump_json()), "distill": json.loads(distill_cfg.model_dump_json()),
-            "methods": res}
+    return _run_stream("online", engine_factory, items, learner_cfg, methods, offline, {}, eval_every=eval_every,
+                       max_tokens=max_tokens, k=k, window=window, seconds_per_round=seconds_per_round,
+                       distill_cfg=distill_cfg, ignore_eos=ignore_eos, log=log)
 
 
 def order_blocks(records: Sequence[Any], order: Sequence[str] | None = DEFAULT_SHIFT_ORDER) -> tuple[list[tuple[Any, str]], list[dict]]:
@@ -333,16 +326,25 @@ def run_shift(
         raise ValueError(f"fractions must be in (0, 1], got {list(fractions)}")
     offline = {f"offline@{round(f * 100)}": [p for p, _ in items[: max(1, round(f * len(items)))]] for f in fractions}
     methods = list(methods) if methods is not None else ["static", "online", *offline]
+    extra = {"order": [b["domain"] for b in bounds], "boundaries": bounds, "fractions": list(fractions)}
+    return _run_stream("shift", engine_factory, items, learner_cfg, methods, offline, extra, eval_every=eval_every,
+                       max_tokens=max_tokens, k=k, window=window, seconds_per_round=seconds_per_round,
+                       distill_cfg=distill_cfg, ignore_eos=ignore_eos, log=log)
+
+
+def _run_stream(experiment, engine_factory, items, learner_cfg, methods, offline, extra, *, eval_every, max_tokens,
+                k, window, seconds_per_round, distill_cfg, ignore_eos, log) -> dict:
+    """What online and shift share: the default offline training, the methods' runs, the report."""
     _check_common(methods, eval_every, window, max_tokens)
     distill_cfg = distill_cfg or DistillConfig(max_tokens=max_tokens, seconds=120.0, epochs=3, warmup_steps=0,
                                                lr=min(learner_cfg.lr * 10, 1e-2), log_every=1000)
     res = _run_methods(engine_factory, items, methods, learner_cfg, offline_prompts=offline, distill_cfg=distill_cfg,
                        max_tokens=max_tokens, k=k, eval_every=eval_every, window=window,
                        seconds_per_round=seconds_per_round, ignore_eos=ignore_eos, log=log)
-    return {"experiment": "shift", "n_records": len(items), "order": [b["domain"] for b in bounds], "boundaries": bounds,
-            "fractions": list(fractions), "max_tokens": max_tokens, "k": k, "eval_every": eval_every, "window": window,
-            "learner": json.loads(learner_cfg.model_dump_json()), "distill": json.loads(distill_cfg.model_dump_json()),
-            "methods": res}
+    return {"experiment": experiment, "n_records": len(items), **extra,
+            "domains": list(dict.fromkeys(d for _, d in items)), "max_tokens": max_tokens, "k": k,
+            "eval_every": eval_every, "window": window, "learner": json.loads(learner_cfg.model_dump_json()),
+            "distill": json.loads(distill_cfg.model_dump_json()), "methods": res}
 
 
 # ---------------------------------------------------------------------------------------------

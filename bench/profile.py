@@ -15,7 +15,7 @@ import torch
 
 from config import DraftConfig, ModelConfig
 from drafts.build import build_draft_model
-from speculative.models import load_model
+from speculative.models import encode_prompt, load_model
 from speculative.proposers import NgramProposer
 from speculative.runner import ModelRunner
 
@@ -69,8 +69,7 @@ def profile(target_name: str, workload: str, context: int = 128, max_verify: int
     held_out = recs[1::2][:coverage_prompts]
     emitted: list[int] = []
     for r in held_out:
-        ids = tok.apply_chat_template([{"role": "user", "content": r.text}], add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if not isinstance(ids, list) else ids
+        ids = encode_prompt(tok, r.text)
         with torch.inference_mode():
             g = target.generate(torch.tensor([ids]), max_new_tokens=coverage_tokens, do_sample=False)
         emitted += g[0, len(ids):].tolist()

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from config import DraftConfig, ModelConfig
-from speculative.models import ModelLoadError, check_same_vocab, load_model, load_tokenizer
+from speculative.models import ModelLoadError, check_same_vocab, load_tokenizer, load_weights
 from speculative.proposers import ChainedProposer, DraftModelProposer, NgramProposer
 from speculative.runner import ModelRunner
 
@@ -185,8 +185,8 @@ def build_draft_model(
     elif cfg.kind == "fresh":
         draft = fresh_draft(target, cfg.num_layers)
     elif cfg.kind == "path":
-        draft, draft_tok = load_model(ModelConfig(name=cfg.path, dtype=str(target.dtype).removeprefix("torch.")))
-        check_same_vocab(target_tok, draft_tok)
+        check_same_vocab(target_tok, load_tokenizer(cfg.path))  # refused before any weights load
+        draft = load_weights(ModelConfig(name=cfg.path, dtype=str(target.dtype).removeprefix("torch.")))
     else:
         raise ValueError(f"draft kind {cfg.kind!r} has no model")
     keep = None
@@ -209,8 +209,3 @@ def build_proposer(
     learned = DraftModelProposer(ModelRunner(draft, keep, name="draft"), target.config.vocab_size)
     return ChainedProposer(ngram, learned) if cfg.ngram_first else learned
 
-
-def check_tokenizer_path(cfg: DraftConfig, target_tok: PreTrainedTokenizerBase) -> None:
-    """Refuse a draft given by path whose tokenizer differs, before loading its weights."""
-    if cfg.kind == "path" and cfg.path:
-        check_same_vocab(target_tok, load_tokenizer(cfg.path))

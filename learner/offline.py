@@ -35,6 +35,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from learner.losses import check_loss_name, SparseDist, get_loss, sparse_from_logits
+from speculative.models import encode_prompt, eos_token_ids
 
 __all__ = [
     "DistillConfig",
@@ -116,26 +117,6 @@ class Sample:
 # ---------------------------------------------------------------------------------------------
 
 
-def _encode(tokenizer: PreTrainedTokenizerBase, prompt: str, chat_template: bool) -> list[int]:
-    """Token ids of a text prompt, as the engine encodes it (chat template when the tokenizer has one)."""
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
-    return list(tokenizer(prompt)["input_ids"])
-
-
-def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
-    ids: set[int] = set()
-    for src in (getattr(tokenizer, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.add(src)
-        elif src:
-            ids.update(int(i) for i in src)
-    return ids
-
-
 def _unwrap_target(engine_or_model: Any, tokenizer: PreTrainedTokenizerBase | None):
     """(target model, tokenizer) from a SpeculativeEngine or a bare model."""
     runner = getattr(engine_or_model, "target", None)
@@ -212,12 +193,12 @@ def collect_teacher_data(
         if isinstance(p, str):
             if tokenizer is None:
                 raise ValueError("text prompts need a tokenizer")
-            encoded.append((p, _encode(tokenizer, p, chat_template)))
+            encoded.append((p, encode_prompt(tokenizer, p, chat_template)))
         else:
             encoded.append(("", [int(t) for t in p]))
     if any(not ids for _, ids in encoded):
         raise ValueError("empty prompt")
-    eos = _eos_ids(model, tokenizer)
+    eos = eos_token_ids(tokenizer, model)
     pad_id = getattr(tokenizer, "pad_token_id", None)
     if pad_id is None:
         pad_id = min(eos) if eos else 0

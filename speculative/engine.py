@@ -21,7 +21,8 @@ from transformers import PreTrainedTokenizerBase
 from config import EngineConfig, SamplingParams
 
 from .kpolicy import CostModel, KPolicy
-from .proposers import EMPTY, Proposal, Proposer
+from .models import encode_prompt, eos_token_ids
+from .proposers import EMPTY, DraftModelProposer, Proposal, Proposer
 from .runner import ModelRunner
 from .sampling import greedy_accept, rejection_accept, sparse_top_k, warp_logits
 from .stats import SpecStats
@@ -116,30 +117,13 @@ class SpeculativeEngine:
         self.requests: dict[str, RequestState] = {}
         self.vocab_size = target.model.config.vocab_size
         self.max_positions = getattr(target.model.config, "max_position_embeddings", None)
-        self.eos_ids = self._eos_ids(tokenizer, target.model)
-
-    @staticmethod
-    def _eos_ids(tokenizer, model) -> set[int]:
-        ids = set()
-        for src in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
-            if isinstance(src, int):
-                ids.add(src)
-            elif src:
-                ids.update(src)
-        return ids
+        self.eos_ids = eos_token_ids(tokenizer, target.model)
 
     # -- requests -------------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
         if not prompt or not prompt.strip():
             raise RequestError("prompt is empty")
-        if self.cfg.chat_template and self.tokenizer.chat_template:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return list(ids)
-        return self.tokenizer(prompt)["input_ids"]
+        return encode_prompt(self.tokenizer, prompt, self.cfg.chat_template)
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams = SamplingParams(), request_id: str | None = None
@@ -217,7 +201,7 @@ class SpeculativeEngine:
         return StepResult(
             request_id=request_id,
             source=prop.source,
-            draft_version=getattr(getattr(self.proposer, "draft", self.proposer), "version", 0),
+            draft_version=self.learned_draft.version if self.learned_draft is not None else 0,
             start=start,
             draft_tokens=prop.tokens,
             accepted=n,
@@ -313,9 +297,8 @@ class SpeculativeEngine:
             for j in range(1, self.cfg.k.k_max + 2):
                 best = min(self._timed(self.target.forward, seq, context, ids[context : context + j], j) for _ in range(repeats))
                 self.costs.verify_s[j] = best
-            draft = getattr(self.proposer, "draft", self.proposer)
-            runner = getattr(draft, "runner", None)
-            if runner is not None:
+            if self.learned_draft is not None:
+                runner = self.learned_draft.runner
                 runner.forward(seq, 0, ids[:context])
                 best = min(self._timed(runner.forward, seq, context, ids[context : context + 1]) for _ in range(repeats))
                 self.costs.draft_s["draft"] = best
@@ -333,9 +316,15 @@ class SpeculativeEngine:
         return time.perf_counter() - t0
 
     # -- draft weights ----------------------------------------------------------------------
+    @property
+    def learned_draft(self) -> DraftModelProposer | None:
+        """The draft-model proposer (alone or inside a chain), if any."""
+        if isinstance(self.proposer, DraftModelProposer):
+            return self.proposer
+        return getattr(self.proposer, "draft", None)
+
     def swap_draft(self, state: dict, version: int) -> None:
         """Install new draft weights (numpy arrays or tensors) between steps."""
-        draft = getattr(self.proposer, "draft", self.proposer)
-        if draft is None or not hasattr(draft, "load_state_dict"):
+        if self.learned_draft is None:
             raise RuntimeError("this engine has no learned draft to update")
-        draft.load_state_dict(state, version)
+        self.learned_draft.load_state_dict(state, version)

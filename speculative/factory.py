@@ -18,12 +18,11 @@ def build_engine(cfg: EngineConfig = EngineConfig(), texts: Iterable[str] = (), 
 
     ``texts`` (e.g. workload prompts) choose the tokens a restricted draft head keeps.
     """
-    from drafts.build import build_proposer, check_tokenizer_path  # drafts builds on this package
+    from drafts.build import build_proposer  # drafts builds on this package
 
     if cfg.model.num_threads:
         torch.set_num_threads(cfg.model.num_threads)
     target, tok = load_model(cfg.model)
-    check_tokenizer_path(cfg.draft, tok)
     proposer = build_proposer(cfg.draft, target, tok, texts)
     engine = SpeculativeEngine(ModelRunner(target, name="target"), tok, proposer, cfg)
     if calibrate:

@@ -118,24 +118,58 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
         raise ModelLoadError(f"cannot load tokenizer for {name!r}: {e}") from None
 
 
+def _cannot_load(name: str, e: Exception) -> ModelLoadError:
+    return ModelLoadError(
+        f"cannot load model {name!r} (not a local folder/file, and not loadable as a Hugging Face id "
+        f"from the local cache): {e}"
+    )
+
+
+def load_weights(cfg: ModelConfig) -> PreTrainedModel:
+    """Load a causal LM (no tokenizer), in eval mode on ``cfg.device``."""
+    path, kw = resolve_model_folder(cfg.name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype], **kw)
+    except (OSError, ValueError) as e:
+        raise _cannot_load(cfg.name, e) from None
+    return model.to(cfg.device).eval()
+
+
 def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, in eval mode on ``cfg.device``."""
     path, kw = resolve_model_folder(cfg.name)
     try:
         tok = AutoTokenizer.from_pretrained(path, **kw)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype], **kw)
     except (OSError, ValueError) as e:
-        raise ModelLoadError(
-            f"cannot load model {cfg.name!r} (not a local folder/file, and not loadable as a Hugging Face id "
-            f"from the local cache): {e}"
-        ) from None
-    model.to(cfg.device).eval()
-    return model, tok
+        raise _cannot_load(cfg.name, e) from None
+    return load_weights(cfg), tok
 
 
 def load_config(name: str):
     path, kw = resolve_model_folder(name)
     return AutoConfig.from_pretrained(path, **kw)
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat_template: bool = True) -> list[int]:
+    """Token ids of a text prompt: a user turn in the tokenizer's chat template when it has one
+    (``apply_chat_template`` returns a list or a BatchEncoding depending on the tokenizer)."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, model: PreTrainedModel) -> set[int]:
+    """Every id that ends a generation: the tokenizer's EOS and the model's generation_config EOS."""
+    ids: set[int] = set()
+    for src in (getattr(tokenizer, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif src:
+            ids.update(int(i) for i in src)
+    return ids
 
 
 def check_same_vocab(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedTokenizerBase) -> None:

@@ -174,22 +174,14 @@ def greedy_reference(make_engine):
 @pytest.fixture(scope="session")
 def hf_greedy(target):
     """``hf_greedy(prompt_ids, n)`` -> HF ``generate(do_sample=False)`` new tokens, cut before the first EOS."""
+    from bench.bench import hf_greedy_generate
+
     cache: dict = {}
 
     def gen(prompt: list[int], n: int) -> list[int]:
         key = (tuple(prompt), n)
         if key not in cache:
-            with torch.inference_mode():
-                out = target.generate(
-                    torch.tensor([prompt]),
-                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                    max_new_tokens=n,
-                    do_sample=False,
-                    eos_token_id=0,
-                    pad_token_id=0,
-                )
-            new = out[0, len(prompt) :].tolist()
-            cache[key] = new[: new.index(0)] if 0 in new else new
+            cache[key] = hf_greedy_generate(target, list(prompt), n, {0}, eos_token_id=0, pad_token_id=0)[0]
         return cache[key]
 
     return gen

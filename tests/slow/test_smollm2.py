@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
+from bench.bench import hf_greedy_generate
 from config import DraftConfig, EngineConfig, KPolicyConfig, NgramConfig, SamplingParams
 from speculative import ModelRunner, NgramProposer, SpeculativeEngine
 from speculative.factory import build_engine
@@ -34,16 +34,8 @@ def hf_reference(engine):
     out = {}
     for prompt in PROMPTS:
         ids = engine.encode(prompt)
-        with torch.inference_mode():
-            gen = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-            )
-        new = gen[0, len(ids) :].tolist()
-        cut = next((i for i, t in enumerate(new) if t in eos), len(new))
-        out[prompt] = (ids, new[:cut])
+        new, _ = hf_greedy_generate(model, ids, MAX_TOKENS, eos)
+        out[prompt] = (ids, new)
     return out
 
 
