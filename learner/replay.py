@@ -885,6 +885,15 @@ class ShardSet:
         """Append to the shard of ``record.draft_id``."""
         return self.shard(record.draft_id).append(record)
 
+    def drop(self, draft_id: str, delete: bool = True) -> None:
+        """Forget a retired draft's shard: close it and (``delete``) remove its log from disk."""
+        s = self.shards.pop(draft_id, None)
+        if s is None:
+            return
+        s.close()
+        if delete and s.path is not None:
+            s.path.unlink(missing_ok=True)
+
     def stats(self) -> dict[str, dict]:
         """Per draft id: records, bytes, appended, evicted (and log_bytes, compactions)."""
         return {d: s.stats() for d, s in self.shards.items()}

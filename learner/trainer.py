@@ -96,7 +96,8 @@ class RoundReport:
     steps: int = 0
     loss_before: float | None = None
     loss_after: float | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # the whole round: batch, steps, gate
+    train_seconds: float = 0.0  # optimiser steps only (forward + backward + update)
     records: int = 0
     positions: int = 0  # trained rows per step
     stopped_early: bool = False  # should_yield stopped the round
@@ -291,6 +292,7 @@ class DraftTrainer:
                     torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
                 self.opt.step()
                 rep.steps += 1
+                rep.train_seconds += time.perf_counter() - ts
                 if cfg.max_cpu_share < 1.0 and i + 1 < cfg.steps_per_round:
                     self._pause((time.perf_counter() - ts) * (1.0 / cfg.max_cpu_share - 1.0), should_yield)
         except Exception:
@@ -469,6 +471,13 @@ class OnlineLearner:
     def add_trainer(self, trainer: DraftTrainer) -> DraftTrainer:
         self.trainers[trainer.draft_id] = trainer
         return trainer
+
+    def remove_trainer(self, draft_id: str, drop_shard: bool = True) -> None:
+        """A retired draft: forget its trainer, traffic window and (``drop_shard``) replay shard."""
+        self.trainers.pop(draft_id, None)
+        self._recent.pop(draft_id, None)
+        if drop_shard:
+            self.shards.drop(draft_id)
 
     # -- traffic ----------------------------------------------------------------------------------
     def observe(self, record: ReplayRecord) -> None:

@@ -10,6 +10,7 @@ the token after ``tokens + d_1..d_i``.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -118,6 +119,8 @@ class SpeculativeEngine:
         self.vocab_size = target.model.config.vocab_size
         self.max_positions = getattr(target.model.config, "max_position_embeddings", None)
         self.eos_ids = eos_token_ids(tokenizer, target.model)
+        self._staged: tuple[dict, int] | None = None  # draft weights handed over by another thread
+        self._staged_lock = threading.Lock()
 
     # -- requests -------------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
@@ -159,8 +162,15 @@ class SpeculativeEngine:
         if self.proposer is not None:
             self.proposer.release(request_id)
 
+    @property
+    def busy(self) -> bool:
+        """Whether any request is live (a background learner yields while this is True)."""
+        return bool(self.requests)
+
     # -- the speculative step -----------------------------------------------------------------
     def step(self, request_id: str) -> StepResult:
+        if self._staged is not None:
+            self._install_staged()
         st = self.requests.get(request_id)
         if st is None:
             raise RequestError(f"unknown request id {request_id!r}")
@@ -324,7 +334,23 @@ class SpeculativeEngine:
         return getattr(self.proposer, "draft", None)
 
     def swap_draft(self, state: dict, version: int) -> None:
-        """Install new draft weights (numpy arrays or tensors) between steps."""
+        """Install new draft weights (numpy arrays or tensors) now; call it between steps, from
+        the thread that steps (another thread uses :meth:`stage_draft`)."""
         if self.learned_draft is None:
             raise RuntimeError("this engine has no learned draft to update")
         self.learned_draft.load_state_dict(state, version)
+
+    def stage_draft(self, state: dict, version: int) -> None:
+        """Thread-safe hand-over of new draft weights: the next :meth:`step` installs them before
+        it proposes (a newer staged version replaces an older one that was not installed yet)."""
+        if self.learned_draft is None:
+            raise RuntimeError("this engine has no learned draft to update")
+        with self._staged_lock:
+            if self._staged is None or version > self._staged[1]:
+                self._staged = (state, version)
+
+    def _install_staged(self) -> None:
+        with self._staged_lock:
+            staged, self._staged = self._staged, None
+        if staged is not None and staged[1] > self.learned_draft.version:
+            self.learned_draft.load_state_dict(*staged)

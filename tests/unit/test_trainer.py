@@ -227,3 +227,18 @@ def test_online_learner_end_to_end(setup, target, make_engine, draft_proposer):
     # yielding learner: no round runs
     ol.should_yield = lambda: True
     assert ol.maybe_train([], force=True) is None
+
+
+def test_remove_trainer_forgets_draft_and_deletes_its_shard(setup, tmp_path):
+    draft, recs = setup
+    cfg = _cfg()
+    ol = OnlineLearner(cfg, ShardConfig(dir=tmp_path), [DraftTrainer("a", draft, cfg), DraftTrainer("b", draft, cfg)])
+    for r in recs[:4]:
+        ol.observe(_with_draft(r, "a"))
+        ol.observe(_with_draft(r, "b"))
+    log_b = ol.shards["b"].path
+    assert log_b.exists() and ol.pick_draft() in {"a", "b"}
+    ol.remove_trainer("b")
+    assert "b" not in ol.trainers and "b" not in ol.shards and not log_b.exists()
+    assert ol.pick_draft() == "a" and ol.traffic("b")["rows"] == 0
+    ol.close()

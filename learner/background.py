@@ -1,0 +1,209 @@
+"""The online learner in a background thread beside serving (Ray-free, in-process).
+
+Serving threads hand over one :class:`learner.replay.ReplayRecord` per finished request with
+:meth:`BackgroundLearner.submit` (a non-blocking queue put). The learner thread drains the queue
+into :meth:`learner.trainer.OnlineLearner.observe` and, every ``train_every`` records, runs a
+round, but only while the ``busy`` callable (e.g. ``lambda: engine.busy``) says no request is
+live: it checks before every optimiser step and stops the round as soon as a request arrives,
+so requests wait at most for the one step in flight. The thread runs at OS nice
+``BackgroundConfig.nice`` (Linux priorities are per thread) with its own torch thread count,
+and ``LearnerConfig.max_cpu_share`` caps its share of wall time. Accepted weights go to the
+subscribers, e.g. ``engine.stage_draft``, which installs them between two steps of the serving
+thread. A Ray learner deployment runs the same loop in its own process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from learner.replay import ReplayRecord
+from learner.trainer import OnlineLearner, RoundReport
+
+__all__ = ["BackgroundConfig", "BackgroundLearner", "LearnerStats"]
+
+log = logging.getLogger(__name__)
+
+
+class BackgroundConfig(BaseModel):
+    """How the learner thread shares the machine with serving."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: OS niceness of the learner thread (0 = same as serving, 19 = lowest)
+    nice: int = Field(default=19, ge=0, le=19)
+    #: torch intra-op threads of the learner thread
+    threads: int = Field(default=1, ge=1)
+    #: yield to live requests (pause between steps while ``busy()``); False trains regardless
+    yield_to_requests: bool = True
+    #: how often the idle loop looks at the queue and at ``busy()``
+    poll_s: float = Field(default=0.01, gt=0.0)
+    #: bound of the hand-over queue; a full queue drops the record (counted), never blocks serving
+    queue_max: int = Field(default=10_000, ge=1)
+
+
+@dataclass
+class LearnerStats:
+    """What metrics need from the learner thread (a snapshot; see :meth:`BackgroundLearner.stats`)."""
+
+    observed: int = 0
+    dropped: int = 0
+    rounds: int = 0
+    steps: int = 0
+    published: int = 0
+    rejected: int = 0
+    yielded_rounds: int = 0
+    train_seconds: float = 0.0
+    queue_depth: int = 0
+    running: bool = False
+    paused: bool = False
+    last_round: dict | None = None
+    versions: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def seconds_per_step(self) -> float | None:
+        return self.train_seconds / self.steps if self.steps else None
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "seconds_per_step": self.seconds_per_step}
+
+
+class BackgroundLearner:
+    """Runs ``learner`` in a daemon thread; see the module docstring."""
+
+    def __init__(
+        self,
+        learner: OnlineLearner,
+        subscribers: Sequence[Callable[[dict, int], Any]] | dict[str, Sequence[Callable]] = (),
+        busy: Callable[[], bool] | None = None,
+        cfg: BackgroundConfig = BackgroundConfig(),
+    ):
+        self.learner = learner
+        self.subscribers = subscribers
+        self.busy = busy if busy is not None else (lambda: False)
+        self.cfg = cfg
+        self._queue: queue.Queue[ReplayRecord] = queue.Queue(maxsize=cfg.queue_max)
+        self._stop = threading.Event()
+        self._paused = threading.Event()
+        self._idle = threading.Event()  # set while the thread is not inside a round
+        self._idle.set()
+        self._thread: threading.Thread | None = None
+        self._stats = LearnerStats()
+        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+        learner.should_yield = self._should_yield
+
+    # -- serving side ---------------------------------------------------------------------------
+    def submit(self, record: ReplayRecord) -> bool:
+        """Hand a finished request's record to the learner; never blocks. False if it was dropped."""
+        try:
+            self._queue.put_nowait(record)
+            return True
+        except queue.Full:
+            with self._lock:
+                self._stats.dropped += 1
+            return False
+
+    def start(self) -> "BackgroundLearner":
+        if self._thread is not None and self._thread.is_alive():
+            return self
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="osd-learner", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop after the step in flight; records still queued are observed first."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._drain()
+
+    def pause(self) -> None:
+        """Stop training (records are still observed) until :meth:`resume`."""
+        self._paused.set()
+
+    def resume(self) -> None:
+        self._paused.clear()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no round is running (e.g. before measuring); True if idle."""
+        return self._idle.wait(timeout)
+
+    def stats(self) -> LearnerStats:
+        with self._lock:
+            s = LearnerStats(**{k: getattr(self._stats, k) for k in self._stats.__dataclass_fields__})
+        s.queue_depth = self._queue.qsize()
+        s.running = self._thread is not None and self._thread.is_alive()
+        s.paused = self._paused.is_set()
+        s.versions = {d: t.version for d, t in self.learner.trainers.items()}
+        return s
+
+    def __enter__(self) -> "BackgroundLearner":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- learner thread ------------------------------------------------------------------------
+    def _should_yield(self) -> bool:
+        return self._stop.is_set() or self._paused.is_set() or (self.cfg.yield_to_requests and bool(self.busy()))
+
+    def _drain(self) -> int:
+        n = 0
+        while True:
+            try:
+                rec = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            self.learner.observe(rec)
+            n += 1
+        if n:
+            with self._lock:
+                self._stats.observed += n
+        return n
+
+    def _run(self) -> None:
+        try:
+            if self.cfg.nice:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.cfg.nice)
+        except (AttributeError, OSError) as e:  # not Linux, or not allowed: run at normal priority
+            log.warning("learner thread: could not set nice %d (%s)", self.cfg.nice, e)
+        torch.set_num_threads(self.cfg.threads)  # per calling thread (OpenMP); serving keeps its own
+        try:
+            while not self._stop.is_set():
+                self._drain()
+                if self._should_yield():
+                    time.sleep(self.cfg.poll_s)
+                    continue
+                self._idle.clear()
+                try:
+                    rep = self.learner.maybe_train(self.subscribers)
+                finally:
+                    self._idle.set()
+                if rep is None:
+                    time.sleep(self.cfg.poll_s)
+                else:
+                    self._count(rep)
+        except BaseException as e:  # keep serving; the error is reported by stats()/error
+            self.error = e
+            log.exception("learner thread stopped")
+
+    def _count(self, rep: RoundReport) -> None:
+        with self._lock:
+            s = self._stats
+            s.rounds += 1
+            s.steps += rep.steps
+            s.train_seconds += rep.train_seconds
+            s.published += int(rep.version is not None)
+            s.rejected += int(rep.steps > 0 and not rep.accepted)
+            s.yielded_rounds += int(rep.stopped_early)
+            s.last_round = rep.to_dict()

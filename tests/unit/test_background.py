@@ -1,0 +1,160 @@
+"""The learner thread beside serving: it trains only while no request is live, stops a round when
+one arrives, hands weights over between steps, and never blocks the serving side."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from config import SamplingParams
+from drafts.build import truncated_draft
+from learner.background import BackgroundConfig, BackgroundLearner
+from learner.replay import RecordBuilder
+from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
+
+torch.set_num_threads(1)
+
+TEXTS = ["Hello world 1", "The quick brown fox 1", "abcabcabc abc 1", "def f(x): return x 1",
+         "Hello world 2", "The quick brown fox 2", "abcabcabc abc 2", "def f(x): return x 2"]
+
+
+def _serve(engine, tok, text, sink=None):
+    prompt = tok(text)["input_ids"]
+    b = RecordBuilder(probs_dtype=torch.float32)
+    gen = engine.generate(list(prompt), SamplingParams(max_tokens=16, ignore_eos=True), on_step=b.add)
+    rec = b.finish(list(prompt) + gen.token_ids, len(prompt), draft_id="d")
+    if sink is not None:
+        sink(rec)
+    return rec
+
+
+@pytest.fixture(scope="module")
+def records(target, tok, make_engine, draft_proposer):
+    engine = make_engine(draft_proposer(truncated_draft(target, 1)), k=4)
+    return [_serve(engine, tok, t) for t in TEXTS]
+
+
+def _learner(target, **kw):
+    cfg = LearnerConfig(**{**dict(train_every=4, batch_records=4, steps_per_round=3, lr=1e-2, positions="all",
+                                  holdout_fraction=0.0), **kw})
+    return OnlineLearner(cfg, trainers=[DraftTrainer("d", truncated_draft(target, 1), cfg)])
+
+
+def _wait(cond, timeout=20.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_trains_when_idle_and_engine_installs_between_steps(target, tok, make_engine, draft_proposer, records):
+    engine = make_engine(draft_proposer(truncated_draft(target, 1)), k=4)
+    with BackgroundLearner(_learner(target), [engine.stage_draft], busy=lambda: engine.busy) as bg:
+        for r in records[:4]:
+            assert bg.submit(r)
+        assert _wait(lambda: bg.stats().published >= 1), bg.stats()
+        s = bg.stats()
+        assert s.observed == 4 and s.steps == 3 and s.seconds_per_step > 0 and bg.error is None
+        # staged, not installed: the serving thread installs it at its next step
+        assert engine.learned_draft.version == 0
+        prompt = tok("Hello world 3")["input_ids"]
+        rid = engine.add_request(list(prompt), SamplingParams(max_tokens=4, ignore_eos=True))
+        res = engine.step(rid)
+        engine.release(rid)
+        assert res.draft_version == s.versions["d"] == engine.learned_draft.version >= 1
+
+
+def test_no_training_while_requests_are_live(target, records):
+    busy = threading.Event()
+    busy.set()
+    bg = BackgroundLearner(_learner(target), busy=busy.is_set).start()
+    try:
+        for r in records:
+            bg.submit(r)
+        assert _wait(lambda: bg.stats().observed == len(records))
+        time.sleep(0.3)
+        assert bg.stats().steps == 0 and bg.stats().rounds == 0
+        busy.clear()  # the queue empties: the pending rounds run now
+        assert _wait(lambda: bg.stats().steps > 0)
+    finally:
+        bg.stop()
+
+
+def test_round_stops_within_one_step_when_a_request_arrives(target, records):
+    busy = threading.Event()
+    lrn = _learner(target, steps_per_round=1000, train_every=1)
+    trainer = lrn.trainers["d"]
+    real_step = trainer.opt.step
+
+    def step_then_request(*a, **kw):  # a request arrives during the first optimiser step
+        out = real_step(*a, **kw)
+        busy.set()
+        return out
+
+    trainer.opt.step = step_then_request
+    with BackgroundLearner(lrn, busy=busy.is_set) as bg:
+        bg.submit(records[0])
+        assert _wait(lambda: bg.stats().rounds == 1)
+        s = bg.stats()
+    assert s.steps == 1 and s.yielded_rounds == 1
+
+
+def test_paused_learner_observes_but_does_not_train(target, records):
+    bg = BackgroundLearner(_learner(target))
+    bg.pause()
+    with bg:
+        for r in records:
+            bg.submit(r)
+        assert _wait(lambda: bg.stats().observed == len(records))
+        time.sleep(0.2)
+        assert bg.stats().steps == 0 and bg.stats().paused
+        bg.resume()
+        assert _wait(lambda: bg.stats().steps > 0)
+
+
+def test_submit_never_blocks_and_counts_drops(target, records):
+    bg = BackgroundLearner(_learner(target), cfg=BackgroundConfig(queue_max=2))  # not started: nobody drains
+    t0 = time.perf_counter()
+    got = [bg.submit(r) for r in records]
+    assert time.perf_counter() - t0 < 0.5
+    assert got == [True, True] + [False] * (len(records) - 2) and bg.stats().dropped == len(records) - 2
+
+
+def test_stage_draft_keeps_newest_and_ignores_stale(target, tok, make_engine, draft_proposer):
+    engine = make_engine(draft_proposer(truncated_draft(target, 1)), k=4)
+    new = truncated_draft(target, 1)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.01)
+    state = {k: v.numpy().copy() for k, v in new.state_dict().items()}
+    engine.stage_draft(state, 3)
+    engine.stage_draft({k: v * 0 for k, v in state.items()}, 2)  # older than the staged one: ignored
+    rid = engine.add_request(list(tok("abc")["input_ids"]), SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step(rid)
+    engine.release(rid)
+    assert engine.learned_draft.version == 3
+    got = engine.learned_draft.runner.model.state_dict()
+    assert all(torch.equal(got[k], torch.as_tensor(state[k])) for k in state)
+
+
+def test_overhead_harness_serves_identical_work_per_mode(target, tok, make_engine, draft_proposer):
+    from bench.overhead import format_overhead, run_overhead
+
+    engine = make_engine(draft_proposer(truncated_draft(target, 1)), k=3)
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    cfg = LearnerConfig(train_every=1, batch_records=2, steps_per_round=2, lr=1e-3, positions="all", holdout_fraction=0.0)
+    res = run_overhead(engine, prompts, cfg, blocks=2, gap_s=0.05, max_tokens=8, warmup=2, log=None)
+    m = res["modes"]
+    assert set(m) == {"paused", "background", "no-yield"}
+    assert {e["requests"] for e in m.values()} == {6} and {e["tokens"] for e in m.values()} == {6 * 8}
+    assert m["paused"]["train_steps"] == 0 and m["paused"]["throughput_vs_paused"] == pytest.approx(1.0)
+    assert m["no-yield"]["train_steps"] > 0 and m["no-yield"]["seconds_per_step"] > 0
+    assert engine.learned_draft.version == 0  # install=False: the measurement keeps the weights fixed
+    assert "no-yield" in format_overhead(res)
+    with pytest.raises(ValueError):
+        run_overhead(engine, prompts, cfg, modes=["bogus"], log=None)
