@@ -68,14 +68,14 @@ class Tally:
 def hf_greedy_generate(model, ids: list[int], max_tokens: int, eos: set[int], **kw) -> tuple[list[int], float]:
     """Hugging Face greedy ``generate`` on one prompt: (new tokens cut before the first EOS, seconds).
     ``kw`` go to ``generate`` (``assistant_model``, ``prompt_lookup_num_tokens``, ...)."""
-    inp = torch.tensor([ids])
+    inp = torch.tensor([ids], device=model.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
             inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_tokens, do_sample=False, **kw
         )
+    toks = out[0, len(ids) :].tolist()  # on a GPU this waits for the last kernel
     dt = time.perf_counter() - t0
-    toks = out[0, len(ids) :].tolist()
     for i, t in enumerate(toks):  # HF keeps the EOS token; our engine ends before it
         if t in eos:
             return toks[:i], dt
@@ -244,7 +244,7 @@ def write_json(result: dict, path: str | None) -> None:
 
 def engine_config_from_args(args) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(name=args.target),
+        model=ModelConfig(name=args.target, device=getattr(args, "device", "cpu"), dtype=getattr(args, "dtype", "float32")),
         draft=DraftConfig(
             kind=args.draft,
             num_layers=args.draft_layers,

@@ -35,6 +35,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--k-max", type=int, default=6)
     g.add_argument("--fixed-k", type=int, default=None, help="always propose this many tokens (default: adaptive)")
     g.add_argument("--threads", type=int, default=2)
+    g.add_argument("--device", default="cpu", help="torch device of target and draft (cpu, cuda, cuda:1, ...)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
 def _parser() -> argparse.ArgumentParser:

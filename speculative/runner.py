@@ -67,7 +67,7 @@ class ModelRunner:
             cache.crop(start - have)  # negative: drop the (have - start) rejected positions
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep_last)
-        return out.logits[0, -keep_last:].float()  # [keep_last, V_model]
+        return out.logits[0, -keep_last:].float().cpu()  # [keep_last, V_model], on the CPU (acceptance runs there)
 
     def forward_batch(self, calls: list[ForwardCall]) -> list[torch.Tensor]:
         """The calls of several requests. Today one forward each; the interface is what a batched
