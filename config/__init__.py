@@ -21,6 +21,7 @@ __all__ = [
     "KPolicyConfig",
     "SamplingParams",
     "EngineConfig",
+    "RouterConfig",
     "ValidationError",
     "cache_dir",
 ]
@@ -154,3 +155,69 @@ class EngineConfig(_Strict):
     record_top_k: int = Field(default=16, ge=1)
     #: Apply the tokenizer's chat template to text prompts.
     chat_template: bool = True
+
+
+#: Languages py3langid may answer by default: widely used languages plus every language of the
+#: chatterbot-corpus (restricting the label set avoids labels such as "la" or "an" on short
+#: English requests, and lifts accuracy on short texts; see ``osd route``).
+ROUTER_LANGUAGES: tuple[str, ...] = (
+    "ar", "bn", "cs", "da", "de", "el", "en", "es", "fa", "fi", "fr", "he", "hi", "hu", "id",
+    "it", "ja", "ko", "mr", "nl", "no", "or", "pl", "pt", "ro", "ru", "sv", "ta", "te", "th",
+    "tr", "uk", "ur", "vi", "yo", "zh",
+)
+
+
+class RouterConfig(_Strict):
+    """The query router: features, domains (named by a classifier or discovered by clustering)
+    and the choice of draft by observed acceptance.
+
+    mode: ``supervised`` routes by the classifier's label (below ``confidence_threshold`` to the
+    general draft); ``clusters`` by online clusters of embeddings, split by language; ``both`` by the
+    label when the classifier is confident and by cluster otherwise. Counts marked "records" are
+    routed queries (the router's clock), so behaviour does not depend on wall time.
+    """
+
+    mode: Literal["supervised", "clusters", "both"] = "both"
+    # features
+    max_chars: int = Field(default=2000, ge=16)  # text cut before language id and embedding
+    #: MiniLM input length in word pieces: the start of a query names its topic; on the shipped
+    #: workload 32 loses nothing against 128 (topic accuracy, cluster purity) and is much faster.
+    max_tokens: int = Field(default=32, ge=8, le=512)
+    #: int8 Linear layers (dynamic quantization): about 1.7x faster on this CPU. Activations are
+    #: then scaled per batch, so texts are embedded one at a time (a query's embedding must not
+    #: depend on its neighbours in a batch).
+    quantize: bool = False
+    languages: tuple[str, ...] | None = ROUTER_LANGUAGES  # None: all 97 py3langid languages
+    batch_size: int = Field(default=32, ge=1)
+    threads: int = Field(default=1, ge=1)  # torch threads for the embedder
+    # supervised domains
+    confidence_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
+    classifier_c: float = Field(default=10.0, gt=0.0)  # inverse L2 strength of the logistic regression
+    #: Domains whose queries form one mode per language ("chat" -> "chat/fr"); "*" for all.
+    lang_split_domains: tuple[str, ...] = ("chat",)
+    base_lang: str = "en"  # queries in this language keep the bare domain name
+    # discovered domains
+    cluster_threshold: float = Field(default=0.6, gt=0.0, lt=2.0)  # cosine distance to join a cluster
+    min_cluster_size: int = Field(default=5, ge=1)
+    noise_ttl: int = Field(default=200, ge=1)  # records a cluster has to reach min_cluster_size
+    max_clusters: int = Field(default=256, ge=1)
+    # draft lifecycle
+    spawn_min_records: int = Field(default=20, ge=1)  # a cluster this busy ...
+    spawn_window: int = Field(default=200, ge=1)  # ... within this many records ...
+    spawn_alpha: float = Field(default=0.5, ge=0.0, le=1.0)  # ... at acceptance below this gets a draft
+    spawn_min_tokens: int = Field(default=64, ge=1)  # proposed tokens needed to judge acceptance
+    idle_retire_records: int = Field(default=2000, ge=1)  # a cluster unseen this long is retired
+    idle_retire_s: float | None = Field(default=None, gt=0.0)  # ... or unseen this many seconds
+    max_drafts: int = Field(default=8, ge=1)  # drafts in memory, the general draft included
+    # choice of draft
+    explore_rate: float = Field(default=0.05, ge=0.0, le=1.0)  # uniform pick on top of Thompson sampling
+    prior: tuple[float, float] = (1.0, 1.0)  # Beta prior of a draft's acceptance (accepted, rejected)
+    decay: float = Field(default=0.995, gt=0.0, le=1.0)  # forgetting per observation (drifting drafts)
+    seed: int = 0
+
+    @field_validator("prior")
+    @classmethod
+    def _positive_prior(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if min(v) <= 0:
+            raise ValueError("prior pseudo-counts must be > 0")
+        return v

@@ -7,6 +7,9 @@
   osd workload build --out F       build the workload file from public corpora
   osd train-draft --domain code    distil a draft offline for a few minutes (by hand)
   osd experiment online|shift      alpha vs records: static / online learner / offline bound
+  osd experiment mixture           one shared draft vs per-domain drafts picked by the router
+  osd experiment overhead          serving speed with the learner paused / in the background
+  osd route --workload F           routing accuracy (topic, language), confusion table, latency
   osd distill                      the general starting draft (all domains), cached; --draft-checkpoint default
 """
 
@@ -72,18 +75,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-verify", type=int, default=9)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--json", default=None)
 
-    w = sub.add_parser("workload", help="workload files")
-    wsub = w.add_subparsers(dest="wcmd", required=True)
-    wb = wsub.add_parser("build", help="build a workload from public corpora (pip packages)")
-    wb.add_argument("--out", default=str(DEFAULT_WORKLOAD))
-    wb.add_argument("--per-domain", type=int, default=60)
-    wb.add_argument("--seed", type=int, default=0)
-    wb.add_argument("--cache-dir", default=None)
-
+    sub.add_parser("workload", help="osd workload build: a workload file from public corpora (osd workload build -h)", add_help=False)
+    sub.add_parser("route", help="route a workload: topic / language accuracy, confusion, latency (osd route -h)", add_help=False)
     sub.add_parser("train-draft", help="distil a draft offline from the target's generations (osd train-draft -h)", add_help=False)
-    sub.add_parser("experiment", help="the paper's experiments: online | shift (osd experiment online -h)", add_help=False)
+    sub.add_parser("experiment", help="experiments: online | shift | mixture | overhead (osd experiment online -h)", add_help=False)
     sub.add_parser("distill", help="build the cached general starting draft (train-draft on all domains)", add_help=False)
     return ap
 
@@ -159,6 +158,17 @@ def main(argv: list[str] | None = None) -> int:
         from learner.offline import main as train_main
 
         return train_main(argv[1:])
+    if argv[:1] == ["workload"]:  # osd workload build ...: options live with the builder
+        from bench.workloads import main as workload_main
+
+        if argv[1:2] != ["build"]:
+            print("usage: osd workload build --out FILE [--per-domain N] [--domains ...] [--languages ...]", file=sys.stderr)
+            return 2
+        return workload_main(argv[2:])
+    if argv[:1] == ["route"]:  # osd route: options live with the router
+        from router.cli import main as route_main
+
+        return route_main(argv[1:])
     if argv[:1] == ["experiment"]:  # osd experiment online|shift: options live with the harness
         from bench.experiments import main as experiment_main
 
@@ -192,13 +202,6 @@ def main(argv: list[str] | None = None) -> int:
 
             args.target = args.target or EMBEDDED_TARGET
             return profile_main(args)
-        if args.cmd == "workload":
-            from bench.workloads import main as workload_main
-
-            argv2 = ["--out", args.out, "--per-domain", str(args.per_domain), "--seed", str(args.seed)]
-            if args.cache_dir:
-                argv2 += ["--cache-dir", args.cache_dir]
-            return workload_main(argv2)
     except (ValidationError, RequestError, ModelLoadError, VocabMismatchError, ValueError) as e:
         print(f"osd {args.cmd}: error: {e}", file=sys.stderr)
         return 2

@@ -1,1 +1,18 @@
-"""Query routing: sentence embeddings + classifier, language id, routing by observed acceptance (issue 4)."""
+"""Query routing (issue 4): MiniLM embeddings + language id, domains named by a classifier or
+discovered by online clustering, and the choice of draft by observed acceptance.
+
+    router = Router(RouterConfig()).fit(texts, domains)
+    route = router.route("Écris une fonction Python ...")   # Route(domain, lang, draft_id, ...)
+    router.observe(route, step.accepted, step.proposed)      # after each speculative step
+    for event in router.events(): ...                        # spawn / retire drafts
+"""
+
+from router.bandit import AcceptanceBandit
+from router.domains import Cluster, ClusterEvent, DomainClassifier, OnlineClusters
+from router.features import EMBED_DIM, UND, FeatureExtractor, QueryFeatures
+from router.router import GENERAL, UNKNOWN, DraftEvent, Route, Router
+
+__all__ = [
+    "AcceptanceBandit", "Cluster", "ClusterEvent", "DomainClassifier", "DraftEvent", "EMBED_DIM",
+    "FeatureExtractor", "GENERAL", "OnlineClusters", "QueryFeatures", "Route", "Router", "UND", "UNKNOWN",
+]

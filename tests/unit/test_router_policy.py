@@ -1,0 +1,269 @@
+"""Router policy without a model: clustering, bandit, draft life cycle, state round trip.
+
+Queries are synthetic: a stub extractor maps "<lang> <mode> <i>" to a unit vector near the
+mode's centre (cosine about 0.9), "<lang> noise <i>" to a random direction (near-orthogonal to
+everything in 384 dimensions).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from config import RouterConfig, ValidationError
+from router import GENERAL, UNKNOWN, AcceptanceBandit, OnlineClusters, QueryFeatures, Router
+
+D = 384
+CENTRES = {m: v / np.linalg.norm(v) for m, v in
+           zip("ABC", np.random.default_rng(123).standard_normal((3, D)).astype(np.float32))}
+
+
+def synthetic(mode: str, i: int) -> np.ndarray:
+    rng = np.random.default_rng([sum(map(ord, mode)), i])
+    if mode == "noise":
+        v = rng.standard_normal(D)
+    else:
+        v = CENTRES[mode] + 0.025 * rng.standard_normal(D)
+    return (v / np.linalg.norm(v)).astype(np.float32)
+
+
+class StubExtractor:
+    """``"<lang> <mode> <i>"`` -> synthetic features; ``""`` -> empty."""
+
+    def extract(self, texts):
+        out = []
+        for t in texts:
+            if not t.strip():
+                out.append(QueryFeatures(np.zeros(D, np.float32), "und", 0.0, empty=True))
+                continue
+            lang, mode, i = t.split()
+            out.append(QueryFeatures(synthetic(mode, int(i)), lang, 0.99))
+        return out
+
+    def embed(self, texts):
+        return np.stack([f.embedding for f in self.extract(texts)])
+
+
+def cfg(**kw) -> RouterConfig:
+    base = dict(mode="clusters", min_cluster_size=3, noise_ttl=20, spawn_min_records=5, spawn_window=50,
+                spawn_min_tokens=10, spawn_alpha=0.5, idle_retire_records=30, max_drafts=4, explore_rate=0.0)
+    return RouterConfig(**{**base, **kw})
+
+
+def stream(router: Router, mode: str, n: int, start: int = 0, accepted: int = 1, proposed: int = 4, lang: str = "en"):
+    """Route n queries of a mode, reporting the given acceptance for each; returns the routes."""
+    routes = []
+    for i in range(start, start + n):
+        r = router.route(f"{lang} {mode} {i}")
+        router.observe(r, accepted, proposed)
+        routes.append(r)
+    return routes
+
+
+# ---------------------------------------------------------------------------- clustering
+
+
+def test_clusters_split_two_modes_and_drop_noise():
+    oc = OnlineClusters(cfg(noise_ttl=30, idle_retire_records=1000))
+    order = [("A", i) for i in range(40)] + [("B", i) for i in range(40)] + [("noise", i) for i in range(10)]
+    np.random.default_rng(0).shuffle(order)
+    ids = {}
+    for t, (mode, i) in enumerate(order):
+        c, _ = oc.assign(synthetic(mode, i), "en", t)
+        ids[(mode, i)] = c.id
+    a = {ids[("A", i)] for i in range(40)}
+    b = {ids[("B", i)] for i in range(40)}
+    assert len(a) == 1 and len(b) == 1 and a != b
+    assert len(oc) == 12  # two modes + ten singletons of noise
+    events = oc.maintain(t=len(order) + 30)
+    assert sorted(e.reason for e in events) == ["noise"] * 10
+    assert {c.id for c in oc.clusters.values()} == a | b
+    assert sorted(c.count for c in oc.clusters.values()) == [40, 40]
+    centre_a = oc.clusters[a.pop()].centroid
+    assert float(centre_a @ CENTRES["A"]) > 0.97  # the centroid found the mode's centre
+
+
+def test_language_is_a_hard_split():
+    oc = OnlineClusters(cfg())
+    en, _ = oc.assign(synthetic("A", 0), "en", 0)
+    fr, sim = oc.assign(synthetic("A", 0), "fr", 1)
+    assert en.id != fr.id and sim == 0.0
+    again, sim = oc.assign(synthetic("A", 1), "fr", 2)
+    assert again.id == fr.id and sim > 0.7 and again.key == f"c{fr.id}/fr"
+
+
+def test_max_clusters_evicts_the_longest_unseen():
+    oc = OnlineClusters(cfg(max_clusters=3))
+    for t in range(4):
+        oc.assign(synthetic("noise", t), "en", t)
+    assert len(oc) == 3
+    (ev,) = oc.maintain(4)
+    assert ev.kind == "expire" and ev.cluster.born == 0 and "max_clusters" in ev.reason
+
+
+def test_idle_in_seconds_expires_a_cluster():
+    oc = OnlineClusters(cfg(idle_retire_s=10.0, idle_retire_records=1000, min_cluster_size=1))
+    c, _ = oc.assign(synthetic("A", 0), "en", t=0, now_s=100.0)
+    assert oc.maintain(t=1, now_s=105.0) == []
+    (ev,) = oc.maintain(t=2, now_s=111.0)
+    assert (ev.kind, ev.reason, ev.cluster.id) == ("expire", "idle", c.id) and len(oc) == 0
+
+
+# ---------------------------------------------------------------------------- bandit
+
+
+def test_bandit_prefers_better_acceptance_and_still_explores():
+    bandit = AcceptanceBandit(RouterConfig(seed=7, explore_rate=0.05))
+    rng = np.random.default_rng(0)
+    for _ in range(300):  # steps of 4 tokens: d-good keeps 70%, d-poor 30%
+        bandit.observe("code", "d-good", int(rng.binomial(4, 0.7)), 4)
+        bandit.observe("code", "d-poor", int(rng.binomial(4, 0.3)), 4)
+    picks = [bandit.choose("code", ["d-poor", "d-good"], default=GENERAL) for _ in range(2000)]
+    counts = Counter(p for p, _ in picks)
+    assert counts["d-good"] > 1800  # exploits ...
+    assert 10 <= counts["d-poor"] <= 150  # ... and explores (epsilon 0.05 / 2 = 2.5% expected)
+    assert all(explored == (p == "d-poor") for p, explored in picks)
+    assert bandit.mean("code", "d-good") == pytest.approx(0.7, abs=0.05)
+    # seeded: the same observations and seed give the same choices
+    def replay(seed: int) -> list:
+        b = AcceptanceBandit(RouterConfig(seed=seed, explore_rate=0.05))
+        b.counts = {k: list(v) for k, v in bandit.counts.items()}
+        return [b.choose("code", ["d-poor", "d-good"], GENERAL) for _ in range(300)]
+
+    assert replay(3) == replay(3) != replay(4)
+
+
+def test_bandit_thompson_alone_explores_uncertain_draft():
+    bandit = AcceptanceBandit(RouterConfig(seed=1, explore_rate=0.0))
+    for _ in range(50):
+        bandit.observe("math", GENERAL, 1, 4)  # general: 25%, well known
+    picks = Counter(bandit.choose("math", [GENERAL, "new"], GENERAL)[0] for _ in range(500))
+    assert picks["new"] > 300  # unseen draft: prior mean 0.5 > 0.25, sampled most of the time
+    assert picks[GENERAL] > 0
+
+
+def test_bandit_default_for_unseen_domain_and_bad_counts():
+    bandit = AcceptanceBandit(RouterConfig())
+    bandit.observe("code", "d1", 4, 4)
+    assert bandit.choose("sql", [GENERAL, "d1"], default=GENERAL) == (GENERAL, False)
+    with pytest.raises(ValueError):
+        bandit.observe("code", "d1", 5, 4)
+    bandit.observe("code", "d1", 0, 0)  # k = 0 step: nothing learnt
+    assert bandit.counts[("code", "d1")] == [4.0, 0.0]
+
+
+def test_bandit_forgets_old_observations():
+    bandit = AcceptanceBandit(RouterConfig(decay=0.9))
+    for _ in range(100):
+        bandit.observe("chat", "d", 4, 4)
+    for _ in range(100):
+        bandit.observe("chat", "d", 0, 4)
+    assert bandit.mean("chat", "d") < 0.05  # the recent (bad) acceptance dominates
+
+
+# ---------------------------------------------------------------------------- draft life cycle
+
+
+def test_busy_cluster_with_poor_acceptance_spawns_a_draft_and_quiet_one_retires_it():
+    router = Router(cfg(), extractor=StubExtractor())
+    routes = stream(router, "A", 8, accepted=1, proposed=4)  # alpha 0.25 < 0.5
+    events = router.events()
+    assert [(e.kind, e.parent) for e in events] == [("spawn", GENERAL)]
+    spawned, key = events[0].draft_id, routes[-1].domain
+    assert events[0].domain == key and key.endswith("/en") and router.drafts[spawned] == key
+    # the new draft now serves its cluster (bandit: unseen there, prior mean 0.5 > 0.25)
+    later = stream(router, "A", 10, start=8, accepted=3, proposed=4)
+    assert Counter(r.draft_id for r in later)[spawned] >= 7
+    # a busy cluster with good acceptance gets no draft ...
+    stream(router, "B", 40, accepted=4, proposed=4)
+    events = router.events()
+    assert not [e for e in events if e.kind == "spawn"]
+    # ... and mode A, unseen for idle_retire_records queries, gives its draft back
+    assert [(e.kind, e.draft_id) for e in events] == [("retire", spawned)]
+    assert spawned not in router.drafts and not any(d == spawned for _, d in router.bandit.counts)
+
+
+def test_good_acceptance_spawns_nothing():
+    router = Router(cfg(), extractor=StubExtractor())
+    stream(router, "A", 30, accepted=3, proposed=4)
+    assert router.events() == [] and list(router.drafts) == [GENERAL]
+
+
+def test_max_drafts_respected_least_used_makes_room():
+    router = Router(cfg(max_drafts=2, idle_retire_records=1000), extractor=StubExtractor())
+    stream(router, "A", 8)  # spawns a draft for A
+    (a_draft,) = [e.draft_id for e in router.events()]
+    for i in range(20):  # B is busy at poor acceptance too, but A's draft is used more: no room
+        stream(router, "A", 2, start=8 + 2 * i)
+        stream(router, "B", 1, start=i)
+        assert list(router.drafts) == [GENERAL, a_draft]
+    assert router.events() == []
+    stream(router, "B", 200, start=20)  # A goes quiet: its draft's use decays below B's traffic
+    events = [(e.kind, e.draft_id) for e in router.events()]
+    assert events[0] == ("retire", a_draft) and events[1][0] == "spawn" and len(router.drafts) == 2
+    # an explicit registration when full retires the least used draft
+    (victim,) = [d for d in router.drafts if d != GENERAL]
+    router.register_draft("code-draft", domain="code")
+    assert list(router.drafts) == [GENERAL, "code-draft"]
+    assert [(e.kind, e.draft_id) for e in router.events()] == [("retire", victim)]
+    with pytest.raises(ValueError):
+        router.retire_draft(GENERAL)
+
+
+def test_general_only_when_max_drafts_is_one():
+    router = Router(cfg(max_drafts=1), extractor=StubExtractor())
+    stream(router, "A", 30)
+    assert list(router.drafts) == [GENERAL] and router.events() == []
+
+
+def test_domain_keys_candidates_and_fallbacks():
+    router = Router(RouterConfig(mode="supervised"), extractor=StubExtractor())
+    assert router.domain_key("chat", "fr") == "chat/fr"
+    assert router.domain_key("chat", "en") == "chat"
+    assert router.domain_key("code", "fr") == "code"
+    router.register_draft("chat-draft", domain="chat")
+    router.register_draft("free")
+    assert router.candidates("chat/fr") == [GENERAL, "chat-draft", "free"]
+    assert router.candidates("code") == [GENERAL, "free"]
+    assert router.own_draft("chat/fr") == "chat-draft" and router.own_draft("code") is None
+    r = router.route("en A 0")  # supervised without a trained classifier
+    assert (r.domain, r.draft_id, r.reason) == (UNKNOWN, GENERAL, "fallback: no classifier")
+    r = router.route("")
+    assert (r.domain, r.draft_id, r.reason, r.lang) == (UNKNOWN, GENERAL, "fallback: empty text", "und")
+    router.observe(r, 3, 4)  # fallback routes teach the bandit nothing
+    assert router.bandit.counts == {}
+
+
+def test_config_refuses_bad_values():
+    for bad in ({"mode": "magic"}, {"max_drafts": 0}, {"prior": (0.0, 1.0)}, {"explore_rate": 2.0}, {"typo": 1}):
+        with pytest.raises(ValidationError):
+            RouterConfig(**bad)
+
+
+# ---------------------------------------------------------------------------- state
+
+
+def test_state_round_trip_gives_identical_routes(tmp_path):
+    router = Router(cfg(explore_rate=0.2), extractor=StubExtractor())
+    stream(router, "A", 8)
+    stream(router, "B", 8, accepted=3)
+    router.register_draft("free")
+    router.save(tmp_path / "r")
+    loaded = Router.load(tmp_path / "r", extractor=StubExtractor())
+    assert loaded.cfg == router.cfg and loaded.drafts == router.drafts and loaded.t == router.t
+    assert loaded.events() == router.events()
+    queries = [f"en {m} {i}" for i in range(20, 40) for m in "AB"] + ["fr C 1", ""]
+
+    def run(r: Router):
+        out = []
+        for q in queries:
+            route = r.route(q)
+            r.observe(route, 2, 4)
+            out.append({k: v for k, v in route.to_dict().items() if k != "latency_ms"})
+        return out, r.events(), r.summary()
+
+    first, second = run(router), run(loaded)
+    assert first == second
+    assert len({r["draft_id"] for r in first[0]}) >= 2  # exploration among several drafts was exercised
