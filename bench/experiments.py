@@ -410,7 +410,7 @@ def format_table(result: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="osd experiment", description="online / shift acceptance experiments")
-    sub = ap.add_subparsers(dest="cmd", metavar="{online,shift}")
+    sub = ap.add_subparsers(dest="cmd", metavar="{online,shift,overhead,mixture}")
     sub.required = True
     default_wl = Path(__file__).resolve().parent / "data" / "workload.jsonl"
     for name, help_ in (("online", "static vs online vs offline-bound draft on one stream"),
@@ -440,12 +440,73 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--head-vocab", type=int, default=None)
         p.add_argument("--draft-checkpoint", default=None, help="starting draft (a saved draft folder)")
         p.add_argument("--threads", type=int, default=2)
+        p.add_argument("--device", default="cpu")
+        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        p.add_argument("--checkpoint-dir", default=None, help="online learner checkpoints (the learned draft)")
         p.add_argument("--json", default=None, help="write the result JSON here")
         p.add_argument("--png", default=None, help="write the plot here")
         p.add_argument("--quiet", action="store_true")
         if name == "shift":
             p.add_argument("--order", default=",".join(DEFAULT_SHIFT_ORDER), help="domain block order")
             p.add_argument("--fractions", default="0.3,0.5,0.7,1.0")
+    x = sub.add_parser("mixture", help="one shared draft vs per-domain drafts (supervised router, clusters)")
+    x.add_argument("--workload", default=str(Path(__file__).resolve().parent / "data" / "mixture.jsonl"))
+    x.add_argument("--train", default=str(Path(__file__).resolve().parent / "data" / "train.jsonl"),
+                   help="labelled records for the supervised router (stream texts are dropped)")
+    x.add_argument("--methods", default="single,supervised,clusters")
+    x.add_argument("--n-per-label", type=int, default=20, help="records per label (domain, chat per language)")
+    x.add_argument("--seed", type=int, default=0)
+    x.add_argument("--max-tokens", type=int, default=32)
+    x.add_argument("--k", type=int, default=4)
+    x.add_argument("--window", type=int, default=10)
+    x.add_argument("--train-every", type=int, default=4)
+    x.add_argument("--batch-records", type=int, default=16)
+    x.add_argument("--steps-per-round", type=int, default=8)
+    x.add_argument("--lr", type=float, default=3e-4)
+    x.add_argument("--gate-margin", type=float, default=0.02)
+    x.add_argument("--holdout-fraction", type=float, default=0.1)
+    x.add_argument("--positions", choices=["wrong", "all"], default="all")
+    x.add_argument("--spawn-min-records", type=int, default=10)
+    x.add_argument("--spawn-window", type=int, default=100)
+    x.add_argument("--spawn-alpha", type=float, default=0.5)
+    x.add_argument("--spawn-min-tokens", type=int, default=64)
+    x.add_argument("--max-drafts", type=int, default=8)
+    x.add_argument("--target", default=None)
+    x.add_argument("--draft-layers", type=int, default=2)
+    x.add_argument("--head-vocab", type=int, default=None)
+    x.add_argument("--draft-checkpoint", default=None)
+    x.add_argument("--threads", type=int, default=2)
+    x.add_argument("--device", default="cpu")
+    x.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    x.add_argument("--json", default=None)
+    x.add_argument("--png", default=None)
+    x.add_argument("--quiet", action="store_true")
+    o = sub.add_parser("overhead", help="serving speed with the learner paused / in the background / not yielding")
+    o.add_argument("--workload", default=str(default_wl))
+    o.add_argument("--n", type=int, default=24, help="timed requests per mode")
+    o.add_argument("--domains", nargs="*", default=None)
+    o.add_argument("--modes", default="paused,background,no-yield")
+    o.add_argument("--blocks", type=int, default=3, help="modes interleaved in this many blocks")
+    o.add_argument("--gap", type=float, default=1.0, help="idle seconds before each request")
+    o.add_argument("--warmup", type=int, default=8, help="untimed requests that fill the shard first")
+    o.add_argument("--max-tokens", type=int, default=32)
+    o.add_argument("--k", type=int, default=4, help="fixed draft length")
+    o.add_argument("--train-every", type=int, default=1)
+    o.add_argument("--batch-records", type=int, default=8)
+    o.add_argument("--steps-per-round", type=int, default=8)
+    o.add_argument("--lr", type=float, default=1e-4)
+    o.add_argument("--nice", type=int, default=19)
+    o.add_argument("--learner-threads", type=int, default=1)
+    o.add_argument("--max-cpu-share", type=float, default=1.0)
+    o.add_argument("--target", default=None)
+    o.add_argument("--draft-layers", type=int, default=2)
+    o.add_argument("--head-vocab", type=int, default=None)
+    o.add_argument("--draft-checkpoint", default=None)
+    o.add_argument("--threads", type=int, default=2, help="serving torch threads")
+    o.add_argument("--device", default="cpu")
+    o.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    o.add_argument("--json", default=None)
+    o.add_argument("--quiet", action="store_true")
     return ap
 
 
@@ -457,7 +518,7 @@ def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
     from speculative.proposers import DraftModelProposer
     from speculative.runner import ModelRunner
 
-    model = ModelConfig(name=args.target) if args.target else ModelConfig()
+    model = ModelConfig(device=args.device, dtype=args.dtype, **({"name": args.target} if args.target else {}))
     ckpt = args.draft_checkpoint
     if ckpt:
         try:
@@ -485,21 +546,27 @@ def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cmd == "mixture":
+        from bench.mixture import main as mixture_main
+
+        return mixture_main(args)
     from bench.bench import select, write_json
     from bench.workloads import load_workload
 
     torch.set_num_threads(args.threads)
     all_recs = load_workload(args.workload)
-    records = select(all_recs, args.n, args.domains)
+    records = select(all_recs, args.n + (args.warmup if args.cmd == "overhead" else 0), args.domains)
     if not records:
         raise SystemExit(f"no records in {args.workload} (domains {args.domains})")
+    log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    if args.cmd == "overhead":
+        return _main_overhead(args, all_recs, records, log)
     lcfg = LearnerConfig(train_every=args.train_every, batch_records=args.batch_records, steps_per_round=args.steps_per_round,
                          lr=args.lr, gate_margin=args.gate_margin, holdout_fraction=args.holdout_fraction,
-                         positions=args.positions)
+                         positions=args.positions, checkpoint_dir=args.checkpoint_dir)
     dcfg = DistillConfig(max_tokens=args.max_tokens, seconds=args.offline_seconds, epochs=args.offline_epochs,
                          lr=args.offline_lr, warmup_steps=0, log_every=1000)
     factory = real_engine_factory(args, texts=[r.text for r in all_recs])
-    log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     methods = tuple(args.methods.split(",")) if args.methods else None
     common = dict(eval_every=args.eval_every, max_tokens=args.max_tokens, k=args.k, window=args.window,
                   seconds_per_round=args.seconds_per_round, distill_cfg=dcfg, log=log)
@@ -514,6 +581,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_json(result, args.json)
     if args.png:
         print(f"wrote {plot(result, args.png)}")
+    return 0
+
+
+def _main_overhead(args, all_recs, records, log) -> int:
+    from bench.bench import write_json
+    from bench.overhead import format_overhead, run_overhead
+    from learner.background import BackgroundConfig
+
+    engine = real_engine_factory(args, texts=[r.text for r in all_recs])()
+    lcfg = LearnerConfig(train_every=args.train_every, batch_records=args.batch_records,
+                         steps_per_round=args.steps_per_round, lr=args.lr, holdout_fraction=0.0,
+                         max_cpu_share=args.max_cpu_share)
+    bcfg = BackgroundConfig(nice=args.nice, threads=args.learner_threads)
+    result = run_overhead(engine, [r.text for r in records], lcfg,
+                          modes=[m for m in args.modes.split(",") if m], blocks=args.blocks, gap_s=args.gap,
+                          max_tokens=args.max_tokens, warmup=args.warmup, background=bcfg, log=log)
+    result["workload"] = str(args.workload)
+    print(format_overhead(result))
+    write_json(result, args.json)
     return 0
 
 

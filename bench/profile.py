@@ -51,8 +51,8 @@ def _step_time(runner: ModelRunner, context: list[int], extra: list[int], repeat
 
 
 def profile(target_name: str, workload: str, context: int = 128, max_verify: int = 9, repeats: int = 15,
-            coverage_prompts: int = 8, coverage_tokens: int = 48) -> dict:
-    target, tok = load_model(ModelConfig(name=target_name))
+            coverage_prompts: int = 8, coverage_tokens: int = 48, device: str = "cpu", dtype: str = "float32") -> dict:
+    target, tok = load_model(ModelConfig(name=target_name, device=device, dtype=dtype))
     recs = load_workload(workload)
     ctx = tok(" ".join(r.text for r in recs[:20]))["input_ids"][:context]
     extra = tok(" ".join(r.text for r in recs[20:40]))["input_ids"][:max_verify]
@@ -60,6 +60,8 @@ def profile(target_name: str, workload: str, context: int = 128, max_verify: int
     verify = {j: _step_time(t_runner, ctx, extra[:j], repeats) for j in range(1, max_verify + 1)}
     t1 = verify[1]
     out = {
+        "device": str(target.device),
+        "dtype": str(target.dtype).removeprefix("torch."),
         "context": context,
         "target_ms_per_step": 1000 * t1,
         "verify_cost_relative": {j: round(v / t1, 3) for j, v in verify.items()},
@@ -71,7 +73,7 @@ def profile(target_name: str, workload: str, context: int = 128, max_verify: int
     for r in held_out:
         ids = encode_prompt(tok, r.text)
         with torch.inference_mode():
-            g = target.generate(torch.tensor([ids]), max_new_tokens=coverage_tokens, do_sample=False)
+            g = target.generate(torch.tensor([ids], device=target.device), max_new_tokens=coverage_tokens, do_sample=False)
         emitted += g[0, len(ids):].tolist()
     texts = [r.text for r in recs[0::2]]
     for name, cfg in DRAFT_OPTIONS:
@@ -95,7 +97,8 @@ def profile(target_name: str, workload: str, context: int = 128, max_verify: int
 
 def profile_main(args) -> int:
     torch.set_num_threads(args.threads)
-    res = profile(args.target, args.workload, args.context, args.max_verify, args.repeats)
+    res = profile(args.target, args.workload, args.context, args.max_verify, args.repeats,
+                  device=args.device, dtype=args.dtype)
     print(f"target: {res['target_ms_per_step']:.1f} ms per step at context {res['context']}")
     print("verify cost of j tokens relative to 1: " + ", ".join(f"{j}:{v:.2f}" for j, v in res["verify_cost_relative"].items()))
     print(f"{'draft':<24}{'ms/token':>10}{'c':>8}{'head coverage':>15}")

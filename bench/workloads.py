@@ -511,15 +511,31 @@ def _build_domain(domain: str, k: int, seed: int, cache_dir: Path) -> list[Workl
     raise ValueError(f"unknown domain {domain!r} (expected one of {DOMAINS})")
 
 
+def _build_language(lang: str, k: int, seed: int, cache_dir: Path, banned: set[str]) -> list[WorkloadRecord]:
+    """``k`` chatterbot-corpus first turns in language ``lang`` (label from the corpus folder)."""
+    rng = random.Random(f"osd-workload/{seed}/chat/{lang}")
+    pool = [r for r in parse_chatterbot(fetch_wheel("chatterbot-corpus", cache_dir)) if r.lang == lang and r.text not in banned]
+    if not pool:
+        raise ValueError(f"chatterbot-corpus has no records in language {lang!r}")
+    return _sample(pool, k, rng)
+
+
 def build_workload(out_path: str | os.PathLike | None, per_domain: int = 60, seed: int = 0,
                    cache_dir: Path | None = None,
-                   domains: Sequence[str] = DOMAINS) -> list[WorkloadRecord]:
-    """Fetch, parse and sample ``per_domain`` records per domain; write JSONL to
-    ``out_path`` (if not None) and return the records. Deterministic per seed."""
+                   domains: Sequence[str] = DOMAINS, languages: Sequence[str] = (),
+                   exclude: Iterable[str] = ()) -> list[WorkloadRecord]:
+    """Fetch, parse and sample ``per_domain`` records per domain, then ``per_domain`` chat records
+    per language in ``languages`` (chatterbot-corpus, e.g. a multilingual stream for the mixture
+    experiment); texts in ``exclude`` are never taken. Writes JSONL to ``out_path`` (if not None)
+    and returns the records. Deterministic per seed."""
     cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    banned = set(exclude)
     records: list[WorkloadRecord] = []
     for domain in domains:
-        records.extend(_build_domain(domain, per_domain, seed, cache_dir))
+        recs = [r for r in _build_domain(domain, per_domain + len(banned), seed, cache_dir) if r.text not in banned]
+        records.extend(recs[:per_domain])
+    for lang in languages:
+        records.extend(_build_language(lang, per_domain, seed, cache_dir, banned))
     if out_path is not None:
         save_workload(records, out_path)
     return records
@@ -535,12 +551,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="download cache (default $OSD_CACHE_DIR or ~/.cache/osd-serve/data)")
     ap.add_argument("--domains", default=",".join(DOMAINS),
                     help=f"comma-separated domains (default {','.join(DOMAINS)})")
+    ap.add_argument("--languages", default="",
+                    help="comma-separated ISO codes: add per-domain chat records in each (chatterbot-corpus)")
+    ap.add_argument("--exclude", nargs="*", default=[], help="workload files whose texts are never taken")
     args = ap.parse_args(argv)
     domains = tuple(d.strip() for d in args.domains.split(",") if d.strip())
-    records = build_workload(args.out, args.per_domain, args.seed, args.cache_dir, domains)
+    languages = tuple(x.strip() for x in args.languages.split(",") if x.strip())
+    exclude = {r.text for f in args.exclude for r in load_workload(f)}
+    records = build_workload(args.out, args.per_domain, args.seed, args.cache_dir, domains, languages, exclude)
     counts: dict[str, int] = {}
     for r in records:
-        counts[r.domain] = counts.get(r.domain, 0) + 1
+        key = r.domain if r.domain != "chat" or not languages else f"chat/{r.lang}"
+        counts[key] = counts.get(key, 0) + 1
     print(f"wrote {len(records)} records to {args.out}: "
           + ", ".join(f"{d}={n}" for d, n in counts.items()))
     return 0

@@ -658,7 +658,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--exclude", default=None, help="workload file whose prompts are never trained on")
     ap.add_argument("--json", default=None, help="write the report here")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--target", default=None, help="target model (default: the embedded one)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     a = ap.parse_args(argv)
+    from config import ModelConfig
+
+    model_cfg = ModelConfig(device=a.device, dtype=a.dtype, **({"name": a.target} if a.target else {}))
     report = train_draft(
         a.workload,
         a.domain,
@@ -673,6 +679,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_threads=a.threads,
         teacher_cache=a.teacher_cache,
         exclude=a.exclude,
+        model_cfg=model_cfg,
     )
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# GPU path check, GPU timings and the online experiments on a GPU (README, "GPU figures").
+#   G=/path/SmolLM2-135M-Instruct.Q4_1.gguf OUT=results/gpu bash bench/gpu_check.sh STAGE...
+# stages: profile | online:<domain> (osd experiment online, then osd bench of the learned draft on
+# held-out prompts of that domain) | shift | speed (bench with the starting draft).
+# SMOKE=1 runs the same commands with tiny sizes (DEVICE=cpu works too) to check the script.
+set -euo pipefail
+G=${G:?path of the target .gguf}
+OUT=${OUT:-results/gpu}
+DEVICE=${DEVICE:-cuda}
+CK=${CK:-/tmp/osd-gpu-ckpt}
+mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+OSD="${PYTHON:-python3} -m osd.cli"
+if [ "${SMOKE:-0}" = 1 ]; then R=2; N=6; NB=2; T=8; OFF=3; else R=25; N=${N:-150}; NB=${NB:-30}; T=32; OFF=${OFF:-45}; fi
+LEARN="--max-tokens $T --k 4 --train-every 4 --batch-records 16 --steps-per-round 8 --lr 1e-3 --gate-margin 0.02
+       --window 20 --offline-seconds $OFF --offline-epochs 3 --offline-lr 1e-3 --head-vocab 8192 --threads 4"
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    profile)
+      $OSD profile --target "$G" --device "$DEVICE" --repeats $R --max-verify 9 --json "$OUT/profile.json" ;;
+    online:*)
+      d=${stage#online:}
+      $OSD experiment online --target "$G" --device "$DEVICE" --workload bench/data/train.jsonl --domains "$d" \
+        --n $N $LEARN --checkpoint-dir "$CK/$d" --quiet --json "$OUT/online_$d.json" --png "$OUT/online_$d.png"
+      draft="$CK/$d/draft/$(cat "$CK/$d/draft/LATEST")"
+      for k in adaptive 4; do
+        kk=(); [ $k = 4 ] && kk=(--fixed-k 4)
+        $OSD bench --target "$G" --device "$DEVICE" --domains "$d" --n $NB --max-tokens 64 --draft-checkpoint "$draft" \
+          "${kk[@]}" --methods target,spec --json "$OUT/bench_${d}_k$k.json" | tail -n 4
+      done ;;
+    shift)
+      $OSD experiment shift --target "$G" --device "$DEVICE" --workload bench/data/train.jsonl --n $((N / 2 * 2)) \
+        --order sql,math,code,chat $LEARN --window 10 --quiet --json "$OUT/shift.json" --png "$OUT/shift.png" ;;
+    speed)
+      $OSD bench --target "$G" --device "$DEVICE" --n $NB --max-tokens 64 --methods target,spec,spec_lookup,hf_assisted,hf_lookup \
+        --json "$OUT/bench_untrained.json" | tail -n 8 ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
