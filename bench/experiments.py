@@ -34,7 +34,7 @@ from learner.offline import DistillConfig, collect_teacher_data, distill
 from learner.replay import RecordBuilder, ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
 
-__all__ = ["run_online", "run_shift", "plot", "main", "order_blocks", "stream", "format_table"]
+__all__ = ["run_online", "run_shift", "plot", "main", "order_blocks", "stream", "format_table", "serve_recorded"]
 
 DRAFT_ID = "draft"
 DEFAULT_SHIFT_ORDER = ("sql", "math", "code", "chat")
@@ -86,6 +86,25 @@ def _alpha(acc: int, prop: int) -> float | None:
     return acc / prop if prop else None
 
 
+def serve_recorded(engine, prompt, params: SamplingParams, *, domain: str | None = None, draft_id: str = "draft",
+                   probs_dtype: torch.dtype = torch.float32):
+    """Serve one request (text or token ids) to the end; returns ``(ReplayRecord, accepted,
+    proposed, Generation)`` with accepted / proposed counted over the learned draft's steps."""
+    b = RecordBuilder(probs_dtype=probs_dtype)
+    acc = prop = 0
+
+    def on_step(res):
+        nonlocal acc, prop
+        b.add(res)
+        if res.source == "draft":
+            acc += res.accepted
+            prop += res.proposed
+
+    tokens = engine.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    gen = engine.generate(list(tokens), params, on_step=on_step)
+    return b.finish(list(tokens) + gen.token_ids, len(tokens), domain=domain, draft_id=draft_id), acc, prop, gen
+
+
 class _RoundBudget:
     """``should_yield`` for the learner: True once ``seconds`` have passed since :meth:`start`."""
 
@@ -122,22 +141,10 @@ def stream(
     rows, curve, dcurve = [], [], {}
     t_start = time.perf_counter()
     for i, (prompt, domain) in enumerate(items, start=1):
-        b = RecordBuilder(probs_dtype=torch.float32)
-        acc = prop = 0
-
-        def on_step(res, b=b):
-            nonlocal acc, prop
-            b.add(res)
-            if res.source == "draft":
-                acc += res.accepted
-                prop += res.proposed
-
-        tokens = engine.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        gen = engine.generate(list(tokens), params, on_step=on_step)
+        rec, acc, prop, gen = serve_recorded(engine, prompt, params, domain=domain, draft_id=DRAFT_ID)
         row = {"i": i, "domain": domain, "accepted": acc, "proposed": prop, "alpha": _alpha(acc, prop),
                "tokens": len(gen.token_ids), "draft_version": int(getattr(_draft_of(engine), "version", 0))}
         if learner is not None:
-            rec = b.finish(list(tokens) + gen.token_ids, len(tokens), domain=domain, draft_id=DRAFT_ID)
             learner.observe(rec)
             if budget is not None:
                 budget.start()

@@ -30,9 +30,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from bench.experiments import _alpha, _draft_of, _force_k
+from bench.experiments import _alpha, _draft_of, _force_k, serve_recorded
 from config import RouterConfig, SamplingParams
-from learner.replay import RecordBuilder, ShardConfig
+from learner.replay import ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
 
 __all__ = ["METHODS", "label_of", "mixed_stream", "run_mixture", "format_mixture", "plot_mixture"]
@@ -112,20 +112,9 @@ def _run_method(method, engine_factory, stream, learner_cfg, router, *, max_toke
                 else:
                     drafts.retire(ev.draft_id, i, ev.reason)
         draft_id = route.draft_id if route is not None and route.draft_id in drafts.engines else GENERAL
-        engine = drafts.engines[draft_id]
-        b = RecordBuilder()
-        acc = prop = 0
-
-        def on_step(res, b=b):
-            nonlocal acc, prop
-            b.add(res)
-            if res.source == "draft":
-                acc += res.accepted
-                prop += res.proposed
-
-        tokens = engine.encode(rec.text)
-        gen = engine.generate(list(tokens), params, on_step=on_step)
-        learner.observe(b.finish(list(tokens) + gen.token_ids, len(tokens), domain=label, draft_id=draft_id))
+        record, acc, prop, _ = serve_recorded(drafts.engines[draft_id], rec.text, params, domain=label,
+                                              draft_id=draft_id, probs_dtype=torch.float16)
+        learner.observe(record)
         rep = learner.maybe_train(drafts.subscribers())
         if route is not None:
             router.observe(route, acc, prop)

@@ -23,7 +23,8 @@ import torch
 
 from config import SamplingParams
 from learner.background import BackgroundConfig, BackgroundLearner
-from learner.replay import RecordBuilder, ShardConfig
+from bench.experiments import serve_recorded
+from learner.replay import ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
 
 __all__ = ["MODES", "run_overhead", "format_overhead"]
@@ -76,11 +77,10 @@ def run_overhead(
     encoded = [engine.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
     def serve(tokens, sink) -> tuple[float, int]:
-        b = RecordBuilder()
         t0 = time.perf_counter()
-        gen = engine.generate(list(tokens), params, on_step=b.add)
+        rec, _, _, gen = serve_recorded(engine, tokens, params, draft_id=draft_id, probs_dtype=torch.float16)
         dt = time.perf_counter() - t0
-        sink(b.finish(list(tokens) + gen.token_ids, len(tokens), draft_id=draft_id))
+        sink(rec)
         return dt, len(gen.token_ids)
 
     for tokens in encoded[:warmup]:
