@@ -9,6 +9,7 @@
   osd experiment online|shift      alpha vs records: static / online learner / offline bound
   osd experiment mixture           one shared draft vs per-domain drafts picked by the router
   osd experiment overhead          serving speed with the learner paused / in the background
+  osd draft versions|rollback      the learner's checkpoints; serve an earlier draft version again
   osd route --workload F           routing accuracy (topic, language), confusion table, latency
   osd distill                      the general starting draft (all domains), cached; --draft-checkpoint default
 """
@@ -80,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None)
 
     sub.add_parser("workload", help="osd workload build: a workload file from public corpora (osd workload build -h)", add_help=False)
+    sub.add_parser("draft", help="the learner's checkpoints: osd draft versions | rollback (osd draft -h)", add_help=False)
     sub.add_parser("route", help="route a workload: topic / language accuracy, confusion, latency (osd route -h)", add_help=False)
     sub.add_parser("train-draft", help="distil a draft offline from the target's generations (osd train-draft -h)", add_help=False)
     sub.add_parser("experiment", help="experiments: online | shift | mixture | overhead (osd experiment online -h)", add_help=False)
@@ -165,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
             print("usage: osd workload build --out FILE [--per-domain N] [--domains ...] [--languages ...]", file=sys.stderr)
             return 2
         return workload_main(argv[2:])
+    if argv[:1] == ["draft"]:  # operator commands on the learner's checkpoints
+        from learner.ops import main as draft_main
+
+        return draft_main(argv[1:])
     if argv[:1] == ["route"]:  # osd route: options live with the router
         from router.cli import main as route_main
 

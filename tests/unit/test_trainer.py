@@ -242,3 +242,23 @@ def test_remove_trainer_forgets_draft_and_deletes_its_shard(setup, tmp_path):
     assert "b" not in ol.trainers and "b" not in ol.shards and not log_b.exists()
     assert ol.pick_draft() == "a" and ol.traffic("b")["rows"] == 0
     ol.close()
+
+
+def test_operator_rollback_from_the_command_line(setup, tmp_path, capsys):
+    from learner.ops import main as draft_main, versions
+
+    draft, recs = setup
+    tr = DraftTrainer("d", draft, _cfg(tmp_path))
+    snaps = {0: _weights(tr.model)}
+    assert tr.train_round(recs[:12]).accepted
+    v, _ = tr.publish()
+    snaps[v] = _weights(tr.model)
+    assert versions(tmp_path)["d"]["latest"] == "v1"
+    assert draft_main(["rollback", "--checkpoint-dir", str(tmp_path), "--draft", "d", "--version", "0"]) == 0
+    info = versions(tmp_path, "d")["d"]
+    assert info["latest"] == "v2" and info["versions"][2]["rolled_back_from"] == 0 and set(info["versions"]) == {0, 1, 2}
+    restarted = DraftTrainer("d", draft, _cfg(tmp_path))  # what a serving process loads at start
+    assert restarted.version == 2 and _same(_weights(restarted.model), snaps[0])
+    assert draft_main(["versions", "--checkpoint-dir", str(tmp_path)]) == 0 and "LATEST = v2" in capsys.readouterr().out
+    with pytest.raises(Exception):
+        draft_main(["rollback", "--checkpoint-dir", str(tmp_path), "--draft", "d", "--version", "9"])

@@ -1,0 +1,71 @@
+"""Operator commands on the learner's checkpoints: ``osd draft versions`` and ``osd draft rollback``.
+
+The learner writes ``<checkpoint_dir>/<draft_id>/v<N>`` (a saved draft) and a ``LATEST`` file per
+draft (:class:`learner.trainer.DraftTrainer`); a serving process loads ``LATEST`` at start. A
+rollback re-publishes the weights of an earlier version under a NEW version number, so versions
+stay monotonic for the serving side and the replay records, and the next start serves them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Sequence
+
+from drafts.build import DRAFT_META, load_draft
+from learner.trainer import LATEST, DraftTrainer, LearnerConfig
+
+__all__ = ["versions", "rollback", "main"]
+
+
+def versions(checkpoint_dir: str | Path, draft_id: str | None = None) -> dict[str, dict]:
+    """Per draft: its checkpointed versions (with their metadata) and the one ``LATEST`` names."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"no checkpoint folder {root}")
+    out = {}
+    for d in sorted(p for p in root.iterdir() if p.is_dir() and (draft_id is None or p.name == draft_id)):
+        vs = {}
+        for v in sorted(d.glob("v*"), key=lambda p: int(p.name[1:]) if p.name[1:].isdigit() else -1):
+            meta = v / DRAFT_META
+            if v.is_dir() and v.name[1:].isdigit() and meta.exists():
+                vs[int(v.name[1:])] = json.loads(meta.read_text()).get("meta", {})
+        latest = (d / LATEST).read_text().strip() if (d / LATEST).exists() else None
+        out[d.name] = {"latest": latest, "versions": vs}
+    if draft_id is not None and draft_id not in out:
+        raise FileNotFoundError(f"no checkpoints of draft {draft_id!r} in {root}")
+    return out
+
+
+def rollback(checkpoint_dir: str | Path, draft_id: str, version: int) -> int:
+    """Publish the weights of ``version`` as a new version; returns the new version number."""
+    root = Path(checkpoint_dir) / draft_id
+    model, keep, _ = load_draft(root / f"v{version}")  # also checks that the version exists
+    trainer = DraftTrainer(draft_id, model, LearnerConfig(checkpoint_dir=Path(checkpoint_dir), keep_versions=10**6),
+                           keep_ids=keep)  # loads LATEST: the version counter continues from there
+    new, _ = trainer.rollback(version)
+    return new
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="osd draft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("versions", help="list the checkpointed versions of each draft")
+    v.add_argument("--checkpoint-dir", required=True)
+    v.add_argument("--draft", default=None)
+    r = sub.add_parser("rollback", help="serve the weights of an earlier version again (as a new version)")
+    r.add_argument("--checkpoint-dir", required=True)
+    r.add_argument("--draft", required=True)
+    r.add_argument("--version", type=int, required=True)
+    a = ap.parse_args(argv)
+    if a.cmd == "versions":
+        for d, info in versions(a.checkpoint_dir, a.draft).items():
+            print(f"{d}: LATEST = {info['latest']}")
+            for n, meta in info["versions"].items():
+                extra = ", ".join(f"{k}={meta[k]}" for k in ("rolled_back_from",) if k in meta)
+                print(f"  v{n}" + (f" ({extra})" if extra else ""))
+        return 0
+    new = rollback(a.checkpoint_dir, a.draft, a.version)
+    print(f"{a.draft}: the weights of v{a.version} are published as v{new} (LATEST)")
+    return 0
