@@ -101,8 +101,8 @@ def _run_method(method, engine_factory, stream, learner_cfg, router, *, max_toke
     for i, rec in enumerate(stream, start=1):
         label = label_of(rec)
         route = router.route(rec.text) if router is not None else None
-        if route is not None and method == "supervised" and route.domain != "unknown" and router.own_draft(route.domain) is None:
-            d_id = f"d:{route.domain}"  # a named domain seen for the first time gets its own draft
+        if route is not None and method == "supervised" and route.domain != "unknown" and route.domain not in router.drafts.values():
+            d_id = f"d:{route.domain}"  # a named domain (chat/es too) seen for the first time gets its own draft
             router.register_draft(d_id, route.domain)
             drafts.add(d_id, parent=GENERAL, at=i, domain=route.domain)  # used from the next query on
         if router is not None:
