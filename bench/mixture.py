@@ -174,6 +174,7 @@ def run_mixture(
     seed: int = 0,
     extractor=None,
     log: Callable[[str], None] | None = print,
+    on_method: Callable[[dict], None] | None = None,
 ) -> dict:
     """See the module docstring. ``train_records`` (labelled, e.g. bench/data/train.jsonl) train the
     supervised router; any of their texts that is also in the stream is dropped first.
@@ -190,7 +191,13 @@ def run_mixture(
     in_stream = {r.text for r in stream}
     train = [r for r in train_records if r.text not in in_stream]
     extractor = extractor if extractor is not None else FeatureExtractor(router_cfg)
+    counts: dict[str, int] = {}
+    for r in stream:
+        counts[label_of(r)] = counts.get(label_of(r), 0) + 1
     res: dict[str, Any] = {}
+    out = {"experiment": "mixture", "n_records": len(stream), "labels": counts, "train_records": len(train),
+           "max_tokens": max_tokens, "k": k, "window": window, "seed": seed,
+           "learner": learner_cfg.model_dump(mode="json"), "router": router_cfg.model_dump(mode="json"), "methods": res}
     for m in methods:
         router = None
         if m != "single":
@@ -199,13 +206,9 @@ def run_mixture(
                 router.fit([r.text for r in train], [r.domain for r in train])
         res[m] = _run_method(m, engine_factory, stream, learner_cfg, router, max_tokens=max_tokens, k=k,
                              window=window, log=log)
-    counts: dict[str, int] = {}
-    for r in stream:
-        counts[label_of(r)] = counts.get(label_of(r), 0) + 1
-    return {"experiment": "mixture", "n_records": len(stream), "labels": counts, "train_records": len(train),
-            "max_tokens": max_tokens, "k": k, "window": window, "seed": seed,
-            "learner": learner_cfg.model_dump(mode="json"), "router": router_cfg.model_dump(mode="json"),
-            "methods": res}
+        if on_method is not None:  # e.g. write the JSON so far: a long run keeps what it measured
+            on_method(out)
+    return out
 
 
 def format_mixture(result: dict) -> str:
@@ -277,7 +280,7 @@ def main(args) -> int:
     factory = real_engine_factory(args, texts=[r.text for r in records])
     result = run_mixture(factory, records, train, lcfg, rcfg, methods=[m for m in args.methods.split(",") if m],
                          n_per_label=args.n_per_label, max_tokens=args.max_tokens, k=args.k, window=args.window,
-                         seed=args.seed, log=log)
+                         seed=args.seed, log=log, on_method=lambda r: write_json({**r, "workload": str(args.workload)}, args.json))
     result["workload"] = str(args.workload)
     print(format_mixture(result))
     write_json(result, args.json)
