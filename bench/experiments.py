@@ -505,6 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--nice", type=int, default=19)
     o.add_argument("--learner-threads", type=int, default=1)
     o.add_argument("--max-cpu-share", type=float, default=1.0)
+    o.add_argument("--micro-batch", type=int, default=1, help="records per forward/backward piece of a step")
     o.add_argument("--target", default=None)
     o.add_argument("--draft-layers", type=int, default=2)
     o.add_argument("--head-vocab", type=int, default=None)
@@ -599,7 +600,7 @@ def _main_overhead(args, all_recs, records, log) -> int:
     engine = real_engine_factory(args, texts=[r.text for r in all_recs])()
     lcfg = LearnerConfig(train_every=args.train_every, batch_records=args.batch_records,
                          steps_per_round=args.steps_per_round, lr=args.lr, holdout_fraction=0.0,
-                         max_cpu_share=args.max_cpu_share)
+                         max_cpu_share=args.max_cpu_share, micro_batch_records=args.micro_batch)
     bcfg = BackgroundConfig(nice=args.nice, threads=args.learner_threads)
     result = run_overhead(engine, [r.text for r in records], lcfg,
                           modes=[m for m in args.modes.split(",") if m], blocks=args.blocks, gap_s=args.gap,

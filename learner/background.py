@@ -4,8 +4,9 @@ Serving threads hand over one :class:`learner.replay.ReplayRecord` per finished 
 :meth:`BackgroundLearner.submit` (a non-blocking queue put). The learner thread drains the queue
 into :meth:`learner.trainer.OnlineLearner.observe` and, every ``train_every`` records, runs a
 round, but only while the ``busy`` callable (e.g. ``lambda: engine.busy``) says no request is
-live: it checks before every optimiser step and stops the round as soon as a request arrives,
-so requests wait at most for the one step in flight. The thread runs at OS nice
+live: a round starts only when serving is idle, and inside a step the thread stops between two
+forward/backward pieces (``LearnerConfig.micro_batch_records``) for as long as a request is live,
+then goes on where it was. A request competes at most with the piece in flight. The thread runs at OS nice
 ``BackgroundConfig.nice`` (Linux priorities are per thread) with its own torch thread count,
 and ``LearnerConfig.max_cpu_share`` caps its share of wall time. Accepted weights go to the
 subscribers, e.g. ``engine.stage_draft``, which installs them between two steps of the serving
@@ -100,6 +101,7 @@ class BackgroundLearner:
         self._lock = threading.Lock()
         self.error: BaseException | None = None
         learner.should_yield = self._should_yield
+        learner.pause = self._wait_while_busy
 
     # -- serving side ---------------------------------------------------------------------------
     def submit(self, record: ReplayRecord) -> bool:
@@ -154,8 +156,17 @@ class BackgroundLearner:
         self.stop()
 
     # -- learner thread ------------------------------------------------------------------------
+    def _busy(self) -> bool:
+        return self.cfg.yield_to_requests and bool(self.busy())
+
     def _should_yield(self) -> bool:
-        return self._stop.is_set() or self._paused.is_set() or (self.cfg.yield_to_requests and bool(self.busy()))
+        """End the round now: stopping, or paused by the operator."""
+        return self._stop.is_set() or self._paused.is_set()
+
+    def _wait_while_busy(self) -> None:
+        """Inside a step, between two pieces: hold the CPU back while a request is live."""
+        while self._busy() and not self._should_yield():
+            time.sleep(self.cfg.poll_s)
 
     def _drain(self) -> int:
         n = 0
@@ -181,7 +192,7 @@ class BackgroundLearner:
         try:
             while not self._stop.is_set():
                 self._drain()
-                if self._should_yield():
+                if self._should_yield() or self._busy():
                     time.sleep(self.cfg.poll_s)
                     continue
                 self._idle.clear()

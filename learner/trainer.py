@@ -87,6 +87,9 @@ class LearnerConfig(BaseModel):
     window: int = Field(default=256, ge=1)
     #: fraction of wall time training may use (sleeps between steps); 1 = no sleeping
     max_cpu_share: float = Field(default=1.0, gt=0.0, le=1.0)
+    #: records per forward/backward inside a step (gradients accumulated: same step, smaller
+    #: pieces); ``pause`` is checked between pieces. None: the whole batch at once
+    micro_batch_records: int | None = Field(default=None, ge=1)
     seed: int = 0
 
 
@@ -254,12 +257,29 @@ class DraftTrainer:
         self.model.load_state_dict(weights)
         self.opt.load_state_dict(copy.deepcopy(opt_state))
 
-    def train_round(self, records: Sequence[ReplayRecord], should_yield: Callable[[], bool] | None = None) -> RoundReport:
+    def _pieces(self, samples: Sequence[Sample], mask: torch.Tensor):
+        """(samples, row mask) in pieces of ``micro_batch_records`` samples (one piece without it)."""
+        n = self.cfg.micro_batch_records or len(samples)
+        offsets = [0]
+        for smp in samples:
+            offsets.append(offsets[-1] + smp.n_out)
+        for i in range(0, len(samples), n):
+            j = min(i + n, len(samples))
+            yield samples[i:j], mask[offsets[i]:offsets[j]]
+
+    def train_round(
+        self,
+        records: Sequence[ReplayRecord],
+        should_yield: Callable[[], bool] | None = None,
+        pause: Callable[[], None] | None = None,
+    ) -> RoundReport:
         """Up to ``steps_per_round`` steps on ``records``, then the gate.
 
         Returns the report; ``accepted`` is True when the new weights passed the gate (they stay
         in the training copy; call :meth:`publish` to version and ship them). Otherwise the
-        pre-round weights and optimiser state are restored. ``should_yield`` is checked before
+        pre-round weights and optimiser state are restored. ``pause`` (if given) is called before
+        every forward/backward piece of a step and may block, e.g. while requests are live
+        (``micro_batch_records`` sets the pieces). ``should_yield`` is checked before
         every step: when it returns True the round stops (a round with 0 steps changes nothing).
         """
         cfg = self.cfg
@@ -285,9 +305,17 @@ class DraftTrainer:
                     rep.stopped_early = True
                     break
                 ts = time.perf_counter()
-                loss = self._loss(samples, mask)
                 self.opt.zero_grad(set_to_none=True)
-                loss.backward()
+                total = rep.positions
+                for part, part_mask in self._pieces(samples, mask):  # mean over all rows = sum of weighted piece means
+                    rows = int(part_mask.sum())
+                    if rows == 0:
+                        continue
+                    if pause is not None:
+                        t_wait = time.perf_counter()
+                        pause()
+                        ts += time.perf_counter() - t_wait  # waiting is not training time
+                    (self._loss(part, part_mask) * (rows / total)).backward()
                 if cfg.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
                 self.opt.step()
@@ -453,6 +481,7 @@ class OnlineLearner:
         shards: ShardSet | ShardConfig | None = None,
         trainers: Iterable[DraftTrainer] = (),
         should_yield: Callable[[], bool] | None = None,
+        pause: Callable[[], None] | None = None,
     ):
         self.cfg = cfg
         if shards is None:
@@ -462,6 +491,7 @@ class OnlineLearner:
         for t in trainers:
             self.add_trainer(t)
         self.should_yield = should_yield
+        self.pause = pause
         self._recent: dict[str, deque[tuple[int, int, int]]] = {}  # (rows, proposed rows, wrong proposed rows)
         self._since = 0
         self._rng = random.Random(f"holdout:{cfg.seed}")
@@ -531,7 +561,7 @@ class OnlineLearner:
             return None
         trainer = self.trainers[d]
         batch = self.shards[d].sample(self.cfg.batch_records)
-        rep = trainer.train_round(batch, self.should_yield)
+        rep = trainer.train_round(batch, self.should_yield, self.pause)
         if rep.accepted and rep.steps > 0:
             version, state = trainer.publish()
             rep.version = version

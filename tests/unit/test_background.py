@@ -85,23 +85,33 @@ def test_no_training_while_requests_are_live(target, records):
         bg.stop()
 
 
-def test_round_stops_within_one_step_when_a_request_arrives(target, records):
+def test_step_holds_still_while_a_request_is_live(target, records):
     busy = threading.Event()
-    lrn = _learner(target, steps_per_round=1000, train_every=1)
+    lrn = _learner(target, steps_per_round=2, train_every=1, batch_records=4, micro_batch_records=1)
     trainer = lrn.trainers["d"]
-    real_step = trainer.opt.step
+    pieces = []
+    real_loss = trainer._loss
 
-    def step_then_request(*a, **kw):  # a request arrives during the first optimiser step
-        out = real_step(*a, **kw)
-        busy.set()
-        return out
+    def loss_then_request(*a, **kw):  # a request arrives during the first piece of the first step
+        pieces.append(time.monotonic())
+        if len(pieces) == 1:
+            busy.set()
+        return real_loss(*a, **kw)
 
-    trainer.opt.step = step_then_request
+    trainer._loss = loss_then_request
     with BackgroundLearner(lrn, busy=busy.is_set) as bg:
-        bg.submit(records[0])
-        assert _wait(lambda: bg.stats().rounds == 1)
+        for r in records[:4]:
+            bg.submit(r)
+        assert _wait(lambda: len(pieces) >= 1)
+        time.sleep(0.4)
+        n_busy = len(pieces)
+        busy.clear()  # the request is done: the same round goes on where it stopped
+        assert _wait(lambda: bg.stats().rounds >= 1)
         s = bg.stats()
-    assert s.steps == 1 and s.yielded_rounds == 1
+    assert n_busy == 1  # nothing ran while the request was live
+    assert s.steps == 2 and s.yielded_rounds == 0
+    # 4 records x 2 steps pieces, plus the gate's evaluations (which call _loss once per round)
+    assert len(pieces) >= 8
 
 
 def test_paused_learner_observes_but_does_not_train(target, records):

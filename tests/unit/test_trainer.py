@@ -262,3 +262,16 @@ def test_operator_rollback_from_the_command_line(setup, tmp_path, capsys):
     assert draft_main(["versions", "--checkpoint-dir", str(tmp_path)]) == 0 and "LATEST = v2" in capsys.readouterr().out
     with pytest.raises(Exception):
         draft_main(["rollback", "--checkpoint-dir", str(tmp_path), "--draft", "d", "--version", "9"])
+
+
+def test_micro_batched_step_equals_whole_batch_step(setup):
+    draft, recs = setup
+    whole = DraftTrainer("d", draft, _cfg(steps_per_round=1, lr=1e-2))
+    pieces = DraftTrainer("d", draft, _cfg(steps_per_round=1, lr=1e-2, micro_batch_records=3))
+    calls = []
+    whole.train_round(recs[:8])
+    pieces.train_round(recs[:8], pause=lambda: calls.append(1))
+    assert len(calls) == 3  # ceil(8 / 3) pieces, pause before each
+    a, b = _weights(whole.model), _weights(pieces.model)
+    assert all(torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4) for k in a)
+    assert not all(torch.equal(a[k], _weights(draft)[k]) for k in a)  # the step did change the weights
