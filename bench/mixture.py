@@ -48,6 +48,11 @@ def label_of(rec) -> str:
     return f"chat/{lang}" if d == "chat" else d
 
 
+def same_mode(route_domain: str, label: str, base_lang: str = "en") -> bool:
+    """Whether the router's domain names the record's label ("chat" is chat in the base language)."""
+    return route_domain == label or f"{route_domain}/{base_lang}" == label
+
+
 def mixed_stream(records: Sequence[Any], n_per_label: int | None, seed: int = 0) -> list[Any]:
     """Up to ``n_per_label`` records of each label, shuffled together (seeded)."""
     by: dict[str, list] = {}
@@ -155,7 +160,7 @@ def _run_method(method, engine_factory, stream, learner_cfg, router, *, max_toke
         out["router"] = router.summary()
         routed = [r for r in rows if r.get("route_domain") not in (None, "unknown")]
         if method != "clusters" and routed:
-            out["route_accuracy"] = sum(r["route_domain"] == r["label"] for r in routed) / len(routed)
+            out["route_accuracy"] = sum(same_mode(r["route_domain"], r["label"], router.cfg.base_lang) for r in routed) / len(routed)
             out["routed_share"] = len(routed) / len(rows)
     return out
 
