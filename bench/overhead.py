@@ -138,7 +138,7 @@ def run_overhead(
             "train_seconds": e["train_s"],
             "seconds_per_step": e["train_s"] / e["steps"] if e["steps"] else None,
             "rounds": e["rounds"],
-            "rounds_stopped_by_request": e["yielded"],
+            "rounds_cut_short": e["yielded"],
             "published": e["published"],
         }
     learner.close()
@@ -160,10 +160,10 @@ def format_overhead(result: dict) -> str:
     def f(v, fmt):
         return format(v, fmt) if isinstance(v, (int, float)) else "-"
 
-    hdr = f"{'mode':<11}{'tok/s':>8}{'vs paused':>10}{'p50 s':>8}{'p95 s':>8}{'steps':>7}{'s/step':>8}{'stopped':>8}"
+    hdr = f"{'mode':<11}{'tok/s':>8}{'vs paused':>10}{'p50 s':>8}{'p95 s':>8}{'steps':>7}{'s/step':>8}{'cut':>8}"
     lines = [hdr, "-" * len(hdr)]
     for m, e in result["modes"].items():
         lines.append(f"{m:<11}{f(e['tokens_per_s'], '.2f'):>8}{f(e['throughput_vs_paused'], '.3f'):>10}"
                      f"{f(e['latency_p50_s'], '.2f'):>8}{f(e['latency_p95_s'], '.2f'):>8}{e['train_steps']:>7}"
-                     f"{f(e['seconds_per_step'], '.3f'):>8}{e['rounds_stopped_by_request']:>8}")
+                     f"{f(e['seconds_per_step'], '.3f'):>8}{e['rounds_cut_short']:>8}")
     return "\n".join(lines)

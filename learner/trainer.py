@@ -494,6 +494,7 @@ class OnlineLearner:
         self.pause = pause
         self._recent: dict[str, deque[tuple[int, int, int]]] = {}  # (rows, proposed rows, wrong proposed rows)
         self._since = 0
+        self._pending: dict[str, int] = {}  # rows observed per draft since its last round
         self._rng = random.Random(f"holdout:{cfg.seed}")
         self.observed = 0
         self.reports: list[RoundReport] = []
@@ -506,6 +507,7 @@ class OnlineLearner:
         """A retired draft: forget its trainer, traffic window and (``drop_shard``) replay shard."""
         self.trainers.pop(draft_id, None)
         self._recent.pop(draft_id, None)
+        self._pending.pop(draft_id, None)
         if drop_shard:
             self.shards.drop(draft_id)
 
@@ -518,6 +520,7 @@ class OnlineLearner:
         self._recent.setdefault(d, deque(maxlen=self.cfg.window)).append((record.n_rows, int(proposed.sum()), wrong))
         self.observed += 1
         self._since += 1
+        self._pending[d] = self._pending.get(d, 0) + record.n_rows
         trainer = self.trainers.get(d)
         if trainer is not None and record.context == "teacher" and self._rng.random() < self.cfg.holdout_fraction:
             trainer.add_holdout(record)
@@ -533,12 +536,17 @@ class OnlineLearner:
         return {"rows": rows, "proposed": proposed, "acceptance": acceptance, "score": rows * (1.0 - acceptance)}
 
     def pick_draft(self) -> str | None:
-        """The trainable draft (trainer + non-empty shard) with max traffic x (1 - acceptance)."""
+        """The trainable draft (trainer + non-empty shard) with the most lost acceptance still to
+        learn from: rows it served since its own last round x (1 - its recent acceptance).
+
+        Counting only the rows since a draft's last round, not all its recent traffic, keeps the
+        busiest draft from taking every round: a draft just trained waits until new traffic
+        arrives, and the others, forked drafts with little traffic too, get their turn."""
         best, best_score = None, -1.0
         for d in self.trainers:
             if d not in self.shards or len(self.shards[d]) == 0:
                 continue
-            score = self.traffic(d)["score"]
+            score = self._pending.get(d, 0) * (1.0 - self.traffic(d)["acceptance"])
             if score > best_score:
                 best, best_score = d, score
         return best
@@ -560,6 +568,7 @@ class OnlineLearner:
         if d is None:
             return None
         trainer = self.trainers[d]
+        self._pending[d] = 0
         batch = self.shards[d].sample(self.cfg.batch_records)
         rep = trainer.train_round(batch, self.should_yield, self.pause)
         if rep.accepted and rep.steps > 0:

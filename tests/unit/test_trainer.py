@@ -275,3 +275,16 @@ def test_micro_batched_step_equals_whole_batch_step(setup):
     a, b = _weights(whole.model), _weights(pieces.model)
     assert all(torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4) for k in a)
     assert not all(torch.equal(a[k], _weights(draft)[k]) for k in a)  # the step did change the weights
+
+
+def test_busiest_draft_does_not_take_every_round(setup):
+    draft, recs = setup
+    cfg = _cfg(holdout_fraction=0.0, train_every=2, steps_per_round=1)
+    ol = OnlineLearner(cfg, ShardSet(ShardConfig()), [DraftTrainer("big", draft, cfg), DraftTrainer("small", draft, cfg)])
+    picked = []
+    for i, r in enumerate(recs[:12]):  # "big" serves 3 of every 4 records, both always wrong
+        ol.observe(_with_draft(r, "small" if i % 4 == 3 else "big", wrong=True))
+        rep = ol.maybe_train()
+        if rep is not None:
+            picked.append(rep.draft_id)
+    assert len(picked) == 6 and "small" in picked and picked.count("big") > picked.count("small")
