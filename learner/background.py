@@ -20,7 +20,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -94,8 +94,6 @@ class BackgroundLearner:
         self._queue: queue.Queue[ReplayRecord] = queue.Queue(maxsize=cfg.queue_max)
         self._stop = threading.Event()
         self._paused = threading.Event()
-        self._idle = threading.Event()  # set while the thread is not inside a round
-        self._idle.set()
         self._thread: threading.Thread | None = None
         self._stats = LearnerStats()
         self._lock = threading.Lock()
@@ -136,13 +134,9 @@ class BackgroundLearner:
     def resume(self) -> None:
         self._paused.clear()
 
-    def wait_idle(self, timeout: float | None = None) -> bool:
-        """Block until no round is running (e.g. before measuring); True if idle."""
-        return self._idle.wait(timeout)
-
     def stats(self) -> LearnerStats:
         with self._lock:
-            s = LearnerStats(**{k: getattr(self._stats, k) for k in self._stats.__dataclass_fields__})
+            s = replace(self._stats)
         s.queue_depth = self._queue.qsize()
         s.running = self._thread is not None and self._thread.is_alive()
         s.paused = self._paused.is_set()
@@ -195,11 +189,7 @@ class BackgroundLearner:
                 if self._should_yield() or self._busy():
                     time.sleep(self.cfg.poll_s)
                     continue
-                self._idle.clear()
-                try:
-                    rep = self.learner.maybe_train(self.subscribers)
-                finally:
-                    self._idle.set()
+                rep = self.learner.maybe_train(self.subscribers)
                 if rep is None:
                     time.sleep(self.cfg.poll_s)
                 else:

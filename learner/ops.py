@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from drafts.build import DRAFT_META, load_draft
-from learner.trainer import LATEST, DraftTrainer, LearnerConfig
+from learner.trainer import DraftTrainer, LearnerConfig, checkpoint_versions, latest_checkpoint
 
 __all__ = ["versions", "rollback", "main"]
 
@@ -26,13 +26,12 @@ def versions(checkpoint_dir: str | Path, draft_id: str | None = None) -> dict[st
         raise FileNotFoundError(f"no checkpoint folder {root}")
     out = {}
     for d in sorted(p for p in root.iterdir() if p.is_dir() and (draft_id is None or p.name == draft_id)):
-        vs = {}
-        for v in sorted(d.glob("v*"), key=lambda p: int(p.name[1:]) if p.name[1:].isdigit() else -1):
-            meta = v / DRAFT_META
-            if v.is_dir() and v.name[1:].isdigit() and meta.exists():
-                vs[int(v.name[1:])] = json.loads(meta.read_text()).get("meta", {})
-        latest = (d / LATEST).read_text().strip() if (d / LATEST).exists() else None
-        out[d.name] = {"latest": latest, "versions": vs}
+        latest = latest_checkpoint(d)
+        out[d.name] = {
+            "latest": None if latest is None else f"v{latest}",
+            "versions": {v: json.loads((d / f"v{v}" / DRAFT_META).read_text()).get("meta", {})
+                         for v in checkpoint_versions(d) if (d / f"v{v}" / DRAFT_META).exists()},
+        }
     if draft_id is not None and draft_id not in out:
         raise FileNotFoundError(f"no checkpoints of draft {draft_id!r} in {root}")
     return out

@@ -143,6 +143,21 @@ def records_to_batch(records: Iterable[ReplayRecord], positions: str = "all") ->
     return samples, mask
 
 
+def checkpoint_versions(root: Path | None) -> list[int]:
+    """The versions checkpointed in one draft's folder (``<checkpoint_dir>/<draft_id>``), ascending."""
+    if root is None or not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _VERSION_DIR.match(p.name)) and p.is_dir())
+
+
+def latest_checkpoint(root: Path | None) -> int | None:
+    """The version that one draft's ``LATEST`` file names (None: no such file)."""
+    if root is None or not (root / LATEST).exists():
+        return None
+    m = _VERSION_DIR.match((root / LATEST).read_text().strip())
+    return int(m.group(1)) if m else None
+
+
 def _state_numpy(model: torch.nn.Module) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().clone().numpy() for k, v in model.state_dict().items()}
 
@@ -406,22 +421,10 @@ class DraftTrainer:
 
     def versions(self) -> list[int]:
         """Checkpointed versions, ascending."""
-        root = self.ckpt_root
-        if root is None or not root.is_dir():
-            return []
-        out = []
-        for p in root.iterdir():
-            m = _VERSION_DIR.match(p.name)
-            if m and p.is_dir():
-                out.append(int(m.group(1)))
-        return sorted(out)
+        return checkpoint_versions(self.ckpt_root)
 
     def latest_version(self) -> int | None:
-        root = self.ckpt_root
-        if root is None or not (root / LATEST).exists():
-            return None
-        m = _VERSION_DIR.match((root / LATEST).read_text().strip())
-        return int(m.group(1)) if m else None
+        return latest_checkpoint(self.ckpt_root)
 
     def _checkpoint(self, version: int, meta: dict | None = None) -> None:
         root = self.ckpt_root
@@ -528,12 +531,12 @@ class OnlineLearner:
             self.shards.append(record)
 
     def traffic(self, draft_id: str) -> dict:
-        """Over the recent window: rows (traffic), proposed rows, acceptance, score."""
+        """Over the recent window: rows (traffic), proposed rows, acceptance."""
         rows = proposed = wrong = 0
         for r, p, w in self._recent.get(draft_id, ()):
             rows, proposed, wrong = rows + r, proposed + p, wrong + w
         acceptance = (proposed - wrong) / proposed if proposed else 0.0
-        return {"rows": rows, "proposed": proposed, "acceptance": acceptance, "score": rows * (1.0 - acceptance)}
+        return {"rows": rows, "proposed": proposed, "acceptance": acceptance}
 
     def pick_draft(self) -> str | None:
         """The trainable draft (trainer + non-empty shard) with the most lost acceptance still to
