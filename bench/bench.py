@@ -32,6 +32,14 @@ from .workloads import WorkloadRecord, load_workload
 METHODS = ("target", "spec", "spec_lookup", "hf_assisted", "hf_lookup")
 
 
+def without_prompts_of(records: list[WorkloadRecord], exclude: str | Path | None) -> list[WorkloadRecord]:
+    """``records`` minus those whose text is in the workload file ``exclude`` (None: all of them)."""
+    if not exclude:
+        return list(records)
+    banned = {r.text for r in load_workload(exclude)}
+    return [r for r in records if r.text not in banned]
+
+
 def select(records: list[WorkloadRecord], n: int, domains: list[str] | None = None) -> list[WorkloadRecord]:
     """Up to n records, round-robin over domains (in file order within each) so every prefix is balanced."""
     by_domain: dict[str, list[WorkloadRecord]] = defaultdict(list)
@@ -218,7 +226,7 @@ def format_table(result: dict) -> str:
 
 def bench_main(args) -> int:
     torch.set_num_threads(args.threads)
-    workload = load_workload(args.workload)
+    workload = without_prompts_of(load_workload(args.workload), getattr(args, "exclude", None))
     records = select(workload, args.n, args.domains)
     if not records:
         raise SystemExit(f"no records in {args.workload} (domains {args.domains})")

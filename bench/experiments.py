@@ -179,6 +179,7 @@ def _summary(res: dict, window: int) -> dict:
         "final_alpha": a(rows[-window:]),
         "final_alpha_domain": {d: a(rs[-window:]) for d, rs in by_dom.items()},
         "mean_alpha": a(rows),
+        "second_half_alpha": a(rows[len(rows) // 2:]),
         "mean_alpha_domain": {d: a(rs) for d, rs in by_dom.items()},
     }
 
@@ -281,7 +282,9 @@ def run_online(
     ignore_eos: bool = False,
     log: Callable[[str], None] | None = print,
 ) -> dict:
-    """Alpha over the stream for static / online / offline (bound trained on ALL prompts).
+    """Alpha over the stream for static / online / offline (bound trained on ALL prompts) /
+    ``offline@<pct>`` (trained on the first pct% only: over the rest of the stream it measures
+    what offline training on this domain's earlier prompts carries over to new ones).
 
     ``engine_factory()`` must return a fresh engine with a fresh copy of the same starting draft.
     ``k``: fixed draft length (None keeps the engine's policy). ``seconds_per_round``: wall budget
@@ -289,10 +292,20 @@ def run_online(
     offline bound's training (default: 3 epochs, lr = learner lr x 10, <= 120 s).
     """
     items = _norm(records)
-    offline = {m: [p for p, _ in items] for m in methods if m == "offline"}
+    offline = {m: [p for p, _ in items[: _offline_count(m, len(items))]] for m in methods if m.startswith("offline")}
     return _run_stream("online", engine_factory, items, learner_cfg, methods, offline, {}, eval_every=eval_every,
                        max_tokens=max_tokens, k=k, window=window, seconds_per_round=seconds_per_round,
                        distill_cfg=distill_cfg, ignore_eos=ignore_eos, log=log)
+
+
+def _offline_count(method: str, n: int) -> int:
+    """Stream records an offline method trains on: "offline" all, "offline@<pct>" the first pct%."""
+    if method == "offline":
+        return n
+    pct = method.partition("@")[2]
+    if not pct.isdigit() or not 0 < int(pct) <= 100:
+        raise ValueError(f"unknown method {method!r} (offline or offline@<1..100>)")
+    return max(1, round(int(pct) / 100 * n))
 
 
 def order_blocks(records: Sequence[Any], order: Sequence[str] | None = DEFAULT_SHIFT_ORDER) -> tuple[list[tuple[Any, str]], list[dict]]:
@@ -401,11 +414,11 @@ def format_table(result: dict) -> str:
     def f(v):
         return f"{v:.3f}" if isinstance(v, (int, float)) else "-"
 
-    hdr = f"{'method':<13}" + "".join(f"{d[:8]:>9}" for d in doms) + f"{'all':>9}{'mean':>9}{'train s':>9}{'rounds':>8}{'acc/rej':>9}"
+    hdr = f"{'method':<13}" + "".join(f"{d[:8]:>9}" for d in doms) + f"{'all':>9}{'mean':>9}{'2nd half':>9}{'train s':>9}{'rounds':>8}{'acc/rej':>9}"
     lines = [hdr, "-" * len(hdr)]
     for m, e in result["methods"].items():
         lines.append(f"{m:<13}" + "".join(f"{f(e['final_alpha_domain'].get(d)):>9}" for d in doms)
-                     + f"{f(e['final_alpha']):>9}{f(e['mean_alpha']):>9}{e['training_seconds']:>9.1f}{e['rounds']:>8}"
+                     + f"{f(e['final_alpha']):>9}{f(e['mean_alpha']):>9}{f(e.get('second_half_alpha')):>9}{e['training_seconds']:>9.1f}{e['rounds']:>8}"
                      + f"{str(e['accepted_rounds']) + '/' + str(e['rejected_rounds']):>9}")
     return "\n".join(lines)
 
@@ -433,12 +446,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--methods", default=None, help="comma list (online default static,online,offline)")
         p.add_argument("--train-every", type=int, default=4)
         p.add_argument("--batch-records", type=int, default=16)
-        p.add_argument("--steps-per-round", type=int, default=4)
+        p.add_argument("--steps-per-round", type=int, default=2)
         p.add_argument("--seconds-per-round", type=float, default=None, help="wall budget of one online round")
-        p.add_argument("--lr", type=float, default=1e-4)
-        p.add_argument("--gate-margin", type=float, default=0.01)
+        p.add_argument("--lr", type=float, default=3e-4)
+        p.add_argument("--gate-margin", type=float, default=0.02)
         p.add_argument("--holdout-fraction", type=float, default=0.1)
         p.add_argument("--positions", choices=["wrong", "all"], default="all")
+        p.add_argument("--no-resample", action="store_true", help="repeat one batch for all steps of a round")
+        p.add_argument("--freeze-embeddings", action="store_true", help="do not train the draft's input embeddings")
+        p.add_argument("--include-trained", action="store_true",
+                       help="keep prompts the starting draft was distilled on (default: dropped from the stream)")
         p.add_argument("--offline-seconds", type=float, default=120.0)
         p.add_argument("--offline-epochs", type=int, default=3)
         p.add_argument("--offline-lr", type=float, default=1e-3)
@@ -473,6 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--gate-margin", type=float, default=0.02)
     x.add_argument("--holdout-fraction", type=float, default=0.1)
     x.add_argument("--positions", choices=["wrong", "all"], default="all")
+    x.add_argument("--no-resample", action="store_true", help="repeat one batch for all steps of a round")
     x.add_argument("--spawn-min-records", type=int, default=10)
     x.add_argument("--spawn-window", type=int, default=100)
     x.add_argument("--spawn-alpha", type=float, default=0.5)
@@ -506,6 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--learner-threads", type=int, default=1)
     o.add_argument("--max-cpu-share", type=float, default=1.0)
     o.add_argument("--micro-batch", type=int, default=1, help="records per forward/backward piece of a step")
+    o.add_argument("--no-resample", action="store_true", help="repeat one batch for all steps of a round")
     o.add_argument("--target", default=None)
     o.add_argument("--draft-layers", type=int, default=2)
     o.add_argument("--head-vocab", type=int, default=None)
@@ -516,6 +535,16 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--json", default=None)
     o.add_argument("--quiet", action="store_true")
     return ap
+
+
+def unseen_by(records: Sequence[Any], checkpoint: str) -> list:
+    """``records`` minus the prompts the saved draft ``checkpoint`` (a folder or "default") was
+    distilled on (its meta's ``trained_prompts``): a stream measures what the draft learns online,
+    not what it memorised offline."""
+    from drafts.build import prompt_digest, resolve_checkpoint, trained_prompts
+
+    seen = trained_prompts(resolve_checkpoint(checkpoint))
+    return [r for r in records if prompt_digest(r.text) not in seen]
 
 
 def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
@@ -563,15 +592,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     all_recs = load_workload(args.workload)
-    records = select(all_recs, args.n + (args.warmup if args.cmd == "overhead" else 0), args.domains)
+    log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    stream_recs = all_recs
+    if args.cmd in ("online", "shift") and args.draft_checkpoint and not args.include_trained:
+        stream_recs = unseen_by(all_recs, args.draft_checkpoint)
+        if log:
+            log(f"stream: {len(all_recs) - len(stream_recs)} of {len(all_recs)} records dropped (the starting draft trained on them)")
+    records = select(stream_recs, args.n + (args.warmup if args.cmd == "overhead" else 0), args.domains)
     if not records:
         raise SystemExit(f"no records in {args.workload} (domains {args.domains})")
-    log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     if args.cmd == "overhead":
         return _main_overhead(args, all_recs, records, log)
     lcfg = LearnerConfig(train_every=args.train_every, batch_records=args.batch_records, steps_per_round=args.steps_per_round,
                          lr=args.lr, gate_margin=args.gate_margin, holdout_fraction=args.holdout_fraction,
-                         positions=args.positions, checkpoint_dir=args.checkpoint_dir)
+                         positions=args.positions, checkpoint_dir=args.checkpoint_dir, resample=not args.no_resample,
+                         train_embeddings=not args.freeze_embeddings)
     dcfg = DistillConfig(max_tokens=args.max_tokens, seconds=args.offline_seconds, epochs=args.offline_epochs,
                          lr=args.offline_lr, warmup_steps=0, log_every=1000)
     factory = real_engine_factory(args, texts=[r.text for r in all_recs])
@@ -600,7 +635,8 @@ def _main_overhead(args, all_recs, records, log) -> int:
     engine = real_engine_factory(args, texts=[r.text for r in all_recs])()
     lcfg = LearnerConfig(train_every=args.train_every, batch_records=args.batch_records,
                          steps_per_round=args.steps_per_round, lr=args.lr, holdout_fraction=0.0,
-                         max_cpu_share=args.max_cpu_share, micro_batch_records=args.micro_batch)
+                         max_cpu_share=args.max_cpu_share, micro_batch_records=args.micro_batch,
+                         resample=not args.no_resample)
     bcfg = BackgroundConfig(nice=args.nice, threads=args.learner_threads)
     result = run_overhead(engine, [r.text for r in records], lcfg,
                           modes=[m for m in args.modes.split(",") if m], blocks=args.blocks, gap_s=args.gap,

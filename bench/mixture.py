@@ -278,7 +278,8 @@ def main(args) -> int:
     train = load_workload(args.train)
     lcfg = LearnerConfig(train_every=args.train_every, batch_records=args.batch_records,
                          steps_per_round=args.steps_per_round, lr=args.lr, gate_margin=args.gate_margin,
-                         holdout_fraction=args.holdout_fraction, positions=args.positions)
+                         holdout_fraction=args.holdout_fraction, positions=args.positions,
+                         resample=not args.no_resample)
     rcfg = RouterConfig(spawn_min_records=args.spawn_min_records, spawn_window=args.spawn_window,
                         spawn_alpha=args.spawn_alpha, spawn_min_tokens=args.spawn_min_tokens, max_drafts=args.max_drafts)
     log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))

@@ -10,6 +10,7 @@ what the target emits. Proposed ids are mapped back to the target's through ``ke
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import shutil
@@ -36,6 +37,20 @@ def default_draft_path() -> Path:
     from config import cache_dir
 
     return cache_dir() / "drafts" / "default"
+
+
+def prompt_digest(text: str) -> str:
+    """Short stable id of a prompt text (what a saved draft lists as its training prompts)."""
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
+
+
+def trained_prompts(path: str | Path) -> set[str]:
+    """Digests (:func:`prompt_digest`) of the prompts a saved draft was distilled on; empty when
+    its meta does not list them (``osd train-draft`` / ``osd distill`` write ``trained_prompts``)."""
+    meta_file = Path(path) / DRAFT_META
+    if not meta_file.exists():
+        return set()
+    return set(json.loads(meta_file.read_text()).get("meta", {}).get("trained_prompts", []))
 
 
 def resolve_checkpoint(name: str) -> Path:

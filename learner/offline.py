@@ -380,7 +380,9 @@ def top1_agreement_on(draft: PreTrainedModel, samples: Sequence[Sample], keep_id
 # ---------------------------------------------------------------------------------------------
 
 
-def _set_trainable(draft: PreTrainedModel, cfg: DistillConfig) -> list[torch.nn.Parameter]:
+def set_trainable(draft: PreTrainedModel, cfg: Any) -> list[torch.nn.Parameter]:
+    """Set ``requires_grad`` from ``cfg.train_head`` / ``cfg.train_embeddings`` (a tied matrix
+    trains only when both are set; everything else always trains); returns the trainable parameters."""
     head = draft.get_output_embeddings().weight
     emb = draft.get_input_embeddings().weight
     tied = head is emb
@@ -424,7 +426,7 @@ def distill(
     say(f"distill: {len(samples)} samples, {sum(s.n_out for s in samples)} positions; agreement({agreement_on}) before {before:.4f}")
 
     flags = [p.requires_grad for p in draft.parameters()]
-    params = _set_trainable(draft, cfg)
+    params = set_trainable(draft, cfg)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -540,7 +542,7 @@ def train_draft(
     """
     from bench.workloads import load_workload
     from config import DraftConfig, ModelConfig
-    from drafts.build import build_draft_model, save_draft
+    from drafts.build import build_draft_model, prompt_digest, save_draft
     from speculative.models import load_model
 
     say = log or (lambda _m: None)
@@ -606,6 +608,7 @@ def train_draft(
         "agreement_on": hist["agreement_on"],
         "seconds": hist["seconds"],
         "n_train_prompts": len(train_s),
+        "trained_prompts": [prompt_digest(p) for p in train_prompts],  # lets experiments keep to unseen prompts
         "n_heldout_prompts": len(held_s),
         "draft": draft_cfg.model_dump(),
         "distill": cfg.model_dump(),

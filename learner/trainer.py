@@ -43,7 +43,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from drafts.build import load_draft, save_draft
 from learner.losses import check_loss_name, SparseDist, get_loss
-from learner.offline import Sample, pad_placeholders, student_logits_for, to_student_space, top1_agreement_on
+from learner.offline import Sample, set_trainable, pad_placeholders, student_logits_for, to_student_space, top1_agreement_on
 from learner.replay import ReplayRecord, ShardConfig, ShardSet
 
 __all__ = ["LearnerConfig", "RoundReport", "DraftTrainer", "OnlineLearner", "records_to_batch"]
@@ -63,8 +63,11 @@ class LearnerConfig(BaseModel):
     train_every: int = Field(default=64, ge=1)
     #: records sampled from the chosen draft's shard per round
     batch_records: int = Field(default=16, ge=1)
-    #: optimiser steps per round (each over the whole batch)
+    #: optimiser steps per round (each over a whole batch)
     steps_per_round: int = Field(default=4, ge=1)
+    #: every step of a round draws a fresh batch from the shard (True), or all steps repeat the
+    #: round's one batch (False: they fit those records and forget the rest of the window)
+    resample: bool = True
     lr: float = Field(default=1e-4, gt=0.0)
     weight_decay: float = Field(default=0.0, ge=0.0)
     #: max global gradient norm; 0 disables clipping
@@ -74,6 +77,10 @@ class LearnerConfig(BaseModel):
     loss_options: dict[str, float] = Field(default_factory=dict)
     #: train only where the draft was wrong (``draft_wrong`` rows) or on all rows
     positions: Literal["wrong", "all"] = "wrong"
+    #: train the output head / the input embeddings (with a tied head: trained only when both
+    #: are); the transformer layers and norms are always trained
+    train_head: bool = True
+    train_embeddings: bool = True
     #: share of observed records held back (never trained on) for the gate
     holdout_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
     #: held-back records kept per draft (oldest dropped)
@@ -201,8 +208,7 @@ class DraftTrainer:
         self.draft_id = draft_id
         self.cfg = cfg
         self.model = copy.deepcopy(draft).eval()  # the training copy; the serving model is never touched
-        for p in self.model.parameters():
-            p.requires_grad_(True)
+        self.params = set_trainable(self.model, cfg)
         self.keep_ids = keep_ids.to(torch.long).cpu() if keep_ids is not None else None
         n_head = self.model.get_output_embeddings().weight.shape[0]
         if self.keep_ids is not None and len(self.keep_ids) != n_head:
@@ -219,7 +225,7 @@ class DraftTrainer:
                 self._checkpoint(self.version, {"initial": True})
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        return torch.optim.AdamW(self.params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
 
     # -- held-back records ----------------------------------------------------------------------
     def add_holdout(self, record: ReplayRecord) -> None:
@@ -287,8 +293,13 @@ class DraftTrainer:
         records: Sequence[ReplayRecord],
         should_yield: Callable[[], bool] | None = None,
         pause: Callable[[], None] | None = None,
+        next_batch: Callable[[], Sequence[ReplayRecord]] | None = None,
     ) -> RoundReport:
-        """Up to ``steps_per_round`` steps on ``records``, then the gate.
+        """Up to ``steps_per_round`` steps, the first on ``records``, then the gate.
+
+        Every later step repeats ``records``, or, with ``next_batch``, trains on a fresh batch
+        that it returns (stochastic steps over the replay window: no step re-fits the records of
+        the one before). The round's ``loss_before`` / ``loss_after`` are measured on ``records``.
 
         Returns the report; ``accepted`` is True when the new weights passed the gate (they stay
         in the training copy; call :meth:`publish` to version and ship them). Otherwise the
@@ -321,8 +332,11 @@ class DraftTrainer:
                     break
                 ts = time.perf_counter()
                 self.opt.zero_grad(set_to_none=True)
-                total = rep.positions
-                for part, part_mask in self._pieces(samples, mask):  # mean over all rows = sum of weighted piece means
+                step_samples, step_mask = (samples, mask) if i == 0 or next_batch is None else records_to_batch(next_batch(), cfg.positions)
+                total = int(step_mask.sum())
+                if total == 0:
+                    continue
+                for part, part_mask in self._pieces(step_samples, step_mask):  # mean over all rows = sum of weighted piece means
                     rows = int(part_mask.sum())
                     if rows == 0:
                         continue
@@ -332,7 +346,7 @@ class DraftTrainer:
                         ts += time.perf_counter() - t_wait  # waiting is not training time
                     (self._loss(part, part_mask) * (rows / total)).backward()
                 if cfg.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+                    torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
                 self.opt.step()
                 rep.steps += 1
                 rep.train_seconds += time.perf_counter() - ts
@@ -572,8 +586,9 @@ class OnlineLearner:
             return None
         trainer = self.trainers[d]
         self._pending[d] = 0
-        batch = self.shards[d].sample(self.cfg.batch_records)
-        rep = trainer.train_round(batch, self.should_yield, self.pause)
+        shard, n = self.shards[d], self.cfg.batch_records
+        rep = trainer.train_round(shard.sample(n), self.should_yield, self.pause,
+                                  next_batch=(lambda: shard.sample(n)) if self.cfg.resample else None)
         if rep.accepted and rep.steps > 0:
             version, state = trainer.publish()
             rep.version = version

@@ -64,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--n", type=int, default=100)
     b.add_argument("--max-tokens", type=int, default=48)
     b.add_argument("--domains", nargs="*", default=None)
+    b.add_argument("--exclude", default=None, help="workload file whose prompts are skipped (e.g. what a draft trained on)")
     b.add_argument("--methods", default="target,spec,spec_lookup,hf_assisted,hf_lookup")
     b.add_argument("--lookup-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
     b.add_argument("--json", default=None)

@@ -73,3 +73,21 @@ def test_ngram_greedy_equals_hf(engine, hf_reference):
         proposed += gen.stats.proposed
         accepted += gen.stats.accepted
     assert 0 < accepted < proposed  # prompt lookup hits (the code prompt) and misses
+
+
+def test_train_draft_lists_its_training_prompts_and_streams_skip_them(tmp_path):
+    import json
+
+    from bench.experiments import unseen_by
+    from bench.workloads import load_workload
+    from drafts.build import prompt_digest, trained_prompts
+    from learner.offline import DistillConfig, train_draft
+
+    wl = tmp_path / "w.jsonl"
+    wl.write_text("".join(json.dumps({"text": p, "domain": "chat"}) + "\n" for p in PROMPTS))
+    cfg = DistillConfig(max_tokens=4, top_k=8, max_steps=1, warmup_steps=0, seconds=30)
+    rep = train_draft(wl, None, tmp_path / "d", cfg=cfg, n_prompts=2, holdout=0.25, log=None)
+    seen = trained_prompts(tmp_path / "d")
+    assert len(seen) == rep["n_train_prompts"] == 2 and seen <= {prompt_digest(p) for p in PROMPTS}
+    left = unseen_by(load_workload(wl), str(tmp_path / "d"))
+    assert len(left) == 2 and not {prompt_digest(r.text) for r in left} & seen

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.bench import format_table, run_bench, select
+from bench.bench import format_table, run_bench, select, without_prompts_of
 from bench.workloads import WorkloadRecord
 from drafts.build import truncated_draft
 
@@ -67,3 +67,10 @@ def test_run_bench_skips_assisted_for_restricted_head(make_engine, target, draft
     assert "hf_assisted" in res["skipped"]
     assert set(res["domains"]["overall"]) == {"target", "spec"}
     assert res["domains"]["overall"]["spec"]["all_equal_target_greedy"]
+
+
+def test_without_prompts_of_drops_the_excluded_file_s_prompts(tmp_path):
+    recs = [WorkloadRecord("a", "code"), WorkloadRecord("b", "code"), WorkloadRecord("c", "sql")]
+    (tmp_path / "x.jsonl").write_text(WorkloadRecord("b", "chat").to_json() + "\n")
+    assert [r.text for r in without_prompts_of(recs, tmp_path / "x.jsonl")] == ["a", "c"]
+    assert without_prompts_of(recs, None) == recs

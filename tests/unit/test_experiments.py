@@ -92,8 +92,18 @@ def test_plot(online, tmp_path):
 
 
 def test_unknown_method(factory):
-    with pytest.raises(ValueError, match="unknown method"):
-        run_online(factory, RECORDS[:1], LCFG, methods=("nope",), max_tokens=4, log=None)
+    for bad in ("nope", "offline@0", "offline@x", "offline@101"):
+        with pytest.raises(ValueError, match="unknown method"):
+            run_online(factory, RECORDS[:1], LCFG, methods=(bad,), max_tokens=4, log=None)
+
+
+def test_offline_on_a_prefix_of_the_stream(factory):
+    res = run_online(factory, RECORDS, LCFG, methods=("static", "offline@50"), max_tokens=8, k=3, window=2,
+                     distill_cfg=DCFG, log=None)
+    off = res["methods"]["offline@50"]
+    assert off["offline"]["prompts"] == len(RECORDS) // 2
+    rows = off["rows"][len(RECORDS) // 2:]
+    assert off["second_half_alpha"] == pytest.approx(sum(r["accepted"] for r in rows) / sum(r["proposed"] for r in rows))
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -107,3 +117,17 @@ def test_main_parse_errors(argv, msg, capsys):
         main(argv)
     assert ei.value.code == 2
     assert msg in capsys.readouterr().err
+
+
+def test_stream_drops_prompts_the_starting_draft_trained_on(target, tmp_path):
+    from bench.experiments import unseen_by
+    from bench.workloads import WorkloadRecord
+    from drafts.build import prompt_digest, save_draft, trained_prompts
+
+    recs = [WorkloadRecord(t, d) for d, ts in TEXTS.items() for t in ts]
+    save_draft(truncated_draft(target, 1), tmp_path / "d", None, meta={"trained_prompts": [prompt_digest(TEXTS["code"][1])]})
+    assert trained_prompts(tmp_path / "d") == {prompt_digest("def g(y): return y")}
+    kept = unseen_by(recs, str(tmp_path / "d"))
+    assert [r.text for r in kept] == [r.text for r in recs if r.text != "def g(y): return y"]
+    save_draft(truncated_draft(target, 1), tmp_path / "old", None, meta={})  # a draft saved before the field existed
+    assert unseen_by(recs, str(tmp_path / "old")) == recs

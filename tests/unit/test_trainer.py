@@ -288,3 +288,53 @@ def test_busiest_draft_does_not_take_every_round(setup):
         if rep is not None:
             picked.append(rep.draft_id)
     assert len(picked) == 6 and "small" in picked and picked.count("big") > picked.count("small")
+
+
+def test_resampled_steps_train_on_fresh_batches(setup):
+    draft, recs = setup
+    drawn = []
+
+    def next_batch():
+        drawn.append(1)
+        return recs[4:8]
+
+    # one step on recs[:4] then one on recs[4:8] == a trainer that saw those two batches in turn
+    tr = DraftTrainer("d", draft, _cfg(steps_per_round=2, lr=1e-2))
+    rep = tr.train_round(recs[:4], next_batch=next_batch)
+    assert rep.steps == 2 and len(drawn) == 1
+    ref = DraftTrainer("d", draft, _cfg(steps_per_round=1, lr=1e-2))
+    ref.train_round(recs[:4])
+    ref.train_round(recs[4:8])  # a second round: a fresh step count, same optimiser state
+    a, b = _weights(tr.model), _weights(ref.model)
+    assert all(torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4) for k in a)
+    repeat = DraftTrainer("d", draft, _cfg(steps_per_round=2, lr=1e-2))
+    repeat.train_round(recs[:4])  # without next_batch both steps fit recs[:4]
+    c = _weights(repeat.model)
+    assert not all(torch.allclose(a[k], c[k], atol=1e-5, rtol=1e-4) for k in a)
+
+
+def test_online_learner_resamples_the_shard_every_step(setup, monkeypatch):
+    draft, recs = setup
+    for resample, calls in ((True, 3), (False, 1)):
+        cfg = _cfg(train_every=12, steps_per_round=3, resample=resample)
+        ol = OnlineLearner(cfg, ShardSet(ShardConfig()), [DraftTrainer("d", draft, cfg)])
+        for r in recs[:12]:
+            ol.observe(r)
+        shard = ol.shards["d"]
+        n = []
+        orig = shard.sample
+        monkeypatch.setattr(shard, "sample", lambda k, rng=None: n.append(k) or orig(k, rng))
+        rep = ol.maybe_train()
+        assert rep is not None and rep.steps == 3 and n == [cfg.batch_records] * calls
+
+
+def test_frozen_embeddings_stay_put(setup):
+    draft, recs = setup
+    tr = DraftTrainer("d", draft, _cfg(train_embeddings=False))
+    emb = tr.model.get_input_embeddings().weight.detach().clone()
+    w0 = _weights(tr.model)
+    assert tr.train_round(recs[:8]).steps == 6
+    assert torch.equal(tr.model.get_input_embeddings().weight, emb)
+    w1 = _weights(tr.model)
+    assert any(not torch.equal(w0[k], w1[k]) for k in w0 if "layers" in k)
+    assert all(p.requires_grad == (p is not tr.model.get_input_embeddings().weight) for p in tr.model.parameters())
