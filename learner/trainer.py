@@ -2,7 +2,7 @@
 
 * :class:`DraftTrainer` - one per draft. Holds a *training copy* of the draft (never the serving
   model), its AdamW optimiser, ``keep_ids``, the version counter and the held-back records of the
-  gate. :meth:`DraftTrainer.train_round` runs a few steps on a batch of replay records (the maths
+  gate. :meth:`DraftTrainer.train_round` runs a few steps, each on a batch of replay records (the maths
   is :mod:`learner.offline`'s: records -> :class:`learner.offline.Sample` via ``to_sample()``,
   :func:`learner.offline.student_logits_for`, :func:`learner.offline.to_student_space`,
   :func:`learner.offline.pad_placeholders`), then :meth:`DraftTrainer.gate` decides; a failing
@@ -13,9 +13,9 @@
 * :class:`OnlineLearner` - holds a :class:`learner.replay.ShardSet` and the trainers. ``observe``
   routes records to the shards (or, a ``holdout_fraction`` of them, to the trainer's held-back
   set) and keeps per-draft traffic / lost-acceptance counts over a recent window; ``maybe_train``
-  runs one round every ``train_every`` records on the draft with the largest
-  ``traffic x (1 - acceptance)`` and hands accepted weights to the subscribers
-  (e.g. ``engine.swap_draft``).
+  runs one round every ``train_every`` records on the draft with the most rows served since its
+  own last round x (1 - acceptance), every step on a fresh batch from its shard (``resample``),
+  and hands accepted weights to the subscribers (e.g. ``engine.swap_draft``).
 
 The learner never blocks a request: ``should_yield()`` is checked before every training step and
 the round stops as soon as it returns True; ``max_cpu_share`` sleeps between steps so training
