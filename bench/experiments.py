@@ -450,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seconds-per-round", type=float, default=None, help="wall budget of one online round")
         p.add_argument("--lr", type=float, default=3e-4)
         p.add_argument("--gate-margin", type=float, default=0.02)
+        p.add_argument("--gate-z", type=float, default=0.0, help="paired gate: standard errors allowed on top of the margin")
         p.add_argument("--holdout-fraction", type=float, default=0.1)
         p.add_argument("--positions", choices=["wrong", "all"], default="all")
         p.add_argument("--no-resample", action="store_true", help="repeat one batch for all steps of a round")
@@ -604,7 +605,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "overhead":
         return _main_overhead(args, all_recs, records, log)
     lcfg = LearnerConfig(train_every=args.train_every, batch_records=args.batch_records, steps_per_round=args.steps_per_round,
-                         lr=args.lr, gate_margin=args.gate_margin, holdout_fraction=args.holdout_fraction,
+                         lr=args.lr, gate_margin=args.gate_margin, gate_z=args.gate_z, holdout_fraction=args.holdout_fraction,
                          positions=args.positions, checkpoint_dir=args.checkpoint_dir, resample=not args.no_resample,
                          train_embeddings=not args.freeze_embeddings)
     dcfg = DistillConfig(max_tokens=args.max_tokens, seconds=args.offline_seconds, epochs=args.offline_epochs,

@@ -354,12 +354,13 @@ def _batches(samples: Sequence[Sample], positions: int) -> list[list[Sample]]:
 
 
 @torch.no_grad()
-def top1_agreement_on(draft: PreTrainedModel, samples: Sequence[Sample], keep_ids: torch.Tensor | None = None, batch_positions: int = 512) -> float:
-    """Teacher-forced top-1 agreement at output positions: the draft's argmax (mapped through
-    ``keep_ids``) equals the target's most probable token. In [0, 1]; nan without positions."""
+@torch.no_grad()
+def top1_hits_on(draft: PreTrainedModel, samples: Sequence[Sample], keep_ids: torch.Tensor | None = None, batch_positions: int = 512) -> torch.Tensor:
+    """Per output position (samples in order): the draft's teacher-forced argmax (mapped through
+    ``keep_ids``) equals the target's most probable token. [sum T] bool."""
     was_training = draft.training
     draft.eval()
-    hits = total = 0
+    out = []
     try:
         for batch in _batches([s for s in samples if s.n_out > 0], batch_positions):
             pred = student_logits_for(draft, batch).argmax(dim=-1).cpu()  # [N] draft columns
@@ -367,12 +368,16 @@ def top1_agreement_on(draft: PreTrainedModel, samples: Sequence[Sample], keep_id
                 pred = keep_ids.cpu()[pred]  # [N] target ids
             tgt = _batch_target(batch)
             best = tgt.probs.argmax(dim=-1, keepdim=True)
-            top1 = tgt.ids.gather(1, best).squeeze(1)  # [N]
-            hits += int((pred == top1).sum())
-            total += int(top1.numel())
+            out.append(pred == tgt.ids.gather(1, best).squeeze(1))  # [N]
     finally:
         draft.train(was_training)
-    return hits / total if total else float("nan")
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.bool)
+
+
+def top1_agreement_on(draft: PreTrainedModel, samples: Sequence[Sample], keep_ids: torch.Tensor | None = None, batch_positions: int = 512) -> float:
+    """Mean of :func:`top1_hits_on`: in [0, 1]; nan without positions."""
+    hits = top1_hits_on(draft, samples, keep_ids, batch_positions)
+    return float(hits.float().mean()) if hits.numel() else float("nan")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from drafts.build import load_draft, save_draft
 from learner.losses import check_loss_name, SparseDist, get_loss
-from learner.offline import Sample, set_trainable, pad_placeholders, student_logits_for, to_student_space, top1_agreement_on
+from learner.offline import Sample, pad_placeholders, set_trainable, student_logits_for, to_student_space, top1_hits_on
 from learner.replay import ReplayRecord, ShardConfig, ShardSet
 
 __all__ = ["LearnerConfig", "RoundReport", "DraftTrainer", "OnlineLearner", "records_to_batch"]
@@ -87,6 +87,9 @@ class LearnerConfig(BaseModel):
     holdout_max: int = Field(default=64, ge=1)
     #: max allowed drop of held-out top-1 agreement (candidate >= current - margin)
     gate_margin: float = Field(default=0.0, ge=0.0)
+    #: > 0: the gate tests the paired per-position difference and allows this many standard
+    #: errors on top of the margin (held-out sets are small; see DraftTrainer.gate); 0: margin only
+    gate_z: float = Field(default=0.0, ge=0.0)
     checkpoint_dir: Path | None = None
     #: checkpoints kept per draft (the newest ones; LATEST is never deleted)
     keep_versions: int = Field(default=3, ge=1)
@@ -234,13 +237,14 @@ class DraftTrainer:
     def holdout_samples(self) -> list[Sample]:
         return records_to_batch(self.holdout, "all")[0]
 
+    def holdout_hits(self, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """Per held-back position: teacher-forced top-1 agreement with the target. [N] bool."""
+        return top1_hits_on(model if model is not None else self.model, self.holdout_samples(), self.keep_ids)
+
     def agreement(self, model: torch.nn.Module | None = None) -> float | None:
         """Teacher-forced top-1 agreement on the held-back records (None without any)."""
-        samples = self.holdout_samples()
-        if not samples:
-            return None
-        a = top1_agreement_on(model if model is not None else self.model, samples, self.keep_ids)
-        return None if math.isnan(a) else a
+        hits = self.holdout_hits(model)
+        return float(hits.float().mean()) if hits.numel() else None
 
     # -- training -------------------------------------------------------------------------------
     def _loss(self, samples: Sequence[Sample], mask: torch.Tensor) -> torch.Tensor:
@@ -322,7 +326,8 @@ class DraftTrainer:
             rep.seconds = time.perf_counter() - t0
             return rep
         snap = self.snapshot()
-        rep.agreement_before = self.agreement()
+        before_hits = self.holdout_hits()
+        rep.agreement_before = float(before_hits.float().mean()) if before_hits.numel() else None
         rep.loss_before = self._eval_loss(samples, mask)
         self.model.train()
         try:
@@ -358,7 +363,7 @@ class DraftTrainer:
             raise
         self.model.eval()
         rep.loss_after = self._eval_loss(samples, mask)
-        ok, reason = self.gate(baseline=rep.agreement_before, loss=rep.loss_after)
+        ok, reason = self.gate(baseline=rep.agreement_before, loss=rep.loss_after, baseline_hits=before_hits)
         rep.agreement_after = self._last_gate_agreement
         rep.accepted, rep.reason = ok, reason if not rep.stopped_early else f"{reason}; stopped early (yield)"
         if not ok:
@@ -387,6 +392,7 @@ class DraftTrainer:
         candidate: torch.nn.Module | dict | None = None,
         baseline: float | None = None,
         loss: float | None = None,
+        baseline_hits: torch.Tensor | None = None,
     ) -> tuple[bool, str]:
         """Whether ``candidate`` may replace the current weights: ``(ok, reason)``.
 
@@ -395,6 +401,12 @@ class DraftTrainer:
         when its top-1 agreement on the held-back records is below ``baseline - gate_margin``;
         ``baseline`` defaults to the agreement of the training copy (meaningful when the candidate
         is a separate model / state). Without held-back records only the finiteness checks apply.
+
+        With ``gate_z > 0`` and the current weights' per-position hits (``baseline_hits``, what
+        :meth:`holdout_hits` returned for them), the test is paired: with ``b`` positions only the
+        candidate gets right and ``c`` only the current weights do, out of ``n``, the candidate
+        fails when ``(b - c) / n < -(gate_margin + gate_z * sqrt(b + c) / n)``, i.e. only a drop
+        larger than the margin by ``gate_z`` standard errors (McNemar) rejects it.
         """
         self._last_gate_agreement = None
         if candidate is None:
@@ -410,10 +422,18 @@ class DraftTrainer:
             return False, "non-finite loss"
         if baseline is None and model is not self.model:
             baseline = self.agreement()
-        got = self.agreement(model)
+        hits = self.holdout_hits(model)
+        got = float(hits.float().mean()) if hits.numel() else None
         self._last_gate_agreement = got
         if got is None or baseline is None:
             return True, "ok (no held-out records)"
+        if self.cfg.gate_z > 0 and baseline_hits is not None and baseline_hits.shape == hits.shape:
+            n = hits.numel()
+            b, c = int((hits & ~baseline_hits).sum()), int((baseline_hits & ~hits).sum())
+            bound = self.cfg.gate_margin + self.cfg.gate_z * math.sqrt(b + c) / n
+            if (b - c) / n < -bound:
+                return False, f"held-out agreement {got:.4f} vs {baseline:.4f}: paired drop {(c - b) / n:.4f} > {bound:.4f}"
+            return True, f"ok (held-out agreement {baseline:.4f} -> {got:.4f}, paired bound {bound:.4f})"
         if got < baseline - self.cfg.gate_margin:
             return False, f"held-out agreement {got:.4f} < {baseline:.4f} - margin {self.cfg.gate_margin}"
         return True, f"ok (held-out agreement {baseline:.4f} -> {got:.4f})"

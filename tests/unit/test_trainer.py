@@ -338,3 +338,27 @@ def test_frozen_embeddings_stay_put(setup):
     w1 = _weights(tr.model)
     assert any(not torch.equal(w0[k], w1[k]) for k in w0 if "layers" in k)
     assert all(p.requires_grad == (p is not tr.model.get_input_embeddings().weight) for p in tr.model.parameters())
+
+
+def test_paired_gate_allows_a_drop_within_its_noise_and_rejects_a_clear_one(setup, monkeypatch):
+    draft, _ = setup
+    base = torch.zeros(100, dtype=torch.bool)
+    base[:60] = True  # current weights: 0.60
+
+    def candidate(gains, losses):
+        h = base.clone()
+        h[60:60 + gains] = True
+        h[:losses] = False
+        return h
+
+    small = candidate(5, 9)  # 0.56: b = 5, c = 9, bound = 0.02 + sqrt(14) / 100 = 0.057
+    clear = candidate(0, 30)  # 0.30
+    for z, hits, ok in ((0.0, small, False), (1.0, small, True), (1.0, clear, False), (0.0, base, True)):
+        tr = DraftTrainer("d", draft, _cfg(gate_margin=0.02, gate_z=z))
+        monkeypatch.setattr(tr, "holdout_hits", lambda model=None, h=hits: h)
+        got, reason = tr.gate(baseline=0.6, baseline_hits=base)
+        assert got is ok, (z, reason)
+    tr = DraftTrainer("d", draft, _cfg(gate_margin=0.02, gate_z=1.0))
+    monkeypatch.setattr(tr, "holdout_hits", lambda model=None: clear)
+    ok, reason = tr.gate(baseline=0.6, baseline_hits=base)
+    assert not ok and "paired drop 0.3000 > 0.0748" in reason
