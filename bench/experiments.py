@@ -598,7 +598,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd in ("online", "shift") and args.draft_checkpoint and not args.include_trained:
         stream_recs = unseen_by(all_recs, args.draft_checkpoint)
         if log:
-            log(f"stream: {len(all_recs) - len(stream_recs)} of {len(all_recs)} records dropped (the starting draft trained on them)")
+            dropped = len(all_recs) - len(stream_recs)
+            log(f"stream: {dropped} of {len(all_recs)} records dropped (the starting draft trained on them)" if dropped else
+                "stream: no record dropped (the starting draft lists no training prompt of this workload; drafts saved "
+                "before trained_prompts existed list none: rebuild them to be sure)")
     records = select(stream_recs, args.n + (args.warmup if args.cmd == "overhead" else 0), args.domains)
     if not records:
         raise SystemExit(f"no records in {args.workload} (domains {args.domains})")
