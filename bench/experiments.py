@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
+import statistics
 import sys
 import time
 from collections import deque
@@ -296,6 +298,19 @@ def run_online(
     return _run_stream("online", engine_factory, items, learner_cfg, methods, offline, {}, eval_every=eval_every,
                        max_tokens=max_tokens, k=k, window=window, seconds_per_round=seconds_per_round,
                        distill_cfg=distill_cfg, ignore_eos=ignore_eos, log=log)
+
+
+def paired_gain(result: dict, method: str, base: str = "static", start: int | None = None) -> dict:
+    """Per-record alpha of ``method`` minus that of ``base`` on the same records (the stream is
+    deterministic), over records ``start``.. (default: the second half): mean, standard error, n."""
+    a, b = result["methods"][method]["rows"], result["methods"][base]["rows"]
+    if [r["i"] for r in a] != [r["i"] for r in b]:
+        raise ValueError(f"{method} and {base} did not serve the same records")
+    start = len(a) // 2 if start is None else start
+    d = [x["accepted"] / x["proposed"] - y["accepted"] / y["proposed"]
+         for x, y in zip(a[start:], b[start:]) if x["proposed"] and y["proposed"]]
+    sd = statistics.stdev(d) if len(d) > 1 else float("nan")
+    return {"mean": statistics.fmean(d) if d else float("nan"), "se": sd / math.sqrt(len(d)) if d else float("nan"), "n": len(d)}
 
 
 def _offline_count(method: str, n: int) -> int:

@@ -131,3 +131,18 @@ def test_stream_drops_prompts_the_starting_draft_trained_on(target, tmp_path):
     assert [r.text for r in kept] == [r.text for r in recs if r.text != "def g(y): return y"]
     save_draft(truncated_draft(target, 1), tmp_path / "old", None, meta={})  # a draft saved before the field existed
     assert unseen_by(recs, str(tmp_path / "old")) == recs
+
+
+def test_paired_gain_by_hand():
+    from bench.experiments import paired_gain
+
+    def rows(acc):
+        return [{"i": i + 1, "accepted": a, "proposed": 4} for i, a in enumerate(acc)]
+
+    res = {"methods": {"static": {"rows": rows([0, 0, 1, 1])}, "online": {"rows": rows([4, 0, 2, 3])}}}
+    g = paired_gain(res, "online")  # second half: differences 1/4 and 2/4
+    assert g["n"] == 2 and g["mean"] == pytest.approx(0.375) and g["se"] == pytest.approx(0.125)
+    assert paired_gain(res, "online", start=0)["mean"] == pytest.approx((1 + 0 + 0.25 + 0.5) / 4)
+    res["methods"]["online"]["rows"][0]["i"] = 9
+    with pytest.raises(ValueError, match="same records"):
+        paired_gain(res, "online")
