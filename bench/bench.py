@@ -24,20 +24,12 @@ from speculative.kpolicy import expected_speedup
 from speculative.proposers import NgramProposer
 from speculative.stats import SpecStats
 
-from .workloads import WorkloadRecord, load_workload
+from .workloads import WorkloadRecord, load_workload, without_prompts_of
 
 #: target: HF greedy generate (the reference); spec: our engine with the configured draft;
 #: spec_lookup: our engine with the prompt-lookup proposer alone; hf_assisted: HF generate with
 #: assistant_model = the same draft; hf_lookup: HF prompt-lookup decoding.
 METHODS = ("target", "spec", "spec_lookup", "hf_assisted", "hf_lookup")
-
-
-def without_prompts_of(records: list[WorkloadRecord], exclude: str | Path | None) -> list[WorkloadRecord]:
-    """``records`` minus those whose text is in the workload file ``exclude`` (None: all of them)."""
-    if not exclude:
-        return list(records)
-    banned = {r.text for r in load_workload(exclude)}
-    return [r for r in records if r.text not in banned]
 
 
 def select(records: list[WorkloadRecord], n: int, domains: list[str] | None = None) -> list[WorkloadRecord]:
@@ -226,7 +218,7 @@ def format_table(result: dict) -> str:
 
 def bench_main(args) -> int:
     torch.set_num_threads(args.threads)
-    workload = without_prompts_of(load_workload(args.workload), getattr(args, "exclude", None))
+    workload = without_prompts_of(load_workload(args.workload), args.exclude)
     records = select(workload, args.n, args.domains)
     if not records:
         raise SystemExit(f"no records in {args.workload} (domains {args.domains})")

@@ -128,6 +128,14 @@ def load_workload(path: str | os.PathLike) -> list[WorkloadRecord]:
     return records
 
 
+
+def without_prompts_of(records: list[WorkloadRecord], exclude: str | Path | None) -> list[WorkloadRecord]:
+    """``records`` minus those whose text is in the workload file ``exclude`` (None: all of them)."""
+    if not exclude:
+        return list(records)
+    banned = {r.text for r in load_workload(exclude)}
+    return [r for r in records if r.text not in banned]
+
 def save_workload(records: Iterable[WorkloadRecord], path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

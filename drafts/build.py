@@ -44,13 +44,16 @@ def prompt_digest(text: str) -> str:
     return hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
 
 
+def read_meta(path: str | Path) -> dict:
+    """The ``meta`` a saved draft folder carries ({} when it has none or is not a saved draft)."""
+    meta_file = Path(path) / DRAFT_META
+    return json.loads(meta_file.read_text()).get("meta", {}) if meta_file.exists() else {}
+
+
 def trained_prompts(path: str | Path) -> set[str]:
     """Digests (:func:`prompt_digest`) of the prompts a saved draft was distilled on; empty when
     its meta does not list them (``osd train-draft`` / ``osd distill`` write ``trained_prompts``)."""
-    meta_file = Path(path) / DRAFT_META
-    if not meta_file.exists():
-        return set()
-    return set(json.loads(meta_file.read_text()).get("meta", {}).get("trained_prompts", []))
+    return set(read_meta(path).get("trained_prompts", []))
 
 
 def resolve_checkpoint(name: str) -> Path:

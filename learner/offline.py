@@ -354,7 +354,6 @@ def _batches(samples: Sequence[Sample], positions: int) -> list[list[Sample]]:
 
 
 @torch.no_grad()
-@torch.no_grad()
 def top1_hits_on(draft: PreTrainedModel, samples: Sequence[Sample], keep_ids: torch.Tensor | None = None, batch_positions: int = 512) -> torch.Tensor:
     """Per output position (samples in order): the draft's teacher-forced argmax (mapped through
     ``keep_ids``) equals the target's most probable token. [sum T] bool."""
@@ -545,7 +544,7 @@ def train_draft(
     ``exclude``: a workload file whose texts must not be trained on (e.g. the benchmark's prompts).
     Returns a JSON-serialisable report; the same summary goes into the saved draft's meta.
     """
-    from bench.workloads import load_workload
+    from bench.workloads import load_workload, without_prompts_of
     from config import DraftConfig, ModelConfig
     from drafts.build import build_draft_model, prompt_digest, save_draft
     from speculative.models import load_model
@@ -558,9 +557,7 @@ def train_draft(
     torch.manual_seed(cfg.seed)
 
     records = [r for r in load_workload(workload) if domain is None or r.domain == domain]
-    if exclude:
-        banned = {r.text for r in load_workload(exclude)}
-        records = [r for r in records if r.text not in banned]
+    records = without_prompts_of(records, exclude)
     if not records:
         raise ValueError(f"no records of domain {domain!r} in {workload}")
     train_recs, held_recs = _split(records, holdout, cfg.seed)

@@ -9,11 +9,10 @@ stay monotonic for the serving side and the replay records, and the next start s
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Sequence
 
-from drafts.build import DRAFT_META, load_draft
+from drafts.build import DRAFT_META, load_draft, read_meta
 from learner.trainer import DraftTrainer, LearnerConfig, checkpoint_versions, latest_checkpoint
 
 __all__ = ["versions", "rollback", "main"]
@@ -29,8 +28,7 @@ def versions(checkpoint_dir: str | Path, draft_id: str | None = None) -> dict[st
         latest = latest_checkpoint(d)
         out[d.name] = {
             "latest": None if latest is None else f"v{latest}",
-            "versions": {v: json.loads((d / f"v{v}" / DRAFT_META).read_text()).get("meta", {})
-                         for v in checkpoint_versions(d) if (d / f"v{v}" / DRAFT_META).exists()},
+            "versions": {v: read_meta(d / f"v{v}") for v in checkpoint_versions(d) if (d / f"v{v}" / DRAFT_META).exists()},
         }
     if draft_id is not None and draft_id not in out:
         raise FileNotFoundError(f"no checkpoints of draft {draft_id!r} in {root}")

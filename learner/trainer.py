@@ -172,6 +172,11 @@ def _state_numpy(model: torch.nn.Module) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().clone().numpy() for k, v in model.state_dict().items()}
 
 
+def _rate(hits: torch.Tensor) -> float | None:
+    """Share of True in ``hits`` (None when empty)."""
+    return float(hits.float().mean()) if hits.numel() else None
+
+
 def _all_finite(model: torch.nn.Module) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
@@ -243,8 +248,7 @@ class DraftTrainer:
 
     def agreement(self, model: torch.nn.Module | None = None) -> float | None:
         """Teacher-forced top-1 agreement on the held-back records (None without any)."""
-        hits = self.holdout_hits(model)
-        return float(hits.float().mean()) if hits.numel() else None
+        return _rate(self.holdout_hits(model))
 
     # -- training -------------------------------------------------------------------------------
     def _loss(self, samples: Sequence[Sample], mask: torch.Tensor) -> torch.Tensor:
@@ -327,7 +331,7 @@ class DraftTrainer:
             return rep
         snap = self.snapshot()
         before_hits = self.holdout_hits()
-        rep.agreement_before = float(before_hits.float().mean()) if before_hits.numel() else None
+        rep.agreement_before = _rate(before_hits)
         rep.loss_before = self._eval_loss(samples, mask)
         self.model.train()
         try:
@@ -423,7 +427,7 @@ class DraftTrainer:
         if baseline is None and model is not self.model:
             baseline = self.agreement()
         hits = self.holdout_hits(model)
-        got = float(hits.float().mean()) if hits.numel() else None
+        got = _rate(hits)
         self._last_gate_agreement = got
         if got is None or baseline is None:
             return True, "ok (no held-out records)"
