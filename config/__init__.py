@@ -1,8 +1,8 @@
 """Typed settings: one pydantic model per component.
 
-Every component takes exactly one of these; presets live in :mod:`config.presets`.
-Validation happens here, at the edge, so that bad input (a negative temperature,
-``max_tokens <= 0``) is refused with a clear message before any model work starts.
+Every component takes exactly one of these. Validation happens here, at the edge, so that bad
+input (a negative, infinite or NaN temperature, ``max_tokens <= 0``, an unknown device,
+``fixed_k > k_max``) is refused with a clear message before any model work starts.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 __all__ = [
     "EMBEDDED_TARGET",
+    "GREEDY_BELOW",
     "ModelConfig",
     "DraftConfig",
     "NgramConfig",
@@ -55,6 +56,17 @@ class ModelConfig(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
     num_threads: int | None = Field(default=None, ge=1)
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str) -> str:
+        import torch  # the parser of torch's own device strings ("cpu", "cuda", "cuda:1", "mps", ...)
+
+        try:
+            torch.device(v)
+        except RuntimeError as e:
+            raise ValueError(f"unknown device {v!r}: use cpu, cuda, cuda:N or another torch device") from e
+        return v
 
 
 class NgramConfig(_Strict):
@@ -117,20 +129,32 @@ class KPolicyConfig(_Strict):
     ema: float = Field(default=0.15, gt=0.0, le=1.0)
     probe_every: int = Field(default=8, ge=1)
 
+    @model_validator(mode="after")
+    def _fixed_within_max(self) -> "KPolicyConfig":
+        if self.fixed_k is not None and self.fixed_k > self.k_max:
+            raise ValueError(f"k.fixed_k ({self.fixed_k}) must be <= k.k_max ({self.k_max})")
+        return self
+
+
+#: Temperatures below this are greedy decoding (as in vLLM): dividing logits by a temperature near
+#: 0 overflows float32 (1e-40 gives inf - inf = NaN), and the law it approaches is the argmax anyway.
+GREEDY_BELOW = 1e-5
+
 
 class SamplingParams(_Strict):
     """Per-request decoding parameters (OpenAI-compatible names).
 
-    temperature 0 is greedy. top_k 0 and top_p 1 disable those filters; both are applied
-    identically to the target's and the draft's distributions.
+    temperature 0 (or below ``GREEDY_BELOW`` = 1e-5) is greedy. top_k 0 and top_p 1 disable those
+    filters; both are applied identically to the target's and the draft's distributions. Values
+    must be finite; integers must be integers (``strict``: no 1.5 or True for max_tokens).
     """
 
-    max_tokens: int = Field(default=128, gt=0)
-    temperature: float = Field(default=0.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
+    max_tokens: int = Field(default=128, gt=0, strict=True)
+    temperature: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(default=0, ge=0, strict=True)
     stop: list[str] = Field(default_factory=list)
-    seed: int | None = None
+    seed: int | None = Field(default=None, strict=True, ge=-(2**63), lt=2**64)  # torch.Generator's range
     ignore_eos: bool = False
 
     @field_validator("stop")
@@ -142,7 +166,7 @@ class SamplingParams(_Strict):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 class EngineConfig(_Strict):

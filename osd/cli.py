@@ -95,6 +95,8 @@ def _generate(args) -> int:
 
     from config import SamplingParams
     from bench.bench import engine_config_from_args
+    from speculative.detokenize import Detokenizer
+    from speculative.engine import RequestError, prompt_text
     from speculative.factory import build_engine
 
     torch.set_num_threads(args.threads)
@@ -104,20 +106,20 @@ def _generate(args) -> int:
     )
     if not args.interactive and not args.prompt:
         raise SystemExit("osd generate: give a prompt, or --interactive")
+    if args.prompt:
+        prompt_text(args.prompt)  # refuse bad text before the model loads
     engine = build_engine(engine_config_from_args(args))
     tty = sys.stderr.isatty()
 
     def run(prompt: str) -> None:
         rid = engine.add_request(prompt, params)
         st = engine.requests[rid]
-        shown = ""
+        detok = Detokenizer(engine.tokenizer, params.stop)  # prints only final text: no half characters
         try:
             while not st.finished:
                 res = engine.step(rid)
-                text = engine.text_of(st)
-                sys.stdout.write(text[len(shown):])
+                sys.stdout.write(detok.update(st.output))
                 sys.stdout.flush()
-                shown = text
                 s = st.stats
                 line = (f"[step {s.steps} k={res.proposed} ({res.source}) accepted {res.accepted} | alpha "
                         f"{'-' if s.alpha is None else f'{s.alpha:.2f}'} | {len(st.output) / max(1e-9, s.draft_s + s.target_s):.1f} tok/s]")
@@ -125,7 +127,7 @@ def _generate(args) -> int:
                     sys.stderr.write("\x1b7\x1b[999;1H\x1b[2K" + line + "\x1b8")
                     sys.stderr.flush()
             s = st.stats.summary()
-            sys.stdout.write("\n")
+            sys.stdout.write(detok.finish(st.output) + "\n")
             secs = s["draft_s"] + s["target_s"]
             alpha = "-" if s["alpha"] is None else f"{s['alpha']:.3f}"
             mal = "-" if s["mean_acceptance_length"] is None else f"{s['mean_acceptance_length']:.2f}"
@@ -146,40 +148,41 @@ def _generate(args) -> int:
             if prompt.strip() in ("/quit", "/exit"):
                 break
             if prompt.strip():
-                run(prompt)
+                try:
+                    run(prompt)
+                except RequestError as e:  # a bad prompt ends that turn, not the session
+                    print(f"error: {e}", file=sys.stderr)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    argv = sys.argv[1:] if argv is None else argv
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+def _subcommand(argv: list[str]):
+    """The main of a subcommand whose options live with its library (None: parsed here)."""
     if argv[:1] == ["train-draft"]:  # its options live with the trainer
         from learner.offline import main as train_main
 
-        return train_main(argv[1:])
+        return train_main
     if argv[:1] == ["workload"]:  # osd workload build ...: options live with the builder
         from bench.workloads import main as workload_main
 
-        if argv[1:2] != ["build"]:
-            print("usage: osd workload build --out FILE [--per-domain N] [--domains ...] [--languages ...]", file=sys.stderr)
-            return 2
-        return workload_main(argv[2:])
+        def build(rest: list[str]) -> int:
+            if rest[:1] != ["build"]:
+                print("usage: osd workload build --out FILE [--per-domain N] [--domains ...] [--languages ...]", file=sys.stderr)
+                return 2
+            return workload_main(rest[1:])
+
+        return build
     if argv[:1] == ["draft"]:  # operator commands on the learner's checkpoints
         from learner.ops import main as draft_main
 
-        return draft_main(argv[1:])
+        return draft_main
     if argv[:1] == ["route"]:  # osd route: options live with the router
         from router.cli import main as route_main
 
-        return route_main(argv[1:])
+        return route_main
     if argv[:1] == ["experiment"]:  # osd experiment online|shift: options live with the harness
         from bench.experiments import main as experiment_main
 
-        return experiment_main(argv[1:])
+        return experiment_main
     if argv[:1] == ["distill"]:  # the general starting draft: all domains, cached as "default"
         from drafts.build import default_draft_path
         from learner.offline import main as train_main
@@ -188,33 +191,55 @@ def main(argv: list[str] | None = None) -> int:
         defaults = ["--workload", train, "--exclude", str(DEFAULT_WORKLOAD), "--out", str(default_draft_path()),
                     "--n-prompts", "400", "--holdout", "0.05", "--max-tokens", "48", "--head-vocab", "8192",
                     "--seconds", "900"]
-        return train_main(defaults + argv[1:])  # later options override the defaults
+        return lambda rest: train_main(defaults + rest)  # later options override the defaults
+    return None
+
+
+def _run(argv: list[str]) -> int:
+    sub = _subcommand(argv)
+    if sub is not None:
+        return sub(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.cmd == "generate":
+        return _generate(args)
+    if args.cmd == "bench":
+        from bench.bench import bench_main
+
+        return bench_main(args)
+    if args.cmd == "profile":
+        from bench.profile import profile_main
+        from config import EMBEDDED_TARGET
+
+        args.target = args.target or EMBEDDED_TARGET
+        return profile_main(args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Every subcommand; bad input (a request, a setting, a model that cannot be loaded) ends with one
+    clear line on stderr and exit status 2, never a traceback."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    argv = sys.argv[1:] if argv is None else argv
     from pydantic import ValidationError
+    from transformers.utils import logging as hf_logging
 
     from speculative.engine import RequestError
     from speculative.models import ModelLoadError, VocabMismatchError
 
+    hf_logging.disable_progress_bar()
     try:
-        if args.cmd == "generate":
-            return _generate(args)
-        if args.cmd == "bench":
-            from bench.bench import bench_main
-
-            return bench_main(args)
-        if args.cmd == "profile":
-            from bench.profile import profile_main
-            from config import EMBEDDED_TARGET
-
-            args.target = args.target or EMBEDDED_TARGET
-            return profile_main(args)
-    except (ValidationError, RequestError, ModelLoadError, VocabMismatchError, ValueError) as e:
-        print(f"osd {args.cmd}: error: {e}", file=sys.stderr)
+        return _run(argv)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'input'}: {err['msg']}" for err in e.errors())
+        print(f"osd {argv[0] if argv else ''}: error: {problems}", file=sys.stderr)
+        return 2
+    except (RequestError, ModelLoadError, VocabMismatchError, ValueError, UnicodeError) as e:
+        print(f"osd {argv[0] if argv else ''}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ the token after ``tokens + d_1..d_i``.
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 import uuid
@@ -21,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from config import EngineConfig, SamplingParams
 
+from .detokenize import final_text
 from .kpolicy import CostModel, KPolicy
 from .models import encode_prompt, eos_token_ids
 from .proposers import EMPTY, DraftModelProposer, Proposal, Proposer
@@ -31,6 +33,25 @@ from .stats import SpecStats
 
 class RequestError(ValueError):
     """A request that cannot be served as given (empty prompt, prompt too long, unknown id)."""
+
+
+def prompt_text(prompt: str | bytes) -> str:
+    """A text prompt as valid, non-empty Unicode: UTF-8 bytes are decoded strictly, and a str with
+    lone surrogates (undecodable bytes of a command line arrive so) is refused."""
+    if isinstance(prompt, (bytes, bytearray)):
+        try:
+            prompt = bytes(prompt).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RequestError(f"prompt is not valid UTF-8 (byte {e.start}: {e.reason})") from None
+    if not isinstance(prompt, str):
+        raise RequestError(f"prompt must be text or a list of token ids, not {type(prompt).__name__}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"prompt is not valid Unicode text (character {e.start}: {e.reason})") from None
+    if not prompt.strip():
+        raise RequestError("prompt is empty")
+    return prompt
 
 
 @dataclass
@@ -123,20 +144,31 @@ class SpeculativeEngine:
         self._staged_lock = threading.Lock()
 
     # -- requests -------------------------------------------------------------------------
-    def encode(self, prompt: str) -> list[int]:
-        if not prompt or not prompt.strip():
-            raise RequestError("prompt is empty")
-        return encode_prompt(self.tokenizer, prompt, self.cfg.chat_template)
+    def encode(self, prompt: str | bytes) -> list[int]:
+        """Text (str, or UTF-8 bytes) -> prompt token ids; text that is not valid Unicode is refused."""
+        return encode_prompt(self.tokenizer, prompt_text(prompt), self.cfg.chat_template)
 
-    def add_request(
-        self, prompt: str | list[int], params: SamplingParams = SamplingParams(), request_id: str | None = None
-    ) -> str:
-        tokens = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not tokens:
-            raise RequestError("prompt is empty")
-        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+    def check_token_ids(self, tokens: list) -> list[int]:
+        """Token ids must be integers (not floats, not bools) in [0, vocab)."""
+        wrong = [t for t in tokens if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if wrong:
+            raise RequestError(f"prompt token ids must be integers, got {wrong[:5]!r}")
+        bad = [int(t) for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        return [int(t) for t in tokens]
+
+    def add_request(
+        self, prompt: str | bytes | list[int], params: SamplingParams = SamplingParams(), request_id: str | None = None
+    ) -> str:
+        if isinstance(prompt, (str, bytes, bytearray)):
+            tokens = self.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            tokens = self.check_token_ids(list(prompt))
+        else:
+            raise RequestError(f"prompt must be text or a list of token ids, not {type(prompt).__name__}")
+        if not tokens:
+            raise RequestError("prompt is empty")
         if self.max_positions and len(tokens) + params.max_tokens > self.max_positions:
             raise RequestError(
                 f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
@@ -262,12 +294,7 @@ class SpeculativeEngine:
 
     # -- whole generations ----------------------------------------------------------------------
     def text_of(self, st: RequestState) -> str:
-        text = self.tokenizer.decode(st.output, skip_special_tokens=True)
-        for s in st.params.stop:
-            cut = text.find(s)
-            if cut >= 0:
-                text = text[:cut]
-        return text
+        return final_text(self.tokenizer, st.output, st.params.stop)
 
     def generate(
         self,

@@ -137,12 +137,23 @@ def load_weights(cfg: ModelConfig) -> PreTrainedModel:
 
 def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, in eval mode on ``cfg.device``."""
+    check_device(cfg.device)
     path, kw = resolve_model_folder(cfg.name)
     try:
         tok = AutoTokenizer.from_pretrained(path, **kw)
     except (OSError, ValueError) as e:
         raise _cannot_load(cfg.name, e) from None
     return load_weights(cfg), tok
+
+
+def check_device(device: str) -> None:
+    """Refuse a device this machine does not have, before any loading (a clear error, not torch's)."""
+    kind = torch.device(device)
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if not available.get(kind.type, True):
+        raise ModelLoadError(f"device {device!r} is not available on this machine (torch {torch.__version__})")
+    if kind.type == "cuda" and kind.index is not None and kind.index >= torch.cuda.device_count():
+        raise ModelLoadError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def load_config(name: str):

@@ -91,3 +91,32 @@ def test_train_draft_lists_its_training_prompts_and_streams_skip_them(tmp_path):
     assert len(seen) == rep["n_train_prompts"] == 2 and seen <= {prompt_digest(p) for p in PROMPTS}
     left = unseen_by(load_workload(wl), str(tmp_path / "d"))
     assert len(left) == 2 and not {prompt_digest(r.text) for r in left} & seen
+
+
+STREAM_PROMPTS = ["用一句话介绍一下长城。", "日本の首都について一文で説明してください。", "Reply with three emoji that describe the sea."]
+
+
+@pytest.mark.parametrize("prompt", STREAM_PROMPTS, ids=["zh", "ja", "emoji"])
+def test_stream_equals_final_text_on_the_real_tokenizer(engine, prompt):
+    """Sampled (seeded) and greedy outputs, streamed step by step (1..k+1 tokens a step): the
+    concatenated stream equals the final text, and no delta carries a half character."""
+    from speculative.detokenize import REPLACEMENT, Detokenizer
+
+    for params in (SamplingParams(max_tokens=40), SamplingParams(max_tokens=40, temperature=1.0, seed=5)):
+        detok = Detokenizer(engine.tokenizer, params.stop)
+        deltas = []
+        gen = engine.generate(prompt, params, on_step=lambda res: None)
+        for n in range(1, len(gen.token_ids) + 1):
+            deltas.append(detok.update(gen.token_ids[:n]))
+        deltas.append(detok.finish(gen.token_ids))
+        assert "".join(deltas) == gen.text
+        assert not any(REPLACEMENT in d for d in deltas) or REPLACEMENT in gen.text
+
+
+def test_cli_streams_chinese_without_replacement_characters(capsys):
+    from osd.cli import main
+
+    assert main(["generate", "用一句话介绍一下长城。", "--draft", "none", "--max-tokens", "32", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "\ufffd" not in out
+    assert any("\u4e00" <= ch <= "\u9fff" for ch in out)  # Chinese characters were printed whole

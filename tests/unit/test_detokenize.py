@@ -1,0 +1,166 @@
+"""Streaming text: the concatenated stream equals the final text exactly, with no half characters.
+
+Two tokenizers built in code (nothing downloaded): a byte-level BPE (the family of SmolLM2's
+tokenizer: a CJK character or an emoji is often split over 2-4 tokens) and a SentencePiece-style
+Metaspace BPE (the first piece loses its leading space), and a BERT-style WordPiece whose decode of
+a prefix is not always a prefix of the whole decode (cleanup merges "it ' s" into "it's").
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from speculative.detokenize import REPLACEMENT, Detokenizer, cut_at_stop, final_text
+
+TEXTS = [
+    "用一句话介绍一下长城。长城是中国古代的军事防御工程。",
+    "万里长城 🧱🏯 is long. Très long ! ¿Verdad?",
+    "日本語のテキスト、カタカナとひらがな。東京タワー🗼",
+    "Emoji families: 👨‍👩‍👧‍👦 flags 🇫🇷🇯🇵 skin 👍🏽 done .",
+    "Русский текст , и немного العربية و हिन्दी भी .",
+    "한국어 문장입니다. Ελληνικά κείμενα . Zürich straße",
+    "code: def f(x):\n    return x ** 2  # ✓\n\n",
+    "mixed 😀a😃b😄c 🤖 . end",
+]
+TRAIN = TEXTS + ["the quick brown fox jumps over the lazy dog . " * 3, "长城 长城 长 城", "ab ab ab . , !"]
+
+
+def _byte_level():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<eos>"], show_progress=False)
+    raw.train_from_iterator(TRAIN, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", clean_up_tokenization_spaces=False)
+
+
+def _sentencepiece_like():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    raw.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<eos>"], show_progress=False)
+    raw.train_from_iterator(TRAIN, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=True)
+
+
+def _wordpiece():
+    """BERT-style: the decoder's cleanup turns "it ' s" into "it's" once the "s" arrives, so the decode
+    of a prefix ("it '") is not a prefix of the decode of the whole."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    raw.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    trainer = trainers.WordPieceTrainer(vocab_size=400, special_tokens=["[UNK]", "<eos>"], show_progress=False)
+    raw.train_from_iterator(TRAIN + ["it's don't can't it ' s"], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", unk_token="[UNK]",
+                                   clean_up_tokenization_spaces=True)
+
+
+TOKENIZERS = {"byte_level": _byte_level(), "sentencepiece_like": _sentencepiece_like(), "wordpiece": _wordpiece()}
+
+
+def _stream(tok, ids, stop=(), seed=0) -> list[str]:
+    """Feed ``ids`` in steps of 1..5 tokens (as speculative steps emit them); the deltas, then the rest."""
+    rng = random.Random(seed)
+    detok = Detokenizer(tok, stop)
+    deltas, n = [], 0
+    while n < len(ids):
+        n = min(len(ids), n + rng.randint(1, 5))
+        deltas.append(detok.update(ids[:n]))
+    deltas.append(detok.finish(ids))
+    return deltas
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@pytest.mark.parametrize("seed", range(3))
+def test_stream_equals_final_text_and_never_shows_half_characters(name, seed):
+    tok = TOKENIZERS[name]
+    for text in TEXTS:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        deltas = _stream(tok, ids, seed=seed)
+        assert "".join(deltas) == final_text(tok, ids), text
+        assert not any(REPLACEMENT in d for d in deltas), (text, deltas)
+
+
+def test_the_byte_level_tokenizer_splits_characters_and_naive_streaming_garbles_them():
+    """The data exercises the problem: characters span several tokens, and the old way of streaming
+    (print decode(output)[len(shown):] after every token) prints U+FFFD that is never corrected."""
+    tok = TOKENIZERS["byte_level"]
+    ids = tok(TEXTS[0], add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(TEXTS[0])  # more tokens than characters
+    shown, printed = "", []
+    for n in range(1, len(ids) + 1):
+        text = tok.decode(ids[:n])
+        printed.append(text[len(shown):])
+        shown = text
+    assert REPLACEMENT in "".join(printed)
+    assert "".join(printed) != final_text(tok, ids)
+
+
+def test_a_split_character_is_held_back_until_complete():
+    tok = TOKENIZERS["byte_level"]
+    ids = tok("🧱", add_special_tokens=False)["input_ids"]
+    assert len(ids) >= 2
+    detok = Detokenizer(tok)
+    assert [detok.update(ids[:n]) for n in range(1, len(ids))] == [""] * (len(ids) - 1)
+    assert detok.update(ids) + detok.finish(ids) == "🧱"
+
+
+def test_prefix_instability_is_not_streamed():
+    """"it '" becomes "it'" once the next token arrives (cleanup): the space must not be shown early."""
+    tok = TOKENIZERS["wordpiece"]
+    ids = tok("it's and don't", add_special_tokens=False)["input_ids"]
+    decodes = [tok.decode(ids[:n]) for n in range(1, len(ids) + 1)]
+    assert any(not decodes[-1].startswith(d) for d in decodes), "the tokenizer no longer shows the instability"
+    assert "".join(_stream(tok, ids)) == final_text(tok, ids)
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_random_token_sequences(name):
+    """Arbitrary outputs, invalid byte sequences included: the stream still equals the final text."""
+    tok = TOKENIZERS[name]
+    rng = random.Random(7)
+    for trial in range(60):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 40))]
+        assert "".join(_stream(tok, ids, seed=trial)) == final_text(tok, ids), ids
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_stop_strings_are_never_streamed(name):
+    tok = TOKENIZERS[name]
+    for text, stop in [(TEXTS[0], ["长城是"]), (TEXTS[6], ["\n\n", "return"]), (TEXTS[1], ["🏯", "long"]),
+                       (TEXTS[3], ["zzz"])]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        deltas = _stream(tok, ids, stop)
+        streamed = "".join(deltas)
+        assert streamed == final_text(tok, ids, stop) == cut_at_stop(tok.decode(ids, skip_special_tokens=True), stop)
+        assert not any(s in streamed for s in stop)
+
+
+def test_cut_at_stop_takes_the_earliest():
+    assert cut_at_stop("abcXdefYg", ["Y", "X"]) == "abc"
+    assert cut_at_stop("abc", ["z"]) == "abc"
+    assert cut_at_stop("abc", []) == "abc"
+
+
+def test_held_back_stop_prefix_is_released_when_the_stop_does_not_complete(tok):
+    """With the one-character-per-token tokenizer: text that may start a stop string waits."""
+    ids = tok("say long story")["input_ids"]
+    detok = Detokenizer(tok, ["long!"])
+    shown = "".join(detok.update(ids[:n]) for n in range(1, len("say long") + 2))  # ... "say long "
+    assert shown == "say "  # "long" (and the newest, unsettled character) are held back
+    rest = "".join(detok.update(ids[:n]) for n in range(len("say long") + 2, len(ids) + 1))
+    assert shown + rest == "say long stor"
+    assert shown + rest + detok.finish(ids) == "say long story"
