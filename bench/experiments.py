@@ -574,11 +574,9 @@ def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
     model = ModelConfig(device=args.device, dtype=args.dtype, **({"name": args.target} if args.target else {}))
     ckpt = args.draft_checkpoint
     if ckpt:
-        try:
-            from drafts.build import resolve_checkpoint  # "default" etc., where available
-            ckpt = str(resolve_checkpoint(ckpt))
-        except ImportError:
-            pass
+        from drafts.build import resolve_checkpoint  # "default" -> the cached general draft
+
+        ckpt = str(resolve_checkpoint(ckpt))
     cfg = EngineConfig(model=model, draft=DraftConfig(kind="truncated", num_layers=args.draft_layers,
                                                       head_vocab=args.head_vocab, checkpoint=ckpt),
                        k=KPolicyConfig(k_max=max(args.k, 1), fixed_k=args.k))

@@ -278,7 +278,10 @@ class SpeculativeEngine:
         return out
 
     def _hit_stop(self, st: RequestState) -> bool:
-        longest = max(len(s) for s in st.params.stop)
+        """Whether the output's tail holds a stop string. A stop of B UTF-8 bytes spans at most B
+        tokens (a token is at least one byte; a CJK character or emoji can be 3-4 tokens), so the
+        last B + 8 tokens are decoded (the margin covers special tokens, which decode to nothing)."""
+        longest = max(len(s.encode("utf-8")) for s in st.params.stop)
         tail = self.tokenizer.decode(st.output[-(longest + 8) :], skip_special_tokens=True)
         return any(s in tail for s in st.params.stop)
 

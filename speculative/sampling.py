@@ -84,7 +84,7 @@ def rejection_accept(
         residual = (target_probs[n] - draft_probs[n]).clamp_min(0)  # [V]
         if float(residual.sum()) <= 0.0:  # p == q up to rounding: rejection had probability ~0
             residual = target_probs[n]
-        return n, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+        return n, int(torch.multinomial(residual, 1, generator=generator))  # multinomial normalises
     return n, int(torch.multinomial(target_probs[k], 1, generator=generator))
 
 

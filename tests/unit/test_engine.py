@@ -177,6 +177,39 @@ def test_stop_string_truncates_text(build, prompts, tok, greedy_reference):
     assert (gen.text, gen.finish_reason) == (text, "length")
 
 
+def _state_with_output(engine, tokenizer, text: str, stop: list[str], extra: list[int] = ()):
+    from speculative.engine import RequestState
+
+    out = tokenizer(text, add_special_tokens=False)["input_ids"] + list(extra)
+    return RequestState("r", SamplingParams(stop=stop), [5] + out, 1, None, None)
+
+
+def test_stop_detection_window_covers_multibyte_stops(make_engine):
+    """A stop string of 4 emoji is 16 single-byte tokens of a byte-level tokenizer: more tokens than
+    characters + 8, so a window counted in characters would miss its start."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    bytes_tok = PreTrainedTokenizerFast(tokenizer_object=raw, clean_up_tokenization_spaces=False)
+    engine = make_engine(None, tokenizer=bytes_tok)
+    stop = "🧱🏯🗼🚀"
+    st = _state_with_output(engine, bytes_tok, "so: " + stop, [stop])
+    assert len(st.output) == 4 + 16
+    assert engine._hit_stop(st)
+    assert not engine._hit_stop(_state_with_output(engine, bytes_tok, "so: " + stop[:-1], [stop]))
+
+
+def test_stop_detection_at_the_start_and_across_special_tokens(make_engine, tok):
+    engine = make_engine(None)
+    assert engine._hit_stop(_state_with_output(engine, tok, "###", ["###"]))  # the whole output is the stop
+    eos = tok.eos_token_id  # decodes to nothing, as in the final text
+    st = _state_with_output(engine, tok, "ab", ["bc"], extra=[eos] + tok("c")["input_ids"])
+    assert engine._hit_stop(st) and engine.text_of(st) == "a"
+
+
 # -- sampling ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["trunc1-k3", "restricted", "ngram", "chained"])
 def test_seeded_sampling_determinism(name, build, prompts):

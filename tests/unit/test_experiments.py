@@ -42,6 +42,18 @@ def online(factory):
     return run_online(factory, RECORDS, LCFG, max_tokens=12, k=4, window=3, distill_cfg=DCFG, ignore_eos=True, log=None)
 
 
+def test_run_online_gate_keeps_destructive_updates_out(factory):
+    """The gate on (margin 0, half the records held back), steps large enough to wreck the draft:
+    every round is rejected, nothing is published, and the served draft stays at version 0."""
+    wreck = LCFG.model_copy(update={"gate_margin": 0.0, "holdout_fraction": 0.5, "lr": 50.0, "steps_per_round": 4})
+    res = run_online(factory, RECORDS * 2, wreck, methods=("online",), max_tokens=12, k=4, window=3,
+                     ignore_eos=True, log=None)
+    on = res["methods"]["online"]
+    assert on["rounds"] >= 1 and on["rejected_rounds"] == on["rounds"], on
+    assert on["versions_published"] == 0 and on["accepted_rounds"] == 0
+    assert {r["draft_version"] for r in on["rows"]} == {0}
+
+
 def _check_curve(curve, n):
     xs = [x for x, _ in curve]
     assert xs == sorted(set(xs)) and xs[-1] == n

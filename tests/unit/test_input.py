@@ -101,3 +101,19 @@ def test_cli_reports_bad_input_in_one_line(argv, says, capsys):
     assert osd_main(argv) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_token_id_bounds(engine, V):
+    for ok in ([0], [V - 1], [0, V - 1]):
+        assert engine.generate(ok, SamplingParams(max_tokens=1, ignore_eos=True)).prompt_tokens == len(ok)
+    with pytest.raises(RequestError, match="out of range"):
+        engine.add_request([V], SamplingParams(max_tokens=1))
+
+
+def test_context_window_boundary(engine):
+    limit = engine.max_positions
+    prompt = engine.encode("abcdef")
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=limit - len(prompt)))  # exactly the window
+    engine.release(rid)
+    with pytest.raises(RequestError, match="exceeds the model's context"):
+        engine.add_request(prompt, SamplingParams(max_tokens=limit - len(prompt) + 1))

@@ -232,3 +232,31 @@ def test_statistical_harness_detects_a_wrong_recovery_distribution():
 
     first, _ = _first_tokens(3_000, seed=1, accept=wrong)
     assert _tv(_empirical(first, 6), P[0]) > 0.1
+
+
+# -- edge cases of the acceptance rule, forced through the uniform draw -------------------------------
+def _fixed_uniform(monkeypatch, value: float):
+    """torch.rand inside rejection_accept returns ``value`` everywhere (multinomial is untouched)."""
+    real = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **kw: torch.full(a if a and isinstance(a[0], int) else a[0], value)
+                        if "generator" in kw else real(*a, **kw))
+
+
+def test_u_exactly_zero_never_accepts_a_token_the_target_cannot_emit(monkeypatch):
+    """u is drawn from [0, 1): at u = 0 the test u * q < p must still refuse p(d) = 0."""
+    _fixed_uniform(monkeypatch, 0.0)
+    p = torch.tensor([[0.0, 0.5, 0.5], [1.0, 0.0, 0.0]])
+    q = torch.tensor([[1.0, 0.0, 0.0]])
+    n, nxt = rejection_accept(torch.tensor([0]), q, p, torch.Generator().manual_seed(0))
+    assert n == 0 and nxt in (1, 2)
+
+
+def test_rejection_where_p_is_below_q_everywhere_falls_back_to_p(monkeypatch):
+    """Rounding can leave p <= q at every token (both sum to 1 only up to float error); a rejection
+    there has an empty residual, and the recovered token comes from p itself, row n."""
+    _fixed_uniform(monkeypatch, 0.9999999)
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]])
+    q = torch.tensor([[0.5000001, 0.5, 0.0]])
+    g = torch.Generator().manual_seed(0)
+    outs = {rejection_accept(torch.tensor([0]), q, p, g) for _ in range(50)}
+    assert outs <= {(0, 0), (0, 1)} and len(outs) == 2

@@ -174,11 +174,35 @@ def test_should_yield_stops_round(setup):
     assert rep.steps == 2 and rep.stopped_early  # checks: before the round, before steps 2 and 3
 
 
-def test_max_cpu_share_sleeps(setup):
+def test_max_cpu_share_sleeps(setup, monkeypatch):
+    """Share 0.25: after each step but the last, a pause of 3x that step's training time, and the
+    pauses really pass (the round's wall time holds them)."""
     draft, recs = setup
-    tr = DraftTrainer("d", draft, _cfg(steps_per_round=3, max_cpu_share=0.5))
+    tr = DraftTrainer("d", draft, _cfg(steps_per_round=3, max_cpu_share=0.25))
+    asked = []
+    real_pause = DraftTrainer._pause
+
+    def spy(seconds, should_yield):
+        asked.append(seconds)
+        real_pause(seconds, should_yield)
+
+    monkeypatch.setattr(DraftTrainer, "_pause", staticmethod(spy))
     rep = tr.train_round(recs[:2])
-    assert rep.steps == 3
+    assert rep.steps == 3 and len(asked) == 2
+    assert sum(asked) == pytest.approx(3.0 * rep.train_seconds * 2 / 3, rel=0.5)  # 2 of 3 steps, x (1/0.25 - 1)
+    assert rep.seconds >= rep.train_seconds + sum(asked)
+
+
+def test_pause_sleeps_and_yields():
+    import time
+
+    t0, cpu0 = time.perf_counter(), time.thread_time()
+    DraftTrainer._pause(0.1, None)
+    assert time.perf_counter() - t0 >= 0.1
+    assert time.thread_time() - cpu0 < 0.05  # it sleeps: the CPU is free for serving, not spun on
+    t0 = time.perf_counter()
+    DraftTrainer._pause(5.0, lambda: True)  # a request arrived: stop pausing at once
+    assert time.perf_counter() - t0 < 0.5
 
 
 def _with_draft(rec, draft_id, wrong=None):

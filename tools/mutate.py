@@ -1,0 +1,303 @@
+"""Mutation testing of the lossless core: does the test suite notice when the code is broken?
+
+``make mutate`` (or ``python tools/mutate.py [--only FILE] [--json OUT]``) applies one small
+change at a time to the functions of the files below (operator swaps, comparison boundaries,
+``and``/``or``, dropped ``not``, integer constants +-1, index shifts, ``True``/``False``) and runs
+the tests that cover that file; a mutant is *killed* when a test fails (or hangs past a time limit)
+and *survives* when every test passes. Each survivor needs a new test or a written reason why it
+cannot change behaviour (an equivalent mutant): ``EQUIVALENT`` below, keyed by file, function and
+the mutated source line.
+
+It runs in one process: the mutated module is compiled and each mutated function's code object is
+swapped into the live function (``func.__code__``), so every reference to it (imports by name,
+bound methods) runs the mutant, and pytest runs in-process with ``-x``, fast tests first. Not part
+of CI (minutes, not seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import importlib
+import io
+import json
+import signal
+import sys
+import time
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: file -> (module, functions to mutate (None: all), tests that cover it, fast first)
+TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
+    "speculative/sampling.py": ("speculative.sampling", None,
+                                ["tests/unit/test_sampling.py", "tests/unit/test_engine.py", "tests/unit/test_lossless.py"]),
+    "speculative/engine.py": ("speculative.engine", None,
+                              ["tests/unit/test_engine.py", "tests/unit/test_input.py", "tests/unit/test_kpolicy.py",
+                               "tests/unit/test_background.py", "tests/unit/test_lossless.py"]),
+    "speculative/proposers.py": ("speculative.proposers", None,
+                                 ["tests/unit/test_engine.py", "tests/unit/test_drafts.py", "tests/unit/test_lossless.py"]),
+    "speculative/kpolicy.py": ("speculative.kpolicy", None,
+                               ["tests/unit/test_kpolicy.py", "tests/unit/test_engine.py", "tests/unit/test_lossless.py"]),
+    "learner/trainer.py": ("learner.trainer", {"DraftTrainer.gate", "_rate", "_all_finite"},
+                           ["tests/unit/test_trainer.py"]),
+}
+
+#: Survivors that cannot change behaviour: (file, function, mutated line) -> why.
+EQUIVALENT: dict[tuple[str, str, str], str] = {}
+
+SWAP_BIN = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult,
+            ast.Mod: ast.FloorDiv, ast.Pow: ast.Mult}
+SWAP_CMP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
+            ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot, ast.IsNot: ast.Is}
+
+
+@dataclass
+class Mutant:
+    file: str
+    function: str  # qualified name of the outermost function holding the change
+    line: int
+    kind: str
+    before: str
+    after: str
+    status: str = "pending"  # killed | survived | equivalent | timeout
+    seconds: float = 0.0
+    killer: str = ""
+
+
+def _sites(tree: ast.Module):
+    """Yield (qualname of the outermost function, node, kind, mutate(node) -> new node | None)."""
+
+    def walk(node, qual, outer):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = f"{qual}.{child.name}" if qual else child.name
+                body = child.body[1:] if ast.get_docstring(child) else child.body
+                for stmt in body:
+                    yield from walk_stmt(stmt, outer or name)
+            elif isinstance(child, ast.ClassDef):
+                yield from walk(child, f"{qual}.{child.name}" if qual else child.name, outer)
+
+    def walk_stmt(stmt, func):
+        for node in ast.walk(stmt):
+            yield from _node_mutations(func, node)
+
+    yield from walk(tree, "", None)
+
+
+def _not_code(tree: ast.Module) -> set[int]:
+    """Ids of nodes whose mutation is noise: messages (f-strings, raise, assert, log calls) and
+    annotations."""
+    skip = set()
+    for node in ast.walk(tree):
+        parts = []
+        if isinstance(node, (ast.JoinedStr, ast.Raise, ast.Assert)):
+            parts = [node]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") in {"info", "debug", "warning", "error", "log"}:
+            parts = [node]
+        elif isinstance(node, ast.AnnAssign):
+            parts = [node.annotation]
+        elif isinstance(node, ast.arg) and node.annotation is not None:
+            parts = [node.annotation]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns is not None:
+            parts = [node.returns]
+        for part in parts:
+            skip.update(id(n) for n in ast.walk(part))
+    return skip
+
+
+INDEXABLE = (ast.Name, ast.BinOp, ast.UnaryOp, ast.Attribute, ast.Call)
+
+
+def _node_mutations(func, node):
+    if isinstance(node, ast.BinOp) and type(node.op) in SWAP_BIN:
+        yield func, node, "binop", lambda n: setattr(n, "op", SWAP_BIN[type(n.op)]())
+    elif isinstance(node, ast.AugAssign) and type(node.op) in SWAP_BIN:
+        yield func, node, "augassign", lambda n: setattr(n, "op", SWAP_BIN[type(n.op)]())
+    elif isinstance(node, ast.Compare):
+        for i, op in enumerate(node.ops):
+            if type(op) in SWAP_CMP:
+                yield func, node, "compare", (lambda i: lambda n: n.ops.__setitem__(i, SWAP_CMP[type(n.ops[i])]()))(i)
+    elif isinstance(node, ast.BoolOp):
+        yield func, node, "boolop", lambda n: setattr(n, "op", ast.Or() if isinstance(n.op, ast.And) else ast.And())
+    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        yield func, node, "not", lambda n: setattr(n, "op", ast.UAdd())  # +x: truthiness kept, 'not' dropped
+    elif isinstance(node, ast.Constant) and type(node.value) is bool:
+        yield func, node, "bool", lambda n: setattr(n, "value", not n.value)
+    elif isinstance(node, ast.Constant) and type(node.value) is int:
+        yield func, node, "int+1", lambda n: setattr(n, "value", n.value + 1)
+        if node.value != 0:
+            yield func, node, "int-1", lambda n: setattr(n, "value", n.value - 1)
+    elif isinstance(node, ast.Constant) and type(node.value) is float and node.value not in (0.0,):
+        yield func, node, "float*2", lambda n: setattr(n, "value", n.value * 2)
+    elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and (
+            isinstance(node.slice, INDEXABLE) or isinstance(node.slice, ast.Constant) and type(node.slice.value) is int):
+        yield func, node, "index+1", lambda n: setattr(n, "slice", ast.BinOp(n.slice, ast.Add(), ast.Constant(1)))
+    elif isinstance(node, ast.Slice):
+        if node.lower is not None:
+            yield func, node, "slice.lower+1", lambda n: setattr(n, "lower", ast.BinOp(n.lower, ast.Add(), ast.Constant(1)))
+        if node.upper is not None:
+            yield func, node, "slice.upper-1", lambda n: setattr(n, "upper", ast.BinOp(n.upper, ast.Sub(), ast.Constant(1)))
+
+
+def enumerate_mutants(file: str, only: set[str] | None) -> list[tuple[Mutant, ast.Module]]:
+    src = (ROOT / file).read_text()
+    tree = ast.parse(src)
+    skip = _not_code(tree)
+    lines = src.splitlines()
+    out = []
+    sites = [s for s in _sites(tree) if id(s[1]) not in skip and (only is None or s[0] in only)]
+    for func, node, kind, mutate in sites:
+        mutated_tree = copy.deepcopy(tree)
+        target = next(n for n in ast.walk(mutated_tree) if _same(n, node))
+        before_line = lines[node.lineno - 1].strip()
+        mutate(target)
+        ast.fix_missing_locations(mutated_tree)
+        after = ast.unparse(target)
+        if after == ast.unparse(node):
+            continue
+        out.append((Mutant(file, func, node.lineno, kind, before_line, f"{ast.unparse(node)} -> {after}"), mutated_tree))
+    return out
+
+
+def _same(a: ast.AST, b: ast.AST) -> bool:
+    return (type(a) is type(b) and getattr(a, "lineno", None) == getattr(b, "lineno", None)
+            and getattr(a, "col_offset", None) == getattr(b, "col_offset", None)
+            and getattr(a, "end_col_offset", None) == getattr(b, "end_col_offset", None))
+
+
+def _code_by_qualname(code, qualname: str):
+    for const in code.co_consts:
+        if hasattr(const, "co_qualname"):
+            if const.co_qualname == qualname:
+                return const
+            found = _code_by_qualname(const, qualname)
+            if found is not None:
+                return found
+    return None
+
+
+def _live_function(module, qualname: str):
+    obj = module
+    parts = qualname.split(".")
+    for i, part in enumerate(parts):
+        obj = obj.__dict__[part] if isinstance(obj, type) else getattr(obj, part)
+        if isinstance(obj, property):
+            obj = obj.fget
+        elif isinstance(obj, (staticmethod, classmethod)):
+            obj = obj.__func__
+    return obj
+
+
+class _Timeout(Exception):
+    pass
+
+
+def run_tests(tests: list[str], timeout: float) -> tuple[bool, str]:
+    """(all passed, the first failing test id)."""
+    import pytest
+
+    class Reporter:
+        failed = ""
+
+        def pytest_runtest_logreport(self, report):
+            if report.failed and not self.failed:
+                self.failed = report.nodeid
+
+    rep = Reporter()
+
+    def alarm(*_):
+        raise _Timeout()
+
+    signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
+            code = pytest.main([*tests, "-x", "-q", "-p", "no:cacheprovider", "--no-header", "-W", "ignore"], plugins=[rep])
+    except _Timeout:
+        return False, "timeout"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    return code == 0, rep.failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="*", default=None, help="files of TARGETS to mutate (default: all)")
+    ap.add_argument("--json", default=None, help="write every mutant and its outcome here")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds before a mutant's test run counts as a hang")
+    ap.add_argument("--limit", type=int, default=None, help="at most this many mutants per file (a quick look)")
+    ap.add_argument("--exclude-tests", nargs="*", default=[], help="test files left out (to score an older suite)")
+    ap.add_argument("--survivors-of", default=None,
+                    help="a JSON of an earlier run: test again only its survivors (tests added since), keep the rest")
+    args = ap.parse_args(argv)
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    import torch
+
+    torch.set_num_threads(1)
+    def kept(tests: list[str]) -> list[str]:
+        return [t for t in tests if t not in args.exclude_tests]
+
+    ok, failed = run_tests(kept(sorted({t for _, _, ts in TARGETS.values() for t in ts})), 1800)
+    if not ok:
+        print(f"the unmutated suite fails ({failed}): fix it first", file=sys.stderr)
+        return 2
+    earlier: dict[tuple, dict] = {}
+    if args.survivors_of:
+        for m in json.loads(Path(args.survivors_of).read_text())["mutants"]:
+            earlier[(m["file"], m["function"], m["line"], m["kind"], m["after"])] = m
+    results: list[Mutant] = []
+    t_all = time.perf_counter()
+    for file, (modname, only, tests) in TARGETS.items():
+        if args.only and file not in args.only:
+            continue
+        module = importlib.import_module(modname)
+        mutants = enumerate_mutants(file, only)[: args.limit]
+        print(f"{file}: {len(mutants)} mutants", flush=True)
+        for m, tree in mutants:
+            before = earlier.get((m.file, m.function, m.line, m.kind, m.after))
+            if before is not None and before["status"] in ("killed", "timeout"):
+                results.append(Mutant(**before))  # killed then; tests were only added since
+                continue
+            code = _code_by_qualname(compile(tree, str(ROOT / file), "exec"), m.function)
+            live = _live_function(module, m.function)
+            original = live.__code__
+            t0 = time.perf_counter()
+            try:
+                live.__code__ = code
+                passed, killer = run_tests(kept(tests), args.timeout)
+            finally:
+                live.__code__ = original
+            m.seconds = time.perf_counter() - t0
+            m.killer = killer
+            key = (m.file, m.function, m.before)
+            m.status = ("equivalent" if key in EQUIVALENT else "survived") if passed else (
+                "timeout" if killer == "timeout" else "killed")
+            results.append(m)
+            if m.status != "killed":
+                print(f"  {m.status:10s} {m.file}:{m.line} {m.function} [{m.kind}] {m.after}   | {m.before}", flush=True)
+    killed = sum(m.status in ("killed", "timeout") for m in results)
+    equivalent = sum(m.status == "equivalent" for m in results)
+    survived = [m for m in results if m.status == "survived"]
+    score = killed / max(1, len(results) - equivalent)
+    print(f"\n{len(results)} mutants: {killed} killed, {equivalent} equivalent (reasons in EQUIVALENT), "
+          f"{len(survived)} survived; score {killed}/{len(results) - equivalent} = {score:.1%} "
+          f"({time.perf_counter() - t_all:.0f} s)")
+    per_file = {}
+    for m in results:
+        f = per_file.setdefault(m.file, {"mutants": 0, "killed": 0, "equivalent": 0, "survived": 0})
+        f["mutants"] += 1
+        f["killed" if m.status in ("killed", "timeout") else m.status] += 1
+    for f, c in per_file.items():
+        print(f"  {f}: {c}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"score": score, "per_file": per_file,
+                                               "mutants": [asdict(m) for m in results]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
