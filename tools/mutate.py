@@ -20,6 +20,7 @@ import argparse
 import ast
 import copy
 import importlib
+import inspect
 import io
 import json
 import signal
@@ -47,7 +48,18 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
 }
 
 #: Survivors that cannot change behaviour: (file, function, mutated line) -> why.
-EQUIVALENT: dict[tuple[str, str, str], str] = {}
+EQUIVALENT: dict[tuple[str, str, str], str] = {
+    ("speculative/sampling.py", "warp_logits", "if params.top_k and params.top_k < logits.shape[-1]:"):
+        "top_k <= V instead of < V: with top_k = V the k-th largest logit is the smallest, and masking the "
+        "logits below it removes nothing",
+    ("speculative/engine.py", "SpeculativeEngine.step", "if self.proposer is not None and budget > 0:"):
+        "budget >= 0 instead of > 0: with a budget of 0 the k policy is capped at min(k, 0) = 0 and every "
+        "proposer returns no tokens for k <= 0",
+    ("speculative/engine.py", "SpeculativeEngine.calibrate",
+     "ids = [(100 + i) % self.vocab_size for i in range(context + self.cfg.k.k_max + 1)]"):
+        "the calibration prompt is filler: any in-vocabulary ids time the same forward (how many ids are "
+        "fed is tested by test_calibrate_times_exactly_j_tokens_for_each_j, which kills the length mutants)",
+}
 
 SWAP_BIN = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult,
             ast.Mod: ast.FloorDiv, ast.Pow: ast.Mult}
@@ -143,8 +155,8 @@ def _node_mutations(func, node):
             yield func, node, "slice.upper-1", lambda n: setattr(n, "upper", ast.BinOp(n.upper, ast.Sub(), ast.Constant(1)))
 
 
-def enumerate_mutants(file: str, only: set[str] | None) -> list[tuple[Mutant, ast.Module]]:
-    src = (ROOT / file).read_text()
+def enumerate_mutants(file: str, only: set[str] | None, root: Path = ROOT) -> list[tuple[Mutant, ast.Module]]:
+    src = (root / file).read_text()
     tree = ast.parse(src)
     skip = _not_code(tree)
     lines = src.splitlines()
@@ -182,14 +194,13 @@ def _code_by_qualname(code, qualname: str):
 
 def _live_function(module, qualname: str):
     obj = module
-    parts = qualname.split(".")
-    for i, part in enumerate(parts):
+    for part in qualname.split("."):
         obj = obj.__dict__[part] if isinstance(obj, type) else getattr(obj, part)
         if isinstance(obj, property):
             obj = obj.fget
         elif isinstance(obj, (staticmethod, classmethod)):
             obj = obj.__func__
-    return obj
+    return inspect.unwrap(obj)  # through decorators (torch.inference_mode) to the function defined here
 
 
 class _Timeout(Exception):
@@ -227,6 +238,7 @@ def run_tests(tests: list[str], timeout: float) -> tuple[bool, str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="*", default=None, help="files of TARGETS to mutate (default: all)")
+    ap.add_argument("--root", default=str(ROOT), help="the checkout whose code and tests are used (e.g. an older commit's)")
     ap.add_argument("--json", default=None, help="write every mutant and its outcome here")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds before a mutant's test run counts as a hang")
     ap.add_argument("--limit", type=int, default=None, help="at most this many mutants per file (a quick look)")
@@ -234,7 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--survivors-of", default=None,
                     help="a JSON of an earlier run: test again only its survivors (tests added since), keep the rest")
     args = ap.parse_args(argv)
-    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    root = Path(args.root).resolve()
+    sys.path[:0] = [str(root), str(root / "tests")]
+    import os
+
+    os.chdir(root)
     import torch
 
     torch.set_num_threads(1)
@@ -255,19 +271,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and file not in args.only:
             continue
         module = importlib.import_module(modname)
-        mutants = enumerate_mutants(file, only)[: args.limit]
+        mutants = enumerate_mutants(file, only, root)[: args.limit]
         print(f"{file}: {len(mutants)} mutants", flush=True)
         for m, tree in mutants:
             before = earlier.get((m.file, m.function, m.line, m.kind, m.after))
             if before is not None and before["status"] in ("killed", "timeout"):
                 results.append(Mutant(**before))  # killed then; tests were only added since
                 continue
-            code = _code_by_qualname(compile(tree, str(ROOT / file), "exec"), m.function)
+            code = _code_by_qualname(compile(tree, str(root / file), "exec"), m.function)
             live = _live_function(module, m.function)
             original = live.__code__
             t0 = time.perf_counter()
             try:
                 live.__code__ = code
+            except ValueError as e:  # a closure whose free variables differ: cannot be swapped in
+                print(f"  skipped    {m.file}:{m.line} {m.function}: {e}", flush=True)
+                continue
+            try:
                 passed, killer = run_tests(kept(tests), args.timeout)
             finally:
                 live.__code__ = original
@@ -279,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(m)
             if m.status != "killed":
                 print(f"  {m.status:10s} {m.file}:{m.line} {m.function} [{m.kind}] {m.after}   | {m.before}", flush=True)
+        if args.json:  # after every file, so that an interrupted run keeps what it measured
+            Path(args.json).write_text(json.dumps({"partial": True, "mutants": [asdict(m) for m in results]}, indent=1))
     killed = sum(m.status in ("killed", "timeout") for m in results)
     equivalent = sum(m.status == "equivalent" for m in results)
     survived = [m for m in results if m.status == "survived"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import time
+
 import pytest
 import torch
 
@@ -369,6 +371,97 @@ def test_ngram_step_source(build, tok):
     assert res.source == "ngram" and res.draft_tokens == tok("cab")["input_ids"]
 
 
+def test_draft_version_without_a_learned_draft_is_zero(build, tok):
+    for name in ("ngram", "none"):
+        engine = build(name)
+        rid = engine.add_request(tok("abcabcab")["input_ids"], SamplingParams(max_tokens=4))
+        assert engine.step(rid).draft_version == 0
+        engine.release(rid)
+
+
+def test_draft_catches_up_at_most_two_tokens_per_step(build, prompts):
+    """feedback() keeps the draft's cache of accepted tokens: in steady state a proposal feeds the
+    draft the pending token (plus the last draft token after a fully accepted step), never the
+    accepted tokens again."""
+    for name in ("perfect-k3", "trunc1-k3"):
+        engine = build(name)
+        fed = []
+        real = engine.proposer.propose
+
+        def spy(*a, **kw):
+            prop = real(*a, **kw)
+            fed.append(prop.input_tokens - max(prop.k - 1, 0))  # tokens fed before the k - 1 draft tokens
+            return prop
+
+        engine.proposer.propose = spy
+        gen = engine.generate(prompts[1], SamplingParams(max_tokens=24, ignore_eos=True))
+        assert gen.stats.accepted > 0
+        assert max(fed[1:]) <= 2, (name, fed)
+
+
+def test_first_token_time_is_set_once_at_the_first_token(build, prompts):
+    engine = build("trunc1-k3")
+    rid = engine.add_request(prompts[0], SamplingParams(max_tokens=12, ignore_eos=True))
+    st = engine.requests[rid]
+    engine.step(rid)
+    first = st.first_token_s
+    assert first is not None and 0 < first < time.perf_counter() - st.started
+    while not st.finished:
+        engine.step(rid)
+    assert st.first_token_s == first
+    engine.release(rid)
+
+
+def test_generation_seconds_is_the_wall_time_of_the_request(build, prompts):
+    engine = build("trunc1-k3")
+    t0 = time.perf_counter()
+    gen = engine.generate(prompts[0], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert 0 < gen.first_token_s <= gen.seconds <= time.perf_counter() - t0
+
+
+def test_calibrate_times_exactly_j_tokens_for_each_j(make_engine, draft_proposer, trunc1):
+    engine = make_engine(draft_proposer(trunc1), k=KPolicyConfig(k_max=4))
+    fed = []
+    real = engine.target.forward
+
+    def spy(seq_id, start, tokens, keep_last=1):
+        fed.append((start, len(tokens)))
+        return real(seq_id, start, tokens, keep_last)
+
+    engine.target.forward = spy
+    draft_fed = []
+    real_draft = engine.learned_draft.runner.forward
+
+    def draft_spy(seq_id, start, tokens, keep_last=1):
+        draft_fed.append((start, len(tokens)))
+        return real_draft(seq_id, start, tokens, keep_last)
+
+    engine.learned_draft.runner.forward = draft_spy
+    out = engine.calibrate(context=16, repeats=2)
+    assert draft_fed == [(0, 16), (16, 1), (16, 1)]  # the context, then one token per repeat
+    assert fed[0] == (0, 16)  # the context, once
+    assert sorted(fed[1:]) == sorted((16, j) for j in range(1, 6) for _ in range(2))
+    assert sorted(out["verify_s"]) == [1, 2, 3, 4, 5] and out["draft_s"]["draft"] > 0
+    assert len(engine.target) == 0 and engine.cfg.k.k_max == 4  # the calibration sequence is released
+
+
+def test_observe_counts_a_clean_draft_cost_only_without_catch_up(build):
+    """A proposal that fed the draft at most k + 1 tokens measures its per-token cost; a longer
+    catch-up (prompt prefill, lag after prompt lookup) does not."""
+    from speculative.engine import RequestState
+    from speculative.proposers import Proposal
+
+    engine = build("trunc1-k3")
+    st = RequestState("r", SamplingParams(), [1, 2, 3], 3, engine.global_policy, None)
+    engine._observe(st, Proposal([5, 6, 7], None, "draft", seconds=0.3, input_tokens=4), 1, 2, 4, 0.1)
+    assert engine.costs.draft_s["draft"] == pytest.approx(0.1)
+    engine._observe(st, Proposal([5, 6, 7], None, "draft", seconds=3.0, input_tokens=5), 1, 2, 4, 0.1)
+    assert engine.costs.draft_s["draft"] == pytest.approx(0.1)  # unchanged by the catch-up call
+    assert engine.costs.verify_s[4] == pytest.approx(0.1)
+    engine._observe(st, Proposal([5, 6, 7], None, "draft", seconds=0.3, input_tokens=3), 1, 2, 9, 5.0)
+    assert engine.costs.verify_s[4] == pytest.approx(0.1) and 9 not in engine.costs.verify_s  # prefill inside
+
+
 # -- swapping draft weights ----------------------------------------------------------------------------
 def test_swap_draft(target, trunc1, draft_proposer, make_engine, prompts, greedy_reference):
     p = prompts[1]
@@ -402,6 +495,42 @@ def test_swap_draft(target, trunc1, draft_proposer, make_engine, prompts, greedy
 def test_swap_draft_without_learned_draft_refused(build):
     with pytest.raises(RuntimeError):
         build("ngram").swap_draft({}, 1)
+
+
+def _shifted_state(model, delta: float) -> dict:
+    return {k: (v + delta).numpy().copy() for k, v in model.state_dict().items()}
+
+
+def _weights_equal(engine, state) -> bool:
+    got = engine.learned_draft.runner.model.state_dict()
+    return all(torch.equal(got[k], torch.as_tensor(state[k])) for k in state)
+
+
+def test_staged_weights_install_only_when_newer(target, draft_proposer, make_engine, prompts):
+    """Staging keeps the first of equal versions; the step installs a staged version only when it is
+    newer than the one served (a stale or repeated version changes nothing)."""
+    engine = make_engine(draft_proposer(truncated_draft(target, 1)), k=2)
+    base = engine.learned_draft.runner.model
+    v3, v3_again, v2 = _shifted_state(base, 0.01), _shifted_state(base, 0.02), _shifted_state(base, -0.01)
+
+    def one_step():
+        rid = engine.add_request(prompts[0], SamplingParams(max_tokens=2, ignore_eos=True))
+        engine.step(rid)
+        engine.release(rid)
+
+    engine.stage_draft(v3, 3)
+    engine.stage_draft(v3_again, 3)  # the same version again: the first one stays staged
+    one_step()
+    assert engine.learned_draft.version == 3 and _weights_equal(engine, v3)
+    for state, version in ((v2, 2), (v3_again, 3)):  # older, then equal to the served version
+        engine.stage_draft(state, version)
+        one_step()
+        assert engine.learned_draft.version == 3 and _weights_equal(engine, v3), version
+
+
+def test_calibrate_prices_prompt_lookup_at_zero(build):
+    assert build("ngram").calibrate(context=8, repeats=1)["draft_s"] == {"ngram": 0.0}
+    assert "ngram" not in build("trunc1-k3").calibrate(context=8, repeats=1)["draft_s"]
 
 
 # -- request ids -----------------------------------------------------------------------------------------

@@ -260,3 +260,13 @@ def test_rejection_where_p_is_below_q_everywhere_falls_back_to_p(monkeypatch):
     g = torch.Generator().manual_seed(0)
     outs = {rejection_accept(torch.tensor([0]), q, p, g) for _ in range(50)}
     assert outs <= {(0, 0), (0, 1)} and len(outs) == 2
+
+
+def test_top_p_one_and_top_k_vocab_keep_every_token():
+    """No filter means no filter, even for tokens below float32's resolution next to the top one
+    (a nucleus step at top_p = 1 would drop them: their preceding mass rounds to 1.0)."""
+    logits = torch.tensor([[20.0, 0.0, 0.0, -1.0]])
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=1.0, top_k=4)):
+        probs = warp_logits(logits, params)
+        assert (probs > 0).all(), params
+        torch.testing.assert_close(probs, logits.softmax(-1))
