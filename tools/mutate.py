@@ -59,6 +59,27 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      "ids = [(100 + i) % self.vocab_size for i in range(context + self.cfg.k.k_max + 1)]"):
         "the calibration prompt is filler: any in-vocabulary ids time the same forward (how many ids are "
         "fed is tested by test_calibrate_times_exactly_j_tokens_for_each_j, which kills the length mutants)",
+    ("speculative/engine.py", "SpeculativeEngine._hit_stop",
+     "tail = self.tokenizer.decode(st.output[-(longest + 8) :], skip_special_tokens=True)"):
+        "the margin beyond the stop string's byte length (8 -> 7 or 9 tokens): any margin covers the stop; "
+        "a window shorter than the stop, and decoding special tokens, are killed by tests",
+    ("speculative/proposers.py", "DraftModelProposer.propose",
+     "logits = self.runner.forward(seq_id, pos, feed)[-1]  # [V_draft]"):
+        "forward returns keep_last = 1 row, so [-1] and [0] are the same row",
+    ("speculative/proposers.py", "NgramProposer.propose", "if k <= 0:"):
+        "k < 0 instead of k <= 0: lookup(tokens, 0) returns no tokens, and no tokens is the empty proposal",
+    ("speculative/proposers.py", "NgramProposer.lookup",
+     "for n in range(min(self.cfg.max_n, n_tok - 1), self.cfg.min_n - 1, -1):"):
+        "the longest n tried: an n-gram as long as the whole context minus one can only match a constant "
+        "sequence, where the next shorter n proposes the same tokens; longer n never match",
+    ("speculative/proposers.py", "NgramProposer.lookup", "for i in range(n_tok - n - 1, -1, -1):  # most recent match first"):
+        "the range's end -1 -> -2 adds i = -1, where tokens[-1:n-1] is empty and never equals the tail "
+        "(the start and step mutants are killed by test_prompt_lookup_takes_the_most_recent_match)",
+    ("speculative/kpolicy.py", "CostModel._one", "return self.verify_s.get(1) or self.verify_s[min(self.verify_s)]"):
+        "get(0) instead of get(1): sizes are >= 1, so the fallback verify_s[min] is verify_s[1] whenever it exists",
+    ("speculative/kpolicy.py", "CostModel.relative_verify", "if not one or j <= 1:"):
+        "'and' instead of 'or': without a measurement the table is empty and the code below returns 1.0 too; "
+        "for j <= 1 it computes verify_s[1] / verify_s[1] = 1.0",
 }
 
 SWAP_BIN = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult,

@@ -371,6 +371,46 @@ def test_ngram_step_source(build, tok):
     assert res.source == "ngram" and res.draft_tokens == tok("cab")["input_ids"]
 
 
+@pytest.mark.parametrize("name", ["trunc1-k3", "ngram"])
+def test_k_zero_is_no_proposal(name, build, tok, make_engine, trunc1, draft_proposer):
+    proposer = NgramProposer(NgramConfig(max_n=3, min_n=1)) if name == "ngram" else draft_proposer(trunc1)
+    engine = make_engine(proposer, k=0)
+    rid = engine.add_request(tok("abcabcab")["input_ids"], SamplingParams(max_tokens=4))
+    res = engine.step(rid)
+    assert (res.proposed, res.source) == (0, "none")
+
+
+@pytest.mark.parametrize("name", ["trunc1-k3", "ngram"])
+def test_proposal_seconds_are_within_the_step(name, build, tok):
+    engine = build(name)
+    rid = engine.add_request(tok("abcabcab")["input_ids"], SamplingParams(max_tokens=8))
+    proposed = 0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        res = engine.step(rid)
+        assert 0 <= res.draft_s <= time.perf_counter() - t0
+        proposed += res.proposed
+    assert proposed > 0
+
+
+def test_a_repeated_proposal_without_feedback_feeds_one_token(trunc1, draft_proposer, prompts):
+    """Proposing again for the same tokens (no feedback in between) reuses the cache up to the
+    pending token and proposes the same greedy tokens."""
+    prop = draft_proposer(trunc1)
+    params = SamplingParams()
+    first = prop.propose("s", list(prompts[0]), lambda s: 3, params, None)
+    again = prop.propose("s", list(prompts[0]), lambda s: 3, params, None)
+    assert again.tokens == first.tokens and first.input_tokens == len(prompts[0]) + 2
+    assert again.input_tokens == 1 + 2  # the pending token, then k - 1 draft tokens
+
+
+def test_prompt_lookup_takes_the_most_recent_match():
+    look = NgramProposer(NgramConfig(max_n=1, min_n=1)).lookup
+    assert look([7, 4, 5, 7, 7], 3) == [7]  # the match right before the tail
+    assert look([7, 4, 5, 7, 9, 7], 3) == [9, 7]
+    assert look([7, 4, 5, 7], 1) == [4]
+
+
 def test_draft_version_without_a_learned_draft_is_zero(build, tok):
     for name in ("ngram", "none"):
         engine = build(name)

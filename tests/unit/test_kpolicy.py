@@ -163,3 +163,14 @@ def test_calibrate_default_context_small_vocab(make_engine):
     engine = make_engine(None)
     engine.calibrate(repeats=1)
     assert 1 in engine.costs.verify_s
+
+
+def test_cost_model_moving_average_by_hand():
+    costs = CostModel(ema=0.5)
+    costs.observe_verify(1, 1.0)
+    costs.observe_verify(1, 3.0)
+    assert costs.verify_s[1] == pytest.approx(2.0)
+    costs.observe_draft("draft", 1, 0.2)  # one token: 0.2 s per token
+    costs.observe_draft("draft", 0, 9.0)  # nothing proposed: nothing to learn
+    costs.observe_draft("draft", 2, 1.0)  # 0.5 s per token
+    assert costs.draft_s["draft"] == pytest.approx(0.5 * 0.2 + 0.5 * 0.5)
