@@ -174,3 +174,51 @@ def test_cost_model_moving_average_by_hand():
     costs.observe_draft("draft", 0, 9.0)  # nothing proposed: nothing to learn
     costs.observe_draft("draft", 2, 1.0)  # 0.5 s per token
     assert costs.draft_s["draft"] == pytest.approx(0.5 * 0.2 + 0.5 * 0.5)
+
+
+def test_relative_verify_by_hand():
+    costs = CostModel()
+    assert costs.relative_verify(3) == 1.0  # nothing measured
+    costs.verify_s.update({1: 1.0, 2: 1.5})
+    assert costs.relative_verify(1) == 1.0
+    assert costs.relative_verify(2) == pytest.approx(1.5)
+    assert costs.relative_verify(5) == pytest.approx(1.5)  # the nearest measured smaller size
+    costs.verify_s[3] = 0.5  # a faster larger forward (noise) never counts as cheaper than one token
+    assert costs.relative_verify(3) == 1.0
+    only_large = CostModel(verify_s={3: 2.0})  # no size at or below 2 measured yet: optimistic 1
+    assert only_large.relative_verify(2) == 1.0
+
+
+def test_acceptance_estimate_prior_strength_and_empty_observations():
+    est = AcceptanceEstimate(prior=0.6, strength=2.0)
+    assert est.value == pytest.approx(0.6)
+    est.observe(0, 0)  # nothing proposed: nothing learned, nothing forgotten
+    assert (est.accepted, est.trials) == (0.0, 0.0)
+    est.observe(4, 1)
+    assert est.value == pytest.approx((0.6 * 2 + 1) / (2 + 2))
+
+
+def _two_state_policy(probe_every: int = 3) -> KPolicy:
+    """k_max = 1 and costs under which k = 1 pays iff a > 0.8: S(1) = (1 + a) / (0.3 + 1.5)."""
+    costs = CostModel()
+    costs.verify_s.update({1: 1.0, 2: 1.5})
+    costs.draft_s["d"] = 0.3
+    return KPolicy(KPolicyConfig(k_max=1, probe_every=probe_every), costs, prior={"d": 0.95})
+
+
+def test_choose_one_when_one_pays_and_probe_after_exactly_probe_every_idle_steps():
+    policy = _two_state_policy(probe_every=3)
+    assert [policy.choose("d") for _ in range(3)] == [1, 1, 1]
+    est = policy.estimate("d")
+    est.prior, est.accepted, est.trials = 0.1, 0.0, 0.0  # the draft turned bad
+    assert [policy.choose("d") for _ in range(6)] == [0, 0, 1, 0, 0, 0]  # a probe after 3, then the gap doubles
+    assert [policy.choose("d") for _ in range(3)] == [0, 0, 1]
+
+
+def test_probe_gap_backs_off_to_256():
+    policy = _two_state_policy(probe_every=1)
+    est = policy.estimate("d")
+    est.prior = 0.1
+    for _ in range(2000):
+        policy.choose("d")
+    assert policy._probe_gap["d"] == 256

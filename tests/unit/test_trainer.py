@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -386,3 +388,50 @@ def test_paired_gate_allows_a_drop_within_its_noise_and_rejects_a_clear_one(setu
     monkeypatch.setattr(tr, "holdout_hits", lambda model=None: clear)
     ok, reason = tr.gate(baseline=0.6, baseline_hits=base)
     assert not ok and "paired drop 0.3000 > 0.0748" in reason
+
+
+def _hits(n: int, right: int) -> torch.Tensor:
+    h = torch.zeros(n, dtype=torch.bool)
+    h[:right] = True
+    return h
+
+
+def test_gate_boundaries_by_hand(setup, monkeypatch):
+    """Exactly at the margin passes (a drop must exceed it), for the fixed margin and the paired test;
+    with gate_z = 0 the fixed margin decides even when per-position hits are given."""
+    draft, _ = setup
+
+    def gate(cfg, hits, **kw):
+        tr = DraftTrainer("d", draft, cfg)
+        monkeypatch.setattr(tr, "holdout_hits", lambda model=None: hits)
+        return tr.gate(**kw)[0]
+
+    # fixed margin: 0.5 = 0.75 - 0.25 exactly
+    assert gate(_cfg(gate_margin=0.25), _hits(8, 4), baseline=0.75) is True
+    assert gate(_cfg(gate_margin=0.25), _hits(8, 3), baseline=0.75) is False
+    # paired: c = 4 positions lost, b = 0 of n = 8; bound = 0.25 + 1 * sqrt(4) / 8 = 0.5 = c / n
+    base = _hits(8, 8)
+    assert gate(_cfg(gate_margin=0.25, gate_z=1.0), _hits(8, 4), baseline=1.0, baseline_hits=base) is True
+    assert gate(_cfg(gate_margin=0.25, gate_z=1.0), _hits(8, 3), baseline=1.0, baseline_hits=base) is False
+    # gate_z = 0: margin only, against the given baseline (0.9), not the hits' own rate (0.5)
+    assert gate(_cfg(gate_margin=0.0), _hits(10, 6), baseline=0.9, baseline_hits=_hits(10, 5)) is False
+
+
+def test_gate_keeps_a_given_baseline_for_a_separate_candidate(setup, monkeypatch):
+    draft, _ = setup
+    tr = DraftTrainer("d", draft, _cfg(gate_margin=0.0))
+    monkeypatch.setattr(tr, "holdout_hits", lambda model=None: _hits(10, 5))  # everyone scores 0.5
+    other = copy.deepcopy(draft)
+    assert tr.gate(other, baseline=0.9)[0] is False  # not replaced by the current weights' 0.5
+    assert tr.gate(other)[0] is True  # no baseline given: the current weights' agreement
+
+
+def test_gate_refuses_non_finite_loss_and_mismatched_state(setup):
+    draft, _ = setup
+    tr = DraftTrainer("d", draft, _cfg())
+    assert tr.gate(loss=float("nan")) == (False, "non-finite loss")
+    assert tr.gate(loss=float("inf"))[0] is False
+    state = {k: v.numpy() for k, v in draft.state_dict().items()}
+    state.pop(next(iter(state)))
+    with pytest.raises(RuntimeError, match="Missing key"):
+        tr.gate(state)  # a state dict that does not fit the draft is an error, never a partial load
