@@ -266,7 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exclude-tests", nargs="*", default=[], help="test files left out (to score an older suite)")
     ap.add_argument("--survivors-of", default=None,
                     help="a JSON of an earlier run: test again only its survivors (tests added since), keep the rest")
+    ap.add_argument("--merge", nargs="*", default=None,
+                    help="JSON files of runs over different files: report them as one run (no tests run)")
     args = ap.parse_args(argv)
+    if args.merge:
+        merged = [Mutant(**m) for f in args.merge for m in json.loads(Path(f).read_text())["mutants"]]
+        report(merged, 0.0, args.json)
+        return 0
     root = Path(args.root).resolve()
     sys.path[:0] = [str(root), str(root / "tests")]
     import os
@@ -322,13 +328,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {m.status:10s} {m.file}:{m.line} {m.function} [{m.kind}] {m.after}   | {m.before}", flush=True)
         if args.json:  # after every file, so that an interrupted run keeps what it measured
             Path(args.json).write_text(json.dumps({"partial": True, "mutants": [asdict(m) for m in results]}, indent=1))
+    report(results, time.perf_counter() - t_all, args.json)
+    return 0
+
+
+def report(results: list[Mutant], seconds: float, json_out: str | None) -> None:
+    """Print the score (killed / (mutants - equivalent)) and per-file counts; write the JSON."""
+    for m in results:  # equivalence is decided by the current table, also for merged runs
+        if m.status in ("survived", "equivalent"):
+            m.status = "equivalent" if (m.file, m.function, m.before) in EQUIVALENT else "survived"
     killed = sum(m.status in ("killed", "timeout") for m in results)
     equivalent = sum(m.status == "equivalent" for m in results)
     survived = [m for m in results if m.status == "survived"]
     score = killed / max(1, len(results) - equivalent)
     print(f"\n{len(results)} mutants: {killed} killed, {equivalent} equivalent (reasons in EQUIVALENT), "
           f"{len(survived)} survived; score {killed}/{len(results) - equivalent} = {score:.1%} "
-          f"({time.perf_counter() - t_all:.0f} s)")
+          f"({seconds:.0f} s)")
     per_file = {}
     for m in results:
         f = per_file.setdefault(m.file, {"mutants": 0, "killed": 0, "equivalent": 0, "survived": 0})
@@ -336,10 +351,12 @@ def main(argv: list[str] | None = None) -> int:
         f["killed" if m.status in ("killed", "timeout") else m.status] += 1
     for f, c in per_file.items():
         print(f"  {f}: {c}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"score": score, "per_file": per_file,
-                                               "mutants": [asdict(m) for m in results]}, indent=1))
-    return 0
+    for m in results:
+        if m.status == "survived":
+            print(f"  survived   {m.file}:{m.line} {m.function} [{m.kind}] {m.after}")
+    if json_out:
+        Path(json_out).write_text(json.dumps({"score": score, "per_file": per_file,
+                                              "mutants": [asdict(m) for m in results]}, indent=1))
 
 
 if __name__ == "__main__":
