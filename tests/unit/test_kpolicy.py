@@ -125,8 +125,9 @@ def test_acceptance_estimate_follows_a_change():
     assert est.value > 0.8
     _observe_bernoulli(est, 0.0, 50, k=4, rng=rng)
     assert est.value < 0.2
-    est.observe(0, 0)  # nothing proposed: no information
-    assert est.value < 0.2
+    before = (est.accepted, est.trials, est.value)
+    est.observe(0, 0)  # nothing proposed: no information, and no decay of what is known
+    assert (est.accepted, est.trials, est.value) == before
 
 
 # -- through the engine ---------------------------------------------------------------------------------
