@@ -44,14 +44,13 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits.softmax(-1)
 
 
-def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+def greedy_accept(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> tuple[int, int]:
     """Longest prefix of draft tokens equal to the target's argmax, then the target's own token.
 
-    draft_tokens: [k] long; target_logits: [k+1, V] (row i scores the token after d_1..d_i).
-    Returns (number accepted n in 0..k, next token = argmax p at row n).
+    draft_tokens: [k] long; target_argmax: [k+1] long, argmax of target row i, which scores the
+    token after d_1..d_i. Returns (number accepted n in 0..k, next token = target_argmax[n]).
     """
     k = draft_tokens.shape[0]
-    target_argmax = target_logits.argmax(-1)  # [k+1]
     match = (draft_tokens == target_argmax[:k]).long()  # [k]
     n = int(match.cumprod(0).sum())
     return n, int(target_argmax[n])
