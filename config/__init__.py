@@ -23,6 +23,10 @@ __all__ = [
     "SamplingParams",
     "EngineConfig",
     "RouterConfig",
+    "TargetServeConfig",
+    "DraftPoolConfig",
+    "IngressConfig",
+    "AppConfig",
     "ValidationError",
     "cache_dir",
 ]
@@ -248,3 +252,64 @@ class RouterConfig(_Strict):
         if min(v) <= 0:
             raise ValueError("prior pseudo-counts must be > 0")
         return v
+
+
+# -- the Ray Serve application -------------------------------------------------------------------
+
+
+class TargetServeConfig(_Strict):
+    """The target deployment: one model, per-request KV caches, batched verification.
+
+    Verify calls of concurrent requests (from every draft replica) that arrive within
+    ``batch_wait_s`` of each other share one padded forward of up to ``max_batch`` sequences;
+    calls longer than ``max_batch_tokens`` (prefills) run alone. At most ``max_sequences`` KV
+    caches are held (least recently used evicted first) and a cache idle for ``cache_ttl_s``
+    (an abandoned request) is dropped; a request whose cache was evicted is re-sent whole by
+    its draft replica, so eviction costs time, never correctness.
+    """
+
+    max_batch: int = Field(default=8, ge=1, le=256)
+    batch_wait_s: float = Field(default=0.004, ge=0.0, le=1.0)
+    max_batch_tokens: int = Field(default=64, ge=1)
+    max_sequences: int = Field(default=64, ge=1)
+    cache_ttl_s: float = Field(default=300.0, gt=0.0)
+
+
+class DraftPoolConfig(_Strict):
+    """The draft replicas: each holds up to ``drafts_per_replica`` drafts (Ray Serve model
+    multiplexing by draft id, least recently used unloaded) and runs the speculative loop of its
+    requests. Every draft id starts from ``engine.draft`` until the learner publishes weights."""
+
+    drafts_per_replica: int = Field(default=4, ge=1)
+    #: requests in flight per replica (each is a coroutine; verification is what they wait on)
+    max_ongoing: int = Field(default=16, ge=1)
+
+
+class IngressConfig(_Strict):
+    """The OpenAI-compatible HTTP front."""
+
+    model_name: str = "smollm2-135m-instruct-osd"  # the id clients pass as ``model``
+    max_tokens_limit: int = Field(default=2048, ge=1)  # refuse larger max_tokens with 400
+    default_max_tokens: int = Field(default=256, ge=1)  # chat requests without max_tokens
+    max_prompt_chars: int = Field(default=32_000, ge=1)
+
+
+class AppConfig(_Strict):
+    """The whole application, as ``serve_config.yaml`` gives it (``args:`` of the app).
+
+    placement ``split``: draft replicas call the target deployment once per step (one hop,
+    batched across requests and replicas); ``colocated``: each draft replica holds its own target
+    and batches the verify calls of its own requests (no hop, one target copy per replica).
+    """
+
+    placement: Literal["split", "colocated"] = "split"
+    #: host of each replica's inter-deployment gRPC listener (Ray binds all interfaces); null: Ray's default
+    replica_grpc_host: str | None = "127.0.0.1"
+    engine: EngineConfig = EngineConfig(
+        model=ModelConfig(num_threads=1),
+        draft=DraftConfig(kind="truncated", num_layers=2, ngram_first=True),
+    )
+    target: TargetServeConfig = TargetServeConfig()
+    drafts: DraftPoolConfig = DraftPoolConfig()
+    router: RouterConfig = RouterConfig(mode="clusters")
+    ingress: IngressConfig = IngressConfig()

@@ -27,7 +27,7 @@ from .kpolicy import CostModel, KPolicy
 from .models import encode_prompt, eos_token_ids
 from .proposers import EMPTY, DraftModelProposer, Proposal, Proposer
 from .runner import ModelRunner, TargetRows, VerifyCall
-from .sampling import greedy_accept, rejection_accept, warp_logits
+from .sampling import greedy_accept, race_noise, race_sample, rejection_accept, warp_logits
 from .stats import SpecStats
 
 
@@ -169,8 +169,14 @@ class SpeculativeEngine:
         return [int(t) for t in tokens]
 
     def add_request(
-        self, prompt: str | bytes | list[int], params: SamplingParams = SamplingParams(), request_id: str | None = None
+        self,
+        prompt: str | bytes | list[int],
+        params: SamplingParams = SamplingParams(),
+        request_id: str | None = None,
+        generator: torch.Generator | None = None,
     ) -> str:
+        """Queue a request. Unseeded sampling draws from ``generator`` when given (reproducible
+        experiments and tests), else from fresh entropy; a seeded request needs no generator."""
         if isinstance(prompt, (str, bytes, bytearray)):
             tokens = self.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
@@ -188,11 +194,10 @@ class SpeculativeEngine:
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already active")
         gen = None
-        if not params.greedy:
-            gen = torch.Generator()
-            if params.seed is not None:
-                gen.manual_seed(params.seed)
-            else:
+        if not params.greedy and params.seed is None:  # seeded requests race with (seed, position) noise
+            gen = generator
+            if gen is None:
+                gen = torch.Generator()
                 gen.seed()  # fresh entropy for this request only; the global RNG is untouched
         prior = {s: e.value for s, e in self.global_policy.alpha.items()}
         self.requests[rid] = RequestState(rid, params, tokens, len(tokens), KPolicy(self.cfg.k, self.costs, prior), gen)
@@ -252,6 +257,10 @@ class SpeculativeEngine:
         draft = torch.tensor(prop.tokens, dtype=torch.long)  # [k]
         if params.greedy:
             n, next_token = greedy_accept(draft, rows.argmax)
+        elif params.seed is not None:  # seeded: the target's race winners, noise fixed by (seed, position)
+            p = warp_logits(rows.logits, params)  # [k+1, V] target
+            winners = race_sample(p, race_noise(params.seed, range(start, start + k + 1), p.shape[-1]))  # [k+1]
+            n, next_token = greedy_accept(draft, winners)
         else:
             p = warp_logits(rows.logits, params)  # [k+1, V] target
             q = prop.probs if prop.probs is not None else torch.nn.functional.one_hot(draft, p.shape[-1]).float()
@@ -327,8 +336,9 @@ class SpeculativeEngine:
         prompt: str | list[int],
         params: SamplingParams = SamplingParams(),
         on_step: Callable[[StepResult], None] | None = None,
+        generator: torch.Generator | None = None,
     ) -> Generation:
-        rid = self.add_request(prompt, params)
+        rid = self.add_request(prompt, params, generator=generator)
         st = self.requests[rid]
         try:
             while not st.finished:

@@ -1,0 +1,188 @@
+"""HTTP ingress: OpenAI-compatible completions and chat (JSON or server-sent events), models,
+liveness and readiness. Transport only: parse and check the request, ask the router for a draft,
+stream the draft replica's steps back in OpenAI's shapes, feed acceptance back to the router."""
+
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+
+from config import AppConfig
+
+from .drafts import GenerateRequest
+from .loopback import bind_replica_grpc
+from .protocol import ChatRequest, CompletionRequest, error_body, new_id, now
+
+log = logging.getLogger("osd.ingress")
+
+api = FastAPI(title="osd-serve", description="Online speculative decoding, OpenAI-compatible")
+
+#: OpenAI's default max_tokens for /v1/completions
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param), status_code=status)
+
+
+def _validation_message(e: ValidationError) -> tuple[str, str | None]:
+    err = e.errors()[0]
+    param = ".".join(str(p) for p in err.get("loc", ())) or None
+    return f"{param}: {err['msg']}" if param else err["msg"], param
+
+
+class Ingress:
+    """Undecorated: the deployment below adds Serve and FastAPI."""
+
+    def __init__(self, cfg: AppConfig, router, pool):
+        self.cfg = cfg
+        self.router = router
+        self.pool = pool
+
+    # -- health ------------------------------------------------------------------------------
+    async def ready(self) -> JSONResponse:
+        try:
+            await self.router.summary.remote()
+        except Exception as e:  # noqa: BLE001 - any failure means not ready
+            return _error(503, f"router not ready: {e}", "server_error")
+        return JSONResponse({"status": "ready"})
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.cfg.ingress.model_name, "object": "model", "created": 0, "owned_by": "osd-serve"}]}
+
+    # -- generation --------------------------------------------------------------------------
+    async def completion(self, request: Request, chat: bool):
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "the body is not valid JSON")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object")
+        try:
+            req = ChatRequest.model_validate(body) if chat else CompletionRequest.model_validate(body)
+            default = self.cfg.ingress.default_max_tokens if chat else COMPLETION_DEFAULT_MAX_TOKENS
+            params = req.sampling(default)
+            messages = req.chat() if chat else None
+        except ValidationError as e:
+            message, param = _validation_message(e)
+            return _error(400, message, param=param)
+        except ValueError as e:
+            return _error(400, str(e))
+        if req.model not in (None, self.cfg.ingress.model_name):
+            return _error(404, f"model {req.model!r} does not exist; GET /v1/models lists {self.cfg.ingress.model_name!r}",
+                          param="model")
+        if params.max_tokens > self.cfg.ingress.max_tokens_limit:
+            return _error(400, f"max_tokens {params.max_tokens} exceeds this server's limit of "
+                               f"{self.cfg.ingress.max_tokens_limit}", param="max_tokens")
+        text = req.last_user_text() if chat else req.prompt
+        chars = sum(len(m["content"]) for m in messages) if chat else len(text)
+        if chars > self.cfg.ingress.max_prompt_chars:
+            return _error(400, f"the prompt is longer than {self.cfg.ingress.max_prompt_chars} characters")
+
+        route = await self.router.route.remote(text)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        gen = GenerateRequest(rid, params, prompt=None if chat else text, messages=messages,
+                              domain=route.domain, lang=route.lang)
+        stream = self.pool.options(multiplexed_model_id=route.draft_id, stream=True).stream.remote(gen)
+        first = await stream.__anext__()
+        if "error" in first:
+            return _error(400, first["error"])
+        if req.stream:
+            return StreamingResponse(self._sse(stream, rid, chat, route, req.include_usage), media_type="text/event-stream")
+        return await self._whole(stream, rid, chat, route)
+
+    def _observe(self, route, usage: dict) -> None:
+        spec = usage["speculative"]
+        self.router.observe.remote(route, spec["accepted"], spec["proposed"])
+
+    @staticmethod
+    def _usage(usage: dict) -> dict:
+        return {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
+
+    async def _whole(self, stream, rid: str, chat: bool, route) -> dict:
+        parts, end = [], None
+        async for item in stream:
+            if "finish_reason" in item:
+                end = item
+            else:
+                parts.append(item["text"])
+        self._observe(route, end["usage"])
+        text, model = "".join(parts), self.cfg.ingress.model_name
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": end["finish_reason"]}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": end["finish_reason"]}
+            obj = "text_completion"
+        return {"id": rid, "object": obj, "created": now(), "model": model, "choices": [choice], "usage": self._usage(end["usage"])}
+
+    async def _sse(self, stream, rid: str, chat: bool, route, include_usage: bool):
+        created, model = now(), self.cfg.ingress.model_name
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None, finish: str | None, role: bool = False) -> str:
+            if chat:
+                d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
+                choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+            if include_usage:
+                body["usage"] = None
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        try:
+            if chat:
+                yield chunk(None, None, role=True)
+            async for item in stream:
+                if "finish_reason" in item:
+                    yield chunk(None if chat else "", item["finish_reason"])
+                    self._observe(route, item["usage"])
+                    if include_usage:
+                        body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+                                "usage": self._usage(item["usage"])}
+                        yield f"data: {json.dumps(body)}\n\n"
+                elif item["text"]:
+                    yield chunk(item["text"], None)
+        except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
+            log.exception("stream %s failed", rid)
+            yield f"data: {json.dumps(error_body(f'generation failed: {e}', 'server_error'))}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+@serve.deployment(name="Ingress", max_ongoing_requests=128)
+@serve.ingress(api)
+class IngressDeployment(Ingress):
+    def __init__(self, cfg: AppConfig, router, pool):
+        bind_replica_grpc(cfg.replica_grpc_host)
+        super().__init__(cfg, router, pool)
+
+    @api.get("/health")
+    def health(self) -> dict:
+        return {"status": "ok"}
+
+    @api.get("/ready")
+    async def ready_route(self):
+        return await self.ready()
+
+    @api.get("/v1/models")
+    def list_models(self) -> dict:
+        return self.models()
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self.completion(request, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self.completion(request, chat=True)
+
+
+@api.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s", request.url.path)
+    return _error(500, f"internal error: {type(exc).__name__}", "server_error")
