@@ -27,6 +27,9 @@ __all__ = [
     "DraftPoolConfig",
     "IngressConfig",
     "AppConfig",
+    "AuthConfig",
+    "TenantKey",
+    "TenantLimits",
     "ValidationError",
     "cache_dir",
 ]
@@ -294,6 +297,35 @@ class IngressConfig(_Strict):
     max_prompt_chars: int = Field(default=32_000, ge=1)
 
 
+class TenantLimits(_Strict):
+    """Per-tenant limits (None: unlimited), enforced by each ingress replica."""
+
+    requests_per_minute: float | None = Field(default=None, gt=0)
+    tokens_per_minute: float | None = Field(default=None, gt=0)  # prompt + completion tokens
+    max_concurrent: int | None = Field(default=None, ge=1)
+
+
+class TenantKey(_Strict):
+    """One API key of a tenant, stored as the SHA-256 hex digest of the key (never the key)."""
+
+    tenant: str = Field(min_length=1)
+    key_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    admin: bool = False
+    limits: TenantLimits | None = None  # None: AuthConfig.default_limits
+
+
+class AuthConfig(_Strict):
+    """API keys and tenants. Keys come from ``keys_file`` (YAML or JSON: a list of TenantKey) and
+    from the environment variable named by ``keys_env`` (``tenant:key,tenant:key``, hashed at start),
+    the admin key from ``admin_key_env``. With no key at all the server is open (and says so)."""
+
+    keys: tuple[TenantKey, ...] = ()
+    keys_file: str | None = None
+    keys_env: str = "OSD_API_KEYS"
+    admin_key_env: str = "OSD_ADMIN_KEY"
+    default_limits: TenantLimits = TenantLimits(requests_per_minute=600, tokens_per_minute=200_000, max_concurrent=16)
+
+
 class AppConfig(_Strict):
     """The whole application, as ``serve_config.yaml`` gives it (``args:`` of the app).
 
@@ -313,3 +345,4 @@ class AppConfig(_Strict):
     drafts: DraftPoolConfig = DraftPoolConfig()
     router: RouterConfig = RouterConfig(mode="clusters")
     ingress: IngressConfig = IngressConfig()
+    auth: AuthConfig = AuthConfig()

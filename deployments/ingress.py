@@ -5,6 +5,7 @@ stream the draft replica's steps back in OpenAI's shapes, feed acceptance back t
 
 import json
 import logging
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -16,6 +17,7 @@ from config import AppConfig
 from .drafts import GenerateRequest
 from .loopback import bind_replica_grpc
 from .protocol import ChatRequest, CompletionRequest, error_body, new_id, now
+from .tenants import Admission, Tenants
 
 log = logging.getLogger("osd.ingress")
 
@@ -29,6 +31,15 @@ def _error(status: int, message: str, type_: str = "invalid_request_error", para
     return JSONResponse(error_body(message, type_, param), status_code=status)
 
 
+def _refused(adm: Admission) -> JSONResponse:
+    if adm.status == 401:
+        return JSONResponse(error_body(adm.message, "invalid_request_error", code="invalid_api_key"), status_code=401)
+    if adm.status == 403:
+        return JSONResponse(error_body(adm.message, "invalid_request_error", code="forbidden"), status_code=403)
+    return JSONResponse(error_body(adm.message, "rate_limit_error", code="rate_limit_exceeded"), status_code=429,
+                        headers={"Retry-After": str(max(1, math.ceil(adm.retry_after)))})
+
+
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     err = e.errors()[0]
     param = ".".join(str(p) for p in err.get("loc", ())) or None
@@ -38,10 +49,30 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
 class Ingress:
     """Undecorated: the deployment below adds Serve and FastAPI."""
 
-    def __init__(self, cfg: AppConfig, router, pool):
+    def __init__(self, cfg: AppConfig, router, pool, tenants: Tenants | None = None):
         self.cfg = cfg
         self.router = router
         self.pool = pool
+        self.tenants = tenants if tenants is not None else Tenants(cfg.auth)
+        if self.tenants.open:
+            log.warning("no API keys configured: the server is open to every client that can reach it")
+
+    def _operator(self, request: Request) -> Admission:
+        """Operator endpoints: the admin key (or anyone, on a server without keys)."""
+        adm = self.tenants.identify(request.headers.get("authorization"))
+        if adm.status == 200 and not (adm.admin or self.tenants.open):
+            return Admission(adm.tenant, False, 403, "this endpoint needs the admin key")
+        return adm
+
+    async def drafts(self, request: Request):
+        """Drafts per replica with their versions, and the router's acceptance per domain."""
+        adm = self._operator(request)
+        if adm.status != 200:
+            return _refused(adm)
+        versions = await self.pool.broadcast("versions").results_async()
+        summary = await self.router.summary.remote()
+        return {"replicas": versions, "acceptance": summary["acceptance"], "drafts": summary["drafts"],
+                "clusters": summary["clusters"]}
 
     # -- health ------------------------------------------------------------------------------
     async def ready(self) -> JSONResponse:
@@ -56,12 +87,25 @@ class Ingress:
 
     # -- generation --------------------------------------------------------------------------
     async def completion(self, request: Request, chat: bool):
+        adm = self.tenants.admit(request.headers.get("authorization"))
+        if adm.status != 200:
+            return _refused(adm)
+        used = 0
+        try:
+            response, used = await self._completion(request, chat, adm.tenant)
+            return response
+        finally:
+            if used is not None:  # a stream settles its own account when it ends
+                self.tenants.done(adm.tenant, used or 0)
+
+    async def _completion(self, request: Request, chat: bool, tenant: str):
+        """(response, tokens to charge now; None when the streaming response charges them itself)."""
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "the body is not valid JSON")
+            return _error(400, "the body is not valid JSON"), 0
         if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object")
+            return _error(400, "the body must be a JSON object"), 0
         try:
             req = ChatRequest.model_validate(body) if chat else CompletionRequest.model_validate(body)
             default = self.cfg.ingress.default_max_tokens if chat else COMPLETION_DEFAULT_MAX_TOKENS
@@ -69,19 +113,19 @@ class Ingress:
             messages = req.chat() if chat else None
         except ValidationError as e:
             message, param = _validation_message(e)
-            return _error(400, message, param=param)
+            return _error(400, message, param=param), 0
         except ValueError as e:
-            return _error(400, str(e))
+            return _error(400, str(e)), 0
         if req.model not in (None, self.cfg.ingress.model_name):
             return _error(404, f"model {req.model!r} does not exist; GET /v1/models lists {self.cfg.ingress.model_name!r}",
-                          param="model")
+                          param="model"), 0
         if params.max_tokens > self.cfg.ingress.max_tokens_limit:
             return _error(400, f"max_tokens {params.max_tokens} exceeds this server's limit of "
-                               f"{self.cfg.ingress.max_tokens_limit}", param="max_tokens")
+                               f"{self.cfg.ingress.max_tokens_limit}", param="max_tokens"), 0
         text = req.last_user_text() if chat else req.prompt
         chars = sum(len(m["content"]) for m in messages) if chat else len(text)
         if chars > self.cfg.ingress.max_prompt_chars:
-            return _error(400, f"the prompt is longer than {self.cfg.ingress.max_prompt_chars} characters")
+            return _error(400, f"the prompt is longer than {self.cfg.ingress.max_prompt_chars} characters"), 0
 
         route = await self.router.route.remote(text)
         rid = new_id("chatcmpl" if chat else "cmpl")
@@ -90,10 +134,12 @@ class Ingress:
         stream = self.pool.options(multiplexed_model_id=route.draft_id, stream=True).stream.remote(gen)
         first = await stream.__anext__()
         if "error" in first:
-            return _error(400, first["error"])
+            return _error(400, first["error"]), 0
         if req.stream:
-            return StreamingResponse(self._sse(stream, rid, chat, route, req.include_usage), media_type="text/event-stream")
-        return await self._whole(stream, rid, chat, route)
+            sse = self._sse(stream, rid, chat, route, req.include_usage, tenant)
+            return StreamingResponse(sse, media_type="text/event-stream"), None
+        body = await self._whole(stream, rid, chat, route)
+        return body, body["usage"]["total_tokens"]
 
     def _observe(self, route, usage: dict) -> None:
         spec = usage["speculative"]
@@ -120,7 +166,7 @@ class Ingress:
             obj = "text_completion"
         return {"id": rid, "object": obj, "created": now(), "model": model, "choices": [choice], "usage": self._usage(end["usage"])}
 
-    async def _sse(self, stream, rid: str, chat: bool, route, include_usage: bool):
+    async def _sse(self, stream, rid: str, chat: bool, route, include_usage: bool, tenant: str):
         created, model = now(), self.cfg.ingress.model_name
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -135,6 +181,7 @@ class Ingress:
                 body["usage"] = None
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
+        used = 0
         try:
             if chat:
                 yield chunk(None, None, role=True)
@@ -142,6 +189,7 @@ class Ingress:
                 if "finish_reason" in item:
                     yield chunk(None if chat else "", item["finish_reason"])
                     self._observe(route, item["usage"])
+                    used = self._usage(item["usage"])["total_tokens"]
                     if include_usage:
                         body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
                                 "usage": self._usage(item["usage"])}
@@ -151,6 +199,8 @@ class Ingress:
         except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
             log.exception("stream %s failed", rid)
             yield f"data: {json.dumps(error_body(f'generation failed: {e}', 'server_error'))}\n\n"
+        finally:
+            self.tenants.done(tenant, used)
         yield "data: [DONE]\n\n"
 
 
@@ -170,8 +220,13 @@ class IngressDeployment(Ingress):
         return await self.ready()
 
     @api.get("/v1/models")
-    def list_models(self) -> dict:
-        return self.models()
+    def list_models(self, request: Request):
+        adm = self.tenants.identify(request.headers.get("authorization"))
+        return self.models() if adm.status == 200 else _refused(adm)
+
+    @api.get("/admin/drafts")
+    async def admin_drafts(self, request: Request):
+        return await self.drafts(request)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):

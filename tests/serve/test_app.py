@@ -16,6 +16,7 @@ import yaml
 
 from config import DraftConfig, EngineConfig, SamplingParams
 from deployments import launch
+from deployments.tenants import digest
 from speculative.factory import build_engine
 
 pytestmark = pytest.mark.serve
@@ -32,6 +33,7 @@ PROMPTS = [
     "1, 1, 2, 3, 5, 8,",
 ]
 MAX_TOKENS = 20
+KEY, TINY_KEY, ADMIN_KEY = "sk-test-alice", "sk-test-tiny", "sk-test-ops"
 
 
 def _free_port() -> int:
@@ -47,6 +49,11 @@ def server(tmp_path_factory):
     doc = yaml.safe_load(launch.DEFAULT_CONFIG.read_text())
     app = doc["applications"][0]
     app["args"]["ingress"]["max_tokens_limit"] = 9000
+    app["args"]["auth"] = {"keys": [
+        {"tenant": "alice", "key_sha256": digest(KEY), "limits": {"requests_per_minute": 10_000, "max_concurrent": 16}},
+        {"tenant": "tiny", "key_sha256": digest(TINY_KEY), "limits": {"requests_per_minute": 1}},
+        {"tenant": "ops", "key_sha256": digest(ADMIN_KEY), "admin": True},
+    ]}
     for d in app["deployments"]:
         if d["name"] == "DraftPool":
             d.pop("autoscaling_config", None)
@@ -66,7 +73,7 @@ def server(tmp_path_factory):
 def client(server):
     import openai
 
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +87,20 @@ def _target_only(engine, prompt: str) -> str:
     return engine.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS)).text
 
 
-def _post(url: str, body, raw: bool = False) -> tuple[int, dict]:
-    data = body if raw else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+def _call(url: str, body=None, raw: bool = False, key: str | None = KEY) -> tuple[int, dict, dict]:
+    """(status, JSON body, headers: case-insensitive); GET without a body."""
+    data = None if body is None else body if raw else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    req = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
+            return r.status, json.loads(r.read()), r.headers
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        return e.code, json.loads(e.read()), e.headers
+
+
+def _post(url: str, body, raw: bool = False) -> tuple[int, dict]:
+    return _call(url, body, raw)[:2]
 
 
 def test_models_health_ready(server, client):
@@ -126,7 +139,7 @@ def test_chat_stream_equals_whole_response(client):
 def test_stream_ends_with_done(server):
     req = urllib.request.Request(f"{server}/v1/completions", data=json.dumps(
         {"prompt": "Le chat est", "max_tokens": 6, "temperature": 0, "stream": True}).encode(),
-        headers={"Content-Type": "application/json"})
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
     with urllib.request.urlopen(req, timeout=60) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.read().decode().split("\n\n") if line]
@@ -246,3 +259,25 @@ def test_bad_input_is_a_clear_4xx(server, endpoint, body, status, param):
 def test_malformed_bodies(server, raw):
     code, out = _post(f"{server}/v1/completions", raw, raw=True)
     assert code == 400 and out["error"]["message"]
+
+
+def test_keys_and_tenant_limits(server):
+    body = {"prompt": "Hi", "max_tokens": 2}
+    for key in (None, "sk-wrong"):
+        code, out, _ = _call(f"{server}/v1/completions", body, key=key)
+        assert code == 401 and out["error"]["code"] == "invalid_api_key"
+    assert _call(f"{server}/v1/models", key="sk-wrong")[0] == 401
+    assert _call(f"{server}/v1/completions", body, key=TINY_KEY)[0] == 200  # one request per minute ...
+    code, out, headers = _call(f"{server}/v1/completions", body, key=TINY_KEY)
+    assert code == 429 and out["error"]["code"] == "rate_limit_exceeded"
+    assert 1 <= int(headers["Retry-After"]) <= 60
+    assert _call(f"{server}/v1/completions", body)[0] == 200  # ... for that tenant only
+
+
+def test_operator_endpoint_needs_the_admin_key(server, client):
+    client.completions.create(model=MODEL, prompt="Le chat est", max_tokens=4, temperature=0)
+    assert _call(f"{server}/admin/drafts")[0] == 403  # a tenant key is not enough
+    assert _call(f"{server}/admin/drafts", key=None)[0] == 401
+    code, out, _ = _call(f"{server}/admin/drafts", key=ADMIN_KEY)
+    assert code == 200 and len(out["replicas"]) == 2
+    assert any("general" in r for r in out["replicas"]) and out["acceptance"]
