@@ -28,6 +28,7 @@ __all__ = [
     "IngressConfig",
     "AppConfig",
     "AuthConfig",
+    "LearnerServeConfig",
     "TenantKey",
     "TenantLimits",
     "ValidationError",
@@ -326,6 +327,24 @@ class AuthConfig(_Strict):
     default_limits: TenantLimits = TenantLimits(requests_per_minute=600, tokens_per_minute=200_000, max_concurrent=16)
 
 
+class LearnerServeConfig(_Strict):
+    """The learner deployment: replay shards and checkpoints under ``state_dir`` (default
+    ``<cache_dir>/serve``), trained in rounds in a background thread of its own process.
+    ``trainer``: fields of ``learner.trainer.LearnerConfig`` (train_every, batch_records, lr,
+    gate_margin, ...); ``background``: of ``learner.background.BackgroundConfig`` (nice, threads);
+    ``shard_max_bytes``: per-draft replay bound."""
+
+    enabled: bool = True
+    state_dir: str | None = None
+    trainer: dict = Field(default_factory=lambda: {"train_every": 16, "batch_records": 16, "steps_per_round": 4,
+                                                   "lr": 1e-3, "positions": "all", "gate_margin": 0.0})
+    background: dict = Field(default_factory=lambda: {"nice": 19, "threads": 1})
+    shard_max_bytes: int = Field(default=64 << 20, gt=0)
+
+    def root(self) -> Path:
+        return Path(self.state_dir) if self.state_dir else cache_dir() / "serve"
+
+
 class AppConfig(_Strict):
     """The whole application, as ``serve_config.yaml`` gives it (``args:`` of the app).
 
@@ -346,3 +365,4 @@ class AppConfig(_Strict):
     router: RouterConfig = RouterConfig(mode="clusters")
     ingress: IngressConfig = IngressConfig()
     auth: AuthConfig = AuthConfig()
+    learner: LearnerServeConfig = LearnerServeConfig()

@@ -5,6 +5,7 @@ calls :func:`build` with the same config and the YAML's per-deployment options.
 
     Ingress --route--> Router
         \\--stream (multiplexed by draft id)--> DraftPool --verify (batched)--> Target
+                                                     \\--replay records--> Learner --weights (broadcast)--> DraftPool
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from config import AppConfig
 
 from .drafts import DraftPoolDeployment
 from .ingress import IngressDeployment
+from .learner import Learner
 from .router import RouterDeployment
 from .target import Target
 
@@ -27,12 +29,10 @@ def build(cfg: AppConfig, options: dict[str, dict] | None = None) -> Application
         return d.options(**opts[d.name]) if d.name in opts else d
 
     router = dep(RouterDeployment).bind(cfg.router, cfg.replica_grpc_host)
-    if cfg.placement == "split":
-        target = dep(Target).bind(cfg.engine.model, cfg.target, cfg.engine.k.k_max, cfg.replica_grpc_host)
-        pool = dep(DraftPoolDeployment).bind(cfg, target)
-    else:
-        pool = dep(DraftPoolDeployment).bind(cfg)
-    return dep(IngressDeployment).bind(cfg, router, pool)
+    learner = dep(Learner).bind(cfg) if cfg.learner.enabled and cfg.engine.draft.kind not in ("ngram", "none") else None
+    target = dep(Target).bind(cfg.engine.model, cfg.target, cfg.engine.k.k_max, cfg.replica_grpc_host) if cfg.placement == "split" else None
+    pool = dep(DraftPoolDeployment).bind(cfg, target, learner)
+    return dep(IngressDeployment).bind(cfg, router, pool, learner)
 
 
 def build_app(args: dict) -> Application:

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import copy
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 from ray import serve
 
 from config import AppConfig, SamplingParams
 from drafts.build import build_proposer
+from learner.replay import RecordBuilder
 from router.router import GENERAL
 from speculative import RequestError, SpeculativeEngine, TargetRows, VerifyCall
 from speculative.detokenize import Detokenizer
@@ -44,7 +45,7 @@ class GenerateRequest:
     messages: list[dict] | None = None  # /v1/chat/completions
     domain: str = "unknown"
     lang: str = "und"
-    meta: dict = field(default_factory=dict)
+    tenant: str | None = None
 
 
 class TargetView:
@@ -79,7 +80,7 @@ class RemoteVerifier:
 class DraftPool:
     """One replica of the draft pool (undecorated: tests build it directly)."""
 
-    def __init__(self, cfg: AppConfig, target_handle=None):
+    def __init__(self, cfg: AppConfig, target_handle=None, learner_handle=None):
         if cfg.engine.model.num_threads:
             torch.set_num_threads(cfg.engine.model.num_threads)
         self.cfg = cfg
@@ -93,6 +94,7 @@ class DraftPool:
             self.verifier = RemoteVerifier(target_handle)
             self.verify_s = None  # asked of the target deployment when the first draft loads
         self.view = TargetView(target, self.verifier.release)
+        self.learner = learner_handle  # finished requests' replay records go there (None: no learning)
         del target  # split: the weights live in the Target deployment only
         self.published: dict[str, tuple[dict, int]] = {}  # draft id -> (state dict, version)
         # drafts loaded in this replica; whoever loads them holds them (multiplexing's LRU cache)
@@ -103,6 +105,10 @@ class DraftPool:
         if self.verify_s is None:
             self.verify_s = await self.verifier.handle.verify_costs.remote()
         engine = SpeculativeEngine(self.view, self.tokenizer, copy.deepcopy(self.base), self.cfg.engine)
+        if self.learner is not None and engine.learned_draft is not None and draft_id not in self.published:
+            latest = await self.learner.latest.remote(draft_id)  # a restarted replica: the newest weights
+            if latest is not None:
+                self.published[draft_id] = latest
         if draft_id in self.published and engine.learned_draft is not None:
             engine.swap_draft(*self.published[draft_id])
         engine.calibrate(verify_s=self.verify_s)
@@ -142,6 +148,7 @@ class DraftPool:
             yield {"error": str(e)}
             return
         st, detok = engine.requests[rid], Detokenizer(self.tokenizer, req.params.stop)
+        record = RecordBuilder() if self.learner is not None and engine.learned_draft is not None else None
         try:
             yield {"prompt_tokens": st.prompt_len}
             while not st.finished:
@@ -151,9 +158,13 @@ class DraftPool:
                     whole = replace(pending.call, start=0, tokens=st.tokens[: pending.call.start] + pending.call.tokens)
                     rows = await self.verifier.verify(whole)
                 res = engine.accept(pending, rows)  # 3. accept (here)
+                if record is not None:
+                    record.add(res)
                 text = detok.finish(st.output) if st.finished else detok.update(st.output)
                 yield {"text": text, "tokens": res.emitted}
             s = st.stats
+            if record is not None and s.drafts:  # the draft proposed: its misses are signal
+                self.learner.record.remote(record.finish(st.tokens, st.prompt_len, req.domain, req.tenant, draft_id))
             yield {
                 "finish_reason": st.finish_reason,
                 "usage": {
@@ -181,9 +192,9 @@ class DraftPool:
 class DraftPoolDeployment(DraftPool):
     """The pool as a deployment: ``generate`` is called with ``multiplexed_model_id=draft_id``."""
 
-    def __init__(self, cfg: AppConfig, target_handle=None):
+    def __init__(self, cfg: AppConfig, target_handle=None, learner_handle=None):
         bind_replica_grpc(cfg.replica_grpc_host)
-        super().__init__(cfg, target_handle)
+        super().__init__(cfg, target_handle, learner_handle)
 
         async def load(draft_id: str) -> SpeculativeEngine:  # a closure: the cap comes from config
             return await self.engine_for(draft_id)

@@ -49,10 +49,11 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
 class Ingress:
     """Undecorated: the deployment below adds Serve and FastAPI."""
 
-    def __init__(self, cfg: AppConfig, router, pool, tenants: Tenants | None = None):
+    def __init__(self, cfg: AppConfig, router, pool, learner=None, tenants: Tenants | None = None):
         self.cfg = cfg
         self.router = router
         self.pool = pool
+        self.learner = learner
         self.tenants = tenants if tenants is not None else Tenants(cfg.auth)
         if self.tenants.open:
             log.warning("no API keys configured: the server is open to every client that can reach it")
@@ -84,6 +85,31 @@ class Ingress:
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.cfg.ingress.model_name, "object": "model", "created": 0, "owned_by": "osd-serve"}]}
+
+    async def learner_call(self, request: Request, method: str, *args):
+        """Operator calls on the learner: stats, pause, resume, rollback."""
+        adm = self._operator(request)
+        if adm.status != 200:
+            return _refused(adm)
+        if self.learner is None:
+            return _error(404, "this application runs without a learner")
+        try:
+            return await getattr(self.learner, method).remote(*args)
+        except Exception as e:  # noqa: BLE001 - a bad draft id or version comes back as a ValueError
+            cause = getattr(e, "cause", e)
+            if isinstance(cause, ValueError):
+                return _error(400, str(cause))
+            raise
+
+    async def rollback(self, request: Request, draft_id: str):
+        try:
+            body = await request.json()
+            version = body["version"]
+            if not isinstance(version, int) or isinstance(version, bool):
+                raise TypeError
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            return _error(400, 'the body must be {"version": <int>}', param="version")
+        return await self.learner_call(request, "rollback", draft_id, version)
 
     # -- generation --------------------------------------------------------------------------
     async def completion(self, request: Request, chat: bool):
@@ -130,7 +156,7 @@ class Ingress:
         route = await self.router.route.remote(text)
         rid = new_id("chatcmpl" if chat else "cmpl")
         gen = GenerateRequest(rid, params, prompt=None if chat else text, messages=messages,
-                              domain=route.domain, lang=route.lang)
+                              domain=route.domain, lang=route.lang, tenant=tenant)
         stream = self.pool.options(multiplexed_model_id=route.draft_id, stream=True).stream.remote(gen)
         first = await stream.__anext__()
         if "error" in first:
@@ -207,9 +233,9 @@ class Ingress:
 @serve.deployment(name="Ingress", max_ongoing_requests=128)
 @serve.ingress(api)
 class IngressDeployment(Ingress):
-    def __init__(self, cfg: AppConfig, router, pool):
+    def __init__(self, cfg: AppConfig, router, pool, learner=None):
         bind_replica_grpc(cfg.replica_grpc_host)
-        super().__init__(cfg, router, pool)
+        super().__init__(cfg, router, pool, learner)
 
     @api.get("/health")
     def health(self) -> dict:
@@ -227,6 +253,22 @@ class IngressDeployment(Ingress):
     @api.get("/admin/drafts")
     async def admin_drafts(self, request: Request):
         return await self.drafts(request)
+
+    @api.post("/admin/drafts/{draft_id}/rollback")
+    async def admin_rollback(self, draft_id: str, request: Request):
+        return await self.rollback(request, draft_id)
+
+    @api.get("/admin/learner")
+    async def admin_learner(self, request: Request):
+        return await self.learner_call(request, "stats")
+
+    @api.post("/admin/learner/pause")
+    async def admin_pause(self, request: Request):
+        return await self.learner_call(request, "pause")
+
+    @api.post("/admin/learner/resume")
+    async def admin_resume(self, request: Request):
+        return await self.learner_call(request, "resume")
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):

@@ -49,6 +49,10 @@ def server(tmp_path_factory):
     doc = yaml.safe_load(launch.DEFAULT_CONFIG.read_text())
     app = doc["applications"][0]
     app["args"]["ingress"]["max_tokens_limit"] = 9000
+    app["args"]["learner"]["state_dir"] = str(tmp_path_factory.mktemp("learner"))
+    # rounds after every 8 records, and a gate that publishes any finite update: what is tested
+    # here is the path (records -> rounds -> object store -> every replica), not the gate
+    app["args"]["learner"]["trainer"].update(train_every=8, gate_margin=1.0, holdout_fraction=0.2)
     app["args"]["auth"] = {"keys": [
         {"tenant": "alice", "key_sha256": digest(KEY), "limits": {"requests_per_minute": 10_000, "max_concurrent": 16}},
         {"tenant": "tiny", "key_sha256": digest(TINY_KEY), "limits": {"requests_per_minute": 1}},
@@ -200,6 +204,36 @@ def _tie_gap(engine, prompt: str, got: str, want: str) -> float:
     return float(top[0] - top[1])
 
 
+def test_learner_publishes_to_every_replica_while_output_stays_lossless(server, client, reference):
+    """Served requests feed the learner; its rounds publish new versions to both draft replicas;
+    responses report the version; greedy output stays the target's."""
+    import time
+
+    for i in range(12):
+        client.completions.create(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=MAX_TOKENS, temperature=0)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        stats = _call(f"{server}/admin/learner", key=ADMIN_KEY)[1]
+        if stats["published"] >= 1:
+            break
+        time.sleep(2)
+    assert stats["observed"] >= 12 and stats["published"] >= 1, stats
+    version = stats["drafts"]["general"]["version"]
+    replicas = _call(f"{server}/admin/drafts", key=ADMIN_KEY)[1]["replicas"]
+    assert len(replicas) == 2
+    for prompt in PROMPTS[:4]:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert r.usage.model_extra["speculative"]["draft_version"] >= version
+        assert r.choices[0].text == _target_only(reference, prompt)
+    code, out, _ = _call(f"{server}/admin/learner/pause", {}, key=ADMIN_KEY)
+    assert code == 200 and out["paused"]
+    assert _call(f"{server}/admin/learner/resume", {}, key=ADMIN_KEY)[1]["paused"] is False
+    code, out, _ = _call(f"{server}/admin/drafts/general/rollback", {"version": 0}, key=ADMIN_KEY)
+    assert code == 200 and out["weights_of"] == 0 and out["version"] > version
+    assert _call(f"{server}/admin/drafts/general/rollback", {"version": 999}, key=ADMIN_KEY)[0] == 400
+    assert _call(f"{server}/admin/drafts/general/rollback", {"version": 0})[0] == 403
+
+
 def test_published_update_reaches_every_replica(server, client, reference):
     """Publish new draft weights (the truncated draft, perturbed) through the object store to every
     replica: both hold the version, responses report it, and greedy output is unchanged."""
@@ -213,13 +247,14 @@ def test_published_update_reaches_every_replica(server, client, reference):
     state = {k: v.numpy() + rng.normal(0, 1e-3, v.shape).astype(np.float32) for k, v in draft.state_dict().items()}
     ref = ray.put(state)
     pool = serve.get_deployment_handle("DraftPool", "osd")
-    versions = pool.broadcast("load_weights", "general", [ref], 7).results()
-    assert versions == [7, 7]  # two replicas, both installed it
+    v = 10_000  # above anything the learner published in this module
+    versions = pool.broadcast("load_weights", "general", [ref], v).results()
+    assert versions == [v, v]  # two replicas, both installed it
     for prompt in PROMPTS[:3]:
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
-        assert r.usage.model_extra["speculative"]["draft_version"] == 7
+        assert r.usage.model_extra["speculative"]["draft_version"] == v
         assert r.choices[0].text == _target_only(reference, prompt)
-    assert pool.broadcast("load_weights", "general", [ref], 3).results() == [7, 7]  # an older version is ignored
+    assert pool.broadcast("load_weights", "general", [ref], 3).results() == [v, v]  # an older version is ignored
 
 
 BAD = [
