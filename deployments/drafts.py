@@ -130,6 +130,12 @@ class DraftPool:
                 engine.stage_draft(state, version)
         return self.published[draft_id][1] if draft_id in self.published else 0
 
+    def node_id(self) -> str:
+        """The Ray node this replica runs on (placement checks, operator views)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def versions(self) -> dict[str, int]:
         return {d: e.draft_version for d, e in self.engines.items()}
 

@@ -103,6 +103,12 @@ class LearnerServer:
         self._publish(draft_id, state, new)
         return {"draft_id": draft_id, "version": new, "weights_of": version}
 
+    def node_id(self) -> str:
+        """The Ray node this replica runs on (placement checks, operator views)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def stats(self) -> dict:
         s = self.background.stats().to_dict()
         s["drafts"] = {d: {"version": t.version, "versions": t.versions(), "traffic": self.learner.traffic(d)}

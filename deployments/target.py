@@ -86,5 +86,11 @@ class Target:
     def release(self, seq_id: str) -> None:
         self.target.release(seq_id)
 
+    def node_id(self) -> str:
+        """The Ray node this replica runs on (placement checks, operator views)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def stats(self) -> dict:
         return self.target.stats()

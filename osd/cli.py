@@ -1,6 +1,7 @@
 """``osd``: one entry point, one subcommand per job.
 
   osd serve                        the server (Ray Serve, OpenAI-compatible) on serve_config.yaml
+  osd bench-serve --url URL        drive the running server at concurrency 1/4/8 (tokens/s, TTFT, ITL)
   osd generate "prompt"            one-shot generation with live speculative statistics
   osd generate --interactive       a chat loop on the embedded default
   osd bench --workload F --n N     target-only vs ours vs HF assisted vs HF prompt lookup
@@ -162,6 +163,10 @@ def _subcommand(argv: list[str]):
         from deployments.launch import main as serve_main
 
         return serve_main
+    if argv[:1] == ["bench-serve"]:
+        from bench.serve_bench import main as bench_serve_main
+
+        return bench_serve_main
     if argv[:1] == ["train-draft"]:  # its options live with the trainer
         from learner.offline import main as train_main
 

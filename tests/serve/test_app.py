@@ -65,6 +65,15 @@ def server(tmp_path_factory):
     cfg_path = tmp_path_factory.mktemp("serve") / "serve_config.yaml"
     cfg_path.write_text(yaml.safe_dump(doc))
     url = launch.start(cfg_path, port=_free_port(), temp_dir=str(tmp_path_factory.mktemp("ray")))
+    # the co-located placement as a second application on the same cluster, under /colo
+    from ray import serve
+
+    from config import AppConfig
+    from deployments.app import build
+
+    colo = AppConfig.model_validate({**app["args"], "placement": "colocated", "learner": {"enabled": False}})
+    small = {"ray_actor_options": {"num_cpus": 0.1}}
+    serve.run(build(colo, {"Ingress": small, "Router": small, "DraftPool": small}), name="colo", route_prefix="/colo")
     yield url
     import ray
     from ray import serve
@@ -316,3 +325,19 @@ def test_operator_endpoint_needs_the_admin_key(server, client):
     code, out, _ = _call(f"{server}/admin/drafts", key=ADMIN_KEY)
     assert code == 200 and len(out["replicas"]) == 2
     assert any("general" in r for r in out["replicas"]) and out["acceptance"]
+
+
+def test_colocated_placement_greedy_concurrent_equals_target_only(server, reference):
+    """Target inside the draft replica (no hop): concurrent greedy requests equal target-only."""
+    import openai
+
+    colo = openai.OpenAI(base_url=f"{server}/colo/v1", api_key=KEY, max_retries=0, timeout=120)
+
+    def one(p):
+        return colo.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0)
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(one, PROMPTS[:4]))
+    for p, r in zip(PROMPTS[:4], got):
+        assert r.choices[0].text == _target_only(reference, p), p
+        assert r.usage.model_extra["speculative"]["steps"] >= 1
