@@ -15,10 +15,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# One-shot generation on the embedded default (SmolLM2-135M-Instruct), live speculative statistics.
-PROMPT ?= Write a Python function that checks whether a string is a palindrome.
+# The server on the embedded default (serve_config.yaml): Ray Serve on 127.0.0.1:8000, OpenAI API.
 run: $(STAMP)
-	$(BIN)/osd generate "$(PROMPT)" --draft ngram --max-tokens 128
+	$(BIN)/osd serve
 
 # The whole test suite: fast unit tests and the slow ones on the real SmolLM2.
 test: $(STAMP)

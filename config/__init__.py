@@ -23,6 +23,14 @@ __all__ = [
     "SamplingParams",
     "EngineConfig",
     "RouterConfig",
+    "TargetServeConfig",
+    "DraftPoolConfig",
+    "IngressConfig",
+    "AppConfig",
+    "AuthConfig",
+    "LearnerServeConfig",
+    "TenantKey",
+    "TenantLimits",
     "ValidationError",
     "cache_dir",
 ]
@@ -248,3 +256,113 @@ class RouterConfig(_Strict):
         if min(v) <= 0:
             raise ValueError("prior pseudo-counts must be > 0")
         return v
+
+
+# -- the Ray Serve application -------------------------------------------------------------------
+
+
+class TargetServeConfig(_Strict):
+    """The target deployment: one model, per-request KV caches, batched verification.
+
+    Verify calls of concurrent requests (from every draft replica) that arrive within
+    ``batch_wait_s`` of each other share one padded forward of up to ``max_batch`` sequences;
+    calls longer than ``max_batch_tokens`` (prefills) run alone. At most ``max_sequences`` KV
+    caches are held (least recently used evicted first) and a cache idle for ``cache_ttl_s``
+    (an abandoned request) is dropped; a request whose cache was evicted is re-sent whole by
+    its draft replica, so eviction costs time, never correctness.
+    """
+
+    max_batch: int = Field(default=8, ge=1, le=256)
+    batch_wait_s: float = Field(default=0.004, ge=0.0, le=1.0)
+    max_batch_tokens: int = Field(default=64, ge=1)
+    max_sequences: int = Field(default=64, ge=1)
+    cache_ttl_s: float = Field(default=300.0, gt=0.0)
+
+
+class DraftPoolConfig(_Strict):
+    """The draft replicas: each holds up to ``drafts_per_replica`` drafts (Ray Serve model
+    multiplexing by draft id, least recently used unloaded) and runs the speculative loop of its
+    requests. Every draft id starts from ``engine.draft`` until the learner publishes weights."""
+
+    drafts_per_replica: int = Field(default=4, ge=1)
+    #: requests in flight per replica (each is a coroutine; verification is what they wait on)
+    max_ongoing: int = Field(default=16, ge=1)
+
+
+class IngressConfig(_Strict):
+    """The OpenAI-compatible HTTP front."""
+
+    model_name: str = "smollm2-135m-instruct-osd"  # the id clients pass as ``model``
+    max_tokens_limit: int = Field(default=2048, ge=1)  # refuse larger max_tokens with 400
+    default_max_tokens: int = Field(default=256, ge=1)  # chat requests without max_tokens
+    max_prompt_chars: int = Field(default=32_000, ge=1)
+
+
+class TenantLimits(_Strict):
+    """Per-tenant limits (None: unlimited), enforced by each ingress replica."""
+
+    requests_per_minute: float | None = Field(default=None, gt=0)
+    tokens_per_minute: float | None = Field(default=None, gt=0)  # prompt + completion tokens
+    max_concurrent: int | None = Field(default=None, ge=1)
+
+
+class TenantKey(_Strict):
+    """One API key of a tenant, stored as the SHA-256 hex digest of the key (never the key)."""
+
+    tenant: str = Field(min_length=1)
+    key_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    admin: bool = False
+    limits: TenantLimits | None = None  # None: AuthConfig.default_limits
+
+
+class AuthConfig(_Strict):
+    """API keys and tenants. Keys come from ``keys_file`` (YAML or JSON: a list of TenantKey) and
+    from the environment variable named by ``keys_env`` (``tenant:key,tenant:key``, hashed at start),
+    the admin key from ``admin_key_env``. With no key at all the server is open (and says so)."""
+
+    keys: tuple[TenantKey, ...] = ()
+    keys_file: str | None = None
+    keys_env: str = "OSD_API_KEYS"
+    admin_key_env: str = "OSD_ADMIN_KEY"
+    default_limits: TenantLimits = TenantLimits(requests_per_minute=600, tokens_per_minute=200_000, max_concurrent=16)
+
+
+class LearnerServeConfig(_Strict):
+    """The learner deployment: replay shards and checkpoints under ``state_dir`` (default
+    ``<cache_dir>/serve``), trained in rounds in a background thread of its own process.
+    ``trainer``: fields of ``learner.trainer.LearnerConfig`` (train_every, batch_records, lr,
+    gate_margin, ...); ``background``: of ``learner.background.BackgroundConfig`` (nice, threads);
+    ``shard_max_bytes``: per-draft replay bound."""
+
+    enabled: bool = True
+    state_dir: str | None = None
+    trainer: dict = Field(default_factory=lambda: {"train_every": 16, "batch_records": 16, "steps_per_round": 4,
+                                                   "lr": 1e-3, "positions": "all", "gate_margin": 0.0})
+    background: dict = Field(default_factory=lambda: {"nice": 19, "threads": 1})
+    shard_max_bytes: int = Field(default=64 << 20, gt=0)
+
+    def root(self) -> Path:
+        return Path(self.state_dir) if self.state_dir else cache_dir() / "serve"
+
+
+class AppConfig(_Strict):
+    """The whole application, as ``serve_config.yaml`` gives it (``args:`` of the app).
+
+    placement ``split``: draft replicas call the target deployment once per step (one hop,
+    batched across requests and replicas); ``colocated``: each draft replica holds its own target
+    and batches the verify calls of its own requests (no hop, one target copy per replica).
+    """
+
+    placement: Literal["split", "colocated"] = "split"
+    #: host of each replica's inter-deployment gRPC listener (Ray binds all interfaces); null: Ray's default
+    replica_grpc_host: str | None = "127.0.0.1"
+    engine: EngineConfig = EngineConfig(
+        model=ModelConfig(num_threads=1),
+        draft=DraftConfig(kind="truncated", num_layers=2, ngram_first=True),
+    )
+    target: TargetServeConfig = TargetServeConfig()
+    drafts: DraftPoolConfig = DraftPoolConfig()
+    router: RouterConfig = RouterConfig(mode="clusters")
+    ingress: IngressConfig = IngressConfig()
+    auth: AuthConfig = AuthConfig()
+    learner: LearnerServeConfig = LearnerServeConfig()

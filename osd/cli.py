@@ -1,5 +1,7 @@
 """``osd``: one entry point, one subcommand per job.
 
+  osd serve                        the server (Ray Serve, OpenAI-compatible) on serve_config.yaml
+  osd bench-serve --url URL        drive the running server at concurrency 1/4/8 (tokens/s, TTFT, ITL)
   osd generate "prompt"            one-shot generation with live speculative statistics
   osd generate --interactive       a chat loop on the embedded default
   osd bench --workload F --n N     target-only vs ours vs HF assisted vs HF prompt lookup
@@ -157,6 +159,14 @@ def _generate(args) -> int:
 
 def _subcommand(argv: list[str]):
     """The main of a subcommand whose options live with its library (None: parsed here)."""
+    if argv[:1] == ["serve"]:  # the application; options live with its launcher
+        from deployments.launch import main as serve_main
+
+        return serve_main
+    if argv[:1] == ["bench-serve"]:
+        from bench.serve_bench import main as bench_serve_main
+
+        return bench_serve_main
     if argv[:1] == ["train-draft"]:  # its options live with the trainer
         from learner.offline import main as train_main
 

@@ -26,8 +26,8 @@ from .detokenize import final_text
 from .kpolicy import CostModel, KPolicy
 from .models import encode_prompt, eos_token_ids
 from .proposers import EMPTY, DraftModelProposer, Proposal, Proposer
-from .runner import ModelRunner
-from .sampling import greedy_accept, rejection_accept, sparse_top_k, warp_logits
+from .runner import ModelRunner, TargetRows, VerifyCall
+from .sampling import greedy_accept, race_noise, race_sample, rejection_accept, warp_logits
 from .stats import SpecStats
 
 
@@ -90,6 +90,16 @@ class StepResult:
 
 
 @dataclass
+class PendingStep:
+    """A proposed step waiting for the target: what :meth:`SpeculativeEngine.accept` needs."""
+
+    request_id: str
+    start: int  # len(tokens) when proposed
+    proposal: Proposal
+    call: VerifyCall  # what the target must score
+
+
+@dataclass
 class RequestState:
     request_id: str
     params: SamplingParams
@@ -125,7 +135,7 @@ class SpeculativeEngine:
 
     def __init__(
         self,
-        target: ModelRunner,
+        target: ModelRunner,  # or anything with its verify / release / vocab_size / max_positions / eos_ids
         tokenizer: PreTrainedTokenizerBase,
         proposer: Proposer | None,
         cfg: EngineConfig = EngineConfig(),
@@ -137,9 +147,9 @@ class SpeculativeEngine:
         self.costs = CostModel(ema=cfg.k.ema)
         self.global_policy = KPolicy(cfg.k, self.costs)  # engine-wide acceptance: the prior of new requests
         self.requests: dict[str, RequestState] = {}
-        self.vocab_size = target.model.config.vocab_size
-        self.max_positions = getattr(target.model.config, "max_position_embeddings", None)
-        self.eos_ids = eos_token_ids(tokenizer, target.model)
+        self.vocab_size = target.vocab_size
+        self.max_positions = target.max_positions
+        self.eos_ids = eos_token_ids(tokenizer, None) | set(target.eos_ids)
         self._staged: tuple[dict, int] | None = None  # draft weights handed over by another thread
         self._staged_lock = threading.Lock()
 
@@ -159,8 +169,14 @@ class SpeculativeEngine:
         return [int(t) for t in tokens]
 
     def add_request(
-        self, prompt: str | bytes | list[int], params: SamplingParams = SamplingParams(), request_id: str | None = None
+        self,
+        prompt: str | bytes | list[int],
+        params: SamplingParams = SamplingParams(),
+        request_id: str | None = None,
+        generator: torch.Generator | None = None,
     ) -> str:
+        """Queue a request. Unseeded sampling draws from ``generator`` when given (reproducible
+        experiments and tests), else from fresh entropy; a seeded request needs no generator."""
         if isinstance(prompt, (str, bytes, bytearray)):
             tokens = self.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
@@ -178,11 +194,10 @@ class SpeculativeEngine:
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already active")
         gen = None
-        if not params.greedy:
-            gen = torch.Generator()
-            if params.seed is not None:
-                gen.manual_seed(params.seed)
-            else:
+        if not params.greedy and params.seed is None:  # seeded requests race with (seed, position) noise
+            gen = generator
+            if gen is None:
+                gen = torch.Generator()
                 gen.seed()  # fresh entropy for this request only; the global RNG is untouched
         prior = {s: e.value for s, e in self.global_policy.alpha.items()}
         self.requests[rid] = RequestState(rid, params, tokens, len(tokens), KPolicy(self.cfg.k, self.costs, prior), gen)
@@ -201,6 +216,22 @@ class SpeculativeEngine:
 
     # -- the speculative step -----------------------------------------------------------------
     def step(self, request_id: str) -> StepResult:
+        """One speculative step in-process: the three phases below, with the local target. A server
+        runs the same phases with the verify call sent to a remote, batching target."""
+        pending = self.propose(request_id)  # 1. draft k tokens (local)
+        rows = self.target.verify([pending.call])[0]  # 2. one target forward over them
+        return self.accept(pending, rows)  # 3. keep the longest acceptable prefix
+
+    def step_many(self, request_ids: list[str]) -> list[StepResult]:
+        """One step of each request with their verifications batched into one target forward
+        (a co-located server's loop). Greedy results equal :meth:`step` up to float rounding."""
+        pending = [self.propose(rid) for rid in request_ids]
+        rows = self.target.verify([p.call for p in pending])
+        return [self.accept(p, r) for p, r in zip(pending, rows)]
+
+    def propose(self, request_id: str) -> "PendingStep":
+        """Phase 1: installs staged draft weights, asks the k policy for k and the proposer for
+        d_1..d_k (with q), and states the target call that verifies them."""
         if self._staged is not None:
             self._install_staged()
         st = self.requests.get(request_id)
@@ -208,52 +239,53 @@ class SpeculativeEngine:
             raise RequestError(f"unknown request id {request_id!r}")
         if st.finished:
             raise RequestError(f"request {request_id!r} has finished ({st.finish_reason})")
-        params, start = st.params, len(st.tokens)
-        budget = params.max_tokens - len(st.output) - 1  # drafting past max_tokens is wasted work
-
-        # 1. propose: k draft tokens d_1..d_k, and the draft distribution q they came from
+        budget = st.params.max_tokens - len(st.output) - 1  # drafting past max_tokens is wasted work
         prop: Proposal = EMPTY
         if self.proposer is not None and budget > 0:
-            prop = self.proposer.propose(request_id, st.tokens, lambda s: min(st.policy.choose(s), budget), params, st.generator)
-        k = prop.k
+            prop = self.proposer.propose(request_id, st.tokens, lambda s: min(st.policy.choose(s), budget), st.params, st.generator)
+        feed = st.tokens[st.target_len :] + prop.tokens  # the uncached suffix + d_1..d_k
+        call = VerifyCall(request_id, st.target_len, feed, prop.k + 1, not st.params.greedy, self.cfg.record_top_k)
+        return PendingStep(request_id, len(st.tokens), prop, call)
+
+    def accept(self, pending: "PendingStep", rows: TargetRows) -> StepResult:
+        """Phase 3: the accepted prefix and the recovered / bonus token from the target's rows
+        ([k+1] argmax, or [k+1, V] logits when sampling), then the request's bookkeeping."""
+        st = self.requests.get(pending.request_id)
+        if st is None or len(st.tokens) != pending.start or st.finished:
+            raise RequestError(f"request {pending.request_id!r} moved on since this step was proposed")
+        prop, params, start, k = pending.proposal, st.params, pending.start, pending.proposal.k
         draft = torch.tensor(prop.tokens, dtype=torch.long)  # [k]
-
-        # 2. verify: one target forward over the uncached suffix + the k draft tokens
-        t0 = time.perf_counter()
-        feed = st.tokens[st.target_len :] + prop.tokens
-        logits = self.target.forward(request_id, st.target_len, feed, keep_last=k + 1)  # [k+1, V]
-        target_s = time.perf_counter() - t0
-
-        # 3. accept: the longest acceptable prefix, then a recovered (or bonus) token from the target
         if params.greedy:
-            n, next_token = greedy_accept(draft, logits)
+            n, next_token = greedy_accept(draft, rows.argmax)
+        elif params.seed is not None:  # seeded: the target's race winners, noise fixed by (seed, position)
+            p = warp_logits(rows.logits, params)  # [k+1, V] target
+            winners = race_sample(p, race_noise(params.seed, range(start, start + k + 1), p.shape[-1]))  # [k+1]
+            n, next_token = greedy_accept(draft, winners)
         else:
-            p = warp_logits(logits, params)  # [k+1, V] target
+            p = warp_logits(rows.logits, params)  # [k+1, V] target
             q = prop.probs if prop.probs is not None else torch.nn.functional.one_hot(draft, p.shape[-1]).float()
             n, next_token = rejection_accept(draft, q, p, st.generator)  # q: [k, V] draft
 
         # commit: the target cache keeps tokens + d_1..d_n; the new token is pending
         st.target_len = start + n
         if self.proposer is not None:
-            self.proposer.feedback(request_id, start + n)
+            self.proposer.feedback(pending.request_id, start + n)
         emitted = self._append(st, prop.tokens[:n] + [next_token])
-        self._observe(st, prop, n, len(emitted), len(feed), target_s)
-
-        top_ids, top_probs, tail = sparse_top_k(logits, self.cfg.record_top_k)
+        self._observe(st, prop, n, len(emitted), len(pending.call.tokens), rows.seconds, rows.batch)
         return StepResult(
-            request_id=request_id,
+            request_id=pending.request_id,
             source=prop.source,
-            draft_version=self.learned_draft.version if self.learned_draft is not None else 0,
+            draft_version=self.draft_version,
             start=start,
             draft_tokens=prop.tokens,
             accepted=n,
-            draft_matches_target=(draft == logits[:k].argmax(-1)).tolist(),
+            draft_matches_target=(draft == rows.argmax[:k]).tolist(),
             emitted=emitted,
-            target_top_ids=top_ids,
-            target_top_probs=top_probs,
-            target_tail=tail,
+            target_top_ids=rows.top_ids,
+            target_top_probs=rows.top_probs,
+            target_tail=rows.tail,
             draft_s=prop.seconds,
-            target_s=target_s,
+            target_s=rows.seconds,
             finished=st.finished,
             finish_reason=st.finish_reason,
         )
@@ -285,14 +317,14 @@ class SpeculativeEngine:
         tail = self.tokenizer.decode(st.output[-(longest + 8) :], skip_special_tokens=True)
         return any(s in tail for s in st.params.stop)
 
-    def _observe(self, st: RequestState, prop: Proposal, n: int, emitted: int, fed: int, target_s: float) -> None:
+    def _observe(self, st: RequestState, prop: Proposal, n: int, emitted: int, fed: int, target_s: float, batch: int = 1) -> None:
         st.stats.observe(prop.k, n, emitted, prop.seconds, target_s)
         if prop.k:
             st.policy.observe(prop.source, prop.k, n)
             self.global_policy.observe(prop.source, prop.k, n)
             if prop.input_tokens <= prop.k + 1:  # no catch-up/prefill inside: a clean per-token cost
                 self.costs.observe_draft(prop.source, prop.k, prop.seconds)
-        if fed == prop.k + 1:  # no prefill inside: a clean verify cost
+        if fed == prop.k + 1 and batch == 1:  # no prefill or other requests inside: a clean verify cost
             self.costs.observe_verify(fed, target_s)
 
     # -- whole generations ----------------------------------------------------------------------
@@ -304,8 +336,9 @@ class SpeculativeEngine:
         prompt: str | list[int],
         params: SamplingParams = SamplingParams(),
         on_step: Callable[[StepResult], None] | None = None,
+        generator: torch.Generator | None = None,
     ) -> Generation:
-        rid = self.add_request(prompt, params)
+        rid = self.add_request(prompt, params, generator=generator)
         st = self.requests[rid]
         try:
             while not st.finished:
@@ -326,36 +359,31 @@ class SpeculativeEngine:
 
     # -- cost calibration ---------------------------------------------------------------------
     @torch.inference_mode()
-    def calibrate(self, context: int = 64, repeats: int = 3) -> dict:
-        """Measure the target's time to verify j = 1..k_max+1 tokens and the draft's time per token
-        at a ``context``-token prefix (best of ``repeats``), seeding the k policy's cost model.
+    def calibrate(self, context: int = 64, repeats: int = 3, verify_s: dict[int, float] | None = None) -> dict:
+        """Measure the target's time to verify j = 1..k_max+1 tokens (unless ``verify_s`` brings
+        it, measured where the target lives) and the draft's time per token at a
+        ``context``-token prefix (best of ``repeats``), seeding the k policy's cost model.
         Online measurements refine these as traffic flows."""
-        ids = [(100 + i) % self.vocab_size for i in range(context + self.cfg.k.k_max + 1)]
-        seq = "__calibrate__"
-        try:
-            self.target.forward(seq, 0, ids[:context])
-            for j in range(1, self.cfg.k.k_max + 2):
-                best = min(self._timed(self.target.forward, seq, context, ids[context : context + j], j) for _ in range(repeats))
-                self.costs.verify_s[j] = best
-            if self.learned_draft is not None:
-                runner = self.learned_draft.runner
+        if verify_s is None:
+            verify_s = time_verify(self.target, self.cfg.k.k_max, context, repeats)
+        self.costs.verify_s.update(verify_s)
+        if self.learned_draft is not None:
+            runner, seq = self.learned_draft.runner, "__calibrate__"
+            ids = _calibration_ids(context + 1, self.vocab_size)
+            try:
                 runner.forward(seq, 0, ids[:context])
-                best = min(self._timed(runner.forward, seq, context, ids[context : context + 1]) for _ in range(repeats))
-                self.costs.draft_s["draft"] = best
+                self.costs.draft_s["draft"] = min(_timed(runner.forward, seq, context, ids[context:]) for _ in range(repeats))
+            finally:
                 runner.release(seq)
-            if self.proposer is not None and "ngram" in self.proposer.sources:
-                self.costs.draft_s["ngram"] = 0.0
-        finally:
-            self.target.release(seq)
+        if self.proposer is not None and "ngram" in self.proposer.sources:
+            self.costs.draft_s["ngram"] = 0.0
         return {"verify_s": dict(self.costs.verify_s), "draft_s": dict(self.costs.draft_s)}
 
-    @staticmethod
-    def _timed(fn, *args) -> float:
-        t0 = time.perf_counter()
-        fn(*args)
-        return time.perf_counter() - t0
-
     # -- draft weights ----------------------------------------------------------------------
+    @property
+    def draft_version(self) -> int:
+        return self.learned_draft.version if self.learned_draft is not None else 0
+
     @property
     def learned_draft(self) -> DraftModelProposer | None:
         """The draft-model proposer (alone or inside a chain), if any."""
@@ -384,3 +412,28 @@ class SpeculativeEngine:
             staged, self._staged = self._staged, None
         if staged is not None and staged[1] > self.learned_draft.version:
             self.learned_draft.load_state_dict(*staged)
+
+
+def _timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def _calibration_ids(n: int, vocab_size: int) -> list[int]:
+    return [(100 + i) % vocab_size for i in range(n)]
+
+
+@torch.inference_mode()
+def time_verify(target: ModelRunner, k_max: int, context: int = 64, repeats: int = 3) -> dict[int, float]:
+    """Seconds for the target to score j = 1..k_max+1 new tokens after a ``context``-token prefix
+    (best of ``repeats``): the verification costs of the k policy."""
+    ids, seq = _calibration_ids(context + k_max + 1, target.vocab_size), "__calibrate__"
+    try:
+        target.forward(seq, 0, ids[:context])
+        return {
+            j: min(_timed(target.forward, seq, context, ids[context : context + j], j) for _ in range(repeats))
+            for j in range(1, k_max + 2)
+        }
+    finally:
+        target.release(seq)

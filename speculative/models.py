@@ -162,20 +162,29 @@ def load_config(name: str):
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat_template: bool = True) -> list[int]:
-    """Token ids of a text prompt: a user turn in the tokenizer's chat template when it has one
-    (``apply_chat_template`` returns a list or a BatchEncoding depending on the tokenizer)."""
+    """Token ids of a text prompt: a user turn in the tokenizer's chat template when it has one."""
     if chat_template and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return encode_messages(tokenizer, [{"role": "user", "content": prompt}])
     return list(tokenizer(prompt)["input_ids"])
 
 
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, model: PreTrainedModel) -> set[int]:
+def encode_messages(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+    """Token ids of a chat (``[{"role": ..., "content": ...}]``) in the tokenizer's chat template,
+    ending with the assistant's turn (``apply_chat_template`` returns a list or a BatchEncoding
+    depending on the tokenizer). A tokenizer without a template gets the turns joined by lines."""
+    if not getattr(tokenizer, "chat_template", None):
+        return list(tokenizer("\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:")["input_ids"])
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, model: PreTrainedModel | None) -> set[int]:
     """Every id that ends a generation: the tokenizer's EOS and the model's generation_config EOS."""
     ids: set[int] = set()
-    for src in (getattr(tokenizer, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)):
+    gen_cfg = getattr(model, "generation_config", None)
+    for src in (getattr(tokenizer, "eos_token_id", None), getattr(gen_cfg, "eos_token_id", None)):
         if isinstance(src, int):
             ids.add(src)
         elif src:

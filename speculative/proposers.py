@@ -21,7 +21,7 @@ import torch
 from config import NgramConfig, SamplingParams
 
 from .runner import ModelRunner
-from .sampling import warp_logits
+from .sampling import race_noise, race_sample, warp_logits
 
 #: The k policy, asked once per step by the proposer that is about to propose: source -> k.
 ChooseK = Callable[[str], int]
@@ -95,7 +95,10 @@ class DraftModelProposer:
                 tok = j if vm is None else int(vm[j])
             else:
                 q = self._to_target(warp_logits(logits[None], params))[0]  # [V_target]
-                tok = int(torch.multinomial(q, 1, generator=gen))
+                if params.seed is not None:  # seeded: race q with the noise the target's row will use
+                    tok = int(race_sample(q[None], race_noise(params.seed, [len(tokens) + i], q.shape[-1]))[0])
+                else:
+                    tok = int(torch.multinomial(q, 1, generator=gen))
                 rows.append(q)
             draft_tokens.append(tok)
             feed = [tok]

@@ -10,10 +10,14 @@ calls of several concurrent requests at once.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+from .models import eos_token_ids
+from .sampling import sparse_top_k
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,43 @@ class ForwardCall:
     start: int
     tokens: list[int]
     keep_last: int = 1
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    """One speculative step's request to the target: extend ``seq_id`` from ``start`` with
+    ``tokens`` (the uncached suffix + the k draft tokens) and score the last ``rows`` = k + 1
+    positions. ``full_rows``: the whole logits rows come back (rejection sampling needs p over the
+    vocabulary); greedy needs only the argmax, and the learner the top-K."""
+
+    seq_id: str
+    start: int
+    tokens: list[int]
+    rows: int
+    full_rows: bool = False
+    top_k: int = 16
+
+
+@dataclass
+class TargetRows:
+    """The target's answer to a :class:`VerifyCall`, small enough to cross a process hop.
+
+    Row i scores the token after the call's first ``len(tokens) - rows + i + 1`` new tokens.
+    """
+
+    argmax: torch.Tensor  # [rows] long
+    top_ids: torch.Tensor  # [rows, K] long: target distribution at temperature 1 (learner signal)
+    top_probs: torch.Tensor  # [rows, K] float
+    tail: torch.Tensor  # [rows] float: 1 - sum(top_probs)
+    logits: torch.Tensor | None  # [rows, V] float when the call asked for full rows, else None
+    seconds: float = 0.0  # the target's compute time for the forward this call was part of
+    batch: int = 1  # calls in that forward
+
+
+def target_rows(logits: torch.Tensor, call: VerifyCall, seconds: float = 0.0, batch: int = 1) -> TargetRows:
+    """Compact the logits of one call ([rows, V]) into what the engine needs."""
+    ids, probs, tail = sparse_top_k(logits, call.top_k)
+    return TargetRows(logits.argmax(-1), ids, probs, tail, logits if call.full_rows else None, seconds, batch)
 
 
 class ModelRunner:
@@ -69,10 +110,95 @@ class ModelRunner:
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep_last)
         return out.logits[0, -keep_last:].float().cpu()  # [keep_last, V_model], on the CPU (acceptance runs there)
 
+    @torch.inference_mode()
     def forward_batch(self, calls: list[ForwardCall]) -> list[torch.Tensor]:
-        """The calls of several requests. Today one forward each; the interface is what a batched
-        (padded or ragged-attention) implementation keeps."""
-        return [self.forward(c.seq_id, c.start, c.tokens, c.keep_last) for c in calls]
+        """The calls of several sequences in **one** forward: each call's cached prefix is
+        left-padded to the longest, its new tokens right-padded to the longest, with a mask that
+        keeps the real positions and per-sequence position ids. Returns each call's last
+        ``keep_last`` rows ([keep_last, V_model]); the new KV entries go back to each sequence.
+
+        Results equal :meth:`forward` up to float rounding (other GEMM shapes); a single call runs
+        unpadded. Two calls for one sequence in a batch are refused."""
+        if len(calls) == 1:
+            c = calls[0]
+            return [self.forward(c.seq_id, c.start, c.tokens, c.keep_last)]
+        if len({c.seq_id for c in calls}) != len(calls):
+            raise ValueError(f"{self.name}: a batch holds two calls for one sequence")
+        past = [self._prefix(c) for c in calls]  # per call: its cache (read up to c.start) or None
+        plen = [c.start for c in calls]  # [B] cached positions kept
+        tlen = [len(c.tokens) for c in calls]  # [B] new tokens
+        P, T, B = max(plen), max(tlen), len(calls)
+        dev = self.device
+        ids = torch.zeros(B, T, dtype=torch.long, device=dev)  # [B, T] right-padded new tokens
+        pos = torch.zeros(B, T, dtype=torch.long, device=dev)  # [B, T] true positions
+        keep = torch.zeros(B, P + T, dtype=torch.long, device=dev)  # [B, P+T] 1 = a real position
+        for b, c in enumerate(calls):
+            ids[b, : tlen[b]] = torch.tensor(c.tokens, dtype=torch.long)
+            pos[b] = torch.arange(c.start, c.start + T)
+            keep[b, P - plen[b] : P + tlen[b]] = 1
+        cache = DynamicCache(config=self.model.config)
+        if P:
+            for layer in range(self.model.config.num_hidden_layers):
+                ks, vs = [], []
+                for b in range(B):
+                    k, v = self._layer_kv(past[b], layer, plen[b])  # [1, H, plen, D]
+                    pad = P - plen[b]
+                    ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
+                    vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
+                cache.update(torch.cat(ks), torch.cat(vs), layer)  # [B, H, P, D]
+        out = self.model(input_ids=ids, attention_mask=keep, position_ids=pos, past_key_values=cache, use_cache=True)
+        logits = out.logits.float().cpu()  # [B, T, V]
+        results = []
+        for b, c in enumerate(calls):
+            new = DynamicCache(config=self.model.config)
+            lo, hi = P - plen[b], P + tlen[b]  # this sequence's real positions in the batch cache
+            for layer, kv in enumerate(cache.layers):
+                new.update(kv.keys[b : b + 1, :, lo:hi].clone(), kv.values[b : b + 1, :, lo:hi].clone(), layer)
+            self._caches[c.seq_id] = new
+            results.append(logits[b, tlen[b] - c.keep_last : tlen[b]])
+        return results
+
+    def _prefix(self, c: ForwardCall) -> DynamicCache | None:
+        if not c.tokens:
+            raise ValueError("forward needs at least one token")
+        cache = self._caches.get(c.seq_id)
+        have = 0 if cache is None else cache.get_seq_length()
+        if c.start > have:
+            raise ValueError(f"{self.name}: sequence {c.seq_id!r} has {have} cached positions, cannot start at {c.start}")
+        return cache if c.start else None
+
+    @staticmethod
+    def _layer_kv(cache: DynamicCache | None, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = cache.layers[layer]
+        return kv.keys[:, :, :n], kv.values[:, :, :n]
+
+    def verify(self, calls: list[VerifyCall], max_batch_tokens: int = 64) -> list[TargetRows]:
+        """Score the steps of several requests: short calls (decode steps) share one padded
+        forward; long ones (prefills over ``max_batch_tokens``) run alone, so that one prompt does
+        not pad every other sequence to its length."""
+        out: list[TargetRows | None] = [None] * len(calls)
+        short = [i for i, c in enumerate(calls) if len(c.tokens) <= max_batch_tokens]
+        groups = ([short] if short else []) + [[i] for i, c in enumerate(calls) if len(c.tokens) > max_batch_tokens]
+        for group in groups:
+            t0 = time.perf_counter()
+            fwd = [ForwardCall(calls[i].seq_id, calls[i].start, calls[i].tokens, calls[i].rows) for i in group]
+            logits = self.forward_batch(fwd)
+            seconds = time.perf_counter() - t0
+            for i, lg in zip(group, logits):
+                out[i] = target_rows(lg, calls[i], seconds, len(group))
+        return out  # type: ignore[return-value]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return eos_token_ids(None, self.model)
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
 
     # -- weights ------------------------------------------------------------------------
     def load_state_dict(self, state: dict) -> None:

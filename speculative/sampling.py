@@ -11,6 +11,14 @@ Vocabulary (after vLLM's rejection sampler):
 Greedy: accept while the draft token equals argmax p; the next token is argmax p at the first
 mismatch (or the bonus). Sampling: accept d_i with probability min(1, p(d_i) / q(d_i)); this
 leaves the output distributed exactly as p (Leviathan et al. 2023, Chen et al. 2023).
+
+Seeded sampling (a request with a seed) must give the same text every time, whatever the draft,
+its version and the k chosen. It samples by an *exponential race*: the token at sequence position
+t is argmax_v p_t(v) / E_t(v), with E_t(v) ~ Exp(1) drawn from a generator fixed by (seed, t);
+token v wins with probability exactly p_t(v) (the Gumbel-max trick in another form). The draft
+races its q with the same noise, so the draft token and the target's agree often when q is close
+to p, and verification is greedy against the target's race winners: every output token is the
+target's own race winner, a function of the seed and the target alone.
 """
 
 from __future__ import annotations
@@ -44,14 +52,13 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits.softmax(-1)
 
 
-def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+def greedy_accept(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> tuple[int, int]:
     """Longest prefix of draft tokens equal to the target's argmax, then the target's own token.
 
-    draft_tokens: [k] long; target_logits: [k+1, V] (row i scores the token after d_1..d_i).
-    Returns (number accepted n in 0..k, next token = argmax p at row n).
+    draft_tokens: [k] long; target_argmax: [k+1] long, argmax of target row i, which scores the
+    token after d_1..d_i. Returns (number accepted n in 0..k, next token = target_argmax[n]).
     """
     k = draft_tokens.shape[0]
-    target_argmax = target_logits.argmax(-1)  # [k+1]
     match = (draft_tokens == target_argmax[:k]).long()  # [k]
     n = int(match.cumprod(0).sum())
     return n, int(target_argmax[n])
@@ -86,6 +93,24 @@ def rejection_accept(
             residual = target_probs[n]
         return n, int(torch.multinomial(residual, 1, generator=generator))  # multinomial normalises
     return n, int(torch.multinomial(target_probs[k], 1, generator=generator))
+
+
+def race_noise(seed: int, positions: range | list[int], vocab: int) -> torch.Tensor:
+    """Exp(1) noise of sequence positions ``positions`` for a seeded request: [T, vocab], each row
+    drawn from its own generator seeded by (seed, position), so a row never depends on how the
+    sequence was split into steps."""
+    rows = []
+    for t in positions:
+        g = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + t) % (1 << 63))
+        rows.append(torch.empty(vocab).exponential_(generator=g))
+    return torch.stack(rows) if rows else torch.empty(0, vocab)
+
+
+def race_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The exponential race: argmax_v probs[v] / noise[v] wins with probability probs[v] exactly.
+
+    probs: [T, V] (warped, rows sum to 1); noise: [T, V] Exp(1). Returns [T] long."""
+    return (probs / noise).argmax(-1)
 
 
 def sparse_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -185,3 +185,8 @@ def hf_greedy(target):
         return cache[key]
 
     return gen
+
+
+def pytest_collection_modifyitems(config, items):
+    """Ray tests last: the unit tests run first (fast feedback), then the module that starts Ray."""
+    items.sort(key=lambda item: item.get_closest_marker("serve") is not None)

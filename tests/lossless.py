@@ -243,6 +243,7 @@ class Case:
     draft: str  # "close" | "far" | "ngram" | "chain" (prompt lookup, then the close draft) | "none"
     restricted: bool = False  # draft head restricted to part of the vocabulary (vocab_map)
     model: str = "markov"  # "markov" | "llama"
+    seeded: bool = False  # requests with a seed: the exponential race instead of rejection sampling
 
     @property
     def m(self) -> int:
@@ -252,8 +253,9 @@ class Case:
     def name(self) -> str:
         mode = "adaptive" if self.adaptive else "fixed"
         head = "+head" if self.restricted else ""
+        seeded = " seeded" if self.seeded else ""
         return (f"{self.model}:{self.draft}{head} T={self.temperature} top_p={self.top_p} top_k={self.top_k} "
-                f"k={self.k} {mode}")
+                f"k={self.k} {mode}{seeded}")
 
 
 FACTORS = {
@@ -299,6 +301,19 @@ LLAMA_CASES = [Case(1.0, 0.8, 0, 2, False, "far", model="llama")]
 TARGET_ONLY_CASES = [
     Case(t, p, tk, 0, False, "none")
     for t, p, tk in itertools.product(FACTORS["temperature"], FACTORS["top_p"], FACTORS["top_k"])
+]
+
+#: Seeded requests (the exponential race): draft kinds, heads, k and warps, target-only, the Llama path.
+SEEDED_CASES = [
+    Case(0.7, 1.0, 0, 2, False, "close", seeded=True),
+    Case(1.5, 0.8, 3, 4, True, "far", restricted=True, seeded=True),
+    Case(1.0, 0.5, 0, 1, False, "close", restricted=True, seeded=True),
+    Case(0.3, 0.8, 3, 4, True, "close", seeded=True),
+    Case(1.0, 1.0, 0, 4, False, "chain", restricted=True, seeded=True),
+    Case(0.7, 0.8, 0, 2, False, "ngram", seeded=True),
+    Case(1.0, 0.8, 3, 0, False, "none", seeded=True),
+    Case(0.3, 1.0, 0, 0, False, "none", seeded=True),
+    Case(1.0, 0.8, 0, 2, False, "far", model="llama", seeded=True),
 ]
 
 PROMPT = [1, 2, 3, 1, 2, 4, 1, 2]  # repeats, so that prompt lookup finds continuations
@@ -384,17 +399,19 @@ class CaseResult:
 
 
 def sample(engine, case: Case, n: int, seed: int = 0) -> tuple[list[tuple], dict, int, int]:
-    """N sequences of m tokens through the engine, one seeded request each."""
+    """N sequences of m tokens through the engine: seeded requests (seeds seed*1_000_003 + i) for a
+    seeded case, else unseeded requests drawing from one generator seeded by ``seed``."""
     from config import SamplingParams
 
     ks: dict[int, int] = {}
     full = rejected = 0
     out = []
+    gen = torch.Generator().manual_seed(seed)
     for i in range(n):
-        params = SamplingParams(max_tokens=case.m, temperature=case.temperature, top_p=case.top_p,
-                                top_k=case.top_k, seed=seed * 1_000_003 + i, ignore_eos=True)
+        params = SamplingParams(max_tokens=case.m, temperature=case.temperature, top_p=case.top_p, top_k=case.top_k,
+                                seed=seed * 1_000_003 + i if case.seeded else None, ignore_eos=True)
         steps = []
-        out.append(tuple(engine.generate(list(PROMPT), params, on_step=steps.append).token_ids))
+        out.append(tuple(engine.generate(list(PROMPT), params, on_step=steps.append, generator=gen).token_ids))
         for s in steps:
             ks[s.proposed] = ks.get(s.proposed, 0) + 1
             full += s.proposed > 0 and s.accepted == s.proposed
@@ -413,7 +430,7 @@ def run_case(case: Case, models: Models | None = None, seed: int = 0, n: int | N
 
 
 def all_cases() -> list[Case]:
-    return pairwise_cases() + PROPOSER_CASES + LLAMA_CASES + TARGET_ONLY_CASES
+    return pairwise_cases() + PROPOSER_CASES + LLAMA_CASES + TARGET_ONLY_CASES + SEEDED_CASES
 
 
 def main() -> int:

@@ -99,6 +99,28 @@ def test_target_only_decoding_applies_the_requested_warp(case, markov):
     _check(L.run_case(case, markov))
 
 
+@pytest.mark.parametrize("case", L.SEEDED_CASES, ids=lambda c: c.name)
+def test_seeded_sampling_is_the_target_law(case, markov):
+    """Requests with a seed sample by the exponential race (noise fixed by seed and position)."""
+    _check(L.run_case(case, markov if case.model == "markov" else None))
+
+
+def test_seeded_output_does_not_depend_on_draft_or_k(markov):
+    """A seeded request's tokens are the target's race winners: the same with any draft, head, k
+    policy or none at all (what makes seeded requests reproducible while drafts learn)."""
+    base = L.Case(0.9, 0.8, 0, 4, False, "none", seeded=True)
+    variants = [base] + [L.Case(0.9, 0.8, 0, k, adaptive, draft, restricted, seeded=True)
+                         for k, adaptive, draft, restricted in
+                         [(1, False, "close", False), (4, False, "far", True), (4, True, "close", True),
+                          (2, False, "chain", False), (3, False, "ngram", False)]]
+    outputs = []
+    for case in variants:
+        engine = L.build_engine(case, markov)
+        outputs.append(L.sample(engine, L.Case(0.9, 0.8, 0, 4, False, "none", seeded=True), 40, seed=9)[0])
+    assert all(o == outputs[0] for o in outputs[1:])
+    assert len(set(outputs[0])) > 10  # and the seed matters
+
+
 # -- positive controls: the breaks a review made, each must fail the grid ------------------------------------
 CONTROL = L.Case(1.0, 0.8, 0, 2, False, "close")
 
@@ -145,6 +167,26 @@ def test_control_target_only_ignoring_temperature_is_caught(markov, monkeypatch)
 
     monkeypatch.setattr(engine_module, "warp_logits", fixed_temperature)
     assert not L.run_case(L.Case(0.7, 1.0, 0, 0, False, "none"), markov).passed
+
+
+def test_control_race_noise_shared_by_positions_is_caught(markov, monkeypatch):
+    """Seeded: noise that ignores the position (every row the same draw) correlates the tokens."""
+    real = engine_module.race_noise
+    monkeypatch.setattr(engine_module, "race_noise", lambda seed, positions, v: real(seed, [0] * len(positions), v))
+    monkeypatch.setattr(proposers_module, "race_noise", lambda seed, positions, v: real(seed, [0] * len(positions), v))
+    assert not L.run_case(L.Case(1.0, 1.0, 0, 2, False, "close", seeded=True), markov).passed
+
+
+def test_control_draft_racing_other_noise_loses_nothing_but_acceptance(markov, monkeypatch):
+    """The draft's noise only couples it to the target: other noise keeps the law (the case passes)
+    but lowers acceptance, which shows the coupling is real."""
+    case = L.Case(1.0, 1.0, 0, 2, False, "close", seeded=True)
+    coupled = L.run_case(case, markov, n=400)
+    real = proposers_module.race_noise
+    monkeypatch.setattr(proposers_module, "race_noise", lambda seed, positions, v: real(seed + 1, positions, v))
+    uncoupled = L.run_case(case, markov, n=400)
+    assert uncoupled.passed
+    assert uncoupled.rejected > 1.5 * coupled.rejected, (coupled.summary(), uncoupled.summary())
 
 
 def test_seeded_cases_are_deterministic(markov):

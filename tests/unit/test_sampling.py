@@ -30,25 +30,25 @@ def _tv(a: torch.Tensor, b: torch.Tensor) -> float:
 # -- greedy_accept ---------------------------------------------------------------------------
 def test_greedy_perfect_match_accepts_all_and_adds_bonus_from_row_k():
     logits = _logits_with_argmax([3, 1, 4, 6])  # k = 3
-    n, nxt = greedy_accept(torch.tensor([3, 1, 4]), logits)
+    n, nxt = greedy_accept(torch.tensor([3, 1, 4]), logits.argmax(-1))
     assert (n, nxt) == (3, 6)
 
 
 def test_greedy_early_mismatch():
     logits = _logits_with_argmax([3, 1, 4, 6])
-    n, nxt = greedy_accept(torch.tensor([3, 2, 4]), logits)  # d_2 wrong; d_3 right but after a rejection
+    n, nxt = greedy_accept(torch.tensor([3, 2, 4]), logits.argmax(-1))  # d_2 wrong; d_3 right but after a rejection
     assert (n, nxt) == (1, 1)  # the target's argmax at row 1
 
 
 def test_greedy_all_rejected():
     logits = _logits_with_argmax([3, 1, 4, 6])
-    n, nxt = greedy_accept(torch.tensor([0, 1, 4]), logits)
+    n, nxt = greedy_accept(torch.tensor([0, 1, 4]), logits.argmax(-1))
     assert (n, nxt) == (0, 3)
 
 
 def test_greedy_k_zero():
     logits = _logits_with_argmax([5])
-    assert greedy_accept(torch.tensor([], dtype=torch.long), logits) == (0, 5)
+    assert greedy_accept(torch.tensor([], dtype=torch.long), logits.argmax(-1)) == (0, 5)
 
 
 # -- rejection_accept: hand cases ------------------------------------------------------------------

@@ -1,0 +1,191 @@
+"""``osd bench-serve``: drive a running server over HTTP with a workload, at several concurrencies.
+
+Each level sends ``--n`` chat requests (round-robin over the workload's domains) from that many
+client threads, streaming (SSE) so that time to first token and inter-token gaps are seen as a
+client sees them; a level stops at ``--n`` requests or ``--level-seconds``, whichever comes first.
+Reported per level: output tokens/s (aggregate), TTFT and inter-token latency p50/p99, request
+latency p50/p99, acceptance per workload domain (from each response's usage extension), errors
+by status. ``--inprocess`` also decodes the same prompts with the in-process engine (same engine
+config as the server's ``serve_config.yaml``, greedy, one at a time) for the ratio of concurrency 1
+to it. Loopback only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from urllib.parse import urlparse
+
+import numpy as np
+from tqdm import tqdm
+
+from .bench import select
+from .workloads import load_workload
+
+DEFAULT_WORKLOAD = Path(__file__).resolve().parent / "data" / "workload.jsonl"
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def one_request(client, model: str, text: str, max_tokens: int) -> dict:
+    """One streamed chat request: token arrival times and the final usage (or the error status)."""
+    import openai
+
+    t0 = time.perf_counter()
+    arrivals, usage, text_out = [], None, []
+    try:
+        stream = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=0,
+            stream=True, stream_options={"include_usage": True})
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                arrivals.append(time.perf_counter() - t0)
+                text_out.append(chunk.choices[0].delta.content)
+            if chunk.usage is not None:
+                usage = chunk.usage.model_dump()
+    except openai.APIStatusError as e:
+        return {"status": e.status_code, "seconds": time.perf_counter() - t0}
+    except openai.APIConnectionError:
+        return {"status": "connection", "seconds": time.perf_counter() - t0}
+    return {"status": 200, "seconds": time.perf_counter() - t0, "arrivals": arrivals, "usage": usage, "text": "".join(text_out)}
+
+
+def run_level(client, model: str, records, concurrency: int, max_tokens: int, level_seconds: float) -> dict:
+    results: list[tuple[object, dict]] = []
+    lock, stop_at = threading.Lock(), time.perf_counter() + level_seconds
+    it = iter(records)
+    bar = tqdm(total=len(records), desc=f"concurrency {concurrency}", unit="req", leave=False)
+
+    def worker():
+        while time.perf_counter() < stop_at:
+            with lock:
+                rec = next(it, None)
+            if rec is None:
+                return
+            res = one_request(client, model, rec.text, max_tokens)
+            with lock:
+                results.append((rec, res))
+                bar.update(1)
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(concurrency) as pool:
+        for f in [pool.submit(worker) for _ in range(concurrency)]:
+            f.result()
+    wall = time.perf_counter() - t0
+    bar.close()
+    return summarise_level(results, concurrency, wall)
+
+
+def summarise_level(results, concurrency: int, wall: float) -> dict:
+    ok = [(rec, r) for rec, r in results if r["status"] == 200 and r["usage"]]
+    errors: dict[str, int] = defaultdict(int)
+    for _, r in results:
+        if r["status"] != 200:
+            errors[str(r["status"])] += 1
+    tokens = sum(r["usage"]["completion_tokens"] for _, r in ok)
+    ttft = [r["arrivals"][0] for _, r in ok if r["arrivals"]]
+    itl = [b - a for _, r in ok for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+    lat = [r["seconds"] for _, r in ok]
+    by_domain: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for rec, r in ok:
+        spec = r["usage"]["speculative"]
+        by_domain[rec.domain][0] += spec["accepted"]
+        by_domain[rec.domain][1] += spec["proposed"]
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "ok": len(ok),
+        "errors": dict(errors),
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "tokens_per_s": tokens / wall if wall else None,
+        "ttft_ms": {"p50": _ms(_pct(ttft, 50)), "p99": _ms(_pct(ttft, 99))},
+        "itl_ms": {"p50": _ms(_pct(itl, 50)), "p99": _ms(_pct(itl, 99))},
+        "latency_ms": {"p50": _ms(_pct(lat, 50)), "p99": _ms(_pct(lat, 99))},
+        "alpha_by_domain": {d: (a / p if p else None) for d, (a, p) in sorted(by_domain.items())},
+        "outputs": [r.get("text") for _, r in results],
+    }
+
+
+def _ms(s: float | None) -> float | None:
+    return None if s is None else round(s * 1e3, 1)
+
+
+def inprocess_tokens_per_s(records, max_tokens: int, config: str | None) -> dict:
+    """The in-process engine (the server config's engine, two torch threads) on the same prompts."""
+    from config import SamplingParams
+    from deployments.launch import read_config
+    from speculative.factory import build_engine
+
+    _, cfg, _ = read_config(config) if config else read_config()
+    engine_cfg = cfg.engine.model_copy(update={"model": cfg.engine.model.model_copy(update={"num_threads": 2})})
+    engine = build_engine(engine_cfg)
+    tokens, t0, outputs = 0, time.perf_counter(), []
+    for rec in tqdm(records, desc="in-process", unit="req", leave=False):
+        gen = engine.generate(rec.text, SamplingParams(max_tokens=max_tokens))
+        tokens += len(gen.token_ids)
+        outputs.append(gen.text)
+    wall = time.perf_counter() - t0
+    return {"requests": len(records), "output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "outputs": outputs}
+
+
+def format_table(result: dict) -> str:
+    lines = ["conc  req  ok  tok/s   TTFT p50/p99 ms   ITL p50/p99 ms   latency p50/p99 ms   errors   alpha by domain"]
+    for lv in result["levels"]:
+        alpha = " ".join(f"{d}={a:.2f}" for d, a in lv["alpha_by_domain"].items() if a is not None)
+        lines.append(
+            f"{lv['concurrency']:>4} {lv['requests']:>4} {lv['ok']:>3} {lv['tokens_per_s'] or 0:>6.1f}   "
+            f"{lv['ttft_ms']['p50']}/{lv['ttft_ms']['p99']}   {lv['itl_ms']['p50']}/{lv['itl_ms']['p99']}   "
+            f"{lv['latency_ms']['p50']}/{lv['latency_ms']['p99']}   {lv['errors'] or '-'}   {alpha}")
+    if result.get("inprocess"):
+        ip = result["inprocess"]
+        lines.append(f"in-process engine: {ip['tokens_per_s']:.1f} tok/s; concurrency 1 / in-process = "
+                     f"{result['ratio_c1_to_inprocess']:.2f}")
+    c = {lv["concurrency"]: lv["tokens_per_s"] for lv in result["levels"]}
+    if 1 in c and max(c) > 1 and c[1]:
+        lines.append(f"aggregate tok/s at concurrency {max(c)} / concurrency 1 = {c[max(c)] / c[1]:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="osd bench-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--api-key", default="none")
+    ap.add_argument("--model", default=None, help="default: the first model /v1/models lists")
+    ap.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
+    ap.add_argument("--n", type=int, default=24, help="requests per concurrency level (round-robin over domains)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--level-seconds", type=float, default=600.0, help="a level stops after this long")
+    ap.add_argument("--inprocess", action="store_true", help="also time the in-process engine on the same prompts")
+    ap.add_argument("--config", default=None, help="serve config for --inprocess (default serve_config.yaml)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    host = urlparse(args.url).hostname
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        raise ValueError(f"bench-serve drives loopback servers only, not {host!r}")
+    import openai
+
+    client = openai.OpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=args.api_key, max_retries=0, timeout=300)
+    model = args.model or client.models.list().data[0].id
+    records = select(load_workload(args.workload), args.n)
+    result = {"url": args.url, "model": model, "workload": args.workload, "n": len(records), "max_tokens": args.max_tokens,
+              "levels": [run_level(client, model, records, c, args.max_tokens, args.level_seconds) for c in args.concurrency]}
+    if args.inprocess:
+        result["inprocess"] = inprocess_tokens_per_s(records, args.max_tokens, args.config)
+        c1 = next((lv for lv in result["levels"] if lv["concurrency"] == 1), None)
+        result["ratio_c1_to_inprocess"] = c1["tokens_per_s"] / result["inprocess"]["tokens_per_s"] if c1 else None
+        if c1:
+            result["c1_equals_inprocess"] = sum(a == b for a, b in zip(c1["outputs"], result["inprocess"]["outputs"]))
+    print(format_table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1, ensure_ascii=False))
+    return 0

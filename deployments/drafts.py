@@ -1,0 +1,214 @@
+"""Draft pool deployment: the drafts as Ray Serve multiplexed models, each replica running the
+speculative loop of its requests.
+
+Why multiplexing rather than one deployment per draft: the router spawns and retires drafts at run
+time (a busy domain with poor acceptance gets its own), and a deployment per draft would mean
+redeploying the application for each. With ``@serve.multiplexed`` a request tagged with its
+draft id lands on a replica that already holds that draft, replicas load drafts on demand and
+unload the least recently used, and operators scale one deployment. Published weights reach every
+replica through ``DeploymentHandle.broadcast`` and are installed between steps.
+
+Transport only: one step is the engine's ``propose`` (local draft), the target's ``verify``
+(another deployment, batched there; or this replica's own target when co-located) and the
+engine's ``accept``.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from dataclasses import dataclass, replace
+
+import torch
+from ray import serve
+
+from config import AppConfig, SamplingParams
+from drafts.build import build_proposer
+from learner.replay import RecordBuilder
+from router.router import GENERAL
+from speculative import RequestError, SpeculativeEngine, TargetRows, VerifyCall
+from speculative.detokenize import Detokenizer
+from speculative.engine import time_verify
+from speculative.models import encode_messages, encode_prompt, load_tokenizer, load_weights
+
+from .loopback import bind_replica_grpc
+from .target import BatchedTarget
+
+
+@dataclass
+class GenerateRequest:
+    """What the ingress asks of a draft replica (the draft id travels as the multiplexed model id)."""
+
+    request_id: str
+    params: SamplingParams
+    prompt: str | None = None  # /v1/completions: raw text, no chat template
+    messages: list[dict] | None = None  # /v1/chat/completions
+    domain: str = "unknown"
+    lang: str = "und"
+    tenant: str | None = None
+
+
+class TargetView:
+    """What an engine in a draft replica knows of the target: its vocabulary, context and EOS ids
+    (from the config, no weights), and how to drop a finished request's cache over there."""
+
+    def __init__(self, model, release):
+        self.vocab_size = model.config.vocab_size
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        gen = getattr(model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None)
+        self.eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
+        self.release = release
+
+    def verify(self, calls):  # a draft replica verifies through its async verifier, never here
+        raise RuntimeError("verification in a draft replica goes through DraftPool.verifier")
+
+
+class RemoteVerifier:
+    """Split placement: one hop to the Target deployment per speculative step."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    async def verify(self, call: VerifyCall) -> TargetRows | None:
+        return await self.handle.verify.remote(call)
+
+    def release(self, seq_id: str) -> None:
+        self.handle.release.remote(seq_id)  # fire and forget: the TTL catches a lost message
+
+
+class DraftPool:
+    """One replica of the draft pool (undecorated: tests build it directly)."""
+
+    def __init__(self, cfg: AppConfig, target_handle=None, learner_handle=None):
+        if cfg.engine.model.num_threads:
+            torch.set_num_threads(cfg.engine.model.num_threads)
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(cfg.engine.model.name)
+        target = load_weights(cfg.engine.model)  # the truncated draft is cut from it
+        self.base = build_proposer(cfg.engine.draft, target, self.tokenizer)
+        if cfg.placement == "colocated":
+            self.verifier = BatchedTarget(cfg.engine.model, cfg.target, weights=target)
+            self.verify_s = time_verify(self.verifier.runner, cfg.engine.k.k_max)
+        else:
+            self.verifier = RemoteVerifier(target_handle)
+            self.verify_s = None  # asked of the target deployment when the first draft loads
+        self.view = TargetView(target, self.verifier.release)
+        self.learner = learner_handle  # finished requests' replay records go there (None: no learning)
+        del target  # split: the weights live in the Target deployment only
+        self.published: dict[str, tuple[dict, int]] = {}  # draft id -> (state dict, version)
+        # drafts loaded in this replica; whoever loads them holds them (multiplexing's LRU cache)
+        self.engines: weakref.WeakValueDictionary[str, SpeculativeEngine] = weakref.WeakValueDictionary()
+
+    # -- drafts ----------------------------------------------------------------------------
+    async def engine_for(self, draft_id: str) -> SpeculativeEngine:
+        if self.verify_s is None:
+            self.verify_s = await self.verifier.handle.verify_costs.remote()
+        engine = SpeculativeEngine(self.view, self.tokenizer, copy.deepcopy(self.base), self.cfg.engine)
+        if self.learner is not None and engine.learned_draft is not None and draft_id not in self.published:
+            latest = await self.learner.latest.remote(draft_id)  # a restarted replica: the newest weights
+            if latest is not None:
+                self.published[draft_id] = latest
+        if draft_id in self.published and engine.learned_draft is not None:
+            engine.swap_draft(*self.published[draft_id])
+        engine.calibrate(verify_s=self.verify_s)
+        self.engines[draft_id] = engine
+        return engine
+
+    def load_weights(self, draft_id: str, state_ref: list, version: int) -> int:
+        """A published update (``state_ref``: ``[ObjectRef]`` or ``[state dict]``): staged into
+        the loaded engine (installed before its next step) and kept for later loads."""
+        state = state_ref[0]
+        if not isinstance(state, dict):
+            import ray
+
+            state = ray.get(state)
+        if version > self.published.get(draft_id, ({}, 0))[1]:
+            self.published[draft_id] = (state, version)
+            engine = self.engines.get(draft_id)
+            if engine is not None and engine.learned_draft is not None:
+                engine.stage_draft(state, version)
+        return self.published[draft_id][1] if draft_id in self.published else 0
+
+    def node_id(self) -> str:
+        """The Ray node this replica runs on (placement checks, operator views)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def versions(self) -> dict[str, int]:
+        return {d: e.draft_version for d, e in self.engines.items()}
+
+    # -- one request ------------------------------------------------------------------------
+    def _prompt_ids(self, req: GenerateRequest) -> list[int]:
+        if req.messages is not None:
+            return encode_messages(self.tokenizer, req.messages)
+        return encode_prompt(self.tokenizer, req.prompt or "", chat_template=False)
+
+    async def generate(self, req: GenerateRequest, engine: SpeculativeEngine, draft_id: str = GENERAL):
+        """Stream one request: first ``{"prompt_tokens"}`` (or ``{"error"}``), then ``{"text",
+        "tokens"}`` per step, then ``{"finish_reason", "usage"}``."""
+        try:
+            rid = engine.add_request(self._prompt_ids(req), req.params, req.request_id)
+        except RequestError as e:
+            yield {"error": str(e)}
+            return
+        st, detok = engine.requests[rid], Detokenizer(self.tokenizer, req.params.stop)
+        record = RecordBuilder() if self.learner is not None and engine.learned_draft is not None else None
+        try:
+            yield {"prompt_tokens": st.prompt_len}
+            while not st.finished:
+                pending = engine.propose(rid)  # 1. draft (here)
+                rows = await self.verifier.verify(pending.call)  # 2. verify (the target, batched)
+                if rows is None:  # the target dropped this cache (TTL, LRU, restart): send it whole
+                    whole = replace(pending.call, start=0, tokens=st.tokens[: pending.call.start] + pending.call.tokens)
+                    rows = await self.verifier.verify(whole)
+                res = engine.accept(pending, rows)  # 3. accept (here)
+                if record is not None:
+                    record.add(res)
+                text = detok.finish(st.output) if st.finished else detok.update(st.output)
+                yield {"text": text, "tokens": res.emitted}
+            s = st.stats
+            if record is not None and s.drafts:  # the draft proposed: its misses are signal
+                self.learner.record.remote(record.finish(st.tokens, st.prompt_len, req.domain, req.tenant, draft_id))
+            yield {
+                "finish_reason": st.finish_reason,
+                "usage": {
+                    "prompt_tokens": st.prompt_len,
+                    "completion_tokens": len(st.output),
+                    "speculative": {
+                        "proposed": s.proposed,
+                        "accepted": s.accepted,
+                        "alpha": s.alpha,
+                        "mean_accepted_length": s.mean_acceptance_length,
+                        "mean_k": s.proposed / s.steps if s.steps else 0.0,
+                        "steps": s.steps,
+                        "domain": req.domain,
+                        "language": req.lang,
+                        "draft_id": draft_id,
+                        "draft_version": engine.draft_version,
+                    },
+                },
+            }
+        finally:
+            engine.release(rid)
+
+
+@serve.deployment(name="DraftPool", max_ongoing_requests=16)
+class DraftPoolDeployment(DraftPool):
+    """The pool as a deployment: ``generate`` is called with ``multiplexed_model_id=draft_id``."""
+
+    def __init__(self, cfg: AppConfig, target_handle=None, learner_handle=None):
+        bind_replica_grpc(cfg.replica_grpc_host)
+        super().__init__(cfg, target_handle, learner_handle)
+
+        async def load(draft_id: str) -> SpeculativeEngine:  # a closure: the cap comes from config
+            return await self.engine_for(draft_id)
+
+        self._load = serve.multiplexed(max_num_models_per_replica=cfg.drafts.drafts_per_replica)(load)
+
+    async def stream(self, req: GenerateRequest):
+        draft_id = serve.get_multiplexed_model_id() or GENERAL
+        engine = await self._load(draft_id)
+        async for item in self.generate(req, engine, draft_id):
+            yield item

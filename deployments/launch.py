@@ -1,0 +1,120 @@
+"""Start the application on a local Ray instance, as ``osd serve`` / ``make run`` do.
+
+Reads ``serve_config.yaml`` (the same file ``serve run`` / ``serve deploy`` take): the first
+application's ``args`` become the typed :class:`config.AppConfig`, its ``deployments`` entries the
+per-deployment options. Every Ray and Serve listener binds 127.0.0.1. Blocks until SIGINT or
+SIGTERM, then shuts Serve and Ray down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from config import AppConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = ROOT / "serve_config.yaml"
+
+#: Ray on this kind of machine (see the README): loopback only, no auth token file, no usage stats.
+RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # every Ray listener on 127.0.0.1
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+    "TRANSFORMERS_VERBOSITY": "error",
+}
+
+
+def read_config(path: str | Path = DEFAULT_CONFIG) -> tuple[dict, AppConfig, dict[str, dict]]:
+    """(the whole YAML, the first application's typed args, deployment name -> options)."""
+    doc = yaml.safe_load(Path(path).read_text())
+    apps = doc.get("applications") or []
+    if not apps:
+        raise ValueError(f"{path}: no application")
+    app = apps[0]
+    cfg = AppConfig.model_validate(app.get("args") or {})
+    options = {d["name"]: {k: v for k, v in d.items() if k != "name"} for d in app.get("deployments") or []}
+    return doc, cfg, options
+
+
+def start(config: str | Path = DEFAULT_CONFIG, port: int | None = None, num_cpus: int = 4,
+          placement: str | None = None, temp_dir: str | None = None, ready_timeout_s: float = 600.0) -> str:
+    """Start Ray and the app; return the base URL once ``/ready`` answers 200."""
+    os.environ.update(RAY_ENV)
+    import ray
+    from ray import serve
+
+    from .app import build
+
+    doc, cfg, options = read_config(config)
+    if placement:
+        cfg = cfg.model_copy(update={"placement": placement})
+    http = dict(doc.get("http_options") or {})
+    http["host"] = "127.0.0.1"
+    http["port"] = port or http.get("port", 8000)
+    app_doc = doc["applications"][0]
+    # more logical CPUs than cores: replicas are mostly idle, waiting on each other
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="warning",
+             _temp_dir=temp_dir or tempfile.mkdtemp(prefix="osd-ray-"))
+    serve.start(http_options=http)
+    serve.run(build(cfg, options), name=app_doc.get("name", "osd"), route_prefix=app_doc.get("route_prefix", "/"))
+    url = f"http://127.0.0.1:{http['port']}"
+    deadline = time.monotonic() + ready_timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/ready", timeout=10) as r:
+                if r.status == 200:
+                    return url
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the app did not become ready within {ready_timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def examples(url: str, model: str) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Write a haiku about the sea."}], "max_tokens": 48})
+    return f"""osd-serve is ready at {url}  (OpenAI-compatible: {url}/v1)
+
+  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{body}'
+
+  python -c "import openai; c = openai.OpenAI(base_url='{url}/v1', api_key='none'); \\
+print(c.completions.create(model='{model}', prompt='def fib(n):', max_tokens=32, temperature=0).choices[0].text)"
+
+No API keys are configured: the server is open to anyone on this machine (it listens on 127.0.0.1 only).
+Stop with Ctrl-C (or SIGTERM)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="osd serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="a Serve config file (serve_config.yaml)")
+    ap.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's, 8000)")
+    ap.add_argument("--num-cpus", type=int, default=4, help="logical CPUs Ray schedules replicas on")
+    ap.add_argument("--placement", choices=["split", "colocated"], default=None)
+    args = ap.parse_args(argv)
+    _, cfg, _ = read_config(args.config)
+    t0 = time.perf_counter()
+    url = start(args.config, args.port, args.num_cpus, args.placement)
+    print(examples(url, cfg.ingress.model_name))
+    print(f"(cold start {time.perf_counter() - t0:.0f} s)", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    from ray import serve
+    import ray
+
+    serve.shutdown()
+    ray.shutdown()
+    return 0

@@ -1,0 +1,137 @@
+"""Learner deployment: per-draft replay shards on disk, training rounds in a background thread,
+the gate, versions and checkpoints; accepted weights go to every draft replica through the object
+store (``DeploymentHandle.broadcast`` with a reference to a ``{name: numpy array}`` state dict).
+
+Transport only: ``learner.background.BackgroundLearner`` around ``learner.trainer.OnlineLearner``
+is the same loop the in-process experiments run. On restart the trainers reload their latest
+checkpoints and the draft replicas pull the latest published version when they load a draft.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from ray import serve
+
+from config import AppConfig
+from drafts.build import build_proposer
+from learner.background import BackgroundConfig, BackgroundLearner
+from learner.replay import ReplayRecord, ShardConfig
+from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
+from speculative.models import load_tokenizer, load_weights
+
+from .loopback import bind_replica_grpc
+
+log = logging.getLogger("osd.learner")
+
+
+class LearnerServer:
+    """Undecorated: tests build it directly; ``publish(draft_id, state, version)`` is the transport out."""
+
+    def __init__(self, cfg: AppConfig, publish=None):
+        torch.set_num_threads(1)
+        root = cfg.learner.root()
+        self.cfg = cfg
+        self.trainer_cfg = LearnerConfig(**{**cfg.learner.trainer, "checkpoint_dir": root / "checkpoints"})
+        target = load_weights(cfg.engine.model)
+        proposer = build_proposer(cfg.engine.draft, target, load_tokenizer(cfg.engine.model.name))
+        learned = proposer if hasattr(proposer, "runner") else getattr(proposer, "draft", None)
+        if learned is None:
+            raise ValueError(f"the learner needs a learned draft; draft kind {cfg.engine.draft.kind!r} has none")
+        self.base, self.keep_ids = learned.runner.model, learned.runner.vocab_map
+        del target
+        shards = ShardConfig(dir=root / "shards", max_bytes=cfg.learner.shard_max_bytes)
+        self.learner = OnlineLearner(self.trainer_cfg, shards)
+        self.publish_fn = publish
+        self.background = BackgroundLearner(self.learner, self._subscribers(), cfg=BackgroundConfig(**cfg.learner.background))
+        for d in self._known_drafts(root / "checkpoints"):
+            self._trainer(d)  # reloads its latest checkpoint
+        self.background.start()
+
+    @staticmethod
+    def _known_drafts(ckpt: "Path") -> list[str]:
+        from urllib.parse import unquote
+
+        return sorted(unquote(p.name) for p in ckpt.iterdir() if p.is_dir()) if ckpt.is_dir() else []
+
+    def _trainer(self, draft_id: str) -> DraftTrainer:
+        if draft_id not in self.learner.trainers:
+            self.learner.add_trainer(DraftTrainer(draft_id, self.base, self.trainer_cfg, keep_ids=self.keep_ids))
+        return self.learner.trainers[draft_id]
+
+    def _subscribers(self) -> dict:
+        learner = self
+
+        class PerDraft(dict):  # every draft id, known now or later, publishes through publish_fn
+            def get(self, draft_id, default=()):
+                return [lambda state, version: learner._publish(draft_id, state, version)]
+
+        return PerDraft()
+
+    def _publish(self, draft_id: str, state: dict, version: int) -> None:
+        log.info("draft %r: publishing v%d", draft_id, version)
+        if self.publish_fn is not None:
+            self.publish_fn(draft_id, state, version)
+
+    # -- the serving side ----------------------------------------------------------------------
+    def record(self, record: ReplayRecord) -> bool:
+        """A finished request's record (from a draft replica); queued, never blocks."""
+        self._trainer(record.draft_id)
+        return self.background.submit(record)
+
+    def latest(self, draft_id: str) -> tuple[dict, int] | None:
+        """The latest published weights of a draft (None: nothing published beyond the base)."""
+        t = self.learner.trainers.get(draft_id)
+        return (t.state(), t.version) if t is not None and t.version > 0 else None
+
+    # -- operators -----------------------------------------------------------------------------
+    def pause(self) -> dict:
+        self.background.pause()
+        return self.stats()
+
+    def resume(self) -> dict:
+        self.background.resume()
+        return self.stats()
+
+    def rollback(self, draft_id: str, version: int) -> dict:
+        """Serve the weights of checkpoint ``version`` again, published under a new version."""
+        t = self.learner.trainers.get(draft_id)
+        if t is None or version not in t.versions():
+            raise ValueError(f"draft {draft_id!r} has no checkpoint v{version}")
+        new, state = t.rollback(version)
+        self._publish(draft_id, state, new)
+        return {"draft_id": draft_id, "version": new, "weights_of": version}
+
+    def node_id(self) -> str:
+        """The Ray node this replica runs on (placement checks, operator views)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def stats(self) -> dict:
+        s = self.background.stats().to_dict()
+        s["drafts"] = {d: {"version": t.version, "versions": t.versions(), "traffic": self.learner.traffic(d)}
+                       for d, t in self.learner.trainers.items()}
+        return s
+
+
+@serve.deployment(name="Learner", max_ongoing_requests=256)
+class Learner(LearnerServer):
+    def __init__(self, cfg: AppConfig, pool_name: str = "DraftPool"):
+        bind_replica_grpc(cfg.replica_grpc_host)
+        self.pool_name = pool_name
+        super().__init__(cfg, publish=self._broadcast)
+
+    def _broadcast(self, draft_id: str, state: dict, version: int) -> None:
+        """From the learner thread: one object-store copy, every draft replica loads it."""
+        import ray
+
+        try:
+            ref = ray.put(state)
+            app = serve.get_replica_context().app_name
+            pool = serve.get_deployment_handle(self.pool_name, app)
+            got = pool.broadcast("load_weights", draft_id, [ref], version).results()
+            log.info("draft %r v%d reached %d replicas (versions now %s)", draft_id, version, len(got), got)
+        except Exception:  # noqa: BLE001 - the pool is down or shutting down: replicas pull it when they load
+            log.exception("draft %r v%d: broadcast failed; replicas will load it from the learner", draft_id, version)

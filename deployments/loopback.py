@@ -1,0 +1,27 @@
+"""Keep a replica's inter-deployment gRPC listener on one host.
+
+Ray Serve 2.60 starts a gRPC server in every replica, bound to ``[::]:0`` (all interfaces) with
+no setting to change it; Serve only sends requests through it when handles use gRPC
+(``RAY_SERVE_USE_GRPC_BY_DEFAULT=1``), otherwise it sits idle. The server here must listen on
+loopback only, so every deployment's constructor calls :func:`bind_replica_grpc` before Serve
+starts that server (it does so right after the constructor returns). ``AppConfig.replica_grpc_host``
+null leaves Ray's behaviour unchanged (a multi-machine cluster using gRPC handles).
+"""
+
+from __future__ import annotations
+
+
+def bind_replica_grpc(host: str | None) -> None:
+    if not host:
+        return
+    from ray.serve._private import replica
+
+    original = getattr(replica.add_port_to_grpc_server, "__wrapped_by_osd__", replica.add_port_to_grpc_server)
+
+    def on_host(server, address: str):
+        if address.startswith("[::]:"):
+            address = f"{host}:{address.rsplit(':', 1)[1]}"
+        return original(server, address)
+
+    on_host.__wrapped_by_osd__ = original
+    replica.add_port_to_grpc_server = on_host

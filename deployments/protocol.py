@@ -1,0 +1,120 @@
+"""OpenAI-compatible request and response shapes (the subset served), validated at the edge.
+
+Unknown fields are ignored (clients send many); known fields are checked strictly, and every
+failure becomes OpenAI's error JSON with status 400 (``invalid_request_error``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from config import SamplingParams
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, gt=0, strict=True)
+    max_completion_tokens: int | None = Field(default=None, gt=0, strict=True)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, ge=0, strict=True)  # an extension (vLLM has it too)
+    seed: int | None = Field(default=None, strict=True)
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, strict=True)
+    stream: bool = False
+    stream_options: dict | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n = 1 is supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return stops
+
+    def sampling(self, default_max_tokens: int) -> SamplingParams:
+        """OpenAI defaults: temperature 1, top_p 1 (greedy with temperature 0)."""
+        fields = dict(
+            max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            stop=self.stop or [],
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+        )
+        return SamplingParams(**fields)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and (self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] = Field(min_length=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list):
+            if len(v) != 1 or not isinstance(v[0], str):
+                raise ValueError("prompt must be one string (batches of prompts are not supported)")
+            v = v[0]
+        if not v.strip():
+            raise ValueError("prompt is empty")
+        return v
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+    def chat(self) -> list[dict]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+    def last_user_text(self) -> str:
+        users = [m.text() for m in self.messages if m.role == "user"]
+        return users[-1] if users else self.messages[-1].text()
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())

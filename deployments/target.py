@@ -1,0 +1,96 @@
+"""Target deployment: the target model, per-request KV caches, verification batched across requests.
+
+Transport only: ``ModelRunner.verify`` does the padded forward; this class collects the verify
+calls of concurrent requests (``@serve.batch``), bounds the KV caches it holds (LRU + idle TTL) and
+answers ``None`` for a call whose cache is gone, so that the caller re-sends the sequence whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+from ray import serve
+
+from config import ModelConfig, TargetServeConfig
+from speculative import ModelRunner, TargetRows, VerifyCall
+from speculative.engine import time_verify
+
+from .loopback import bind_replica_grpc
+from speculative.models import load_weights
+
+
+class BatchedTarget:
+    """A ModelRunner behind a batching queue; usable inside any replica (split or co-located)."""
+
+    def __init__(self, model: ModelConfig, cfg: TargetServeConfig, weights=None):
+        if model.num_threads:
+            torch.set_num_threads(model.num_threads)
+        self.cfg = cfg
+        self.runner = ModelRunner(weights if weights is not None else load_weights(model), name="target")
+        self.last_used: dict[str, float] = {}  # seq -> monotonic time of its last call
+        self.batches = 0
+        self.calls = 0
+        self.evicted = 0
+        self.verify = serve.batch(max_batch_size=cfg.max_batch, batch_wait_timeout_s=cfg.batch_wait_s)(self._verify_batch)
+
+    async def _verify_batch(self, calls: list[VerifyCall]) -> list[TargetRows | None]:
+        # a call whose cache was evicted (TTL, LRU, a restarted replica) is answered None
+        ok = [c for c in calls if c.start <= self.runner.cached_length(c.seq_id)]
+        rows = await asyncio.to_thread(self.runner.verify, ok, self.cfg.max_batch_tokens) if ok else []
+        now = time.monotonic()
+        for c in ok:
+            self.last_used[c.seq_id] = now
+        self.batches += 1
+        self.calls += len(ok)
+        self._evict(now, keep={c.seq_id for c in ok})
+        answer = dict(zip((id(c) for c in ok), rows))
+        return [answer.get(id(c)) for c in calls]
+
+    def _evict(self, now: float, keep: set[str]) -> None:
+        idle = [s for s, t in self.last_used.items() if now - t > self.cfg.cache_ttl_s and s not in keep]
+        over = len(self.last_used) - len(idle) - self.cfg.max_sequences
+        if over > 0:  # least recently used first
+            lru = sorted((t, s) for s, t in self.last_used.items() if s not in keep and s not in idle)
+            idle += [s for _, s in lru[:over]]
+        for s in idle:
+            self.release(s)
+            self.evicted += 1
+
+    def release(self, seq_id: str) -> None:
+        self.runner.release(seq_id)
+        self.last_used.pop(seq_id, None)
+
+    def stats(self) -> dict:
+        return {"batches": self.batches, "calls": self.calls, "sequences": len(self.runner), "evicted": self.evicted,
+                "mean_batch": self.calls / self.batches if self.batches else None}
+
+
+@serve.deployment(name="Target", max_ongoing_requests=64)
+class Target:
+    """The split placement's target: draft replicas call ``verify`` once per speculative step."""
+
+    def __init__(self, model: ModelConfig, cfg: TargetServeConfig, k_max: int = 6, grpc_host: str | None = "127.0.0.1"):
+        bind_replica_grpc(grpc_host)
+        self.target = BatchedTarget(model, cfg)
+        self.costs = time_verify(self.target.runner, k_max)  # before any traffic: clean timings
+
+    def verify_costs(self) -> dict[int, float]:
+        """Seconds to verify j = 1..k_max+1 tokens, measured at start: the draft replicas' k policy."""
+        return self.costs
+
+    async def verify(self, call: VerifyCall) -> TargetRows | None:
+        return await self.target.verify(call)
+
+    def release(self, seq_id: str) -> None:
+        self.target.release(seq_id)
+
+    def node_id(self) -> str:
+        """The Ray node this replica runs on (placement checks, operator views)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def stats(self) -> dict:
+        return self.target.stats()

@@ -1,0 +1,91 @@
+"""API keys, tenants and limits, by hand with an injected clock (no Ray, no HTTP)."""
+
+from __future__ import annotations
+
+import pytest
+
+from config import AuthConfig, TenantKey, TenantLimits
+from deployments.tenants import Bucket, Tenants, digest, load_keys
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _tenants(**limits) -> tuple[Tenants, Clock]:
+    clock = Clock()
+    keys = [TenantKey(tenant="alice", key_sha256=digest("sk-alice"), limits=TenantLimits(**limits)),
+            TenantKey(tenant="ops", key_sha256=digest("sk-ops"), admin=True)]
+    return Tenants(AuthConfig(), keys, clock), clock
+
+
+def test_keys_are_stored_as_digests_and_compared_hashed():
+    t, _ = _tenants()
+    assert "sk-alice" not in repr(t.by_digest)
+    assert t.identify("Bearer sk-alice").tenant == "alice"
+    assert t.identify("bearer  sk-alice ").tenant == "alice"
+    for bad in (None, "", "Bearer", "Bearer sk-alicE", "Basic sk-alice", "sk-alice"):
+        assert t.identify(bad).status == 401, bad
+    assert t.identify("Bearer sk-ops").admin and not t.identify("Bearer sk-alice").admin
+
+
+def test_open_without_keys():
+    t = Tenants(AuthConfig(), keys=[])
+    assert t.open and t.admit(None).status == 200 and t.admit("Bearer anything").tenant == "anonymous"
+
+
+def test_keys_from_env_and_file(tmp_path):
+    f = tmp_path / "keys.yaml"
+    f.write_text(f"- tenant: bob\n  key_sha256: {digest('sk-bob')}\n  limits: {{requests_per_minute: 5}}\n")
+    env = {"OSD_API_KEYS": "carol:sk-carol, dave:sk-d:ave", "OSD_ADMIN_KEY": "sk-root"}
+    keys = load_keys(AuthConfig(keys_file=str(f)), env)
+    t = Tenants(AuthConfig(), keys)
+    assert [t.identify(f"Bearer {k}").tenant for k in ("sk-bob", "sk-carol", "sk-d:ave", "sk-root")] == ["bob", "carol", "dave", "admin"]
+    assert t.identify("Bearer sk-root").admin and t.limits(keys[0]).requests_per_minute == 5
+    with pytest.raises(ValueError, match="tenant:key"):
+        load_keys(AuthConfig(), {"OSD_API_KEYS": "nocolon"})
+
+
+def test_request_rate_limit_and_retry_after():
+    t, clock = _tenants(requests_per_minute=2)
+    assert t.admit("Bearer sk-alice").status == 200
+    assert t.admit("Bearer sk-alice").status == 200
+    third = t.admit("Bearer sk-alice")
+    assert third.status == 429 and "requests per minute" in third.message
+    assert third.retry_after == pytest.approx(30.0)  # one request refills in 60 / 2 s
+    clock.t += 30.0
+    assert t.admit("Bearer sk-alice").status == 200
+    assert t.admit("Bearer sk-ops").status == 200  # other tenants are not affected
+
+
+def test_concurrency_limit_frees_on_done():
+    t, _ = _tenants(max_concurrent=1)
+    assert t.admit("Bearer sk-alice").status == 200
+    busy = t.admit("Bearer sk-alice")
+    assert busy.status == 429 and busy.retry_after > 0
+    t.done("alice", 10)
+    assert t.admit("Bearer sk-alice").status == 200
+
+
+def test_token_rate_charged_after_the_answer():
+    t, clock = _tenants(tokens_per_minute=100)
+    assert t.admit("Bearer sk-alice").status == 200
+    t.done("alice", 250)  # one long answer overdraws the bucket ...
+    refused = t.admit("Bearer sk-alice")
+    assert refused.status == 429 and "tokens per minute" in refused.message
+    assert refused.retry_after == pytest.approx(151 * 60 / 100)  # ... paid back before the next request
+    clock.t += refused.retry_after + 1e-9
+    assert t.admit("Bearer sk-alice").status == 200
+
+
+def test_bucket_refills_continuously_up_to_its_rate():
+    b = Bucket(60.0)
+    assert b.wait_for(60, 0.0) == 0.0
+    b.take(60, 0.0)
+    assert b.wait_for(1, 0.0) == pytest.approx(1.0)
+    assert b.wait_for(1, 0.5) == pytest.approx(0.5)
+    assert b.wait_for(30, 1000.0) == 0.0 and b.level == 60.0  # capped at one minute's worth
