@@ -94,10 +94,14 @@ def summarise_level(results, concurrency: int, wall: float) -> dict:
     itl = [b - a for _, r in ok for a, b in zip(r["arrivals"], r["arrivals"][1:])]
     lat = [r["seconds"] for _, r in ok]
     by_domain: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    wait = target = steps = 0.0
     for rec, r in ok:
         spec = r["usage"]["speculative"]
         by_domain[rec.domain][0] += spec["accepted"]
         by_domain[rec.domain][1] += spec["proposed"]
+        steps += spec["steps"]
+        wait += spec.get("verify_wait_ms", 0.0) * spec["steps"]
+        target += spec.get("target_ms", 0.0) * spec["steps"]
     return {
         "concurrency": concurrency,
         "requests": len(results),
@@ -110,6 +114,10 @@ def summarise_level(results, concurrency: int, wall: float) -> dict:
         "itl_ms": {"p50": _ms(_pct(itl, 50)), "p99": _ms(_pct(itl, 99))},
         "latency_ms": {"p50": _ms(_pct(lat, 50)), "p99": _ms(_pct(lat, 99))},
         "alpha_by_domain": {d: (a / p if p else None) for d, (a, p) in sorted(by_domain.items())},
+        "steps": int(steps),
+        # per speculative step: waiting on verification, and the target forward's share of it
+        "verify_wait_ms_per_step": wait / steps if steps else None,
+        "target_ms_per_step": target / steps if steps else None,
         "outputs": [r.get("text") for _, r in results],
     }
 
@@ -136,14 +144,66 @@ def inprocess_tokens_per_s(records, max_tokens: int, config: str | None) -> dict
     return {"requests": len(records), "output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "outputs": outputs}
 
 
+def learning_curve(client, model: str, records, concurrency: int, max_tokens: int, window: int) -> dict:
+    """Serve ``records`` in order (``concurrency`` at a time) while the learner runs: acceptance per
+    workload domain over consecutive windows of ``window`` requests, and the draft versions served."""
+    rows, lock, it = [], threading.Lock(), iter(enumerate(records))
+    bar = tqdm(total=len(records), desc="learning curve", unit="req", leave=False)
+
+    def worker():
+        while True:
+            with lock:
+                item = next(it, None)
+            if item is None:
+                return
+            i, rec = item
+            res = one_request(client, model, rec.text, max_tokens)
+            with lock:
+                spec = (res.get("usage") or {}).get("speculative")
+                rows.append({"i": i, "domain": rec.domain, "status": res["status"],
+                             **({k: spec[k] for k in ("accepted", "proposed", "draft_id", "draft_version")} if spec else {})})
+                bar.update(1)
+
+    with cf.ThreadPoolExecutor(concurrency) as pool:
+        for f in [pool.submit(worker) for _ in range(concurrency)]:
+            f.result()
+    bar.close()
+    rows.sort(key=lambda r: r["i"])
+    windows = []
+    for start in range(0, len(rows), window):
+        part = [r for r in rows[start : start + window] if r["status"] == 200]
+        dom: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for r in part:
+            dom[r["domain"]][0] += r["accepted"]
+            dom[r["domain"]][1] += r["proposed"]
+        acc, prop = sum(a for a, _ in dom.values()), sum(p for _, p in dom.values())
+        windows.append({"requests": f"{start + 1}-{start + len(rows[start : start + window])}",
+                        "alpha": acc / prop if prop else None,
+                        "alpha_by_domain": {d: (a / p if p else None) for d, (a, p) in sorted(dom.items())},
+                        "draft_versions": sorted({r["draft_version"] for r in part})})
+    return {"requests": len(rows), "window": window, "windows": windows, "rows": rows}
+
+
+def format_curve(curve: dict) -> str:
+    lines = [f"alpha over {curve['requests']} served requests (windows of {curve['window']}):"]
+    for w in curve["windows"]:
+        dom = " ".join(f"{d}={a:.2f}" for d, a in w["alpha_by_domain"].items() if a is not None)
+        overall = f"{w['alpha']:.3f}" if w["alpha"] is not None else "-"
+        lines.append(f"  {w['requests']:>9}  alpha {overall}  {dom}  versions {w['draft_versions']}")
+    return "\n".join(lines)
+
+
 def format_table(result: dict) -> str:
-    lines = ["conc  req  ok  tok/s   TTFT p50/p99 ms   ITL p50/p99 ms   latency p50/p99 ms   errors   alpha by domain"]
+    lines = ["conc  req  ok  tok/s   TTFT p50/p99 ms   ITL p50/p99 ms   latency p50/p99 ms   "
+             "verify wait / target ms per step   errors   alpha by domain"]
     for lv in result["levels"]:
         alpha = " ".join(f"{d}={a:.2f}" for d, a in lv["alpha_by_domain"].items() if a is not None)
+        wait, tgt = lv["verify_wait_ms_per_step"], lv["target_ms_per_step"]
+        per_step = f"{wait:.1f} / {tgt:.1f}" if wait is not None else "-"
         lines.append(
             f"{lv['concurrency']:>4} {lv['requests']:>4} {lv['ok']:>3} {lv['tokens_per_s'] or 0:>6.1f}   "
             f"{lv['ttft_ms']['p50']}/{lv['ttft_ms']['p99']}   {lv['itl_ms']['p50']}/{lv['itl_ms']['p99']}   "
-            f"{lv['latency_ms']['p50']}/{lv['latency_ms']['p99']}   {lv['errors'] or '-'}   {alpha}")
+            f"{lv['latency_ms']['p50']}/{lv['latency_ms']['p99']}   {per_step}   {lv['errors'] or '-'}   {alpha}")
     if result.get("inprocess"):
         ip = result["inprocess"]
         lines.append(f"in-process engine: {ip['tokens_per_s']:.1f} tok/s; concurrency 1 / in-process = "
@@ -166,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--level-seconds", type=float, default=600.0, help="a level stops after this long")
     ap.add_argument("--inprocess", action="store_true", help="also time the in-process engine on the same prompts")
     ap.add_argument("--config", default=None, help="serve config for --inprocess (default serve_config.yaml)")
+    ap.add_argument("--curve", type=int, default=0,
+                    help="instead of the levels: serve this many records in order while the learner runs, "
+                         "alpha per domain per window")
+    ap.add_argument("--window", type=int, default=40)
+    ap.add_argument("--curve-concurrency", type=int, default=4)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     host = urlparse(args.url).hostname
@@ -175,6 +240,15 @@ def main(argv: list[str] | None = None) -> int:
 
     client = openai.OpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=args.api_key, max_retries=0, timeout=300)
     model = args.model or client.models.list().data[0].id
+    if args.curve:
+        records = select(load_workload(args.workload), args.curve)
+        curve = learning_curve(client, model, records, args.curve_concurrency, args.max_tokens, args.window)
+        print(format_curve(curve))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps({"url": args.url, "workload": args.workload, "max_tokens": args.max_tokens,
+                                                   "concurrency": args.curve_concurrency, **curve}, indent=1))
+        return 0
     records = select(load_workload(args.workload), args.n)
     result = {"url": args.url, "model": model, "workload": args.workload, "n": len(records), "max_tokens": args.max_tokens,
               "levels": [run_level(client, model, records, c, args.max_tokens, args.level_seconds) for c in args.concurrency]}

@@ -16,6 +16,7 @@ engine's ``accept``.
 from __future__ import annotations
 
 import copy
+import time
 import weakref
 from dataclasses import dataclass, replace
 
@@ -155,14 +156,17 @@ class DraftPool:
             return
         st, detok = engine.requests[rid], Detokenizer(self.tokenizer, req.params.stop)
         record = RecordBuilder() if self.learner is not None and engine.learned_draft is not None else None
+        waited = 0.0  # seconds this request waited on verification (hop + batching + target compute)
         try:
             yield {"prompt_tokens": st.prompt_len}
             while not st.finished:
                 pending = engine.propose(rid)  # 1. draft (here)
+                t0 = time.perf_counter()
                 rows = await self.verifier.verify(pending.call)  # 2. verify (the target, batched)
                 if rows is None:  # the target dropped this cache (TTL, LRU, restart): send it whole
                     whole = replace(pending.call, start=0, tokens=st.tokens[: pending.call.start] + pending.call.tokens)
                     rows = await self.verifier.verify(whole)
+                waited += time.perf_counter() - t0
                 res = engine.accept(pending, rows)  # 3. accept (here)
                 if record is not None:
                     record.add(res)
@@ -183,6 +187,10 @@ class DraftPool:
                         "mean_accepted_length": s.mean_acceptance_length,
                         "mean_k": s.proposed / s.steps if s.steps else 0.0,
                         "steps": s.steps,
+                        # per step: waiting for verification, and the target's compute within it
+                        # (the rest is the hop, batching delay and other requests' rows)
+                        "verify_wait_ms": 1e3 * waited / s.steps if s.steps else 0.0,
+                        "target_ms": 1e3 * s.target_s / s.steps if s.steps else 0.0,
                         "domain": req.domain,
                         "language": req.lang,
                         "draft_id": draft_id,

@@ -190,3 +190,12 @@ def hf_greedy(target):
 def pytest_collection_modifyitems(config, items):
     """Ray tests last: the unit tests run first (fast feedback), then the module that starts Ray."""
     items.sort(key=lambda item: item.get_closest_marker("serve") is not None)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (servers under test bind loopback only)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -6,21 +6,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import urllib.request
 
 import pytest
 
+from conftest import free_port
 from config import AppConfig
 from deployments.launch import RAY_ENV
 
 pytestmark = pytest.mark.serve
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +42,7 @@ def test_two_nodes_requests_and_broadcast(cluster, tmp_path):
 
     from deployments.app import build
 
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     cfg = AppConfig(learner={"state_dir": str(tmp_path / "learner")})
     options = {

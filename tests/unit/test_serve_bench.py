@@ -1,0 +1,41 @@
+"""osd bench-serve's arithmetic on hand-made responses (the live run is measured, not tested)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.serve_bench import format_table, summarise_level
+from bench.workloads import WorkloadRecord
+
+
+def _ok(arrivals, tokens, accepted, proposed, steps, wait_ms, target_ms, seconds):
+    spec = {"accepted": accepted, "proposed": proposed, "steps": steps, "verify_wait_ms": wait_ms, "target_ms": target_ms}
+    return {"status": 200, "seconds": seconds, "arrivals": arrivals, "text": "x",
+            "usage": {"completion_tokens": tokens, "speculative": spec}}
+
+
+def test_summarise_level_by_hand():
+    code, sql = WorkloadRecord("a", "code"), WorkloadRecord("b", "sql")
+    results = [
+        (code, _ok([0.1, 0.2, 0.4], 3, 2, 4, 2, 10.0, 6.0, 0.5)),
+        (sql, _ok([0.3, 0.35], 2, 0, 2, 2, 20.0, 8.0, 1.0)),
+        (code, {"status": 429, "seconds": 0.01}),
+        (sql, {"status": "connection", "seconds": 0.01}),
+    ]
+    lv = summarise_level(results, concurrency=2, wall=2.0)
+    assert lv["requests"] == 4 and lv["ok"] == 2 and lv["errors"] == {"429": 1, "connection": 1}
+    assert lv["output_tokens"] == 5 and lv["tokens_per_s"] == pytest.approx(2.5)
+    assert lv["ttft_ms"]["p50"] == pytest.approx(200.0)  # first arrivals 0.1 and 0.3
+    assert lv["itl_ms"]["p50"] == pytest.approx(100.0)  # gaps 0.1, 0.2, 0.05
+    assert lv["latency_ms"]["p99"] == pytest.approx(995.0)
+    assert lv["alpha_by_domain"] == {"code": 0.5, "sql": 0.0}
+    assert lv["steps"] == 4
+    assert lv["verify_wait_ms_per_step"] == pytest.approx(15.0) and lv["target_ms_per_step"] == pytest.approx(7.0)
+    table = format_table({"levels": [lv, {**lv, "concurrency": 8, "tokens_per_s": 7.5}]})
+    assert "15.0 / 7.0" in table and "concurrency 8 / concurrency 1" not in table  # no concurrency-1 level
+
+
+def test_ratio_line_when_concurrency_one_ran():
+    lv = summarise_level([(WorkloadRecord("a", "code"), _ok([0.1], 1, 0, 0, 1, 1.0, 1.0, 0.1))], 1, 1.0)
+    table = format_table({"levels": [lv, {**lv, "concurrency": 8, "tokens_per_s": 3.0}]})
+    assert "aggregate tok/s at concurrency 8 / concurrency 1 = 3.00" in table
