@@ -54,6 +54,8 @@ def one_request(client, model: str, text: str, max_tokens: int) -> dict:
         return {"status": e.status_code, "seconds": time.perf_counter() - t0}
     except openai.APIConnectionError:
         return {"status": "connection", "seconds": time.perf_counter() - t0}
+    except openai.APIError:  # an error event inside a stream that had started with 200
+        return {"status": "stream-error", "seconds": time.perf_counter() - t0}
     return {"status": 200, "seconds": time.perf_counter() - t0, "arrivals": arrivals, "usage": usage, "text": "".join(text_out)}
 
 

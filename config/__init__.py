@@ -274,6 +274,7 @@ class TargetServeConfig(_Strict):
 
     max_batch: int = Field(default=8, ge=1, le=256)
     batch_wait_s: float = Field(default=0.004, ge=0.0, le=1.0)
+    num_threads: int | None = Field(default=None, ge=1)  # torch threads of the target (None: engine.model's)
     max_batch_tokens: int = Field(default=64, ge=1)
     max_sequences: int = Field(default=64, ge=1)
     cache_ttl_s: float = Field(default=300.0, gt=0.0)

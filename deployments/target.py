@@ -25,8 +25,9 @@ class BatchedTarget:
     """A ModelRunner behind a batching queue; usable inside any replica (split or co-located)."""
 
     def __init__(self, model: ModelConfig, cfg: TargetServeConfig, weights=None):
-        if model.num_threads:
-            torch.set_num_threads(model.num_threads)
+        threads = cfg.num_threads or model.num_threads
+        if threads:
+            torch.set_num_threads(threads)
         self.cfg = cfg
         self.runner = ModelRunner(weights if weights is not None else load_weights(model), name="target")
         self.last_used: dict[str, float] = {}  # seq -> monotonic time of its last call

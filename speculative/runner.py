@@ -138,10 +138,11 @@ class ModelRunner:
             keep[b, P - plen[b] : P + tlen[b]] = 1
         cache = DynamicCache(config=self.model.config)
         if P:
+            ref = next(p for p in past if p is not None)  # a cached sequence: shapes and dtype of a KV row
             for layer in range(self.model.config.num_hidden_layers):
                 ks, vs = [], []
                 for b in range(B):
-                    k, v = self._layer_kv(past[b], layer, plen[b])  # [1, H, plen, D]
+                    k, v = self._layer_kv(past[b] if past[b] is not None else ref, layer, plen[b])  # [1, H, plen, D]
                     pad = P - plen[b]
                     ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
                     vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))

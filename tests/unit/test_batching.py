@@ -65,6 +65,21 @@ def test_padding_is_masked_out():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
 
 
+def test_a_prefill_shares_a_batch_with_cached_sequences():
+    """A new sequence (start 0, nothing cached) and a sequence re-sent whole beside decode steps."""
+    model = tiny_llama()
+    single, batched = ModelRunner(model), ModelRunner(model)
+    for r in (single, batched):
+        r.forward("old", 0, list(range(10, 30)))
+        r.forward("again", 0, [5, 6, 7, 8])
+    calls = [ForwardCall("old", 20, [31, 32], 2), ForwardCall("new", 0, [40, 41, 42], 1),
+             ForwardCall("again", 0, [5, 6, 7, 8, 9], 2)]
+    want = [single.forward(c.seq_id, c.start, c.tokens, c.keep_last) for c in calls]
+    for c, w, g in zip(calls, want, batched.forward_batch(calls)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-3)
+        assert batched.cached_length(c.seq_id) == c.start + len(c.tokens)
+
+
 def test_forward_batch_refuses_bad_calls():
     r = ModelRunner(tiny_llama())
     r.forward("a", 0, [5, 6])
