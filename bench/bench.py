@@ -24,7 +24,7 @@ from speculative.kpolicy import expected_speedup
 from speculative.proposers import NgramProposer
 from speculative.stats import SpecStats
 
-from .workloads import WorkloadRecord, load_workload, without_prompts_of
+from workloads import WorkloadRecord, load_workload, without_prompts_of
 
 #: target: HF greedy generate (the reference); spec: our engine with the configured draft;
 #: spec_lookup: our engine with the prompt-lookup proposer alone; hf_assisted: HF generate with

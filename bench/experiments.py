@@ -19,7 +19,6 @@ Everything returned is JSON-serialisable.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import statistics
@@ -31,10 +30,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from config import KPolicyConfig, SamplingParams
+from config import SamplingParams
 from learner.offline import DistillConfig, collect_teacher_data, distill
-from learner.replay import RecordBuilder, ShardConfig
+from learner.replay import ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
+
+from .harness import _alpha, _draft_of, _force_k, real_engine_factory, serve_recorded
 
 __all__ = ["run_online", "run_shift", "plot", "main", "order_blocks", "stream", "format_table", "serve_recorded"]
 
@@ -67,44 +68,6 @@ def _norm(records: Sequence[Any]) -> list[tuple[Any, str]]:
     if not out:
         raise ValueError("no records")
     return out
-
-
-def _draft_of(engine):
-    """The learned draft's proposer (``.runner.model``, ``.runner.vocab_map``) of an engine."""
-    prop = engine.proposer
-    for cand in (getattr(prop, "draft", None), getattr(prop, "learned", None), prop):
-        if cand is not None and hasattr(cand, "runner") and hasattr(cand, "load_state_dict"):
-            return cand
-    raise RuntimeError("the engine has no learned draft (DraftModelProposer)")
-
-
-def _force_k(engine, k: int | None) -> None:
-    """Fixed k for new requests (the k policy of a request is built from ``engine.cfg.k``)."""
-    if k is not None:
-        engine.cfg = engine.cfg.model_copy(update={"k": KPolicyConfig(k_max=max(k, 1), fixed_k=k)})
-
-
-def _alpha(acc: int, prop: int) -> float | None:
-    return acc / prop if prop else None
-
-
-def serve_recorded(engine, prompt, params: SamplingParams, *, domain: str | None = None, draft_id: str = "draft",
-                   probs_dtype: torch.dtype = torch.float32):
-    """Serve one request (text or token ids) to the end; returns ``(ReplayRecord, accepted,
-    proposed, Generation)`` with accepted / proposed counted over the learned draft's steps."""
-    b = RecordBuilder(probs_dtype=probs_dtype)
-    acc = prop = 0
-
-    def on_step(res):
-        nonlocal acc, prop
-        b.add(res)
-        if res.source == "draft":
-            acc += res.accepted
-            prop += res.proposed
-
-    tokens = engine.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-    gen = engine.generate(list(tokens), params, on_step=on_step)
-    return b.finish(list(tokens) + gen.token_ids, len(tokens), domain=domain, draft_id=draft_id), acc, prop, gen
 
 
 class _RoundBudget:
@@ -451,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_ in (("online", "static vs online vs offline-bound draft on one stream"),
                         ("shift", "domain-block stream; offline drafts on the first 30/50/70/100%")):
         p = sub.add_parser(name, help=help_)
-        p.add_argument("--workload", default=str(default_wl), help="workload JSONL (bench/workloads.py format)")
+        p.add_argument("--workload", default=str(default_wl), help="workload JSONL (the format of the workloads package)")
         p.add_argument("--n", type=int, default=40, help="records (round-robin over domains, bench.select)")
         p.add_argument("--domains", nargs="*", default=None, help="keep only these domains")
         p.add_argument("--max-tokens", type=int, default=48)
@@ -563,38 +526,6 @@ def unseen_by(records: Sequence[Any], checkpoint: str) -> list:
     return [r for r in records if prompt_digest(r.text) not in seen]
 
 
-def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
-    """A factory over ONE loaded target: each call = a new engine with a fresh copy of the starting draft."""
-    from config import DraftConfig, EngineConfig, ModelConfig
-    from speculative.engine import SpeculativeEngine
-    from speculative.factory import build_engine
-    from speculative.proposers import DraftModelProposer
-    from speculative.runner import ModelRunner
-
-    model = ModelConfig(device=args.device, dtype=args.dtype, **({"name": args.target} if args.target else {}))
-    ckpt = args.draft_checkpoint
-    if ckpt:
-        from drafts.build import resolve_checkpoint  # "default" -> the cached general draft
-
-        ckpt = str(resolve_checkpoint(ckpt))
-    cfg = EngineConfig(model=model, draft=DraftConfig(kind="truncated", num_layers=args.draft_layers,
-                                                      head_vocab=args.head_vocab, checkpoint=ckpt),
-                       k=KPolicyConfig(k_max=max(args.k, 1), fixed_k=args.k))
-    base = build_engine(cfg, texts=texts, calibrate=False)
-    dp = _draft_of(base)
-    start_model, keep = copy.deepcopy(dp.runner.model), dp.runner.vocab_map
-    target = base.target.model
-    first = [base]
-
-    def factory():
-        if first:
-            return first.pop()
-        prop = DraftModelProposer(ModelRunner(copy.deepcopy(start_model), keep, name="draft"), target.config.vocab_size)
-        return SpeculativeEngine(ModelRunner(target, name="target"), base.tokenizer, prop, cfg)
-
-    return factory
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd == "mixture":
@@ -602,7 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return mixture_main(args)
     from bench.bench import select, write_json
-    from bench.workloads import load_workload
+    from workloads import load_workload
 
     torch.set_num_threads(args.threads)
     all_recs = load_workload(args.workload)

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from bench.experiments import _alpha, _draft_of, _force_k, serve_recorded
+from bench.harness import _alpha, _draft_of, _force_k, real_engine_factory, serve_recorded
 from config import RouterConfig, SamplingParams
 from learner.replay import ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
@@ -270,8 +270,7 @@ def plot_mixture(result: dict, path) -> Any:
 def main(args) -> int:
     """``osd experiment mixture`` (argparse Namespace from bench.experiments.build_parser)."""
     from bench.bench import write_json
-    from bench.experiments import real_engine_factory
-    from bench.workloads import load_workload
+    from workloads import load_workload
 
     torch.set_num_threads(args.threads)
     records = load_workload(args.workload)

@@ -23,7 +23,7 @@ import torch
 
 from config import SamplingParams
 from learner.background import BackgroundConfig, BackgroundLearner
-from bench.experiments import serve_recorded
+from bench.harness import serve_recorded
 from learner.replay import ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
 

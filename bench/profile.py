@@ -20,7 +20,7 @@ from speculative.proposers import NgramProposer
 from speculative.runner import ModelRunner
 
 from .bench import write_json
-from .workloads import load_workload
+from workloads import load_workload
 
 DRAFT_OPTIONS = [
     ("truncated-1", DraftConfig(kind="truncated", num_layers=1)),

@@ -25,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .bench import select
-from .workloads import load_workload
+from workloads import load_workload
 
 DEFAULT_WORKLOAD = Path(__file__).resolve().parent / "data" / "workload.jsonl"
 

@@ -544,7 +544,7 @@ def train_draft(
     ``exclude``: a workload file whose texts must not be trained on (e.g. the benchmark's prompts).
     Returns a JSON-serialisable report; the same summary goes into the saved draft's meta.
     """
-    from bench.workloads import load_workload, without_prompts_of
+    from workloads import load_workload, without_prompts_of
     from config import DraftConfig, ModelConfig
     from drafts.build import build_draft_model, prompt_digest, save_draft
     from speculative.models import load_model

@@ -172,7 +172,7 @@ def _subcommand(argv: list[str]):
 
         return train_main
     if argv[:1] == ["workload"]:  # osd workload build ...: options live with the builder
-        from bench.workloads import main as workload_main
+        from workloads import main as workload_main
 
         def build(rest: list[str]) -> int:
             if rest[:1] != ["build"]:

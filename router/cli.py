@@ -80,13 +80,13 @@ def _table(labels: list[str], matrix: np.ndarray) -> str:
 
 def _chatterbot_corpus():
     """Every first turn of the pinned chatterbot-corpus wheel, labelled by language folder."""
-    from bench.workloads import default_cache_dir, fetch_wheel, parse_chatterbot
+    from workloads import default_cache_dir, fetch_wheel, parse_chatterbot
 
     return parse_chatterbot(fetch_wheel("chatterbot-corpus", default_cache_dir()))
 
 
 def evaluate(args: argparse.Namespace) -> dict:
-    from bench.workloads import load_workload
+    from workloads import load_workload
     from router.router import Router
 
     records = load_workload(args.workload)

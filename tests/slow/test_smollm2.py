@@ -79,7 +79,7 @@ def test_train_draft_lists_its_training_prompts_and_streams_skip_them(tmp_path):
     import json
 
     from bench.experiments import unseen_by
-    from bench.workloads import load_workload
+    from workloads import load_workload
     from drafts.build import prompt_digest, trained_prompts
     from learner.offline import DistillConfig, train_draft
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.bench import format_table, run_bench, select
-from bench.workloads import WorkloadRecord, without_prompts_of
+from workloads import WorkloadRecord, without_prompts_of
 from drafts.build import truncated_draft
 
 

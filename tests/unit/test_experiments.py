@@ -133,7 +133,7 @@ def test_main_parse_errors(argv, msg, capsys):
 
 def test_stream_drops_prompts_the_starting_draft_trained_on(target, tmp_path):
     from bench.experiments import unseen_by
-    from bench.workloads import WorkloadRecord
+    from workloads import WorkloadRecord
     from drafts.build import prompt_digest, save_draft, trained_prompts
 
     recs = [WorkloadRecord(t, d) for d, ts in TEXTS.items() for t in ts]

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from bench.workloads import WorkloadRecord
+from workloads import WorkloadRecord
 from config import RouterConfig
 from drafts.build import truncated_draft
 from learner.trainer import LearnerConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.serve_bench import format_table, summarise_level
-from bench.workloads import WorkloadRecord
+from workloads import WorkloadRecord
 
 
 def _ok(arrivals, tokens, accepted, proposed, steps, wait_ms, target_ms, seconds):

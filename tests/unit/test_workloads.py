@@ -1,4 +1,4 @@
-"""Tests for bench/workloads.py (no network: fixture wheels are built in tmp_path)."""
+"""Tests for the workloads package (no network: fixture wheels are built in tmp_path)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import workloads as wl
-from bench.workloads import WorkloadRecord
+import workloads as wl
+from workloads import WorkloadRecord
 
 # ----------------------------------------------------------------------------- fixtures
 

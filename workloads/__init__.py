@@ -28,7 +28,7 @@ the order of ``domains``), each group in seeded-random order.
 
 Usage::
 
-    python -m bench.workloads --out bench/data/workload.jsonl --per-domain 60 --seed 0
+    osd workload build --out bench/data/workload.jsonl --per-domain 60 --seed 0
 """
 
 from __future__ import annotations
@@ -550,7 +550,7 @@ def build_workload(out_path: str | os.PathLike | None, per_domain: int = 60, see
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.workloads",
+    ap = argparse.ArgumentParser(prog="osd workload build",
                                  description="Build the osd-serve benchmark workload (JSONL).")
     ap.add_argument("--out", required=True, type=Path, help="output JSONL path")
     ap.add_argument("--per-domain", type=int, default=60, help="records per domain (default 60)")
