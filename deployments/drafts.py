@@ -215,6 +215,10 @@ class DraftPoolDeployment(DraftPool):
 
         self._load = serve.multiplexed(max_num_models_per_replica=cfg.drafts.drafts_per_replica)(load)
 
+    async def preload(self, draft_id: str) -> int:
+        """Load a draft now (e.g. after a restart, before traffic); returns the version it runs."""
+        return (await self._load(draft_id)).install_staged()
+
     async def stream(self, req: GenerateRequest):
         draft_id = serve.get_multiplexed_model_id() or GENERAL
         engine = await self._load(draft_id)

@@ -407,6 +407,13 @@ class SpeculativeEngine:
             if self._staged is None or version > self._staged[1]:
                 self._staged = (state, version)
 
+    def install_staged(self) -> int:
+        """Install staged weights now (between steps, from the thread that steps); returns the
+        draft version then running."""
+        if self._staged is not None:
+            self._install_staged()
+        return self.draft_version
+
     def _install_staged(self) -> None:
         with self._staged_lock:
             staged, self._staged = self._staged, None

@@ -238,6 +238,30 @@ def test_learner_publishes_to_every_replica_while_output_stays_lossless(server, 
     assert _call(f"{server}/admin/drafts/general/rollback", {"version": 0})[0] == 403
 
 
+def test_a_restarted_draft_replica_comes_back_at_the_latest_version(server):
+    """Kill a draft replica: Serve starts a new one, which loads the learner's latest weights."""
+    import time
+
+    import ray
+    from ray import serve
+
+    latest = _call(f"{server}/admin/learner", key=ADMIN_KEY)[1]["drafts"]["general"]["version"]
+    assert latest >= 1
+    pool = serve.get_deployment_handle("DraftPool", "osd")
+    victim = next(a for a in ray.util.list_named_actors(all_namespaces=True) if "#DraftPool#" in a["name"])
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+    deadline, versions = time.monotonic() + 180, []
+    while time.monotonic() < deadline:
+        try:
+            versions = pool.broadcast("preload", "general").results()
+            if len(versions) == 2 and min(versions) >= latest:
+                break
+        except Exception:  # noqa: BLE001 - the dead replica answers with an error until it is replaced
+            pass
+        time.sleep(2)
+    assert len(versions) == 2 and min(versions) >= latest, (versions, latest)
+
+
 def test_published_update_reaches_every_replica(server, client, reference):
     """Publish new draft weights (the truncated draft, perturbed) through the object store to every
     replica: both hold the version, responses report it, and greedy output is unchanged."""

@@ -615,3 +615,13 @@ def test_unseeded_request_leaves_global_rng_alone(build, prompts):
     rid = engine.add_request(prompts[0], SamplingParams(temperature=1.0, max_tokens=2))
     engine.release(rid)
     assert torch.equal(torch.rand(3), want)
+
+
+def test_install_staged_now_returns_the_running_version(target, draft_proposer, make_engine):
+    """Between steps (a replica asked for its version): staged weights go in at once."""
+    engine = make_engine(draft_proposer(truncated_draft(target, 1)), k=2)
+    v3 = _shifted_state(engine.learned_draft.runner.model, 0.01)
+    assert engine.install_staged() == 0  # nothing staged
+    engine.stage_draft(v3, 3)
+    assert engine.draft_version == 0
+    assert engine.install_staged() == 3 and engine.draft_version == 3 and _weights_equal(engine, v3)
