@@ -30,9 +30,9 @@ from router.router import GENERAL
 from speculative import RequestError, SpeculativeEngine, TargetRows, VerifyCall
 from speculative.detokenize import Detokenizer
 from speculative.engine import time_verify
-from speculative.models import encode_messages, encode_prompt, load_tokenizer, load_weights
+from speculative.models import encode_messages, encode_prompt, eos_token_ids, load_tokenizer, load_weights
 
-from .loopback import bind_replica_grpc
+from .loopback import NodeInfo, bind_replica_grpc
 from .target import BatchedTarget
 
 
@@ -56,9 +56,7 @@ class TargetView:
     def __init__(self, model, release):
         self.vocab_size = model.config.vocab_size
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
-        gen = getattr(model, "generation_config", None)
-        eos = getattr(gen, "eos_token_id", None)
-        self.eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
+        self.eos_ids = eos_token_ids(None, model)
         self.release = release
 
     def verify(self, calls):  # a draft replica verifies through its async verifier, never here
@@ -131,12 +129,6 @@ class DraftPool:
                 engine.stage_draft(state, version)
         return self.published[draft_id][1] if draft_id in self.published else 0
 
-    def node_id(self) -> str:
-        """The Ray node this replica runs on (placement checks, operator views)."""
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
     def versions(self) -> dict[str, int]:
         return {d: e.draft_version for d, e in self.engines.items()}
 
@@ -203,7 +195,7 @@ class DraftPool:
 
 
 @serve.deployment(name="DraftPool", max_ongoing_requests=16)
-class DraftPoolDeployment(DraftPool):
+class DraftPoolDeployment(DraftPool, NodeInfo):
     """The pool as a deployment: ``generate`` is called with ``multiplexed_model_id=draft_id``."""
 
     def __init__(self, cfg: AppConfig, target_handle=None, learner_handle=None):

@@ -9,6 +9,7 @@ checkpoints and the draft replicas pull the latest published version when they l
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -20,8 +21,9 @@ from learner.background import BackgroundConfig, BackgroundLearner
 from learner.replay import ReplayRecord, ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
 from speculative.models import load_tokenizer, load_weights
+from speculative.proposers import learned_draft
 
-from .loopback import bind_replica_grpc
+from .loopback import NodeInfo, bind_replica_grpc
 
 log = logging.getLogger("osd.learner")
 
@@ -36,7 +38,7 @@ class LearnerServer:
         self.trainer_cfg = LearnerConfig(**{**cfg.learner.trainer, "checkpoint_dir": root / "checkpoints"})
         target = load_weights(cfg.engine.model)
         proposer = build_proposer(cfg.engine.draft, target, load_tokenizer(cfg.engine.model.name))
-        learned = proposer if hasattr(proposer, "runner") else getattr(proposer, "draft", None)
+        learned = learned_draft(proposer)
         if learned is None:
             raise ValueError(f"the learner needs a learned draft; draft kind {cfg.engine.draft.kind!r} has none")
         self.base, self.keep_ids = learned.runner.model, learned.runner.vocab_map
@@ -44,7 +46,8 @@ class LearnerServer:
         shards = ShardConfig(dir=root / "shards", max_bytes=cfg.learner.shard_max_bytes)
         self.learner = OnlineLearner(self.trainer_cfg, shards)
         self.publish_fn = publish
-        self.background = BackgroundLearner(self.learner, self._subscribers(), cfg=BackgroundConfig(**cfg.learner.background))
+        self.subscribers: dict[str, list] = {}  # draft id -> [publish to the pool]; one per trainer
+        self.background = BackgroundLearner(self.learner, self.subscribers, cfg=BackgroundConfig(**cfg.learner.background))
         for d in self._known_drafts(root / "checkpoints"):
             self._trainer(d)  # reloads its latest checkpoint
         self.background.start()
@@ -57,17 +60,9 @@ class LearnerServer:
 
     def _trainer(self, draft_id: str) -> DraftTrainer:
         if draft_id not in self.learner.trainers:
+            self.subscribers[draft_id] = [functools.partial(self._publish, draft_id)]
             self.learner.add_trainer(DraftTrainer(draft_id, self.base, self.trainer_cfg, keep_ids=self.keep_ids))
         return self.learner.trainers[draft_id]
-
-    def _subscribers(self) -> dict:
-        learner = self
-
-        class PerDraft(dict):  # every draft id, known now or later, publishes through publish_fn
-            def get(self, draft_id, default=()):
-                return [lambda state, version: learner._publish(draft_id, state, version)]
-
-        return PerDraft()
 
     def _publish(self, draft_id: str, state: dict, version: int) -> None:
         log.info("draft %r: publishing v%d", draft_id, version)
@@ -103,12 +98,6 @@ class LearnerServer:
         self._publish(draft_id, state, new)
         return {"draft_id": draft_id, "version": new, "weights_of": version}
 
-    def node_id(self) -> str:
-        """The Ray node this replica runs on (placement checks, operator views)."""
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
     def stats(self) -> dict:
         s = self.background.stats().to_dict()
         s["drafts"] = {d: {"version": t.version, "versions": t.versions(), "traffic": self.learner.traffic(d)}
@@ -117,7 +106,7 @@ class LearnerServer:
 
 
 @serve.deployment(name="Learner", max_ongoing_requests=256)
-class Learner(LearnerServer):
+class Learner(LearnerServer, NodeInfo):
     def __init__(self, cfg: AppConfig, pool_name: str = "DraftPool"):
         bind_replica_grpc(cfg.replica_grpc_host)
         self.pool_name = pool_name

@@ -11,6 +11,15 @@ null leaves Ray's behaviour unchanged (a multi-machine cluster using gRPC handle
 from __future__ import annotations
 
 
+class NodeInfo:
+    """Mixed into deployments: which Ray node a replica runs on (placement checks, operator views)."""
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+
 def bind_replica_grpc(host: str | None) -> None:
     if not host:
         return

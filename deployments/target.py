@@ -16,9 +16,9 @@ from ray import serve
 from config import ModelConfig, TargetServeConfig
 from speculative import ModelRunner, TargetRows, VerifyCall
 from speculative.engine import time_verify
-
-from .loopback import bind_replica_grpc
 from speculative.models import load_weights
+
+from .loopback import NodeInfo, bind_replica_grpc
 
 
 class BatchedTarget:
@@ -69,7 +69,7 @@ class BatchedTarget:
 
 
 @serve.deployment(name="Target", max_ongoing_requests=64)
-class Target:
+class Target(NodeInfo):
     """The split placement's target: draft replicas call ``verify`` once per speculative step."""
 
     def __init__(self, model: ModelConfig, cfg: TargetServeConfig, k_max: int = 6, grpc_host: str | None = "127.0.0.1"):
@@ -86,12 +86,6 @@ class Target:
 
     def release(self, seq_id: str) -> None:
         self.target.release(seq_id)
-
-    def node_id(self) -> str:
-        """The Ray node this replica runs on (placement checks, operator views)."""
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
 
     def stats(self) -> dict:
         return self.target.stats()

@@ -25,7 +25,7 @@ from config import EngineConfig, SamplingParams
 from .detokenize import final_text
 from .kpolicy import CostModel, KPolicy
 from .models import encode_prompt, eos_token_ids
-from .proposers import EMPTY, DraftModelProposer, Proposal, Proposer
+from .proposers import EMPTY, DraftModelProposer, Proposal, Proposer, learned_draft
 from .runner import ModelRunner, TargetRows, VerifyCall
 from .sampling import greedy_accept, race_noise, race_sample, rejection_accept, warp_logits
 from .stats import SpecStats
@@ -387,9 +387,7 @@ class SpeculativeEngine:
     @property
     def learned_draft(self) -> DraftModelProposer | None:
         """The draft-model proposer (alone or inside a chain), if any."""
-        if isinstance(self.proposer, DraftModelProposer):
-            return self.proposer
-        return getattr(self.proposer, "draft", None)
+        return learned_draft(self.proposer)
 
     def swap_draft(self, state: dict, version: int) -> None:
         """Install new draft weights (numpy arrays or tensors) now; call it between steps, from

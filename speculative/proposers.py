@@ -158,6 +158,13 @@ class NgramProposer:
         pass
 
 
+def learned_draft(proposer: "Proposer | None") -> "DraftModelProposer | None":
+    """The draft-model proposer of a proposer (itself, or the one inside a chain), if any."""
+    if isinstance(proposer, DraftModelProposer):
+        return proposer
+    return getattr(proposer, "draft", None)
+
+
 class ChainedProposer:
     """Try proposers in order; the first that proposes anything wins the step."""
 
