@@ -29,6 +29,7 @@ __all__ = [
     "AppConfig",
     "AuthConfig",
     "LearnerServeConfig",
+    "MetricsConfig",
     "TenantKey",
     "TenantLimits",
     "ValidationError",
@@ -299,6 +300,27 @@ class IngressConfig(_Strict):
     max_prompt_chars: int = Field(default=32_000, ge=1)
 
 
+class MetricsConfig(_Strict):
+    """Metrics (``/metrics``), the built-in dashboard and ``/v1/stats``.
+
+    Every replica counts into its own ``telemetry.Meter``; the Metrics deployment pulls their
+    cumulative snapshots every ``sample_s`` (and before answering a scrape) and adds the
+    differences into the totals it exports, so a restarted replica neither loses what was pulled
+    nor counts anything twice. Label values beyond a cap are reported as ``other``.
+    """
+
+    enabled: bool = True
+    sample_s: float = Field(default=2.0, gt=0)  # pull period = time-series resolution of the dashboard
+    history: int = Field(default=900, ge=2)  # time-series points kept (900 x 2 s = 30 min)
+    max_tenants: int = Field(default=16, ge=1)
+    max_domains: int = Field(default=24, ge=1)
+    max_languages: int = Field(default=12, ge=1)
+    max_drafts: int = Field(default=24, ge=1)
+    keep_versions: int = Field(default=4, ge=1)  # per draft: newest versions kept as label values
+    max_series: int = Field(default=2000, ge=10)  # per metric family; beyond it every label is ``other``
+    events: int = Field(default=500, ge=1)  # publish / rollback / reject / spawn events kept
+
+
 class TenantLimits(_Strict):
     """Per-tenant limits (None: unlimited), enforced by each ingress replica."""
 
@@ -367,3 +389,4 @@ class AppConfig(_Strict):
     ingress: IngressConfig = IngressConfig()
     auth: AuthConfig = AuthConfig()
     learner: LearnerServeConfig = LearnerServeConfig()
+    metrics: MetricsConfig = MetricsConfig()

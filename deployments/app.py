@@ -4,6 +4,7 @@
 calls :func:`build` with the same config and the YAML's per-deployment options.
 
     Ingress --route--> Router
+        \\--/metrics, /v1/stats--> Metrics <--telemetry (pulled every sample_s)-- every replica
         \\--stream (multiplexed by draft id)--> DraftPool --verify (batched)--> Target
                                                      \\--replay records--> Learner --weights (broadcast)--> DraftPool
 """
@@ -17,6 +18,7 @@ from config import AppConfig
 from .drafts import DraftPoolDeployment
 from .ingress import IngressDeployment
 from .learner import Learner
+from .metrics import MetricsDeployment
 from .router import RouterDeployment
 from .target import Target
 
@@ -28,11 +30,16 @@ def build(cfg: AppConfig, options: dict[str, dict] | None = None) -> Application
     def dep(d):
         return d.options(**opts[d.name]) if d.name in opts else d
 
-    router = dep(RouterDeployment).bind(cfg.router, cfg.replica_grpc_host)
+    router = dep(RouterDeployment).bind(cfg.router, cfg.replica_grpc_host, cfg.metrics)
     learner = dep(Learner).bind(cfg) if cfg.learner.enabled and cfg.engine.draft.kind not in ("ngram", "none") else None
-    target = dep(Target).bind(cfg.engine.model, cfg.target, cfg.engine.k.k_max, cfg.replica_grpc_host) if cfg.placement == "split" else None
+    target = dep(Target).bind(cfg.engine.model, cfg.target, cfg.engine.k.k_max, cfg.replica_grpc_host, cfg.metrics) \
+        if cfg.placement == "split" else None
     pool = dep(DraftPoolDeployment).bind(cfg, target, learner)
-    return dep(IngressDeployment).bind(cfg, router, pool, learner)
+    metrics = None
+    if cfg.metrics.enabled:
+        sources = ["Ingress", "Router", "DraftPool"] + ["Target"] * (target is not None) + ["Learner"] * (learner is not None)
+        metrics = dep(MetricsDeployment).bind(cfg.metrics, sources, cfg.replica_grpc_host)
+    return dep(IngressDeployment).bind(cfg, router, pool, learner, metrics)
 
 
 def build_app(args: dict) -> Application:

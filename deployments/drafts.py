@@ -32,7 +32,7 @@ from speculative.detokenize import Detokenizer
 from speculative.engine import time_verify
 from speculative.models import encode_messages, encode_prompt, eos_token_ids, load_tokenizer, load_weights
 
-from .loopback import NodeInfo, bind_replica_grpc
+from .loopback import NodeInfo, bind_replica_grpc, replica_meter
 from .target import BatchedTarget
 
 
@@ -86,8 +86,10 @@ class DraftPool:
         self.tokenizer = load_tokenizer(cfg.engine.model.name)
         target = load_weights(cfg.engine.model)  # the truncated draft is cut from it
         self.base = build_proposer(cfg.engine.draft, target, self.tokenizer)
+        self.meter = replica_meter("DraftPool", cfg.metrics)
+        self.running = 0
         if cfg.placement == "colocated":
-            self.verifier = BatchedTarget(cfg.engine.model, cfg.target, weights=target)
+            self.verifier = BatchedTarget(cfg.engine.model, cfg.target, weights=target, meter=self.meter)
             self.verify_s = time_verify(self.verifier.runner, cfg.engine.k.k_max)
         else:
             self.verifier = RemoteVerifier(target_handle)
@@ -132,6 +134,34 @@ class DraftPool:
     def versions(self) -> dict[str, int]:
         return {d: e.draft_version for d, e in self.engines.items()}
 
+    def telemetry(self) -> dict:
+        self.meter.set("osd_draft_pool_requests_running", self.running)
+        self.meter.set("osd_draft_pool_drafts_loaded", len(self.engines))
+        if isinstance(self.verifier, BatchedTarget):
+            self.verifier.gauges()
+        return self.meter.snapshot()
+
+    def _count_step(self, res, labels: dict, waited_s: float) -> None:
+        """One speculative step into the meter (vLLM's spec-decode counters, with our labels)."""
+        m, draft, k = self.meter, labels["draft"], len(res.draft_tokens)
+        m.inc("osd_spec_decode_num_steps_total", **labels)
+        m.observe("osd_spec_decode_k", k, draft=draft)
+        m.inc("osd_spec_decode_draft_seconds_total", res.draft_s, draft=draft)
+        m.inc("osd_spec_decode_verify_wait_seconds_total", waited_s, draft=draft)
+        if k == 0:
+            return
+        m.inc("osd_spec_decode_num_drafts_total", **labels)
+        m.inc("osd_spec_decode_num_draft_tokens_total", k, **labels)
+        m.inc("osd_spec_decode_num_accepted_tokens_total", res.accepted, **labels)
+        m.observe("osd_spec_decode_accepted_length", res.accepted, draft=draft)
+        version = res.draft_version if res.source == "draft" else res.source  # "ngram": prompt lookup drafted
+        m.inc("osd_spec_decode_draft_version_draft_tokens_total", k, draft=draft, draft_version=version)
+        m.inc("osd_spec_decode_draft_version_accepted_tokens_total", res.accepted, draft=draft, draft_version=version)
+        for i in range(k):
+            m.inc("osd_spec_decode_num_draft_tokens_per_pos_total", draft=draft, position=i)
+            if i < res.accepted:
+                m.inc("osd_spec_decode_num_accepted_tokens_per_pos_total", draft=draft, position=i)
+
     # -- one request ------------------------------------------------------------------------
     def _prompt_ids(self, req: GenerateRequest) -> list[int]:
         if req.messages is not None:
@@ -147,6 +177,8 @@ class DraftPool:
             yield {"error": str(e)}
             return
         st, detok = engine.requests[rid], Detokenizer(self.tokenizer, req.params.stop)
+        labels = {"tenant": req.tenant or "anonymous", "domain": req.domain, "language": req.lang, "draft": draft_id}
+        self.running += 1
         record = RecordBuilder() if self.learner is not None and engine.learned_draft is not None else None
         waited = 0.0  # seconds this request waited on verification (hop + batching + target compute)
         try:
@@ -158,8 +190,10 @@ class DraftPool:
                 if rows is None:  # the target dropped this cache (TTL, LRU, restart): send it whole
                     whole = replace(pending.call, start=0, tokens=st.tokens[: pending.call.start] + pending.call.tokens)
                     rows = await self.verifier.verify(whole)
-                waited += time.perf_counter() - t0
+                wait = time.perf_counter() - t0
+                waited += wait
                 res = engine.accept(pending, rows)  # 3. accept (here)
+                self._count_step(res, labels, wait)
                 if record is not None:
                     record.add(res)
                 text = detok.finish(st.output) if st.finished else detok.update(st.output)
@@ -191,6 +225,7 @@ class DraftPool:
                 },
             }
         finally:
+            self.running -= 1
             engine.release(rid)
 
 

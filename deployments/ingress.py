@@ -6,16 +6,18 @@ stream the draft replica's steps back in OpenAI's shapes, feed acceptance back t
 import json
 import logging
 import math
+import time
+from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
 from config import AppConfig
 
 from .drafts import GenerateRequest
-from .loopback import bind_replica_grpc
+from .loopback import bind_replica_grpc, replica_meter
 from .protocol import ChatRequest, CompletionRequest, error_body, new_id, now
 from .tenants import Admission, Tenants
 
@@ -25,6 +27,9 @@ api = FastAPI(title="osd-serve", description="Online speculative decoding, OpenA
 
 #: OpenAI's default max_tokens for /v1/completions
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+#: the dashboard page and what it loads (vendored: the page needs no network beyond this server)
+STATIC = Path(__file__).parent / "static"
+STATIC_FILES = {"uPlot.iife.min.js": "text/javascript", "uPlot.min.css": "text/css", "dashboard.js": "text/javascript"}
 
 
 def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
@@ -40,6 +45,37 @@ def _refused(adm: Admission) -> JSONResponse:
                         headers={"Retry-After": str(max(1, math.ceil(adm.retry_after)))})
 
 
+class Timing:
+    """One request's clock at the ingress: arrival, first output text, gaps between chunks."""
+
+    def __init__(self, meter, tenant: str):
+        self.meter, self.tenant = meter, tenant
+        self.t0 = time.perf_counter()
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def chunk(self) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+            self.meter.observe("osd_time_to_first_token_seconds", now - self.t0, tenant=self.tenant)
+        else:
+            self.meter.observe("osd_inter_token_latency_seconds", now - self.last, tenant=self.tenant)
+        self.last = now
+
+    def done(self, status: int, usage: dict | None = None) -> None:
+        m, t = self.meter, self.tenant
+        end = time.perf_counter()
+        m.inc("osd_requests_total", tenant=t, status=str(status))
+        if usage is not None:
+            m.inc("osd_prompt_tokens_total", usage["prompt_tokens"], tenant=t, status=str(status))
+            m.inc("osd_generation_tokens_total", usage["completion_tokens"], tenant=t, status=str(status))
+            if self.first is not None and usage["completion_tokens"] > 1:
+                m.observe("osd_time_per_output_token_seconds", (end - self.first) / (usage["completion_tokens"] - 1),
+                          tenant=t)
+        m.observe("osd_e2e_request_latency_seconds", end - self.t0, tenant=t)
+
+
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     err = e.errors()[0]
     param = ".".join(str(p) for p in err.get("loc", ())) or None
@@ -49,12 +85,15 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
 class Ingress:
     """Undecorated: the deployment below adds Serve and FastAPI."""
 
-    def __init__(self, cfg: AppConfig, router, pool, learner=None, tenants: Tenants | None = None):
+    def __init__(self, cfg: AppConfig, router, pool, learner=None, tenants: Tenants | None = None, metrics=None):
         self.cfg = cfg
         self.router = router
         self.pool = pool
         self.learner = learner
+        self.metrics = metrics  # the Metrics deployment (None: metrics off)
         self.tenants = tenants if tenants is not None else Tenants(cfg.auth)
+        self.meter = replica_meter("Ingress", cfg.metrics)
+        self.running = 0
         if self.tenants.open:
             log.warning("no API keys configured: the server is open to every client that can reach it")
 
@@ -74,6 +113,39 @@ class Ingress:
         summary = await self.router.summary.remote()
         return {"replicas": versions, "acceptance": summary["acceptance"], "drafts": summary["drafts"],
                 "clusters": summary["clusters"]}
+
+    # -- observability -----------------------------------------------------------------------
+    def telemetry(self) -> dict:
+        self.meter.set("osd_requests_running", self.running)
+        return self.meter.snapshot()
+
+    async def prometheus(self, request: Request):
+        """``/metrics``: the whole application's metrics (admin key, or anyone on an open server)."""
+        adm = self._operator(request)
+        if adm.status != 200:
+            return _refused(adm)
+        if self.metrics is None:
+            return _error(404, "metrics are disabled on this server (metrics.enabled: false)")
+        body = await self.metrics.scrape.remote()
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def stats(self, request: Request):
+        """``/v1/stats``: a tenant sees its own requests and acceptance; the admin key sees
+        everything (``?tenant=`` scopes it), drafts, events and the learner included."""
+        adm = self.tenants.identify(request.headers.get("authorization"))
+        if adm.status != 200:
+            return _refused(adm)
+        if self.metrics is None:
+            return _error(404, "metrics are disabled on this server (metrics.enabled: false)")
+        admin = adm.admin or self.tenants.open
+        tenant = request.query_params.get("tenant") if admin else adm.tenant
+        return await self.metrics.stats.remote(tenant or None, admin)
+
+    @staticmethod
+    def dashboard_file(name: str):
+        if name not in STATIC_FILES:
+            return _error(404, f"no such file: {name}")
+        return FileResponse(STATIC / name, media_type=STATIC_FILES[name])
 
     # -- health ------------------------------------------------------------------------------
     async def ready(self) -> JSONResponse:
@@ -114,17 +186,23 @@ class Ingress:
     # -- generation --------------------------------------------------------------------------
     async def completion(self, request: Request, chat: bool):
         adm = self.tenants.admit(request.headers.get("authorization"))
+        timing = Timing(self.meter, adm.tenant or "unauthenticated")
         if adm.status != 200:
+            timing.done(adm.status)
             return _refused(adm)
-        used = 0
+        used, response = 0, None
+        self.running += 1
         try:
-            response, used = await self._completion(request, chat, adm.tenant)
+            response, used = await self._completion(request, chat, adm.tenant, timing)
             return response
         finally:
-            if used is not None:  # a stream settles its own account when it ends
+            if used is not None:  # a stream settles its own account (and its metrics) when it ends
                 self.tenants.done(adm.tenant, used or 0)
+                self.running -= 1
+                status = getattr(response, "status_code", 200 if isinstance(response, dict) else 500)
+                timing.done(status, response["usage"] if isinstance(response, dict) else None)
 
-    async def _completion(self, request: Request, chat: bool, tenant: str):
+    async def _completion(self, request: Request, chat: bool, tenant: str, timing: Timing):
         """(response, tokens to charge now; None when the streaming response charges them itself)."""
         try:
             body = await request.json()
@@ -153,7 +231,10 @@ class Ingress:
         if chars > self.cfg.ingress.max_prompt_chars:
             return _error(400, f"the prompt is longer than {self.cfg.ingress.max_prompt_chars} characters"), 0
 
+        t_route = time.perf_counter()
         route = await self.router.route.remote(text)
+        self.meter.observe("osd_router_latency_seconds", time.perf_counter() - t_route)
+        self.meter.inc("osd_routes_total", reason=route.reason.split(":")[0], domain=route.domain)
         rid = new_id("chatcmpl" if chat else "cmpl")
         gen = GenerateRequest(rid, params, prompt=None if chat else text, messages=messages,
                               domain=route.domain, lang=route.lang, tenant=tenant)
@@ -162,9 +243,9 @@ class Ingress:
         if "error" in first:
             return _error(400, first["error"]), 0
         if req.stream:
-            sse = self._sse(stream, rid, chat, route, req.include_usage, tenant)
+            sse = self._sse(stream, rid, chat, route, req.include_usage, tenant, timing)
             return StreamingResponse(sse, media_type="text/event-stream"), None
-        body = await self._whole(stream, rid, chat, route)
+        body = await self._whole(stream, rid, chat, route, timing)
         return body, body["usage"]["total_tokens"]
 
     def _observe(self, route, usage: dict) -> None:
@@ -175,13 +256,15 @@ class Ingress:
     def _usage(usage: dict) -> dict:
         return {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
 
-    async def _whole(self, stream, rid: str, chat: bool, route) -> dict:
+    async def _whole(self, stream, rid: str, chat: bool, route, timing: Timing) -> dict:
         parts, end = [], None
         async for item in stream:
             if "finish_reason" in item:
                 end = item
             else:
                 parts.append(item["text"])
+                if item["text"]:
+                    timing.chunk()
         self._observe(route, end["usage"])
         text, model = "".join(parts), self.cfg.ingress.model_name
         if chat:
@@ -192,7 +275,7 @@ class Ingress:
             obj = "text_completion"
         return {"id": rid, "object": obj, "created": now(), "model": model, "choices": [choice], "usage": self._usage(end["usage"])}
 
-    async def _sse(self, stream, rid: str, chat: bool, route, include_usage: bool, tenant: str):
+    async def _sse(self, stream, rid: str, chat: bool, route, include_usage: bool, tenant: str, timing: Timing):
         created, model = now(), self.cfg.ingress.model_name
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -207,7 +290,7 @@ class Ingress:
                 body["usage"] = None
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-        used = 0
+        used, usage, status = 0, None, 500
         try:
             if chat:
                 yield chunk(None, None, role=True)
@@ -215,27 +298,31 @@ class Ingress:
                 if "finish_reason" in item:
                     yield chunk(None if chat else "", item["finish_reason"])
                     self._observe(route, item["usage"])
-                    used = self._usage(item["usage"])["total_tokens"]
+                    usage = self._usage(item["usage"])
+                    used, status = usage["total_tokens"], 200
                     if include_usage:
                         body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
                                 "usage": self._usage(item["usage"])}
                         yield f"data: {json.dumps(body)}\n\n"
                 elif item["text"]:
+                    timing.chunk()
                     yield chunk(item["text"], None)
         except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
             log.exception("stream %s failed", rid)
             yield f"data: {json.dumps(error_body(f'generation failed: {e}', 'server_error'))}\n\n"
         finally:
             self.tenants.done(tenant, used)
+            self.running -= 1
+            timing.done(status, usage)
         yield "data: [DONE]\n\n"
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=128)
 @serve.ingress(api)
 class IngressDeployment(Ingress):
-    def __init__(self, cfg: AppConfig, router, pool, learner=None):
+    def __init__(self, cfg: AppConfig, router, pool, learner=None, metrics=None):
         bind_replica_grpc(cfg.replica_grpc_host)
-        super().__init__(cfg, router, pool, learner)
+        super().__init__(cfg, router, pool, learner, metrics=metrics)
 
     @api.get("/health")
     def health(self) -> dict:
@@ -249,6 +336,22 @@ class IngressDeployment(Ingress):
     def list_models(self, request: Request):
         adm = self.tenants.identify(request.headers.get("authorization"))
         return self.models() if adm.status == 200 else _refused(adm)
+
+    @api.get("/metrics")
+    async def metrics_route(self, request: Request):
+        return await self.prometheus(request)
+
+    @api.get("/v1/stats")
+    async def stats_route(self, request: Request):
+        return await self.stats(request)
+
+    @api.get("/dashboard")
+    def dashboard(self):
+        return HTMLResponse((STATIC / "dashboard.html").read_text())
+
+    @api.get("/dashboard/static/{name}")
+    def dashboard_static(self, name: str):
+        return self.dashboard_file(name)
 
     @api.get("/admin/drafts")
     async def admin_drafts(self, request: Request):

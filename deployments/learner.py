@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 
 import torch
 from ray import serve
@@ -19,11 +20,11 @@ from config import AppConfig
 from drafts.build import build_proposer
 from learner.background import BackgroundConfig, BackgroundLearner
 from learner.replay import ReplayRecord, ShardConfig
-from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
+from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner, RoundReport
 from speculative.models import load_tokenizer, load_weights
 from speculative.proposers import learned_draft
 
-from .loopback import NodeInfo, bind_replica_grpc
+from .loopback import NodeInfo, bind_replica_grpc, replica_meter
 
 log = logging.getLogger("osd.learner")
 
@@ -45,9 +46,12 @@ class LearnerServer:
         del target
         shards = ShardConfig(dir=root / "shards", max_bytes=cfg.learner.shard_max_bytes)
         self.learner = OnlineLearner(self.trainer_cfg, shards)
+        self.meter = replica_meter("Learner", cfg.metrics)
+        self._dropped = 0
         self.publish_fn = publish
         self.subscribers: dict[str, list] = {}  # draft id -> [publish to the pool]; one per trainer
-        self.background = BackgroundLearner(self.learner, self.subscribers, cfg=BackgroundConfig(**cfg.learner.background))
+        self.background = BackgroundLearner(self.learner, self.subscribers, cfg=BackgroundConfig(**cfg.learner.background),
+                                            on_round=self._count_round)
         for d in self._known_drafts(root / "checkpoints"):
             self._trainer(d)  # reloads its latest checkpoint
         self.background.start()
@@ -64,8 +68,24 @@ class LearnerServer:
             self.learner.add_trainer(DraftTrainer(draft_id, self.base, self.trainer_cfg, keep_ids=self.keep_ids))
         return self.learner.trainers[draft_id]
 
-    def _publish(self, draft_id: str, state: dict, version: int) -> None:
+    def _count_round(self, rep: RoundReport) -> None:
+        """A finished round into the meter (from the learner thread)."""
+        m, d = self.meter, rep.draft_id
+        result = ("published" if rep.version is not None else "rejected" if rep.steps > 0 and not rep.accepted
+                  else "yielded" if rep.stopped_early else "empty")
+        m.inc("osd_learner_rounds_total", draft=d, result=result)
+        m.inc("osd_learner_steps_total", rep.steps, draft=d)
+        m.inc("osd_learner_train_seconds_total", rep.train_seconds, draft=d)
+        if rep.loss_after is not None:
+            m.set("osd_learner_loss", rep.loss_after, draft=d)
+        if result == "rejected":
+            reason = "non_finite" if "non-finite" in rep.reason else "agreement_drop" if "agreement" in rep.reason else "other"
+            m.inc("osd_learner_rejected_total", draft=d, reason=reason)
+            m.event("reject", draft=d, reason=rep.reason)
+
+    def _publish(self, draft_id: str, state: dict, version: int, kind: str = "publish") -> None:
         log.info("draft %r: publishing v%d", draft_id, version)
+        self.meter.event(kind, draft=draft_id, version=version)
         if self.publish_fn is not None:
             self.publish_fn(draft_id, state, version)
 
@@ -73,6 +93,7 @@ class LearnerServer:
     def record(self, record: ReplayRecord) -> bool:
         """A finished request's record (from a draft replica); queued, never blocks."""
         self._trainer(record.draft_id)
+        self.meter.inc("osd_learner_records_total", draft=record.draft_id)
         return self.background.submit(record)
 
     def latest(self, draft_id: str) -> tuple[dict, int] | None:
@@ -95,8 +116,21 @@ class LearnerServer:
         if t is None or version not in t.versions():
             raise ValueError(f"draft {draft_id!r} has no checkpoint v{version}")
         new, state = t.rollback(version)
-        self._publish(draft_id, state, new)
+        self._publish(draft_id, state, new, kind="rollback")
         return {"draft_id": draft_id, "version": new, "weights_of": version}
+
+    def telemetry(self) -> dict:
+        m, s = self.meter, self.background.stats()
+        m.inc("osd_learner_records_dropped_total", s.dropped - self._dropped)
+        self._dropped = s.dropped
+        m.set("osd_learner_paused", float(s.paused))
+        for d, t in list(self.learner.trainers.items()):
+            m.set("osd_draft_version", t.version, draft=d)
+            if d in self.learner.shards:
+                shard = self.learner.shards[d].stats()
+                m.set("osd_learner_shard_records", shard["records"], draft=d)
+                m.set("osd_learner_shard_bytes", shard["log_bytes"], draft=d)
+        return m.snapshot()
 
     def stats(self) -> dict:
         s = self.background.stats().to_dict()
@@ -116,11 +150,13 @@ class Learner(LearnerServer, NodeInfo):
         """From the learner thread: one object-store copy, every draft replica loads it."""
         import ray
 
+        t0 = time.perf_counter()
         try:
             ref = ray.put(state)
             app = serve.get_replica_context().app_name
             pool = serve.get_deployment_handle(self.pool_name, app)
             got = pool.broadcast("load_weights", draft_id, [ref], version).results()
+            self.meter.observe("osd_learner_broadcast_seconds", time.perf_counter() - t0)
             log.info("draft %r v%d reached %d replicas (versions now %s)", draft_id, version, len(got), got)
         except Exception:  # noqa: BLE001 - the pool is down or shutting down: replicas pull it when they load
             log.exception("draft %r v%d: broadcast failed; replicas will load it from the learner", draft_id, version)

@@ -34,3 +34,17 @@ def bind_replica_grpc(host: str | None) -> None:
 
     on_host.__wrapped_by_osd__ = original
     replica.add_port_to_grpc_server = on_host
+
+
+def replica_meter(source: str, cfg):
+    """The replica's :class:`telemetry.Meter`, named after its Serve replica id (outside Serve: a
+    random id, for tests that build the classes directly)."""
+    from telemetry import Meter
+
+    try:
+        from ray import serve
+
+        replica = serve.get_replica_context().replica_tag
+    except Exception:  # noqa: BLE001 - not inside a replica
+        replica = None
+    return Meter(source, cfg, replica=replica)

@@ -13,18 +13,18 @@ import time
 import torch
 from ray import serve
 
-from config import ModelConfig, TargetServeConfig
+from config import MetricsConfig, ModelConfig, TargetServeConfig
 from speculative import ModelRunner, TargetRows, VerifyCall
 from speculative.engine import time_verify
 from speculative.models import load_weights
 
-from .loopback import NodeInfo, bind_replica_grpc
+from .loopback import NodeInfo, bind_replica_grpc, replica_meter
 
 
 class BatchedTarget:
     """A ModelRunner behind a batching queue; usable inside any replica (split or co-located)."""
 
-    def __init__(self, model: ModelConfig, cfg: TargetServeConfig, weights=None):
+    def __init__(self, model: ModelConfig, cfg: TargetServeConfig, weights=None, meter=None):
         threads = cfg.num_threads or model.num_threads
         if threads:
             torch.set_num_threads(threads)
@@ -34,12 +34,29 @@ class BatchedTarget:
         self.batches = 0
         self.calls = 0
         self.evicted = 0
-        self.verify = serve.batch(max_batch_size=cfg.max_batch, batch_wait_timeout_s=cfg.batch_wait_s)(self._verify_batch)
+        self.pending = 0  # verify calls waiting for or in a batched forward
+        self.meter = meter  # a telemetry.Meter (None: not counted)
+        self._batched = serve.batch(max_batch_size=cfg.max_batch, batch_wait_timeout_s=cfg.batch_wait_s)(self._verify_batch)
+
+    async def verify(self, call: VerifyCall) -> TargetRows | None:
+        self.pending += 1
+        try:
+            return await self._batched(call)
+        finally:
+            self.pending -= 1
 
     async def _verify_batch(self, calls: list[VerifyCall]) -> list[TargetRows | None]:
         # a call whose cache was evicted (TTL, LRU, a restarted replica) is answered None
         ok = [c for c in calls if c.start <= self.runner.cached_length(c.seq_id)]
+        t0 = time.perf_counter()
         rows = await asyncio.to_thread(self.runner.verify, ok, self.cfg.max_batch_tokens) if ok else []
+        if self.meter is not None and ok:
+            m = self.meter
+            m.inc("osd_target_batches_total")
+            m.inc("osd_target_verify_calls_total", len(ok))
+            m.inc("osd_target_verified_tokens_total", sum(len(c.tokens) for c in ok))
+            m.observe("osd_target_batch_size", len(ok))
+            m.observe("osd_target_forward_seconds", time.perf_counter() - t0)
         now = time.monotonic()
         for c in ok:
             self.last_used[c.seq_id] = now
@@ -58,6 +75,13 @@ class BatchedTarget:
         for s in idle:
             self.release(s)
             self.evicted += 1
+        if idle and self.meter is not None:
+            self.meter.inc("osd_target_cache_evictions_total", len(idle))
+
+    def gauges(self) -> None:
+        """Queue depth and live KV caches, into the meter (before each snapshot)."""
+        self.meter.set("osd_target_queue_depth", self.pending)
+        self.meter.set("osd_target_kv_caches", len(self.runner))
 
     def release(self, seq_id: str) -> None:
         self.runner.release(seq_id)
@@ -72,9 +96,10 @@ class BatchedTarget:
 class Target(NodeInfo):
     """The split placement's target: draft replicas call ``verify`` once per speculative step."""
 
-    def __init__(self, model: ModelConfig, cfg: TargetServeConfig, k_max: int = 6, grpc_host: str | None = "127.0.0.1"):
+    def __init__(self, model: ModelConfig, cfg: TargetServeConfig, k_max: int = 6, grpc_host: str | None = "127.0.0.1",
+                 metrics: MetricsConfig | None = None):
         bind_replica_grpc(grpc_host)
-        self.target = BatchedTarget(model, cfg)
+        self.target = BatchedTarget(model, cfg, meter=replica_meter("Target", metrics or MetricsConfig()))
         self.costs = time_verify(self.target.runner, k_max)  # before any traffic: clean timings
 
     def verify_costs(self) -> dict[int, float]:
@@ -89,3 +114,7 @@ class Target(NodeInfo):
 
     def stats(self) -> dict:
         return self.target.stats()
+
+    def telemetry(self) -> dict:
+        self.target.gauges()
+        return self.target.meter.snapshot()

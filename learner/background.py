@@ -86,11 +86,13 @@ class BackgroundLearner:
         subscribers: Sequence[Callable[[dict, int], Any]] | dict[str, Sequence[Callable]] = (),
         busy: Callable[[], bool] | None = None,
         cfg: BackgroundConfig = BackgroundConfig(),
+        on_round: Callable[[RoundReport], Any] | None = None,
     ):
         self.learner = learner
         self.subscribers = subscribers
         self.busy = busy if busy is not None else (lambda: False)
         self.cfg = cfg
+        self.on_round = on_round  # every finished round's report (metrics), from the learner thread
         self._queue: queue.Queue[ReplayRecord] = queue.Queue(maxsize=cfg.queue_max)
         self._stop = threading.Event()
         self._paused = threading.Event()
@@ -208,3 +210,5 @@ class BackgroundLearner:
             s.rejected += int(rep.steps > 0 and not rep.accepted)
             s.yielded_rounds += int(rep.stopped_early)
             s.last_round = rep.to_dict()
+        if self.on_round is not None:
+            self.on_round(rep)

@@ -1,0 +1,253 @@
+"""Meters and the hub, by hand: counts add up across replicas, a restarted replica counts from
+zero without a double count, label sets stay bounded, the exposition parses, stats scope by tenant."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from config import MetricsConfig
+from telemetry import CATALOG, Hub, Meter
+from telemetry.catalog import OTHER, exported_series
+from telemetry.hub import quantile
+
+SPEC = dict(tenant="t1", domain="code", language="en", draft="general")
+
+
+def samples(hub: Hub) -> dict[tuple, float]:
+    out = {}
+    for fam in text_string_to_metric_families(hub.exposition().decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(hub: Hub, name: str, **labels) -> float:
+    return samples(hub).get((name, tuple(sorted((k, str(v)) for k, v in labels.items()))), 0.0)
+
+
+def test_counts_add_up_across_replicas_and_snapshots():
+    a, b, hub = Meter("DraftPool", replica="a"), Meter("DraftPool", replica="b"), Hub()
+    a.inc("osd_spec_decode_num_draft_tokens_total", 5, **SPEC)
+    b.inc("osd_spec_decode_num_draft_tokens_total", 3, **SPEC)
+    hub.merge(a.snapshot())
+    hub.merge(b.snapshot())
+    assert value(hub, "osd_spec_decode_num_draft_tokens_total", **SPEC) == 8
+    a.inc("osd_spec_decode_num_draft_tokens_total", 2, **SPEC)
+    hub.merge(a.snapshot())
+    hub.merge(b.snapshot())  # nothing new from b
+    assert value(hub, "osd_spec_decode_num_draft_tokens_total", **SPEC) == 10
+
+
+def test_a_snapshot_merged_twice_or_late_counts_once():
+    a, hub = Meter("Ingress", replica="a"), Hub()
+    a.inc("osd_requests_total", tenant="t", status="200")
+    old = a.snapshot()
+    a.inc("osd_requests_total", tenant="t", status="200")
+    new = a.snapshot()
+    hub.merge(new)
+    hub.merge(new)
+    hub.merge(old)  # arrived late: already covered by ``new``
+    assert value(hub, "osd_requests_total", tenant="t", status="200") == 2
+
+
+def test_a_restarted_replica_is_counted_from_zero_and_keeps_what_was_merged():
+    hub = Hub()
+    first = Meter("Ingress", replica="r1")
+    first.inc("osd_requests_total", 7, tenant="t", status="200")
+    first.observe("osd_e2e_request_latency_seconds", 0.3, n=7, tenant="t")
+    hub.merge(first.snapshot())
+    again = Meter("Ingress", replica="r1")  # the same replica name after a restart: a new epoch
+    again.inc("osd_requests_total", 2, tenant="t", status="200")
+    again.observe("osd_e2e_request_latency_seconds", 2.0, n=2, tenant="t")
+    hub.merge(again.snapshot())
+    assert value(hub, "osd_requests_total", tenant="t", status="200") == 9
+    assert value(hub, "osd_e2e_request_latency_seconds_count", tenant="t") == 9
+    assert value(hub, "osd_e2e_request_latency_seconds_sum", tenant="t") == pytest.approx(0.3 * 7 + 4.0)
+    assert value(hub, "osd_e2e_request_latency_seconds_bucket", tenant="t", le="0.5") == 7
+
+
+def test_a_hub_that_restarts_recovers_the_live_replicas_totals():
+    a = Meter("Ingress", replica="a")
+    a.inc("osd_requests_total", 4, tenant="t", status="200")
+    Hub().merge(a.snapshot())
+    fresh = Hub()
+    fresh.merge(a.snapshot())
+    assert value(fresh, "osd_requests_total", tenant="t", status="200") == 4
+
+
+def test_gauges_sum_over_live_replicas_and_vanish_with_them():
+    a, b, hub = Meter("Target", replica="a"), Meter("Target", replica="b"), Hub()
+    a.set("osd_target_kv_caches", 3)
+    b.set("osd_target_kv_caches", 4)
+    hub.merge(a.snapshot())
+    hub.merge(b.snapshot())
+    assert value(hub, "osd_target_kv_caches") == 7
+    hub.retain({"a"}, hub.replicas_of("Target"))  # b did not answer the last pull
+    assert value(hub, "osd_target_kv_caches") == 3
+
+
+def test_histogram_buckets_follow_prometheus_le():
+    m, hub = Meter("Target", replica="a"), Hub()
+    for v in (0.1, 0.1000001, 500.0):
+        m.observe("osd_target_forward_seconds", v)
+    hub.merge(m.snapshot())
+    assert value(hub, "osd_target_forward_seconds_bucket", le="0.1") == 1  # le is inclusive
+    assert value(hub, "osd_target_forward_seconds_bucket", le="0.25") == 2
+    assert value(hub, "osd_target_forward_seconds_bucket", le="160.0") == 2
+    assert value(hub, "osd_target_forward_seconds_bucket", le="+Inf") == 3
+    assert value(hub, "osd_target_forward_seconds_count") == 3
+
+
+def test_label_values_are_capped_per_label_and_per_family():
+    cfg = MetricsConfig(max_tenants=2, max_series=10)
+    m, hub = Meter("Ingress", cfg, replica="a"), Hub(cfg)
+    for t in ("a", "b", "c", "d"):
+        m.inc("osd_requests_total", tenant=t, status="200")
+    hub.merge(m.snapshot())
+    assert value(hub, "osd_requests_total", tenant=OTHER, status="200") == 2
+    for i in range(30):
+        m.inc("osd_routes_total", reason="classifier", domain=f"d{i}")  # domains capped at 24, series at 10
+    hub.merge(m.snapshot())
+    routes = [k for k in samples(hub) if k[0] == "osd_routes_total"]
+    assert len(routes) <= 10 and value(hub, "osd_routes_total", reason=OTHER, domain=OTHER) == 21
+    assert sum(v for k, v in samples(hub).items() if k[0] == "osd_routes_total") == 30
+
+
+def test_the_union_of_replicas_is_capped_at_the_hub():
+    cfg = MetricsConfig(max_tenants=2)
+    hub = Hub(cfg)
+    for r, t in (("a", "x"), ("b", "y"), ("c", "z")):
+        m = Meter("Ingress", cfg, replica=r)
+        m.inc("osd_requests_total", tenant=t, status="200")
+        hub.merge(m.snapshot())
+    tenants = {dict(k[1])["tenant"] for k in samples(hub) if k[0] == "osd_requests_total"}
+    assert tenants == {"x", "y", OTHER}
+
+
+def test_old_draft_versions_fold_into_old_and_the_sum_is_kept():
+    cfg = MetricsConfig(keep_versions=2)
+    m, hub = Meter("DraftPool", cfg, replica="a"), Hub(cfg)
+    for v in range(1, 6):
+        m.inc("osd_spec_decode_draft_version_draft_tokens_total", 10, draft="g", draft_version=v)
+        hub.merge(m.snapshot())
+    got = {dict(k[1])["draft_version"]: v for k, v in samples(hub).items()
+           if k[0] == "osd_spec_decode_draft_version_draft_tokens_total"}
+    assert got == {"4": 10, "5": 10, "old": 30}
+
+
+def test_unknown_labels_and_negative_counts_are_errors():
+    m = Meter("Ingress")
+    with pytest.raises(ValueError):
+        m.inc("osd_requests_total", tenant="t")
+    with pytest.raises(ValueError):
+        m.inc("osd_requests_total", -1, tenant="t", status="200")
+
+
+def test_disabled_meter_counts_nothing():
+    m = Meter("Ingress", MetricsConfig(enabled=False))
+    m.inc("osd_requests_total", tenant="t", status="200")
+    assert m.snapshot()["counters"] == {}
+
+
+def test_events_arrive_once_across_pulls():
+    m, hub = Meter("Learner", replica="l"), Hub()
+    m.event("publish", draft="g", version=1)
+    hub.merge(m.snapshot())
+    hub.merge(m.snapshot())
+    m.event("reject", draft="g", reason="non-finite parameter")
+    hub.merge(m.snapshot())
+    assert [e["kind"] for e in hub.events] == ["publish", "reject"]
+
+
+def test_every_family_is_exported_with_conventional_names():
+    hub = Hub()
+    names = {f.name for f in text_string_to_metric_families(hub.exposition().decode())}
+    for fam in CATALOG.values():
+        assert fam.name.startswith("osd_")
+        assert fam.name.endswith("_total") == (fam.kind == "counter"), fam.name
+        assert fam.name.removesuffix("_total") in names or fam.name in names
+    assert "osd_spec_decode_num_accepted_tokens_per_pos_total" in exported_series()
+
+
+def test_quantile_interpolates_inside_the_bucket():
+    buckets = (1.0, 2.0, 4.0)
+    assert quantile(0.5, buckets, [0, 10, 0, 0]) == pytest.approx(1.5)
+    assert quantile(0.9, buckets, [10, 0, 0, 0]) == pytest.approx(0.9)
+    assert quantile(0.99, buckets, [0, 0, 0, 5]) == 4.0  # +Inf: the highest finite bound
+    assert quantile(0.5, buckets, [0, 0, 0, 0]) is None
+
+
+def test_stats_acceptance_rates_and_tenant_scope():
+    cfg = MetricsConfig(sample_s=1.0)
+    m, hub = Meter("DraftPool", cfg, replica="a"), Hub(cfg)
+    i = Meter("Ingress", cfg, replica="i")
+    hub.merge(m.snapshot())
+    hub.sample(now=100.0)
+    m.inc("osd_spec_decode_num_draft_tokens_total", 10, **SPEC)
+    m.inc("osd_spec_decode_num_accepted_tokens_total", 6, **SPEC)
+    m.inc("osd_spec_decode_num_draft_tokens_total", 4, **{**SPEC, "tenant": "t2", "domain": "sql"})
+    m.inc("osd_spec_decode_num_accepted_tokens_total", 1, **{**SPEC, "tenant": "t2", "domain": "sql"})
+    i.inc("osd_requests_total", 3, tenant="t1", status="200")
+    i.inc("osd_requests_total", 1, tenant="t2", status="500")
+    i.inc("osd_generation_tokens_total", 40, tenant="t1", status="200")
+    hub.merge(m.snapshot())
+    hub.merge(i.snapshot())
+    hub.sample(now=102.0)
+    s = hub.stats()
+    assert s["acceptance"]["code"]["alpha"] == 0.6 and s["acceptance"]["sql"]["alpha"] == 0.25
+    assert s["series"]["acceptance"]["code"] == [None, 0.6]
+    assert s["series"]["requests_per_s"][-1] == 2.0 and s["series"]["tokens_per_s"][-1] == 20.0
+    assert s["totals"] == {"requests": 4, "errors": 1, "generation_tokens": 40}
+    mine = hub.stats(tenant="t2", admin=False)
+    assert set(mine["acceptance"]) == {"sql"} and mine["totals"]["requests"] == 1
+    assert "learner" not in mine and "events" not in mine and "drafts" not in mine
+    assert math.isclose(s["series"]["errors_per_s"][-1], 0.5)
+
+
+def _dashboard_queries() -> list[str]:
+    import json
+    from pathlib import Path
+
+    dash = json.loads((Path(__file__).parents[2] / "ops/grafana/osd-serve.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    return exprs + [a["expr"] for a in dash["annotations"]["list"]]
+
+
+def test_every_series_a_grafana_panel_queries_is_exported():
+    import re
+
+    exported = exported_series()
+    queries = _dashboard_queries()
+    assert len(queries) >= 15
+    used = set()
+    for q in queries:
+        names = re.findall(r"\bosd_[a-z0-9_]+", q)
+        assert names, q
+        for n in names:
+            assert n in exported, f"{n} (in {q!r}) is not a series the server exports"
+            used.add(n)
+        # every label a query groups or filters by is one of its metrics' labels (or le)
+        fams = [f for f in CATALOG.values() if any(n in (f.name, f"{f.name}_bucket", f"{f.name}_sum", f"{f.name}_count") for n in names)]
+        labels = {"le"} | {lab for f in fams for lab in f.labels}
+        for group in re.findall(r"by \(([^)]*)\)", q):
+            for lab in (x.strip() for x in group.split(",")):
+                assert lab in labels, f"{q!r} groups by {lab!r}"
+        for lab in re.findall(r"\{(\w+)[!=]", q):
+            assert lab in labels, f"{q!r} filters on {lab!r}"
+    # the dashboard covers the headline families
+    for n in ("osd_spec_decode_num_accepted_tokens_total", "osd_e2e_request_latency_seconds_bucket",
+              "osd_learner_rounds_total", "osd_generation_tokens_total", "osd_requests_total"):
+        assert n in used
+
+
+def test_the_scrape_config_targets_the_metrics_path():
+    from pathlib import Path
+
+    import yaml
+
+    cfg = yaml.safe_load((Path(__file__).parents[2] / "ops/prometheus.yml").read_text())
+    job = cfg["scrape_configs"][0]
+    assert job["metrics_path"] == "/metrics" and job["static_configs"][0]["targets"] == ["127.0.0.1:8000"]
