@@ -15,12 +15,29 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# What the observability tests drive for real: Prometheus, headless Chromium (+ its driver) and
+# tmux, from Debian's archive; installed once when missing (needs root, as on the CI machine). No
+# service is started (policy-rc.d) and Prometheus comes without its node exporter: the tests start
+# what they need on loopback and stop it.
+SYSTEM_TOOLS := prometheus chromium chromedriver tmux
+system-tools:
+	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  blocker=/usr/sbin/policy-rc.d; made=""; \
+	  if [ ! -e $$blocker ]; then printf '#!/bin/sh\nexit 101\n' > $$blocker && chmod +x $$blocker && made=1; fi; \
+	  apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus tmux >/dev/null && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver fonts-liberation >/dev/null; \
+	  status=$$?; [ -n "$$made" ] && rm -f $$blocker; exit $$status; \
+	fi
+
 # The server on the embedded default (serve_config.yaml): Ray Serve on 127.0.0.1:8000, OpenAI API.
 run: $(STAMP)
 	$(BIN)/osd serve
 
 # The whole test suite: fast unit tests and the slow ones on the real SmolLM2.
-test: $(STAMP)
+test: $(STAMP) system-tools
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests
 
 # Mutation testing of the sampling path, engine, proposers, k policy and the learner's gate (not in CI:
@@ -32,4 +49,4 @@ mutate: $(STAMP)
 lossless: $(STAMP)
 	$(BIN)/python tests/lossless.py
 
-.PHONY: install run test mutate lossless
+.PHONY: install system-tools run test mutate lossless

@@ -7,7 +7,8 @@ Reported per level: output tokens/s (aggregate), TTFT and inter-token latency p5
 latency p50/p99, acceptance per workload domain (from each response's usage extension), errors
 by status. ``--inprocess`` also decodes the same prompts with the in-process engine (same engine
 config as the server's ``serve_config.yaml``, greedy, one at a time) for the ratio of concurrency 1
-to it. Loopback only.
+to it. ``--metrics-cost R`` starts the server itself, with metrics off and on in turn, R rounds, and
+reports tokens/s on over off. Loopback only.
 """
 
 from __future__ import annotations
@@ -124,6 +125,50 @@ def summarise_level(results, concurrency: int, wall: float) -> dict:
     }
 
 
+def metrics_cost(records, rounds: int, concurrency: int, max_tokens: int, config: str | None, port: int) -> dict:
+    """Serving tokens/s with metrics off and on: the server is started on each setting in turn
+    (off, on, off, on, ...: drift hits both), the same requests each time, the learner off in both
+    (its rounds would add noise unrelated to metrics)."""
+    import tempfile
+
+    import openai
+    import yaml
+
+    from deployments import launch
+
+    doc = yaml.safe_load(Path(config or launch.DEFAULT_CONFIG).read_text())
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for enabled in (False, True):
+                args = doc["applications"][0]["args"]
+                args["metrics"] = {**(args.get("metrics") or {}), "enabled": enabled}
+                args["learner"] = {**(args.get("learner") or {}), "enabled": False}
+                path = Path(tmp) / f"metrics_{enabled}.yaml"
+                path.write_text(yaml.safe_dump(doc))
+                url = launch.start(path, port=port, temp_dir=str(Path(tmp) / f"ray{r}{int(enabled)}"))
+                try:
+                    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+                    model = client.models.list().data[0].id
+                    run_level(client, model, records[:concurrency], concurrency, max_tokens, 600.0)  # warm up
+                    level = run_level(client, model, records, concurrency, max_tokens, 600.0)
+                finally:
+                    from ray import serve
+                    import ray
+
+                    serve.shutdown()
+                    ray.shutdown()
+                level.pop("outputs")
+                runs.append({"round": r, "metrics": enabled, **level})
+                print(f"round {r} metrics {'on ' if enabled else 'off'}: {level['tokens_per_s']:.2f} tok/s "
+                      f"({level['ok']}/{level['requests']} ok)", flush=True)
+    on = [x["tokens_per_s"] for x in runs if x["metrics"]]
+    off = [x["tokens_per_s"] for x in runs if not x["metrics"]]
+    return {"runs": runs, "on_tokens_per_s": float(np.mean(on)), "off_tokens_per_s": float(np.mean(off)),
+            "ratio_on_to_off": float(np.mean(on) / np.mean(off)),
+            "ratio_per_round": [a / b for a, b in zip(on, off)]}
+
+
 def _ms(s: float | None) -> float | None:
     return None if s is None else round(s * 1e3, 1)
 
@@ -227,12 +272,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--level-seconds", type=float, default=600.0, help="a level stops after this long")
     ap.add_argument("--inprocess", action="store_true", help="also time the in-process engine on the same prompts")
-    ap.add_argument("--config", default=None, help="serve config for --inprocess (default serve_config.yaml)")
+    ap.add_argument("--config", default=None, help="serve config for --inprocess / --metrics-cost (default serve_config.yaml)")
     ap.add_argument("--curve", type=int, default=0,
                     help="instead of the levels: serve this many records in order while the learner runs, "
                          "alpha per domain per window")
     ap.add_argument("--window", type=int, default=40)
     ap.add_argument("--curve-concurrency", type=int, default=4)
+    ap.add_argument("--metrics-cost", type=int, default=0, metavar="ROUNDS",
+                    help="instead: start the server (on --config) with metrics off and on, ROUNDS times each, "
+                         "alternating; tokens/s on vs off at the first --concurrency")
+    ap.add_argument("--port", type=int, default=8000, help="with --metrics-cost: the port of the servers it starts")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     host = urlparse(args.url).hostname
@@ -241,6 +290,16 @@ def main(argv: list[str] | None = None) -> int:
     import openai
 
     client = openai.OpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=args.api_key, max_retries=0, timeout=300)
+    if args.metrics_cost:
+        records = select(load_workload(args.workload), args.n)
+        cost = metrics_cost(records, args.metrics_cost, args.concurrency[0], args.max_tokens, args.config, args.port)
+        print(f"metrics on / off: {cost['ratio_on_to_off']:.3f} ({cost['on_tokens_per_s']:.2f} vs "
+              f"{cost['off_tokens_per_s']:.2f} tok/s; per round {[round(x, 3) for x in cost['ratio_per_round']]})")
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps({"workload": args.workload, "n": len(records), "max_tokens": args.max_tokens,
+                                                   "concurrency": args.concurrency[0], **cost}, indent=1))
+        return 0
     model = args.model or client.models.list().data[0].id
     if args.curve:
         records = select(load_workload(args.workload), args.curve)

@@ -57,7 +57,7 @@ class LearnerServer:
         self.background.start()
 
     @staticmethod
-    def _known_drafts(ckpt: "Path") -> list[str]:
+    def _known_drafts(ckpt) -> list[str]:
         from urllib.parse import unquote
 
         return sorted(unquote(p.name) for p in ckpt.iterdir() if p.is_dir()) if ckpt.is_dir() else []

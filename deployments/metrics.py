@@ -2,8 +2,8 @@
 (``telemetry.Hub``) and answers ``/metrics``, ``/v1/stats`` and the dashboard through the ingress.
 
 Transport only: a task on the replica's loop pulls the sources (``DeploymentHandle.broadcast("telemetry")``, every
-replica of each) every ``sample_s`` and samples the dashboard's series; a scrape pulls first
-when the last pull is older than half a period, so a scrape sees what was served just before it.
+replica of each) every ``sample_s`` and samples the dashboard's series; a scrape or a stats call
+pulls first, so it sees everything served before it.
 """
 
 from __future__ import annotations
@@ -55,13 +55,11 @@ class MetricsServer:
             self.pulls += 1
 
     async def scrape(self) -> bytes:
-        if time.monotonic() - self.last_pull > self.cfg.sample_s / 2:
-            await self.pull()
+        await self.pull()  # a few ms: what was served before the scrape is in it
         return self.hub.exposition()
 
     async def stats(self, tenant: str | None = None, admin: bool = True) -> dict:
-        if time.monotonic() - self.last_pull > self.cfg.sample_s / 2:
-            await self.pull()
+        await self.pull()
         return self.hub.stats(tenant, admin)
 
     async def tick(self) -> None:

@@ -2,6 +2,7 @@
 
   osd serve                        the server (Ray Serve, OpenAI-compatible) on serve_config.yaml
   osd bench-serve --url URL        drive the running server at concurrency 1/4/8 (tokens/s, TTFT, ITL)
+  osd top [--url URL]              live figures of a running server: acceptance per domain, rates, learner
   osd generate "prompt"            one-shot generation with live speculative statistics
   osd generate --interactive       a chat loop on the embedded default
   osd bench --workload F --n N     target-only vs ours vs HF assisted vs HF prompt lookup
@@ -83,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--json", default=None)
 
+    sub.add_parser("top", help="live figures of a running server (osd top -h)", add_help=False)
     sub.add_parser("workload", help="osd workload build: a workload file from public corpora (osd workload build -h)", add_help=False)
     sub.add_parser("draft", help="the learner's checkpoints: osd draft versions | rollback (osd draft -h)", add_help=False)
     sub.add_parser("route", help="route a workload: topic / language accuracy, confusion, latency (osd route -h)", add_help=False)
@@ -232,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["top"]:  # a light client: no torch or transformers to import
+        from telemetry.top import main as top_main
+
+        return top_main(argv[1:])
     from pydantic import ValidationError
     from transformers.utils import logging as hf_logging
 

@@ -70,7 +70,7 @@ CATALOG: dict[str, Family] = _families(
     Family("osd_spec_decode_num_steps_total", "counter", "Target verifications (speculative steps, including k = 0)",
            SPEC),
     Family("osd_spec_decode_draft_version_draft_tokens_total", "counter", "Draft tokens proposed, by draft version "
-           "(the newest versions of each draft; older ones are dropped once idle)", ("draft", "draft_version")),
+           "(the newest keep_versions of each draft; older versions are added up under draft_version=\"old\")", ("draft", "draft_version")),
     Family("osd_spec_decode_draft_version_accepted_tokens_total", "counter", "Draft tokens accepted, by draft version",
            ("draft", "draft_version")),
     Family("osd_spec_decode_k", "histogram", "Draft length chosen per step", ("draft",), K_BUCKETS),

@@ -16,7 +16,6 @@ Gauges are summed over the replicas that answered the latest pull.
 
 from __future__ import annotations
 
-import bisect
 import math
 import threading
 import time
@@ -85,13 +84,13 @@ class Hub:
             last_seq = max((e["seq"] for e in prev["events"]), default=0)
             for k, v in snap["counters"].items():
                 d = _diff(v, prev["counters"].get(k, 0.0))
-                if d:
+                if d or k not in prev["counters"]:  # a new series is exported even at 0
                     key = self._key(k)
                     self.counters[key] = self.counters.get(key, 0.0) + d
             for k, h in snap["hists"].items():
                 p = prev["hists"].get(k)
                 d = h if p is None or len(p) != len(h) or any(a < b for a, b in zip(h, p)) else [a - b for a, b in zip(h, p)]
-                if any(d):
+                if any(d) or p is None:
                     key = self._key(k)
                     acc = self.hists.setdefault(key, [0.0] * len(h))
                     for i, x in enumerate(d):
@@ -198,7 +197,14 @@ class Hub:
 
     # -- dashboard time series ---------------------------------------------------------------------
     def sample(self, now: float | None = None) -> dict:
-        """One point of the dashboard's series: cumulative figures per tenant and domain."""
+        """Append one point to the dashboard's series."""
+        with self.lock:
+            point = self._point(now)
+            self.points.append(point)
+            return point
+
+    def _point(self, now: float | None = None) -> dict:
+        """Cumulative figures per tenant and domain, now."""
         with self.lock:
             point = {"t": now or time.time(), "spec": {}, "req": {}, "lat": {}, "ttft": {}}
             for (name, values), v in self.counters.items():
@@ -219,7 +225,6 @@ class Hub:
                     point["lat"][values[0]] = list(h[:-1])
                 elif name == "osd_time_to_first_token_seconds":
                     point["ttft"][values[0]] = list(h[:-1])
-            self.points.append(point)
             return point
 
     def stats(self, tenant: str | None = None, admin: bool = True) -> dict:
@@ -228,6 +233,7 @@ class Hub:
         ``tenant``: only that tenant's requests and acceptance."""
         with self.lock:
             points = list(self.points)
+            current = self._point()
             counters = dict(self.counters)
             gauges: dict[Key, float] = {}
             for g in self.gauges.values():
@@ -280,10 +286,9 @@ class Hub:
                     h = [x - y for x, y in zip(h, hb)]
                 series[out].append(quantile(q, buckets, h) if h and i > 0 else None)
 
-        last = points[-1] if points else {"spec": {}, "req": {}}
         acceptance = {d: {"drafted": v[0], "accepted": v[1], "alpha": v[1] / v[0] if v[0] else None}
-                      for d, v in sorted(spec(last).items())}
-        requests, errors, tokens = req(last)
+                      for d, v in sorted(spec(current).items())}
+        requests, errors, tokens = req(current)
         out = {
             "t": time.time(), "scope": tenant or "all", "sample_s": self.cfg.sample_s, "window_s": WINDOW_S,
             "totals": {"requests": requests, "errors": errors, "generation_tokens": tokens},

@@ -76,7 +76,8 @@ class Meter:
 
     # -- counting ----------------------------------------------------------------------------------
     def inc(self, name: str, value: float = 1.0, **labels) -> None:
-        if not self.enabled or not value:
+        """Add ``value`` (0 creates the series: a ratio of two counters needs both to exist)."""
+        if not self.enabled:
             return
         if value < 0:
             raise ValueError(f"{name}: a counter only goes up (got {value})")

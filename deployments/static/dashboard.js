@@ -3,7 +3,7 @@
 
 // one colour per domain, in the order of the sorted domain names (tests read this list)
 const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
-                 "#bcbd22", "#7f7f7f", "#393b79", "#637939"];
+                 "#bcbd22", "#0f766e", "#393b79", "#637939"];
 const MARK = { publish: "#16a34a", rollback: "#dc2626" };
 
 let key = new URLSearchParams(location.hash.slice(1)).get("key") || localStorage.getItem("osd_key") || "";
@@ -59,7 +59,7 @@ function draw(id, series, data, opts = {}) {
   shape[id] = sig;
   plots[id] = new uPlot({
     width: width(id), height: 240, series: [{}, ...series],
-    scales: opts.scales || {}, axes: [{}, { size: 50 }], plugins: opts.plugins || [],
+    scales: opts.scales || {}, axes: opts.axes || [{}, { size: 50 }], plugins: opts.plugins || [],
   }, data, document.getElementById(id));
 }
 
@@ -86,9 +86,11 @@ function render(s) {
   const events = s.events || [];
   draw("acceptance", domains.map((d) => ({ label: d, stroke: color(d), width: 2, spanGaps: true })),
        [t, ...domains.map((d) => s.series.acceptance[d])],
-       { scales: { y: { range: [0, 1] } }, plugins: [eventTicks(events)] });
-  draw("rates", [{ label: "requests/s", stroke: "#334155", width: 2 }, { label: "tokens/s", stroke: "#0ea5e9", width: 2 }],
-       [t, s.series.requests_per_s, s.series.tokens_per_s]);
+       { scales: { y: { range: [-0.03, 1.03] } }, plugins: [eventTicks(events)] });
+  draw("rates", [{ label: "requests/s", stroke: "#334155", width: 2, scale: "r" },
+                 { label: "tokens/s", stroke: "#0ea5e9", width: 2 }],
+       [t, s.series.requests_per_s, s.series.tokens_per_s],
+       { axes: [{}, { size: 50 }, { scale: "r", side: 1, size: 50, grid: { show: false } }] });
   draw("latency", [{ label: "p50", stroke: "#334155", width: 2, spanGaps: true },
                    { label: "p95", stroke: "#f59e0b", width: 2, spanGaps: true },
                    { label: "TTFT p50", stroke: "#a855f7", width: 2, spanGaps: true }],

@@ -3,6 +3,7 @@ zero without a double count, label sets stay bounded, the exposition parses, sta
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
@@ -251,3 +252,50 @@ def test_the_scrape_config_targets_the_metrics_path():
     cfg = yaml.safe_load((Path(__file__).parents[2] / "ops/prometheus.yml").read_text())
     job = cfg["scrape_configs"][0]
     assert job["metrics_path"] == "/metrics" and job["static_configs"][0]["targets"] == ["127.0.0.1:8000"]
+
+
+def test_top_renders_the_stats_figures():
+    from rich.console import Console
+
+    from telemetry.top import render
+
+    cfg = MetricsConfig(sample_s=1.0)
+    m, i, hub = Meter("DraftPool", cfg, replica="a"), Meter("Ingress", cfg, replica="i"), Hub(cfg)
+    hub.sample(now=10.0)
+    m.inc("osd_spec_decode_num_draft_tokens_total", 8, **SPEC)
+    m.inc("osd_spec_decode_num_accepted_tokens_total", 3, **SPEC)
+    i.inc("osd_requests_total", 17, tenant="t1", status="200")
+    lm = Meter("Learner", cfg, replica="l")
+    lm.set("osd_draft_version", 4, draft="general")
+    lm.event("publish", draft="general", version=4)
+    for meter in (m, i, lm):
+        hub.merge(meter.snapshot())
+    hub.sample(now=11.0)
+    console = Console(file=io.StringIO(), width=150)
+    console.print(render(hub.stats(), "http://127.0.0.1:8000"))
+    screen = console.file.getvalue()
+    row = next(line for line in screen.splitlines() if line.strip().startswith("code "))
+    assert "0.375" in row and " 8 " in row + " " and "17" in screen
+    assert "general v4" in screen and "publish general v4" in screen
+    tenant_view = Console(file=io.StringIO(), width=150)
+    tenant_view.print(render(hub.stats("t1", admin=False), "u"))
+    assert "learner" not in tenant_view.file.getvalue()
+
+
+def test_a_counter_at_zero_is_exported_so_that_ratios_have_both_sides():
+    m, hub = Meter("DraftPool", replica="a"), Hub()
+    m.inc("osd_spec_decode_num_draft_tokens_total", 4, **SPEC)
+    m.inc("osd_spec_decode_num_accepted_tokens_total", 0, **SPEC)
+    hub.merge(m.snapshot())
+    key = ("osd_spec_decode_num_accepted_tokens_total", tuple(sorted(SPEC.items())))
+    assert key in samples(hub) and samples(hub)[key] == 0
+
+
+def test_the_readme_and_the_docs_list_every_metric():
+    from pathlib import Path
+
+    root = Path(__file__).parents[2]
+    for doc in ("README.md", "docs/observability.md"):
+        text = (root / doc).read_text()
+        missing = [f.name for f in CATALOG.values() if f"`{f.name}`" not in text]
+        assert not missing, f"{doc} does not list {missing}"

@@ -1,0 +1,117 @@
+"""``osd top``: the live figures of a running server on a terminal (reads ``/v1/stats``).
+
+    osd top [--url http://127.0.0.1:8000] [--key KEY | $OSD_API_KEY] [--interval 2] [--once]
+
+An admin key (or an open server) shows everything; a tenant's key shows that tenant's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from datetime import datetime
+
+
+def fetch(url: str, key: str | None, timeout: float = 10.0) -> dict:
+    req = urllib.request.Request(url.rstrip("/") + "/v1/stats", headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _last(xs: list) -> float | None:
+    return next((x for x in reversed(xs) if x is not None), None)
+
+
+def _f(x, fmt: str = "{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def render(s: dict, url: str):
+    """One frame (a rich renderable) from a ``/v1/stats`` answer."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    series = s["series"]
+    head = Text.assemble(("osd top ", "bold"), f"{url}  scope {s['scope']}  ",
+                         datetime.fromtimestamp(s["t"]).strftime("%H:%M:%S"), f"  (rates over {s['window_s']:.0f} s)")
+    t = s["totals"]
+    overview = Table(box=None, show_header=True, header_style="bold")
+    for col in ("requests", "errors", "output tokens", "req/s", "tok/s", "latency p50", "p95", "TTFT p50"):
+        overview.add_column(col, justify="right")
+    overview.add_row(_f(t["requests"], "{:.0f}"), _f(t["errors"], "{:.0f}"), _f(t["generation_tokens"], "{:.0f}"),
+                     _f(_last(series["requests_per_s"])), _f(_last(series["tokens_per_s"]), "{:.1f}"),
+                     _f(_last(series["latency_p50_s"]), "{:.2f} s"), _f(_last(series["latency_p95_s"]), "{:.2f} s"),
+                     _f(_last(series["ttft_p50_s"]), "{:.2f} s"))
+    domains = Table(title="acceptance per domain", box=None, header_style="bold", title_justify="left")
+    for col in ("domain", "alpha", "alpha (recent)", "drafted", "accepted"):
+        domains.add_column(col, justify="left" if col == "domain" else "right")
+    for d, a in s["acceptance"].items():
+        domains.add_row(d, _f(a["alpha"], "{:.3f}"), _f(_last(series["acceptance"].get(d, [])), "{:.3f}"),
+                        _f(a["drafted"], "{:.0f}"), _f(a["accepted"], "{:.0f}"))
+    parts = [head, overview, domains]
+    if "learner" in s:
+        r, lr = s["running"], s["learner"]
+        parts.append(Text(f"running {r['ingress']:.0f}  draft pool {r['draft_pool']:.0f}  target queue "
+                          f"{r['target_queue']:.0f}  KV caches {r['kv_caches']:.0f}"))
+        drafts = ", ".join(f"{d} v{v['version']}" for d, v in s["drafts"].items()) or "-"
+        parts.append(Text(f"learner {'paused' if lr['paused'] else 'active'}: {lr['records']:.0f} records, "
+                          f"{lr['rounds']:.0f} rounds, {lr['published']:.0f} published, {lr['rejected']:.0f} rejected, "
+                          f"step {_f(lr['step_seconds'], '{:.3f} s')}; drafts {drafts}"))
+        for e in s["events"][-5:][::-1]:
+            when = datetime.fromtimestamp(e["t"]).strftime("%H:%M:%S")
+            detail = f"v{e['version']}" if "version" in e else e.get("reason", "")
+            parts.append(Text(f"  {when} {e['kind']} {e.get('draft') or ''} {detail}"))
+    return Group(*parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="osd top", description="live figures of a running osd-serve")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--key", default=os.environ.get("OSD_API_KEY"), help="API key (default $OSD_API_KEY)")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.add_argument("--iterations", type=int, default=None, help="stop after this many refreshes")
+    args = p.parse_args(argv)
+    if args.interval <= 0:
+        p.error("--interval must be > 0")
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console()
+
+    def frame():
+        try:
+            return render(fetch(args.url, args.key), args.url)
+        except urllib.error.HTTPError as e:
+            body = e.read().decode(errors="replace")
+            try:
+                body = json.loads(body)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                pass
+            return f"{args.url}: HTTP {e.code}: {body}"
+        except (urllib.error.URLError, OSError) as e:
+            return f"{args.url}: not reachable ({e})"
+
+    if args.once:
+        console.print(frame())
+        return 0
+    n = 0
+    try:
+        with Live(frame(), console=console, refresh_per_second=4, screen=False) as live:
+            while args.iterations is None or n < args.iterations:
+                time.sleep(args.interval)
+                live.update(frame())
+                n += 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The live application, started once for the tests of this folder (loopback only): the shipped
+serve_config.yaml with keys for three tenants, two draft replicas, and the co-located placement as
+a second application under /colo. Helpers to call it over plain HTTP."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+import yaml
+
+from conftest import free_port
+from config import DraftConfig, EngineConfig, SamplingParams
+from deployments import launch
+from deployments.tenants import digest
+from speculative.factory import build_engine
+
+
+MODEL = "smollm2-135m-instruct-osd"
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "The capital of France is",
+    "用一句话介绍一下长城。",
+    "SELECT name FROM users WHERE",
+    "Once upon a time, there was a",
+    "import numpy as np\nx = np.",
+    "Le chat est",
+    "1, 1, 2, 3, 5, 8,",
+]
+MAX_TOKENS = 20
+KEY, TINY_KEY, ADMIN_KEY = "sk-test-alice", "sk-test-tiny", "sk-test-ops"
+
+
+@pytest.fixture(scope="package")
+def server(tmp_path_factory):
+    """The shipped serve_config.yaml with two draft replicas (to see a broadcast reach both) and a
+    max_tokens limit above the model's context (to reach the engine's own context check)."""
+    doc = yaml.safe_load(launch.DEFAULT_CONFIG.read_text())
+    app = doc["applications"][0]
+    app["args"]["ingress"]["max_tokens_limit"] = 9000
+    app["args"]["learner"]["state_dir"] = str(tmp_path_factory.mktemp("learner"))
+    # rounds after every 8 records, and a gate that publishes any finite update: what is tested
+    # here is the path (records -> rounds -> object store -> every replica), not the gate
+    app["args"]["learner"]["trainer"].update(train_every=8, gate_margin=1.0, holdout_fraction=0.2)
+    app["args"]["auth"] = {"keys": [
+        {"tenant": "alice", "key_sha256": digest(KEY), "limits": {"requests_per_minute": 10_000, "max_concurrent": 16}},
+        {"tenant": "tiny", "key_sha256": digest(TINY_KEY), "limits": {"requests_per_minute": 1}},
+        {"tenant": "ops", "key_sha256": digest(ADMIN_KEY), "admin": True},
+    ]}
+    for d in app["deployments"]:
+        if d["name"] == "DraftPool":
+            d.pop("autoscaling_config", None)
+            d["num_replicas"] = 2
+    cfg_path = tmp_path_factory.mktemp("serve") / "serve_config.yaml"
+    cfg_path.write_text(yaml.safe_dump(doc))
+    url = launch.start(cfg_path, port=free_port(), temp_dir=str(tmp_path_factory.mktemp("ray")))
+    # the co-located placement as a second application on the same cluster, under /colo
+    from ray import serve
+
+    from config import AppConfig
+    from deployments.app import build
+
+    colo = AppConfig.model_validate({**app["args"], "placement": "colocated", "learner": {"enabled": False}})
+    small = {"ray_actor_options": {"num_cpus": 0.1}}
+    serve.run(build(colo, {"Ingress": small, "Router": small, "DraftPool": small}), name="colo", route_prefix="/colo")
+    yield url
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="package")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="package")
+def reference():
+    """The in-process target alone (no draft), raw prompts as /v1/completions takes them."""
+    engine = build_engine(EngineConfig(draft=DraftConfig(kind="none"), chat_template=False), calibrate=False)
+    return engine
+
+
+def _target_only(engine, prompt: str) -> str:
+    return engine.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS)).text
+
+
+def _call(url: str, body=None, raw: bool = False, key: str | None = KEY) -> tuple[int, dict, dict]:
+    """(status, JSON body, headers: case-insensitive); GET without a body."""
+    data = None if body is None else body if raw else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    req = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read()), r.headers
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), e.headers
+
+
+def _post(url: str, body, raw: bool = False) -> tuple[int, dict]:
+    return _call(url, body, raw)[:2]
+

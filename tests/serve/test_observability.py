@@ -1,0 +1,242 @@
+"""Observability of the live application: /metrics moves exactly as the responses' usage says,
+a real Prometheus scrapes it and answers acceptance per domain, the built-in dashboard renders
+one line per domain in headless Chromium, ``osd top`` shows the figures under tmux."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import free_port
+
+from .conftest import ADMIN_KEY, KEY, MODEL, PROMPTS, _call
+
+pytestmark = pytest.mark.serve
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def scrape(url: str, key: str = ADMIN_KEY) -> dict[tuple, float]:
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def total(samples: dict, name: str, **where) -> float:
+    return sum(v for (n, labels), v in samples.items() if n == name
+               and all(dict(labels).get(k) == w for k, w in where.items()))
+
+
+def mixed_traffic(server: str, n: int = 6) -> list[dict]:
+    """Completions and streamed chats as tenant alice; the usage each response reported."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
+    usages = []
+    for i in range(n):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        if i % 2 == 0:
+            r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+            usages.append(r.usage.model_dump())
+        else:
+            chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                         max_tokens=12, temperature=0.7, stream=True,
+                                                         stream_options={"include_usage": True}))
+            usages.append(chunks[-1].usage.model_dump())
+    return usages
+
+
+def test_counter_deltas_equal_the_usage_the_responses_reported(server):
+    before = scrape(server)
+    usages = mixed_traffic(server)
+    assert _call(server + "/v1/completions", {"model": MODEL, "prompt": "x"}, key="sk-wrong")[0] == 401
+    after = scrape(server)
+
+    def delta(name, **where):
+        return total(after, name, **where) - total(before, name, **where)
+
+    spec = [u["speculative"] for u in usages]
+    assert delta("osd_requests_total", tenant="alice", status="200") == len(usages)
+    assert delta("osd_requests_total", tenant="unauthenticated", status="401") == 1
+    assert delta("osd_prompt_tokens_total", tenant="alice") == sum(u["prompt_tokens"] for u in usages)
+    assert delta("osd_generation_tokens_total", tenant="alice") == sum(u["completion_tokens"] for u in usages)
+    assert delta("osd_e2e_request_latency_seconds_count", tenant="alice") == len(usages)
+    assert delta("osd_time_to_first_token_seconds_count", tenant="alice") == len(usages)
+    # speculative decoding: per domain, as each response's usage said
+    by_domain = defaultdict(lambda: [0, 0, 0])
+    for s in spec:
+        by_domain[s["domain"]][0] += s["proposed"]
+        by_domain[s["domain"]][1] += s["accepted"]
+        by_domain[s["domain"]][2] += s["steps"]
+    for domain, (proposed, accepted, steps) in by_domain.items():
+        assert delta("osd_spec_decode_num_draft_tokens_total", tenant="alice", domain=domain) == proposed, domain
+        assert delta("osd_spec_decode_num_accepted_tokens_total", tenant="alice", domain=domain) == accepted, domain
+        assert delta("osd_spec_decode_num_steps_total", tenant="alice", domain=domain) == steps, domain
+    proposed = sum(s["proposed"] for s in spec)
+    assert delta("osd_spec_decode_num_draft_tokens_per_pos_total") == proposed
+    assert delta("osd_spec_decode_k_sum") == proposed
+    assert delta("osd_spec_decode_num_accepted_tokens_per_pos_total") == sum(s["accepted"] for s in spec)
+    assert delta("osd_routes_total") == len(usages)
+    assert delta("osd_target_verify_calls_total") >= sum(s["steps"] for s in spec)
+    # every family of the catalogue is declared, gauges present
+    from telemetry import CATALOG
+
+    text_names = {n for (n, _) in after}
+    for fam in CATALOG.values():
+        if fam.kind == "gauge" and not fam.labels:
+            assert fam.name in text_names, fam.name
+
+
+def test_metrics_and_stats_need_the_right_key(server):
+    for key, status in ((None, 401), ("sk-wrong", 401), (KEY, 403)):
+        req = urllib.request.Request(server + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
+        try:
+            urllib.request.urlopen(req, timeout=30)
+            got = 200
+        except urllib.error.HTTPError as e:
+            got = e.code
+        assert got == status, key
+    status, mine, _ = _call(server + "/v1/stats?tenant=ops", key=KEY)  # a tenant cannot widen its scope
+    assert status == 200 and mine["scope"] == "alice" and "learner" not in mine and "events" not in mine
+    status, everything, _ = _call(server + "/v1/stats", key=ADMIN_KEY)
+    assert status == 200 and everything["scope"] == "all" and "learner" in everything and "drafts" in everything
+    assert everything["totals"]["requests"] >= mine["totals"]["requests"] > 0
+    status, scoped, _ = _call(server + "/v1/stats?tenant=alice", key=ADMIN_KEY)
+    assert scoped["scope"] == "alice" and scoped["totals"] == mine["totals"]
+    assert _call(server + "/v1/stats", key="sk-wrong")[0] == 401
+
+
+def test_prometheus_scrapes_the_app_and_answers_acceptance_per_domain(server, tmp_path):
+    prometheus = shutil.which("prometheus")
+    assert prometheus, "Debian's prometheus package is needed (make test installs it)"
+    mixed_traffic(server, n=2)
+    target = urllib.parse.urlparse(server).netloc
+    (tmp_path / "admin_key").write_text(ADMIN_KEY)
+    cfg = {"global": {"scrape_interval": "1s"}, "scrape_configs": [{
+        "job_name": "osd", "metrics_path": "/metrics", "static_configs": [{"targets": [target]}],
+        "authorization": {"type": "Bearer", "credentials_file": str(tmp_path / "admin_key")}}]}
+    (tmp_path / "prometheus.yml").write_text(json.dumps(cfg))
+    port = free_port()
+    proc = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--web.listen-address=127.0.0.1:{port}", f"--storage.tsdb.path={tmp_path / 'tsdb'}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    query = ("sum by (domain) (osd_spec_decode_num_accepted_tokens_total) / "
+             "sum by (domain) (osd_spec_decode_num_draft_tokens_total)")
+    try:
+        deadline, result = time.time() + 60, []
+        while time.time() < deadline and not result:
+            time.sleep(1)
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query?query={urllib.parse.quote(query)}",
+                                            timeout=5) as r:
+                    result = json.loads(r.read())["data"]["result"]
+            except OSError:
+                continue
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert result, "Prometheus answered no acceptance per domain within 60 s"
+    got = {r["metric"]["domain"]: float(r["value"][1]) for r in result}
+    stats = _call(server + "/v1/stats", key=ADMIN_KEY)[1]["acceptance"]
+    want = {d: a["alpha"] for d, a in stats.items() if a["drafted"] > 0}
+    assert set(got) == set(want)
+    for d in want:  # no traffic in between: Prometheus' answer is the server's own figure
+        assert got[d] == pytest.approx(want[d], abs=1e-9), d
+
+
+def _palette() -> list[tuple[int, int, int]]:
+    js = (REPO / "deployments/static/dashboard.js").read_text()
+    colours = re.findall(r'"#([0-9a-f]{6})"', js.split("const PALETTE = [", 1)[1].split("];", 1)[0])
+    return [tuple(int(c[i:i + 2], 16) for i in (0, 2, 4)) for c in colours]
+
+
+def pixels_near(img, rgb, tol: int = 12) -> int:
+    import numpy as np
+
+    a = np.asarray(img.convert("RGB")).astype(int)
+    return int((np.abs(a - np.array(rgb)).max(axis=2) <= tol).sum())
+
+
+def test_dashboard_draws_one_line_per_domain_with_traffic(server, tmp_path):
+    from PIL import Image
+    from selenium.webdriver.common.by import By
+
+    from telemetry.browser import chromium, open_dashboard
+
+    for _ in range(3):  # traffic spread over a few sample periods: lines, not points
+        mixed_traffic(server, n=2)
+        time.sleep(2.5)  # one sample period (serve_config.yaml: 2 s): the last traffic is in a point
+    browser = chromium()
+    try:
+        open_dashboard(browser, server, ADMIN_KEY)
+        stats = browser.execute_script("return window.osdStats")  # what the page drew
+        labels = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#acceptance .u-legend .u-series .u-label")]
+        canvas = Image.open(io.BytesIO(browser.find_element(By.CSS_SELECTOR, "#acceptance canvas").screenshot_as_png))
+        browser.save_screenshot(str(tmp_path / "dashboard.png"))
+    finally:
+        browser.quit()
+    series = stats["series"]["acceptance"]
+    domains = sorted(series)
+    lines = [d for d in domains if sum(x is not None for x in series[d]) >= 2]
+    assert lines and set(stats["acceptance"]) == set(domains)
+    assert labels[1:] == domains  # the legend: the x axis, then one entry per domain
+    palette = _palette()
+
+    def covered(d: str) -> bool:
+        """Drawn under a later domain's line with the same values wherever it has one."""
+        later = domains[domains.index(d) + 1:]
+        return any(all(y is None or series[e][i] == y for i, y in enumerate(series[d])) for e in later)
+
+    visible = [d for d in lines if not covered(d)]
+    assert visible
+    for d in visible:  # each line not hidden under an identical one has its colour on the canvas
+        n = pixels_near(canvas, palette[domains.index(d) % len(palette)])
+        assert n >= 20, f"no line for {d} ({n} pixels of its colour)"
+    unused = {c: pixels_near(canvas, c) for c in palette[len(domains):]}
+    assert all(n < 5 for n in unused.values()), unused  # no line for a domain without traffic
+
+
+def test_osd_top_shows_the_figures_under_tmux(server):
+    tmux = shutil.which("tmux")
+    assert tmux, "tmux is needed (make test installs it)"
+    mixed_traffic(server, n=2)
+    session = f"osdtop{os.getpid()}"
+    cmd = f"{sys.executable} -m telemetry.top --url {server} --key {ADMIN_KEY} --interval 1 --iterations 60"
+    subprocess.run([tmux, "new-session", "-d", "-s", session, "-x", "160", "-y", "50", cmd], check=True,
+                   cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        deadline, screen = time.time() + 30, ""
+        while time.time() < deadline:
+            time.sleep(1)
+            screen = subprocess.run([tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
+            if "acceptance per domain" in screen:
+                break
+    finally:
+        subprocess.run([tmux, "kill-session", "-t", session], capture_output=True)
+    stats = _call(server + "/v1/stats", key=ADMIN_KEY)[1]
+    assert "acceptance per domain" in screen, screen
+    assert f"{stats['totals']['requests']:.0f}" in screen
+    for d, a in stats["acceptance"].items():
+        row = next((line for line in screen.splitlines() if line.strip().startswith(d + " ")), None)
+        assert row is not None, (d, screen)
+        assert f"{a['alpha']:.3f}" in row if a["alpha"] is not None else "-" in row
+    assert "learner" in screen and "general v" in screen
