@@ -3,6 +3,7 @@ liveness and readiness. Transport only: parse and check the request, ask the rou
 stream the draft replica's steps back in OpenAI's shapes, feed acceptance back to the router."""
 
 
+import asyncio
 import json
 import logging
 import math
@@ -307,6 +308,9 @@ class Ingress:
                 elif item["text"]:
                     timing.chunk()
                     yield chunk(item["text"], None)
+        except (GeneratorExit, asyncio.CancelledError):  # the client went away mid-stream
+            status = 499  # nginx's "client closed request", as the metrics' status
+            raise
         except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
             log.exception("stream %s failed", rid)
             yield f"data: {json.dumps(error_body(f'generation failed: {e}', 'server_error'))}\n\n"

@@ -36,10 +36,23 @@ def bind_replica_grpc(host: str | None) -> None:
     replica.add_port_to_grpc_server = on_host
 
 
+class _QuietTelemetry:
+    """Drops Serve's access-log line of each metrics pull (every replica, every 2 s)."""
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith("CALL telemetry ")
+
+
 def replica_meter(source: str, cfg):
     """The replica's :class:`telemetry.Meter`, named after its Serve replica id (outside Serve: a
-    random id, for tests that build the classes directly)."""
+    random id, for tests that build the classes directly). Serve's access log of the pulls is muted."""
+    import logging
+
     from telemetry import Meter
+
+    serve_log = logging.getLogger("ray.serve")
+    if not any(isinstance(f, _QuietTelemetry) for f in serve_log.filters):
+        serve_log.addFilter(_QuietTelemetry())
 
     try:
         from ray import serve

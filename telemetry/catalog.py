@@ -39,7 +39,7 @@ SPEC = ("tenant", "domain", "language", "draft")
 CATALOG: dict[str, Family] = _families(
     # -- requests (ingress) -----------------------------------------------------------------------
     Family("osd_requests_total", "counter", "Requests answered, by tenant and HTTP status (a stream that fails after its "
-           "first byte counts as 500)", ("tenant", "status")),
+           "first byte counts as 500, one the client left as 499)", ("tenant", "status")),
     Family("osd_prompt_tokens_total", "counter", "Prompt tokens of answered requests", ("tenant", "status")),
     Family("osd_generation_tokens_total", "counter", "Output tokens of answered requests", ("tenant", "status")),
     Family("osd_requests_running", "gauge", "Requests in flight at the ingress"),

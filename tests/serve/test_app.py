@@ -157,7 +157,7 @@ def test_a_restarted_draft_replica_comes_back_at_the_latest_version(server):
     latest = _call(f"{server}/admin/learner", key=ADMIN_KEY)[1]["drafts"]["general"]["version"]
     assert latest >= 1
     pool = serve.get_deployment_handle("DraftPool", "osd")
-    victim = next(a for a in ray.util.list_named_actors(all_namespaces=True) if "#DraftPool#" in a["name"])
+    victim = next(a for a in ray.util.list_named_actors(all_namespaces=True) if "osd#DraftPool#" in a["name"])
     ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
     deadline, versions = time.monotonic() + 180, []
     while time.monotonic() < deadline:

@@ -240,3 +240,35 @@ def test_osd_top_shows_the_figures_under_tmux(server):
         assert row is not None, (d, screen)
         assert f"{a['alpha']:.3f}" in row if a["alpha"] is not None else "-" in row
     assert "learner" in screen and "general v" in screen
+
+
+def test_counts_survive_a_killed_draft_replica_without_double_counting(server):
+    """Kill a draft replica after its counts were pulled: Serve replaces it, the totals keep every
+    count (nothing lost) and the replacement starts from zero (nothing counted twice)."""
+    import ray
+    from ray import serve
+
+    mixed_traffic(server, n=2)
+    before = scrape(server)
+    victim = next(a for a in ray.util.list_named_actors(all_namespaces=True) if "osd#DraftPool#" in a["name"])
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+    pool = serve.get_deployment_handle("DraftPool", "osd")
+    deadline, answered = time.monotonic() + 180, []
+    while time.monotonic() < deadline and len(answered) < 2:
+        try:
+            answered = pool.broadcast("preload", "general").results()
+        except Exception:  # noqa: BLE001 - the dead replica answers with an error until it is replaced
+            time.sleep(2)
+    assert len(answered) == 2
+    after = scrape(server)
+    counters = [k for k in before if k[0].endswith(("_total", "_count", "_sum", "_bucket"))]
+    assert counters
+    for k in counters:
+        if k[0].startswith(("osd_spec_decode", "osd_requests", "osd_generation", "osd_prompt")):
+            assert after.get(k) == before[k], k  # no traffic in between: unchanged, not doubled
+        else:
+            assert after.get(k, 0.0) >= before[k], k  # other counters only grow
+    usages = mixed_traffic(server, n=2)
+    again = scrape(server)
+    assert (total(again, "osd_spec_decode_num_draft_tokens_total") - total(after, "osd_spec_decode_num_draft_tokens_total")
+            == sum(u["speculative"]["proposed"] for u in usages))
