@@ -40,13 +40,15 @@ byte is the frame type:
 * ``E`` + JSON ``{"evict": [seq, ...], "appended": n}``: records evicted (or refused) by an append.
 * ``L`` + ``<qd`` (seq, loss): a loss update (``update_loss``).
 
-Reloading replays the frames, so the live set, the counters and the losses come back exactly. The
-first frame that is torn (short header or payload) or corrupt (bad magic, absurd length, CRC
-mismatch, undecodable payload) ends the replay: frame boundaries after it cannot be trusted, so
-everything from that frame on is dropped - also for a corrupt frame in the *middle* of the log,
-whose later (intact) records are lost too. The dropped bytes are saved next to the log
-(``<log>.corrupt-<ms>``) for inspection, the log is truncated to its last good frame, and a
-warning is logged; appends then continue after the good prefix. Each append writes and flushes
+Reloading replays the frames, so the live set, the counters and the losses come back exactly. A
+frame that is torn (short header or payload) or corrupt (bad magic, absurd length, CRC mismatch,
+undecodable payload) is skipped and the replay **resynchronises** on the next valid frame: the
+reader looks for the next ``OSDR`` from which a whole frame with a matching CRC32 decodes (a false
+match inside damaged bytes would need the CRC of a random payload to agree), so one corrupt frame in
+the middle loses that frame only and every intact record after it is kept. The skipped bytes are
+saved next to the log (``<log>.corrupt-<ms>``, each range with its offset and reason in the warning),
+and the log is rewritten from what was recovered (a torn tail is simply truncated); appends then
+continue with fresh sequence numbers. Each append writes and flushes
 its frames before it returns (an accepted record survives a process crash; with ``fsync=True``
 also a power loss). The log is compacted (rewritten with the live records only, via a temporary
 file and ``os.replace``) when it grows past ``compact_factor`` times ``max_bytes``.
@@ -522,6 +524,7 @@ class ReplayShard:
         self.path: Path | None = shard_path(cfg.dir, draft_id) if cfg.dir is not None else None
         self._log_bytes = 0
         self._compact_at = 0.0
+        self._rewrite_after_replay = False
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._replay()
@@ -532,7 +535,7 @@ class ReplayShard:
             self._log_bytes = self.path.stat().st_size
             self._enforce_bound()
             self._set_compact_threshold()
-            if self._log_bytes > self._compact_at:
+            if self._log_bytes > self._compact_at or self._rewrite_after_replay:
                 self.compact()
 
     @classmethod
@@ -758,48 +761,60 @@ class ReplayShard:
             self.compact()
 
     def _replay(self) -> None:
-        """Rebuild the state from the log; drop (and set aside) everything from a bad frame on."""
+        """Rebuild the state from the log, skipping damaged bytes up to the next valid frame."""
         assert self.path is not None
         if not self.path.exists():
             return
-        good, problem = 0, None
-        with open(self.path, "rb") as f:
-            while True:
-                head = f.read(_HEADER.size)
-                if not head:
-                    break
-                if len(head) < _HEADER.size:
-                    problem = "torn frame header"
-                    break
-                magic, length, crc = _HEADER.unpack(head)
-                if magic != MAGIC or length == 0 or length > _MAX_FRAME:
-                    problem = "bad magic or length"
-                    break
-                payload = f.read(length)
-                if len(payload) < length:
-                    problem = "torn frame payload"
-                    break
-                if zlib.crc32(payload) != crc:
-                    problem = "crc mismatch"
-                    break
-                try:
-                    self._apply(payload)
-                except (ValueError, KeyError, struct.error) as e:
-                    problem = f"undecodable frame ({e})"
-                    break
-                good = f.tell()
-        if problem is not None:
-            size = self.path.stat().st_size
-            side = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time() * 1000)}")
-            with open(self.path, "rb") as f:
-                f.seek(good)
-                side.write_bytes(f.read())
-            os.truncate(self.path, good)
-            log.warning(
-                "replay shard %r: %s at byte %d of %s; dropped the last %d bytes (saved to %s), kept %d records",
-                self.draft_id, problem, good, self.path, size - good, side.name, len(self._live),
-            )
+        data = self.path.read_bytes()
+        pos, skipped, bad_at, why = 0, [], None, ""  # skipped: (start, end, reason) of damaged ranges
+        while pos < len(data):
+            end, problem = self._frame_at(data, pos)
+            if problem is None:
+                if bad_at is not None:
+                    skipped.append((bad_at, pos, why))
+                    bad_at = None
+                pos = end
+                continue
+            if bad_at is None:
+                bad_at, why = pos, problem
+            nxt = data.find(MAGIC, pos + 1)
+            pos = nxt if nxt >= 0 else len(data)
+        if bad_at is not None:
+            skipped.append((bad_at, len(data), why))
         self.evicted = self.appended - len(self._live)
+        if not skipped:
+            return
+        side = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time() * 1000)}")
+        side.write_bytes(b"".join(data[a:b] for a, b, _ in skipped))
+        if len(skipped) == 1 and skipped[0][1] == len(data):  # a torn or damaged tail: cut it off
+            os.truncate(self.path, skipped[0][0])
+        else:
+            self._rewrite_after_replay = True  # damage in the middle: rewrite from what was recovered
+        log.warning(
+            "replay shard %r: skipped %d damaged byte range(s) of %s (%s); saved to %s, kept %d records",
+            self.draft_id, len(skipped), self.path,
+            "; ".join(f"bytes {a}-{b}: {w}" for a, b, w in skipped), side.name, len(self._live),
+        )
+
+    def _frame_at(self, data: bytes, pos: int) -> tuple[int, str | None]:
+        """Apply the frame at ``pos``: (its end, None), or (pos, the reason it is not a valid frame)."""
+        head = data[pos: pos + _HEADER.size]
+        if len(head) < _HEADER.size:
+            return pos, "torn frame header"
+        magic, length, crc = _HEADER.unpack(head)
+        if magic != MAGIC or length == 0 or length > _MAX_FRAME:
+            return pos, "bad magic or length"
+        end = pos + _HEADER.size + length
+        if end > len(data):
+            return pos, "torn frame payload"
+        payload = data[pos + _HEADER.size: end]
+        if zlib.crc32(payload) != crc:
+            return pos, "crc mismatch"
+        try:
+            self._apply(payload)
+        except (ValueError, KeyError, struct.error) as e:
+            return pos, f"undecodable frame ({e})"
+        return end, None
 
     def _apply(self, payload: bytes) -> None:
         kind, body = payload[:1], memoryview(payload)[1:]

@@ -341,7 +341,7 @@ def test_torn_final_record(tmp_path, caplog, damage):
         expect = recs
     with caplog.at_level(logging.WARNING, logger="learner.replay"):
         shard = ReplayShard.open(cfg, "d")
-    assert any("dropped" in r.getMessage() for r in caplog.records)
+    assert any("skipped 1 damaged byte range" in r.getMessage() for r in caplog.records)
     assert_same(shard.records(), expect)
     assert path.stat().st_size == ends[len(expect) - 1]  # truncated to the last good frame
     assert list(tmp_path.glob("shard-d.log.corrupt-*"))  # the dropped bytes were set aside
@@ -353,22 +353,51 @@ def test_torn_final_record(tmp_path, caplog, damage):
     again.close()
 
 
-def test_crc_corruption_in_the_middle_stops_there(tmp_path, caplog):
-    """A bad frame ends the replay: later frames are dropped even if intact (boundaries are untrusted)."""
+@pytest.mark.parametrize("damage", ["payload", "magic", "length", "inserted"])
+def test_damage_in_the_middle_loses_that_frame_only(tmp_path, caplog, damage):
+    """The replay resynchronises on the next valid frame: every intact record after the damage is kept."""
     cfg, recs, ends = fill(tmp_path)
     path = shard_path(tmp_path, "d")
     data = bytearray(path.read_bytes())
-    data[(ends[1] + ends[2]) // 2] ^= 0xFF  # flip a payload byte of the 3rd record
+    expect = recs[:2] + recs[3:]
+    if damage == "payload":
+        data[(ends[1] + ends[2]) // 2] ^= 0xFF  # a payload byte of the 3rd record: crc mismatch
+    elif damage == "magic":
+        data[ends[1]] ^= 0xFF  # the 3rd frame's magic
+    elif damage == "length":
+        data[ends[1] + 4: ends[1] + 8] = struct.pack("<I", 7)  # the 3rd frame's length: a wrong boundary
+    else:
+        data[ends[1]:ends[1]] = b"OSDR\x00\x01garbage" * 3  # bytes between two frames, with false magics
+        expect = recs
     path.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="learner.replay"):
         shard = ReplayShard.open(cfg, "d")
-    assert any("crc mismatch" in r.getMessage() for r in caplog.records)
-    assert_same(shard.records(), recs[:2])
-    assert path.stat().st_size == ends[1]
-    assert shard.appended == 2  # the lost records' seqs are reused: nothing after them survived
-    shard.append(make_record(9))
+    assert any("skipped 1 damaged byte range" in r.getMessage() for r in caplog.records)
+    assert_same(shard.records(), expect)
+    side = list(tmp_path.glob("shard-d.log.corrupt-*"))
+    assert len(side) == 1 and 0 < side[0].stat().st_size < ends[2] - ends[1] + 64
+    assert shard.appended == len(recs)  # sequence numbers continue after the last one kept
+    seq = shard.append(make_record(9))
+    assert seq == len(recs)
     shard.close()
-    assert len(ReplayShard.open(cfg, "d")) == 3
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="learner.replay"):
+        again = ReplayShard.open(cfg, "d")  # the log was rewritten: it reads clean now
+    assert not caplog.records
+    assert [r.seq for r in again.records()] == [r.seq for r in expect] + [seq]
+    again.close()
+
+
+def test_damage_in_two_places_and_a_torn_tail(tmp_path):
+    cfg, recs, ends = fill(tmp_path)
+    path = shard_path(tmp_path, "d")
+    data = bytearray(path.read_bytes())
+    data[(ends[0] + ends[1]) // 2] ^= 0xFF  # 2nd record
+    data[(ends[2] + ends[3]) // 2] ^= 0xFF  # 4th record
+    path.write_bytes(bytes(data[:-5]))  # and the last record torn
+    shard = ReplayShard.open(cfg, "d")
+    assert_same(shard.records(), [recs[0], recs[2]] + recs[4:-1])
+    shard.close()
 
 
 def test_compaction_preserves_live_records(tmp_path):
