@@ -298,6 +298,9 @@ class IngressConfig(_Strict):
     max_tokens_limit: int = Field(default=2048, ge=1)  # refuse larger max_tokens with 400
     default_max_tokens: int = Field(default=256, ge=1)  # chat requests without max_tokens
     max_prompt_chars: int = Field(default=32_000, ge=1)
+    #: per ingress replica: past this many requests in flight, answer 503 with Retry-After (shed
+    #: load rather than queue without bound); scale the ingress or the draft pool to raise it
+    max_in_flight: int = Field(default=64, ge=1)
 
 
 class MetricsConfig(_Strict):

@@ -15,10 +15,11 @@ engine's ``accept``.
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import time
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from ray import serve
@@ -47,6 +48,8 @@ class GenerateRequest:
     domain: str = "unknown"
     lang: str = "und"
     tenant: str | None = None
+    #: output token ids already sent to the client by a replica that died: continue after them
+    resume: list[int] = field(default_factory=list)
 
 
 class TargetView:
@@ -73,7 +76,9 @@ class RemoteVerifier:
         return await self.handle.verify.remote(call)
 
     def release(self, seq_id: str) -> None:
-        self.handle.release.remote(seq_id)  # fire and forget: the TTL catches a lost message
+        # fire and forget (the TTL catches a lost message), from an empty context: when the request
+        # was cancelled (its client left), a call made in its context would be cancelled with it
+        contextvars.Context().run(self.handle.release.remote, seq_id)
 
 
 class DraftPool:
@@ -177,6 +182,9 @@ class DraftPool:
             yield {"error": str(e)}
             return
         st, detok = engine.requests[rid], Detokenizer(self.tokenizer, req.params.stop)
+        if req.resume:  # the same request after a replica failure: its output so far is context
+            engine.resume(rid, req.resume)
+            detok.update(st.output)  # the text sent before (final text depends on the ids only)
         labels = {"tenant": req.tenant or "anonymous", "domain": req.domain, "language": req.lang, "draft": draft_id}
         self.running += 1
         record = RecordBuilder() if self.learner is not None and engine.learned_draft is not None else None
@@ -207,6 +215,7 @@ class DraftPool:
                     "prompt_tokens": st.prompt_len,
                     "completion_tokens": len(st.output),
                     "speculative": {
+                        "resumed_after": len(req.resume),  # output tokens decoded before a replica failed
                         "proposed": s.proposed,
                         "accepted": s.accepted,
                         "alpha": s.alpha,

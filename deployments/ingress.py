@@ -8,12 +8,15 @@ import json
 import logging
 import math
 import time
+import weakref
+from dataclasses import replace
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from config import AppConfig
 
@@ -28,6 +31,9 @@ api = FastAPI(title="osd-serve", description="Online speculative decoding, OpenA
 
 #: OpenAI's default max_tokens for /v1/completions
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+#: a request whose draft replica dies goes on on another one, this many times at most
+MAX_RESUMES = 2
+REPLICA_GONE = (RayActorError, ActorUnavailableError)
 #: the dashboard page and what it loads (vendored: the page needs no network beyond this server)
 STATIC = Path(__file__).parent / "static"
 STATIC_FILES = {"uPlot.iife.min.js": "text/javascript", "uPlot.min.css": "text/css", "dashboard.js": "text/javascript"}
@@ -75,6 +81,21 @@ class Timing:
                 m.observe("osd_time_per_output_token_seconds", (end - self.first) / (usage["completion_tokens"] - 1),
                           tenant=t)
         m.observe("osd_e2e_request_latency_seconds", end - self.t0, tenant=t)
+
+
+class Settle:
+    """Ends a streamed request's accounting (tenant slot and tokens, in-flight count, metrics)
+    exactly once: from the stream's own ``finally``, or when the stream object is dropped without
+    ever having run (the client left before its first byte, so its body never started)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.settled = False
+
+    def __call__(self, used: int, status: int, usage: dict | None) -> None:
+        if not self.settled:
+            self.settled = True
+            self.fn(used, status, usage)
 
 
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
@@ -186,6 +207,11 @@ class Ingress:
 
     # -- generation --------------------------------------------------------------------------
     async def completion(self, request: Request, chat: bool):
+        if self.running >= self.cfg.ingress.max_in_flight:  # over capacity: shed, before any work
+            Timing(self.meter, self.tenants.identify(request.headers.get("authorization")).tenant or "unauthenticated").done(503)
+            return JSONResponse(error_body(f"the server is at capacity ({self.running} requests in flight); retry later",
+                                           "server_overloaded", code="server_overloaded"),
+                                status_code=503, headers={"Retry-After": "1"})
         adm = self.tenants.admit(request.headers.get("authorization"))
         timing = Timing(self.meter, adm.tenant or "unauthenticated")
         if adm.status != 200:
@@ -243,11 +269,40 @@ class Ingress:
         first = await stream.__anext__()
         if "error" in first:
             return _error(400, first["error"]), 0
+        stream = self._resuming(stream, gen, route.draft_id, tenant)
         if req.stream:
-            sse = self._sse(stream, rid, chat, route, req.include_usage, tenant, timing)
+            settle = Settle(lambda used, status, usage: self._settle(tenant, timing, used, status, usage))
+            sse = self._sse(stream, rid, chat, route, req.include_usage, timing, settle)
+            weakref.finalize(sse, settle, 0, 499, None)
             return StreamingResponse(sse, media_type="text/event-stream"), None
         body = await self._whole(stream, rid, chat, route, timing)
         return body, body["usage"]["total_tokens"]
+
+    async def _resuming(self, stream, gen: GenerateRequest, draft_id: str, tenant: str):
+        """The draft pool's items for one request. If the replica decoding it dies mid-stream, the
+        request goes on on another replica from the output tokens already sent (greedy and seeded
+        output is unchanged: the continuation is the one the target would have made)."""
+        sent: list[int] = []
+        for attempt in range(MAX_RESUMES + 1):
+            try:
+                async for item in stream:
+                    sent.extend(item.get("tokens", ()))
+                    yield item
+                return
+            except (GeneratorExit, asyncio.CancelledError):  # the client left: stop the decoding too
+                stream.cancel()
+                raise
+            except REPLICA_GONE as e:
+                if attempt == MAX_RESUMES:
+                    raise
+                log.warning("request %s: draft replica lost after %d tokens (%s); resuming on another replica",
+                            gen.request_id, len(sent), type(e).__name__)
+                self.meter.inc("osd_requests_resumed_total", tenant=tenant)
+                again = replace(gen, request_id=f"{gen.request_id}-r{attempt + 1}", resume=list(sent))
+                stream = self.pool.options(multiplexed_model_id=draft_id, stream=True).stream.remote(again)
+                first = await stream.__anext__()
+                if "error" in first:
+                    raise RuntimeError(first["error"])
 
     def _observe(self, route, usage: dict) -> None:
         spec = usage["speculative"]
@@ -259,13 +314,16 @@ class Ingress:
 
     async def _whole(self, stream, rid: str, chat: bool, route, timing: Timing) -> dict:
         parts, end = [], None
-        async for item in stream:
-            if "finish_reason" in item:
-                end = item
-            else:
-                parts.append(item["text"])
-                if item["text"]:
-                    timing.chunk()
+        try:
+            async for item in stream:
+                if "finish_reason" in item:
+                    end = item
+                else:
+                    parts.append(item["text"])
+                    if item["text"]:
+                        timing.chunk()
+        finally:
+            await stream.aclose()  # a cancelled request ends in the draft pool too
         self._observe(route, end["usage"])
         text, model = "".join(parts), self.cfg.ingress.model_name
         if chat:
@@ -276,7 +334,12 @@ class Ingress:
             obj = "text_completion"
         return {"id": rid, "object": obj, "created": now(), "model": model, "choices": [choice], "usage": self._usage(end["usage"])}
 
-    async def _sse(self, stream, rid: str, chat: bool, route, include_usage: bool, tenant: str, timing: Timing):
+    def _settle(self, tenant: str, timing: Timing, used: int, status: int, usage: dict | None) -> None:
+        self.tenants.done(tenant, used)
+        self.running -= 1
+        timing.done(status, usage)
+
+    async def _sse(self, stream, rid: str, chat: bool, route, include_usage: bool, timing: Timing, settle: Settle):
         created, model = now(), self.cfg.ingress.model_name
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -315,9 +378,8 @@ class Ingress:
             log.exception("stream %s failed", rid)
             yield f"data: {json.dumps(error_body(f'generation failed: {e}', 'server_error'))}\n\n"
         finally:
-            self.tenants.done(tenant, used)
-            self.running -= 1
-            timing.done(status, usage)
+            settle(used, status, usage)
+            await stream.aclose()  # ends the request in the draft pool too, if it still runs
         yield "data: [DONE]\n\n"
 
 
@@ -364,6 +426,10 @@ class IngressDeployment(Ingress):
     @api.post("/admin/drafts/{draft_id}/rollback")
     async def admin_rollback(self, draft_id: str, request: Request):
         return await self.rollback(request, draft_id)
+
+    @api.delete("/admin/tenants/{tenant}/records")
+    async def admin_delete_tenant(self, tenant: str, request: Request):
+        return await self.learner_call(request, "delete_tenant", tenant)
 
     @api.get("/admin/learner")
     async def admin_learner(self, request: Request):

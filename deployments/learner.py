@@ -110,6 +110,15 @@ class LearnerServer:
         self.background.resume()
         return self.stats()
 
+    def delete_tenant(self, tenant: str) -> dict:
+        """Delete every stored record of a tenant: queued, in the replay shards (memory and disk),
+        held back for the gate. Draft weights trained on them stay (they cannot be unlearned)."""
+        queued = self.background.forget_queued(lambda r: r.tenant == tenant)
+        out = self.learner.delete_tenant(tenant)
+        log.info("tenant %r: deleted %d stored records (%d queued, %d held back)", tenant,
+                 out["shards"] + queued + out["holdout"], queued, out["holdout"])
+        return {"tenant": tenant, "deleted": {**out, "queued": queued}}
+
     def rollback(self, draft_id: str, version: int) -> dict:
         """Serve the weights of checkpoint ``version`` again, published under a new version."""
         t = self.learner.trainers.get(draft_id)

@@ -114,6 +114,22 @@ class BackgroundLearner:
                 self._stats.dropped += 1
             return False
 
+    def forget_queued(self, predicate) -> int:
+        """Drop the records still waiting in the hand-over queue for which ``predicate`` is true."""
+        kept, dropped = [], 0
+        while True:
+            try:
+                rec = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if predicate(rec):
+                dropped += 1
+            else:
+                kept.append(rec)
+        for rec in kept:
+            self._queue.put_nowait(rec)
+        return dropped
+
     def start(self) -> "BackgroundLearner":
         if self._thread is not None and self._thread.is_alive():
             return self

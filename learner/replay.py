@@ -656,6 +656,18 @@ class ReplayShard:
             self._maybe_compact()
             return True
 
+    def delete_where(self, predicate) -> int:
+        """Remove every live record for which ``predicate(record)`` is true, from memory and from
+        disk (the log is rewritten without them); returns how many. They count as evicted."""
+        with self._lock:
+            gone = [seq for seq, rec in self._live.items() if predicate(rec)]
+            for seq in gone:
+                self._remove(seq)
+            if gone:
+                self._write(b"E" + json.dumps({"evict": gone, "appended": self.appended}).encode())
+                self.compact()  # the deleted records' bytes leave the file, not only the index
+            return len(gone)
+
     def compact(self) -> None:
         """Rewrite the log with the live records only (temp file + ``os.replace``: atomic)."""
         if self.path is None:
@@ -899,6 +911,10 @@ class ShardSet:
     def append(self, record: ReplayRecord) -> int | None:
         """Append to the shard of ``record.draft_id``."""
         return self.shard(record.draft_id).append(record)
+
+    def delete_tenant(self, tenant: str) -> int:
+        """Delete every record of ``tenant`` from every shard (memory and disk); returns how many."""
+        return sum(s.delete_where(lambda r: r.tenant == tenant) for s in list(self.shards.values()))
 
     def drop(self, draft_id: str, delete: bool = True) -> None:
         """Forget a retired draft's shard: close it and (``delete``) remove its log from disk."""

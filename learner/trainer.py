@@ -622,5 +622,15 @@ class OnlineLearner:
         self.reports.append(rep)
         return rep
 
+    def delete_tenant(self, tenant: str) -> dict[str, int]:
+        """Forget every stored record of ``tenant``: replay shards (memory and disk) and the
+        trainers' held-back records. Weights already trained on them are not unlearned."""
+        held = 0
+        for t in list(self.trainers.values()):
+            keep = [r for r in t.holdout if r.tenant != tenant]
+            held += len(t.holdout) - len(keep)
+            t.holdout = deque(keep, maxlen=t.holdout.maxlen)  # replaced, not mutated: a round may be reading it
+        return {"shards": self.shards.delete_tenant(tenant), "holdout": held}
+
     def close(self) -> None:
         self.shards.close()

@@ -203,6 +203,13 @@ class SpeculativeEngine:
         self.requests[rid] = RequestState(rid, params, tokens, len(tokens), KPolicy(self.cfg.k, self.costs, prior), gen)
         return rid
 
+    def resume(self, request_id: str, output: list[int]) -> None:
+        """Continue a request whose first ``output`` tokens were produced elsewhere (a replica that
+        failed mid-stream): they become its output so far, ending it at EOS, a stop string or
+        max_tokens as if generated here. Greedy and seeded continuations equal the uninterrupted run."""
+        st = self.requests[request_id]
+        self._append(st, self.check_token_ids(list(output)))
+
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         self.target.release(request_id)

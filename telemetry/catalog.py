@@ -43,6 +43,8 @@ CATALOG: dict[str, Family] = _families(
     Family("osd_prompt_tokens_total", "counter", "Prompt tokens of answered requests", ("tenant", "status")),
     Family("osd_generation_tokens_total", "counter", "Output tokens of answered requests", ("tenant", "status")),
     Family("osd_requests_running", "gauge", "Requests in flight at the ingress"),
+    Family("osd_requests_resumed_total", "counter", "Requests continued on another draft replica after theirs died "
+           "mid-stream", ("tenant",)),
     Family("osd_time_to_first_token_seconds", "histogram", "Arrival at the ingress to the first output text",
            ("tenant",), LATENCY_BUCKETS),
     Family("osd_inter_token_latency_seconds", "histogram", "Gap between consecutive output chunks of a request (one "

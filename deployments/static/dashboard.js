@@ -8,6 +8,7 @@ const MARK = { publish: "#16a34a", rollback: "#dc2626" };
 
 let key = new URLSearchParams(location.hash.slice(1)).get("key") || localStorage.getItem("osd_key") || "";
 let plots = {};
+window.osdPlots = plots;  // uPlot instances by panel (operators' console, tests)
 let shape = {};
 
 document.getElementById("key").addEventListener("submit", (e) => {
@@ -133,4 +134,4 @@ async function refresh() {
 }
 
 refresh();
-setInterval(refresh, 2000);
+window.osdRefresh = setInterval(refresh, 2000);

@@ -30,7 +30,8 @@ PROMPTS = [
     "1, 1, 2, 3, 5, 8,",
 ]
 MAX_TOKENS = 20
-KEY, TINY_KEY, ADMIN_KEY = "sk-test-alice", "sk-test-tiny", "sk-test-ops"
+STATE: dict = {}  # what the tests may look at behind the app (the learner's state folder)
+KEY, TINY_KEY, ADMIN_KEY, SOLO_KEY = "sk-test-alice", "sk-test-tiny", "sk-test-ops", "sk-test-solo"
 
 
 @pytest.fixture(scope="package")
@@ -40,7 +41,8 @@ def server(tmp_path_factory):
     doc = yaml.safe_load(launch.DEFAULT_CONFIG.read_text())
     app = doc["applications"][0]
     app["args"]["ingress"]["max_tokens_limit"] = 9000
-    app["args"]["learner"]["state_dir"] = str(tmp_path_factory.mktemp("learner"))
+    app["args"]["ingress"]["max_in_flight"] = 12  # the shedding test goes past it; the others stay below
+    app["args"]["learner"]["state_dir"] = STATE["learner_dir"] = str(tmp_path_factory.mktemp("learner"))
     # rounds after every 8 records, and a gate that publishes any finite update: what is tested
     # here is the path (records -> rounds -> object store -> every replica), not the gate
     app["args"]["learner"]["trainer"].update(train_every=8, gate_margin=1.0, holdout_fraction=0.2)
@@ -48,6 +50,7 @@ def server(tmp_path_factory):
         {"tenant": "alice", "key_sha256": digest(KEY), "limits": {"requests_per_minute": 10_000, "max_concurrent": 16}},
         {"tenant": "tiny", "key_sha256": digest(TINY_KEY), "limits": {"requests_per_minute": 1}},
         {"tenant": "ops", "key_sha256": digest(ADMIN_KEY), "admin": True},
+        {"tenant": "solo", "key_sha256": digest(SOLO_KEY), "limits": {"max_concurrent": 1}},
     ]}
     for d in app["deployments"]:
         if d["name"] == "DraftPool":
@@ -106,3 +109,24 @@ def _call(url: str, body=None, raw: bool = False, key: str | None = KEY) -> tupl
 def _post(url: str, body, raw: bool = False) -> tuple[int, dict]:
     return _call(url, body, raw)[:2]
 
+
+
+def scrape(url: str, key: str = ADMIN_KEY) -> dict[tuple, float]:
+    """``/metrics`` as {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def total(samples: dict, name: str, **where) -> float:
+    """The sum of a sample's series whose labels match ``where``."""
+    return sum(v for (n, labels), v in samples.items() if n == name
+               and all(dict(labels).get(k) == w for k, w in where.items()))

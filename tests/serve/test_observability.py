@@ -18,32 +18,13 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from conftest import free_port
 
-from .conftest import ADMIN_KEY, KEY, MODEL, PROMPTS, _call
+from .conftest import ADMIN_KEY, KEY, MODEL, PROMPTS, _call, scrape, total
 
 pytestmark = pytest.mark.serve
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def scrape(url: str, key: str = ADMIN_KEY) -> dict[tuple, float]:
-    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {key}"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        assert r.headers["Content-Type"].startswith("text/plain")
-        text = r.read().decode()
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def total(samples: dict, name: str, **where) -> float:
-    return sum(v for (n, labels), v in samples.items() if n == name
-               and all(dict(labels).get(k) == w for k, w in where.items()))
 
 
 def mixed_traffic(server: str, n: int = 6) -> list[dict]:
@@ -188,30 +169,32 @@ def test_dashboard_draws_one_line_per_domain_with_traffic(server, tmp_path):
     browser = chromium()
     try:
         open_dashboard(browser, server, ADMIN_KEY)
+        browser.execute_script("clearInterval(window.osdRefresh)")  # hold the data still while looking
         stats = browser.execute_script("return window.osdStats")  # what the page drew
         labels = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#acceptance .u-legend .u-series .u-label")]
-        canvas = Image.open(io.BytesIO(browser.find_element(By.CSS_SELECTOR, "#acceptance canvas").screenshot_as_png))
         browser.save_screenshot(str(tmp_path / "dashboard.png"))
+        canvas = browser.find_element(By.CSS_SELECTOR, "#acceptance canvas")
+        series = stats["series"]["acceptance"]
+        domains = sorted(series)
+        palette = _palette()
+
+        def shot():
+            return Image.open(io.BytesIO(canvas.screenshot_as_png))
+
+        everything = shot()
+        alone = {}
+        for i, d in enumerate(domains, start=1):  # each domain's line on its own (legend toggles)
+            browser.execute_script("const u = window.osdPlots.acceptance;"
+                                   "for (let j = 1; j < u.series.length; j++) u.setSeries(j, {show: j === arguments[0]});", i)
+            alone[d] = pixels_near(shot(), palette[(i - 1) % len(palette)])
     finally:
         browser.quit()
-    series = stats["series"]["acceptance"]
-    domains = sorted(series)
     lines = [d for d in domains if sum(x is not None for x in series[d]) >= 2]
     assert lines and set(stats["acceptance"]) == set(domains)
     assert labels[1:] == domains  # the legend: the x axis, then one entry per domain
-    palette = _palette()
-
-    def covered(d: str) -> bool:
-        """Drawn under a later domain's line with the same values wherever it has one."""
-        later = domains[domains.index(d) + 1:]
-        return any(all(y is None or series[e][i] == y for i, y in enumerate(series[d])) for e in later)
-
-    visible = [d for d in lines if not covered(d)]
-    assert visible
-    for d in visible:  # each line not hidden under an identical one has its colour on the canvas
-        n = pixels_near(canvas, palette[domains.index(d) % len(palette)])
-        assert n >= 20, f"no line for {d} ({n} pixels of its colour)"
-    unused = {c: pixels_near(canvas, c) for c in palette[len(domains):]}
+    for d in lines:  # a domain with traffic in two or more samples is drawn as a line of its colour
+        assert alone[d] >= 20, f"no line for {d} ({alone[d]} pixels of its colour)"
+    unused = {c: pixels_near(everything, c) for c in palette[len(domains):]}
     assert all(n < 5 for n in unused.values()), unused  # no line for a domain without traffic
 
 

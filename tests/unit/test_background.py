@@ -168,3 +168,24 @@ def test_overhead_harness_serves_identical_work_per_mode(target, tok, make_engin
     assert "no-yield" in format_overhead(res)
     with pytest.raises(ValueError):
         run_overhead(engine, prompts, cfg, modes=["bogus"], log=None)
+
+
+def test_a_tenants_records_are_forgotten_in_the_queue_the_shards_and_the_holdout(target, records):
+    import dataclasses
+
+    mine = [dataclasses.replace(r, tenant="gone" if i % 2 else "stays") for i, r in enumerate(records)]
+    bg = BackgroundLearner(_learner(target, holdout_fraction=0.5), cfg=BackgroundConfig())  # not started
+    for r in mine[:4]:
+        bg.submit(r)
+    assert bg.forget_queued(lambda r: r.tenant == "gone") == 2
+    assert bg._queue.qsize() == 2
+    ol = bg.learner
+    for r in mine:
+        ol.observe(r)
+    trainer = ol.trainers["d"]
+    stored = len(ol.shards["d"]) + len(trainer.holdout)
+    assert stored == len(mine) and any(r.tenant == "gone" for r in trainer.holdout)
+    out = ol.delete_tenant("gone")
+    assert out["shards"] + out["holdout"] == 4 and out["holdout"] >= 1
+    assert all(r.tenant == "stays" for r in ol.shards["d"].records())
+    assert all(r.tenant == "stays" for r in trainer.holdout)

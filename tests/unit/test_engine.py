@@ -625,3 +625,21 @@ def test_install_staged_now_returns_the_running_version(target, draft_proposer, 
     engine.stage_draft(v3, 3)
     assert engine.draft_version == 0
     assert engine.install_staged() == 3 and engine.draft_version == 3 and _weights_equal(engine, v3)
+
+
+@pytest.mark.parametrize("name", ["trunc2-k3", "adaptive"])
+def test_a_resumed_request_continues_exactly_where_the_first_one_stopped(build, prompt_texts, name):
+    """resume(): the output produced elsewhere becomes this request's output so far; greedy and
+    seeded continuations equal the uninterrupted run, and max_tokens counts the resumed tokens."""
+    engine = build(name)
+    for params in (SamplingParams(max_tokens=12), SamplingParams(max_tokens=12, temperature=0.9, seed=7)):
+        whole = engine.generate(prompt_texts[0], params)
+        assert len(whole.token_ids) == 12
+        for cut in (1, 5, 11, 12):
+            rid = engine.add_request(prompt_texts[0], params)
+            engine.resume(rid, whole.token_ids[:cut])
+            st = engine.requests[rid]
+            while not st.finished:
+                engine.step(rid)
+            assert st.output == whole.token_ids, (params, cut)
+            engine.release(rid)

@@ -452,3 +452,27 @@ def test_shard_set(tmp_path):
             assert {k: again.stats()[d][k] for k in ("records", "bytes", "appended", "evicted")} == {
                 k: stats[d][k] for k in ("records", "bytes", "appended", "evicted")
             }
+
+
+@pytest.mark.parametrize("eviction", ["fifo", "high_loss"])
+def test_deleting_a_tenant_removes_its_records_from_memory_and_disk(tmp_path, eviction):
+    cfg = ShardConfig(max_bytes=100 * REC_BYTES, dir=tmp_path, eviction=eviction)
+    shards = ShardSet.open(cfg)
+    for i in range(12):  # tenants t0, t1, t2 in turn, over two drafts
+        shards.append(make_record(i, loss=float(i), draft_id="a" if i % 2 else "b"))
+    assert shards.delete_tenant("t1") == 4
+    assert shards.delete_tenant("nobody") == 0
+    for d in ("a", "b"):
+        s = shards[d]
+        assert all(r.tenant != "t1" for r in s.records()) and s.appended == len(s) + s.evicted
+        assert b'"t1"' not in shard_path(tmp_path, d).read_bytes()  # the bytes left the file
+        assert b'"t0"' in shard_path(tmp_path, d).read_bytes()
+    kept = {d: [r.seq for r in shards[d].records()] for d in ("a", "b")}
+    new = shards.append(make_record(12, draft_id="a"))
+    assert new == 6  # sequence numbers go on after the deleted ones
+    shards.close()
+    again = ShardSet.open(cfg)
+    assert [r.seq for r in again["b"].records()] == kept["b"]
+    assert [r.seq for r in again["a"].records()] == kept["a"] + [new]
+    assert len(again["a"].sample(3, rng=0)) == 3
+    again.close()
