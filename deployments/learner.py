@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 
 import torch
@@ -23,6 +24,7 @@ from learner.replay import ReplayRecord, ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner, RoundReport
 from speculative.models import load_tokenizer, load_weights
 from speculative.proposers import learned_draft
+from telemetry.hub import json_safe
 
 from .loopback import NodeInfo, bind_replica_grpc, replica_meter
 
@@ -76,7 +78,7 @@ class LearnerServer:
         m.inc("osd_learner_rounds_total", draft=d, result=result)
         m.inc("osd_learner_steps_total", rep.steps, draft=d)
         m.inc("osd_learner_train_seconds_total", rep.train_seconds, draft=d)
-        if rep.loss_after is not None:
+        if rep.loss_after is not None and math.isfinite(rep.loss_after):  # a rejected NaN round keeps the last loss
             m.set("osd_learner_loss", rep.loss_after, draft=d)
         if result == "rejected":
             reason = "non_finite" if "non-finite" in rep.reason else "agreement_drop" if "agreement" in rep.reason else "other"
@@ -142,10 +144,11 @@ class LearnerServer:
         return m.snapshot()
 
     def stats(self) -> dict:
+        """Operators' view (JSON-safe: a round on bad data reports its NaN loss as null)."""
         s = self.background.stats().to_dict()
         s["drafts"] = {d: {"version": t.version, "versions": t.versions(), "traffic": self.learner.traffic(d)}
                        for d, t in self.learner.trainers.items()}
-        return s
+        return json_safe(s)
 
 
 @serve.deployment(name="Learner", max_ongoing_requests=256)

@@ -55,6 +55,18 @@ def quantile(q: float, buckets: tuple[float, ...], counts: list[float]) -> float
     return buckets[-1]
 
 
+def json_safe(obj):
+    """``obj`` with every NaN or infinite float replaced by None (JSON has no NaN: a learner round
+    on bad data must not break ``/v1/stats``)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 class Hub:
     def __init__(self, cfg: MetricsConfig | None = None):
         self.cfg = cfg or MetricsConfig()
@@ -303,7 +315,7 @@ class Hub:
                              if name == "osd_draft_version"}
             out["learner"] = self._learner(counters, gauges)
             out["events"] = events[-100:]
-        return out
+        return json_safe(out)
 
     @staticmethod
     def _learner(counters: dict[Key, float], gauges: dict[Key, float]) -> dict:
@@ -325,4 +337,4 @@ class Hub:
         }
 
 
-__all__ = ["Hub", "quantile", "OTHER"]
+__all__ = ["Hub", "quantile", "json_safe", "OTHER"]

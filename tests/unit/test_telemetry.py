@@ -299,3 +299,16 @@ def test_the_readme_and_the_docs_list_every_metric():
         text = (root / doc).read_text()
         missing = [f.name for f in CATALOG.values() if f"`{f.name}`" not in text]
         assert not missing, f"{doc} does not list {missing}"
+
+
+def test_stats_stay_valid_json_when_a_figure_is_not_finite():
+    import json
+
+    m, hub = Meter("Learner", replica="l"), Hub()
+    m.set("osd_learner_loss", float("nan"), draft="general")
+    m.event("reject", draft="general", loss=float("inf"))
+    hub.merge(m.snapshot())
+    hub.sample()
+    s = hub.stats()
+    json.dumps(s, allow_nan=False)  # what the HTTP layer does: NaN would be a 500
+    assert s["learner"]["loss"] == {"general": None}
