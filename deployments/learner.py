@@ -126,7 +126,8 @@ class LearnerServer:
         t = self.learner.trainers.get(draft_id)
         if t is None or version not in t.versions():
             raise ValueError(f"draft {draft_id!r} has no checkpoint v{version}")
-        new, state = t.rollback(version)
+        with self.background.exclusive:  # not in the middle of a round on these weights
+            new, state = t.rollback(version)
         self._publish(draft_id, state, new, kind="rollback")
         return {"draft_id": draft_id, "version": new, "weights_of": version}
 

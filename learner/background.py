@@ -62,6 +62,7 @@ class LearnerStats:
     published: int = 0
     rejected: int = 0
     yielded_rounds: int = 0
+    errors: int = 0  # rounds that raised (weights restored, learning went on)
     train_seconds: float = 0.0
     queue_depth: int = 0
     running: bool = False
@@ -99,6 +100,9 @@ class BackgroundLearner:
         self._thread: threading.Thread | None = None
         self._stats = LearnerStats()
         self._lock = threading.Lock()
+        #: held while a round trains: whoever changes a draft's weights from another thread (an
+        #: operator's rollback) takes it, so a round never sees its weights change under it
+        self.exclusive = threading.RLock()
         self.error: BaseException | None = None
         learner.should_yield = self._should_yield
         learner.pause = self._wait_while_busy
@@ -201,20 +205,28 @@ class BackgroundLearner:
         except (AttributeError, OSError) as e:  # not Linux, or not allowed: run at normal priority
             log.warning("learner thread: could not set nice %d (%s)", self.cfg.nice, e)
         torch.set_num_threads(self.cfg.threads)  # per calling thread (OpenMP); serving keeps its own
-        try:
-            while not self._stop.is_set():
+        while not self._stop.is_set():
+            try:
                 self._drain()
                 if self._should_yield() or self._busy():
                     time.sleep(self.cfg.poll_s)
                     continue
-                rep = self.learner.maybe_train(self.subscribers)
+                with self.exclusive:
+                    rep = self.learner.maybe_train(self.subscribers)
                 if rep is None:
                     time.sleep(self.cfg.poll_s)
                 else:
                     self._count(rep)
-        except BaseException as e:  # keep serving; the error is reported by stats()/error
-            self.error = e
-            log.exception("learner thread stopped")
+            except Exception as e:  # one failed round (its weights restored) must not end learning
+                self.error = e
+                with self._lock:
+                    self._stats.errors += 1
+                log.exception("learner round failed; the learner goes on")
+                time.sleep(self.cfg.poll_s)
+            except BaseException as e:  # interpreter shutdown and the like: stop, keep serving
+                self.error = e
+                log.exception("learner thread stopped")
+                return
 
     def _count(self, rep: RoundReport) -> None:
         with self._lock:

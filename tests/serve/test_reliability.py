@@ -62,7 +62,7 @@ def test_past_capacity_the_server_sheds_load_with_503_and_retry_after(server):
 
     from .conftest import KEY
 
-    body = json.dumps({"model": MODEL, "prompt": "Count from 1 to 100: 1, 2,", "max_tokens": 40, "temperature": 0,
+    body = json.dumps({"model": MODEL, "prompt": "Count from 1 to 100: 1, 2,", "max_tokens": 24, "temperature": 0,
                        "stream": True}).encode()
 
     def one(_):
@@ -96,7 +96,7 @@ def test_a_draft_replica_killed_mid_stream_the_request_completes_unchanged(serve
 
     from .conftest import KEY
 
-    prompt, n = "The history of the printing press", 60
+    prompt, n = "The history of the printing press", 40
     want = reference.generate(prompt, SamplingParams(max_tokens=n)).text
     before = scrape(server)
     u = urlparse(server)

@@ -189,3 +189,36 @@ def test_a_tenants_records_are_forgotten_in_the_queue_the_shards_and_the_holdout
     assert out["shards"] + out["holdout"] == 4 and out["holdout"] >= 1
     assert all(r.tenant == "stays" for r in ol.shards["d"].records())
     assert all(r.tenant == "stays" for r in trainer.holdout)
+
+
+def test_a_failing_round_does_not_end_learning_and_rounds_hold_the_exclusive_lock(target, records):
+    """A round that raises (as one did when an operator's rollback changed the weights under it)
+    is logged and counted; the thread goes on training. While a round runs, another thread cannot
+    take ``exclusive`` (the rollback waits for the round instead of corrupting it)."""
+    import threading
+
+    ol = _learner(target)
+    bg = BackgroundLearner(ol, cfg=BackgroundConfig(poll_s=0.001))
+    real, calls, held = ol.maybe_train, [], []
+
+    def flaky(subscribers=(), force=False):
+        calls.append(1)
+        got = []
+        t = threading.Thread(target=lambda: got.append(bg.exclusive.acquire(blocking=False)))
+        t.start()
+        t.join()
+        held.append(not got[0])
+        if got[0]:
+            bg.exclusive.release()
+        if len(calls) == 1:
+            raise RuntimeError("weights changed under the round")
+        return real(subscribers, force)
+
+    ol.maybe_train = flaky
+    with bg:
+        for r in records:
+            bg.submit(r)
+        assert _wait(lambda: bg.stats().rounds >= 1)
+        assert bg.stats().running
+    assert bg.stats().errors == 1 and isinstance(bg.error, RuntimeError)
+    assert held and all(held)
