@@ -124,9 +124,9 @@ class LearnerServer:
     def rollback(self, draft_id: str, version: int) -> dict:
         """Serve the weights of checkpoint ``version`` again, published under a new version."""
         t = self.learner.trainers.get(draft_id)
-        if t is None or version not in t.versions():
-            raise ValueError(f"draft {draft_id!r} has no checkpoint v{version}")
         with self.background.exclusive:  # not in the middle of a round on these weights
+            if t is None or version not in t.versions():  # checked here: a round may just have pruned it
+                raise ValueError(f"draft {draft_id!r} has no checkpoint v{version}")
             new, state = t.rollback(version)
         self._publish(draft_id, state, new, kind="rollback")
         return {"draft_id": draft_id, "version": new, "weights_of": version}
