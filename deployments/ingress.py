@@ -224,10 +224,8 @@ class Ingress:
             return response
         finally:
             if used is not None:  # a stream settles its own account (and its metrics) when it ends
-                self.tenants.done(adm.tenant, used or 0)
-                self.running -= 1
                 status = getattr(response, "status_code", 200 if isinstance(response, dict) else 500)
-                timing.done(status, response["usage"] if isinstance(response, dict) else None)
+                self._settle(adm.tenant, timing, used or 0, status, response["usage"] if isinstance(response, dict) else None)
 
     async def _completion(self, request: Request, chat: bool, tenant: str, timing: Timing):
         """(response, tokens to charge now; None when the streaming response charges them itself)."""

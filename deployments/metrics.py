@@ -29,8 +29,6 @@ class MetricsServer:
         self.cfg = cfg
         self.hub = Hub(cfg)
         self.handles = handles or {}
-        self.last_pull = 0.0
-        self.pulls = 0
         self._pull_lock = asyncio.Lock()
 
     def _merge(self, source: str, snaps: list) -> None:
@@ -51,8 +49,6 @@ class MetricsServer:
                     log.warning("telemetry of %s: %s", source, e)
                     continue
                 self._merge(source, snaps)
-            self.last_pull = time.monotonic()
-            self.pulls += 1
 
     async def scrape(self) -> bytes:
         await self.pull()  # a few ms: what was served before the scrape is in it

@@ -123,9 +123,3 @@ class Meter:
                 "counters": dict(self._counters), "hists": {k: list(v) for k, v in self._hists.items()},
                 "gauges": dict(self._gauges), "events": list(self._events),
             }
-
-    def value(self, name: str, **labels) -> float:
-        """A counter's or gauge's current value here (tests, ``osd top`` in-process)."""
-        k = (name, tuple(str(labels[n]) for n in CATALOG[name].labels))
-        with self._lock:
-            return self._counters.get(k, self._gauges.get(k, 0.0))
