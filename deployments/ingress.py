@@ -205,6 +205,15 @@ class Ingress:
             return _error(400, 'the body must be {"version": <int>}', param="version")
         return await self.learner_call(request, "rollback", draft_id, version)
 
+    async def configure_learner(self, request: Request):
+        try:
+            body = await request.json()
+            if not isinstance(body, dict) or not body:
+                raise TypeError
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError):
+            return _error(400, 'the body must be a JSON object of settings, e.g. {"lr": 0.0005}')
+        return await self.learner_call(request, "configure", body)
+
     # -- generation --------------------------------------------------------------------------
     async def completion(self, request: Request, chat: bool):
         if self.running >= self.cfg.ingress.max_in_flight:  # over capacity: shed, before any work
@@ -432,6 +441,10 @@ class IngressDeployment(Ingress):
     @api.get("/admin/learner")
     async def admin_learner(self, request: Request):
         return await self.learner_call(request, "stats")
+
+    @api.patch("/admin/learner")
+    async def admin_configure_learner(self, request: Request):
+        return await self.configure_learner(request)
 
     @api.post("/admin/learner/pause")
     async def admin_pause(self, request: Request):

@@ -9,12 +9,15 @@ checkpoints and the draft replicas pull the latest published version when they l
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import math
+import threading
 import time
 
 import torch
+from pydantic import ValidationError
 from ray import serve
 
 from config import AppConfig
@@ -52,10 +55,14 @@ class LearnerServer:
         self._dropped = 0
         self.publish_fn = publish
         self.subscribers: dict[str, list] = {}  # draft id -> [publish to the pool]; one per trainer
+        self._lock = threading.Lock()  # records arrive on several threads; one trainer per new draft
         self.background = BackgroundLearner(self.learner, self.subscribers, cfg=BackgroundConfig(**cfg.learner.background),
-                                            on_round=self._count_round)
+                                            on_round=self._count_round, store_on_submit=True)
         for d in self._known_drafts(root / "checkpoints"):
-            self._trainer(d)  # reloads its latest checkpoint
+            self._trainer(d)  # reloads its latest checkpoint (or the newest good one)
+        #: what a restart has to tell the draft pool: every draft's latest weights (a version
+        #: checkpointed just before a crash may never have been broadcast)
+        self.announce = [(d, t.state(), t.version) for d, t in self.learner.trainers.items() if t.version > 0]
         self.background.start()
 
     @staticmethod
@@ -65,10 +72,11 @@ class LearnerServer:
         return sorted(unquote(p.name) for p in ckpt.iterdir() if p.is_dir()) if ckpt.is_dir() else []
 
     def _trainer(self, draft_id: str) -> DraftTrainer:
-        if draft_id not in self.learner.trainers:
-            self.subscribers[draft_id] = [functools.partial(self._publish, draft_id)]
-            self.learner.add_trainer(DraftTrainer(draft_id, self.base, self.trainer_cfg, keep_ids=self.keep_ids))
-        return self.learner.trainers[draft_id]
+        with self._lock:
+            if draft_id not in self.learner.trainers:
+                self.subscribers[draft_id] = [functools.partial(self._publish, draft_id)]
+                self.learner.add_trainer(DraftTrainer(draft_id, self.base, self.trainer_cfg, keep_ids=self.keep_ids))
+            return self.learner.trainers[draft_id]
 
     def _count_round(self, rep: RoundReport) -> None:
         """A finished round into the meter (from the learner thread)."""
@@ -93,7 +101,9 @@ class LearnerServer:
 
     # -- the serving side ----------------------------------------------------------------------
     def record(self, record: ReplayRecord) -> bool:
-        """A finished request's record (from a draft replica); queued, never blocks."""
+        """A finished request's record (from a draft replica): stored in its shard (written and
+        flushed) before this returns True, so that a learner killed afterwards loses none of the
+        records it took; training happens later, in the learner thread."""
         self._trainer(record.draft_id)
         self.meter.inc("osd_learner_records_total", draft=record.draft_id)
         return self.background.submit(record)
@@ -120,6 +130,28 @@ class LearnerServer:
         log.info("tenant %r: deleted %d stored records (%d queued, %d held back)", tenant,
                  out["shards"] + queued + out["holdout"], queued, out["holdout"])
         return {"tenant": tenant, "deleted": {**out, "queued": queued}}
+
+    #: what ``configure`` may change while serving (not kept across a restart: the config file is)
+    TUNABLE = ("lr", "gate_margin", "gate_z", "steps_per_round", "train_every", "batch_records", "max_cpu_share")
+
+    def configure(self, changes: dict) -> dict:
+        """Change training settings from the next round on (``TUNABLE`` fields of
+        ``LearnerConfig``); the learning rate of every trainer's optimiser too."""
+        unknown = sorted(set(changes) - set(self.TUNABLE))
+        if unknown:
+            raise ValueError(f"not tunable: {', '.join(unknown)} (tunable: {', '.join(self.TUNABLE)})")
+        try:
+            new = LearnerConfig.model_validate({**self.trainer_cfg.model_dump(), **changes})
+        except ValidationError as e:
+            raise ValueError(str(e).splitlines()[0] + ": " + "; ".join(er["msg"] for er in e.errors())) from None
+        with self.background.exclusive:  # between two rounds
+            self.trainer_cfg = self.learner.cfg = new
+            for t in self.learner.trainers.values():
+                t.cfg = new
+                for g in t.opt.param_groups:
+                    g["lr"] = new.lr
+        log.warning("learner settings changed: %s", changes)
+        return {k: getattr(new, k) for k in self.TUNABLE}
 
     def rollback(self, draft_id: str, version: int) -> dict:
         """Serve the weights of checkpoint ``version`` again, published under a new version."""
@@ -158,6 +190,18 @@ class Learner(LearnerServer, NodeInfo):
         bind_replica_grpc(cfg.replica_grpc_host)
         self.pool_name = pool_name
         super().__init__(cfg, publish=self._broadcast)
+        if self.announce:  # a restart: the pool may hold older weights than the checkpoints
+            threading.Thread(target=self._announce, name="osd-learner-announce", daemon=True).start()
+
+    def _announce(self) -> None:
+        for draft_id, state, version in self.announce:
+            log.info("draft %r: announcing v%d after a restart", draft_id, version)
+            self._broadcast(draft_id, state, version)  # replicas at that version already ignore it
+        self.announce = []
+
+    async def record(self, record: ReplayRecord) -> bool:
+        """The store is a file append: off the event loop, which serves the other calls."""
+        return await asyncio.to_thread(LearnerServer.record, self, record)
 
     def _broadcast(self, draft_id: str, state: dict, version: int) -> None:
         """From the learner thread: one object-store copy, every draft replica loads it."""

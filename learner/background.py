@@ -67,6 +67,7 @@ class LearnerStats:
     queue_depth: int = 0
     running: bool = False
     paused: bool = False
+    training: str | None = None  # the draft whose round is running now
     last_round: dict | None = None
     versions: dict[str, int] = field(default_factory=dict)
 
@@ -88,12 +89,16 @@ class BackgroundLearner:
         busy: Callable[[], bool] | None = None,
         cfg: BackgroundConfig = BackgroundConfig(),
         on_round: Callable[[RoundReport], Any] | None = None,
+        store_on_submit: bool = False,
     ):
         self.learner = learner
         self.subscribers = subscribers
         self.busy = busy if busy is not None else (lambda: False)
         self.cfg = cfg
         self.on_round = on_round  # every finished round's report (metrics), from the learner thread
+        #: store each record in the caller's thread before :meth:`submit` returns (durable when the
+        #: shards are on disk); the learner thread then only counts it. False: both in the thread
+        self.store_on_submit = store_on_submit
         self._queue: queue.Queue[ReplayRecord] = queue.Queue(maxsize=cfg.queue_max)
         self._stop = threading.Event()
         self._paused = threading.Event()
@@ -109,11 +114,19 @@ class BackgroundLearner:
 
     # -- serving side ---------------------------------------------------------------------------
     def submit(self, record: ReplayRecord) -> bool:
-        """Hand a finished request's record to the learner; never blocks. False if it was dropped."""
+        """Hand a finished request's record to the learner. False if it was dropped (a full queue).
+
+        Never blocks on training; with ``store_on_submit`` it writes the record to its shard first
+        (a flushed append), and a full queue then loses only the record's traffic count."""
+        if self.store_on_submit:
+            self.learner.store(record)
         try:
             self._queue.put_nowait(record)
             return True
         except queue.Full:
+            if self.store_on_submit:
+                log.warning("learner queue full: a stored record's traffic is not counted")
+                return True
             with self._lock:
                 self._stats.dropped += 1
             return False
@@ -162,6 +175,7 @@ class BackgroundLearner:
         s.queue_depth = self._queue.qsize()
         s.running = self._thread is not None and self._thread.is_alive()
         s.paused = self._paused.is_set()
+        s.training = self.learner.training
         s.versions = {d: t.version for d, t in self.learner.trainers.items()}
         return s
 
@@ -191,7 +205,7 @@ class BackgroundLearner:
                 rec = self._queue.get_nowait()
             except queue.Empty:
                 break
-            self.learner.observe(rec)
+            (self.learner.count if self.store_on_submit else self.learner.observe)(rec)
             n += 1
         if n:
             with self._lock:

@@ -479,6 +479,8 @@ class ShardConfig(BaseModel):
     out). ``dir``: where the shard logs live (None: in memory only). ``fsync``: fsync after each
     write (survives power loss, slower). ``seed``: the reservoir's random choices.
     ``compact_factor``: rewrite the log when it exceeds this many times ``max_bytes``.
+    ``max_records``: an optional bound on the number of live records as well (the trainers'
+    held-back records keep the newest ``holdout_max``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -489,6 +491,7 @@ class ShardConfig(BaseModel):
     fsync: bool = False
     seed: int = 0
     compact_factor: float = Field(default=2.0, gt=1.0)
+    max_records: int | None = Field(default=None, ge=1)
 
 
 def shard_path(directory: Path, draft_id: str) -> Path:
@@ -614,7 +617,8 @@ class ReplayShard:
             if refuse:
                 log.warning("replay shard %r: record of %d bytes exceeds max_bytes=%d; dropped", self.draft_id, size, self.cfg.max_bytes)
             victims: list[int] = []
-            if not refuse and self.cfg.eviction == "reservoir" and (self.evicted > 0 or self._bytes + size > self.cfg.max_bytes):
+            full = self._bytes + size > self.cfg.max_bytes or (self.cfg.max_records is not None and len(self._live) >= self.cfg.max_records)
+            if not refuse and self.cfg.eviction == "reservoir" and (self.evicted > 0 or full):
                 # algorithm R: the seq-th item (0-based) replaces a uniform slot with probability len/(seq+1)
                 j = self._rng.randrange(seq + 1)
                 if j >= len(self._keys):
@@ -739,7 +743,8 @@ class ReplayShard:
 
     def _evict_to_bound(self, protect: int | None = None) -> list[int]:
         out = []
-        while self._bytes > self.cfg.max_bytes and self._live:
+        cap = self.cfg.max_records
+        while self._live and (self._bytes > self.cfg.max_bytes or (cap is not None and len(self._live) > cap)):
             v = self._victim(protect)
             self._remove(v)
             out.append(v)
@@ -880,6 +885,7 @@ class ShardSet:
     def __init__(self, cfg: ShardConfig):
         self.cfg = cfg
         self.shards: dict[str, ReplayShard] = {}
+        self._lock = threading.Lock()  # two threads asking for a new draft's shard open one log
 
     @classmethod
     def open(cls, cfg: ShardConfig) -> "ShardSet":
@@ -894,7 +900,10 @@ class ShardSet:
     def shard(self, draft_id: str) -> ReplayShard:
         s = self.shards.get(draft_id)
         if s is None:
-            s = self.shards[draft_id] = ReplayShard.open(self.cfg, draft_id)
+            with self._lock:
+                s = self.shards.get(draft_id)
+                if s is None:
+                    s = self.shards[draft_id] = ReplayShard.open(self.cfg, draft_id)
         return s
 
     __getitem__ = shard

@@ -31,6 +31,7 @@ import os
 import random
 import re
 import shutil
+import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -44,7 +45,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from drafts.build import load_draft, save_draft
 from learner.losses import check_loss_name, SparseDist, get_loss
 from learner.offline import Sample, pad_placeholders, set_trainable, student_logits_for, to_student_space, top1_hits_on
-from learner.replay import ReplayRecord, ShardConfig, ShardSet
+from learner.replay import ReplayRecord, ShardConfig, ShardSet, shard_path
 
 __all__ = ["LearnerConfig", "RoundReport", "DraftTrainer", "OnlineLearner", "records_to_batch"]
 
@@ -228,8 +229,11 @@ class DraftTrainer:
         self.rounds = 0
         self.rejected = 0
         self.history: list[RoundReport] = []
+        self.skipped: list[int] = []  # checkpoint versions that did not load (moved aside)
         if self.ckpt_root is not None:
             if self.load_latest() is None:
+                if self.skipped:  # none loaded: the initial weights, above every version a replica may hold
+                    self.version = max(self.skipped) + 1
                 self._checkpoint(self.version, {"initial": True})
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
@@ -237,7 +241,8 @@ class DraftTrainer:
 
     # -- held-back records ----------------------------------------------------------------------
     def add_holdout(self, record: ReplayRecord) -> None:
-        self.holdout.append(record)
+        # replaced, not mutated: a round in another thread may be reading the old one
+        self.holdout = deque([*self.holdout, record], maxlen=self.holdout.maxlen)
 
     def holdout_samples(self) -> list[Sample]:
         return records_to_batch(self.holdout, "all")[0]
@@ -476,6 +481,8 @@ class DraftTrainer:
                 shutil.rmtree(root / f"v{old}", ignore_errors=True)
 
     def _load_version(self, version: int) -> None:
+        """Load checkpoint ``version`` into the training copy; raises (the copy untouched) when it
+        is missing, unreadable, of another shape, or holds a NaN/Inf weight."""
         root = self.ckpt_root
         if root is None:
             raise RuntimeError("no checkpoint_dir configured")
@@ -483,19 +490,52 @@ class DraftTrainer:
         if not path.is_dir():
             raise FileNotFoundError(f"draft {self.draft_id!r}: no checkpoint v{version} in {root}")
         model, keep, _meta = load_draft(path)
+        if not _all_finite(model):
+            raise ValueError("non-finite weights")
+        n_head = self.model.get_output_embeddings().weight.shape[0]
+        if keep is not None and len(keep) != n_head:
+            raise ValueError(f"keep_ids has {len(keep)} ids but the draft head has {n_head} rows")
         self.model.load_state_dict(model.state_dict(), strict=True)
         self.keep_ids = keep
         self.opt = self._new_optimizer()  # the optimiser state belongs to other weights
 
     def load_latest(self) -> int | None:
-        """Load the checkpoint named by ``LATEST`` (weights, keep_ids, version); None if there is none."""
-        v = self.latest_version()
-        if v is None:
+        """Load the newest checkpoint that reads back whole (weights, keep_ids, version); None if
+        there is none.
+
+        A checkpoint folder appears whole or not at all (written beside, then renamed), so a
+        folder newer than ``LATEST`` is one whose ``LATEST`` update a crash cut off: it is loaded
+        (and re-announced by the learner). A folder that does not load (truncated, corrupt,
+        non-finite) is moved aside to ``corrupt-v<N>`` with the reason logged, and the newest good
+        weights are checkpointed again under a version above every skipped one, so that a replica
+        still holding a skipped version takes them. Leftovers of a save cut short are removed.
+        """
+        root = self.ckpt_root
+        self.skipped: list[int] = []
+        if root is None or not root.is_dir():
             return None
-        self._load_version(v)
-        self.version = v
-        log.info("draft %r: loaded checkpoint v%d", self.draft_id, v)
-        return v
+        for tmp in root.glob(".tmp-*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+        for v in sorted(self.versions(), reverse=True):
+            try:
+                self._load_version(v)
+            except Exception as e:  # noqa: BLE001 - whatever is wrong with it, it is not served
+                aside = root / f"corrupt-v{v}-{int(time.time())}"
+                log.error("draft %r: checkpoint v%d is unreadable (%s: %s); skipped, moved to %s",
+                          self.draft_id, v, type(e).__name__, e, aside.name)
+                os.replace(root / f"v{v}", aside)
+                self.skipped.append(v)
+                continue
+            self.version = v
+            if self.skipped:
+                self.version = max(self.skipped) + 1
+                self._checkpoint(self.version, {"recovered_from": v, "skipped": self.skipped})
+                log.warning("draft %r: serving the weights of v%d again, as v%d", self.draft_id, v, self.version)
+            elif self.latest_version() != v:
+                _write_atomic(root / LATEST, f"v{v}\n")
+            log.info("draft %r: loaded checkpoint v%d", self.draft_id, v)
+            return self.version
+        return None
 
     def rollback(self, version: int) -> tuple[int, dict[str, np.ndarray]]:
         """Restore the weights of checkpoint ``version`` and re-publish them under a NEW version
@@ -528,6 +568,13 @@ class OnlineLearner:
         if shards is None:
             shards = ShardConfig()
         self.shards = shards if isinstance(shards, ShardSet) else ShardSet(shards)
+        #: the trainers' held-back records, persisted beside the shards (``<dir>/holdout``) when
+        #: the shards are: a restarted learner gates against the same records
+        scfg = self.shards.cfg
+        self.holdouts = ShardSet(scfg.model_copy(update={
+            "dir": scfg.dir / "holdout" if scfg.dir is not None else None,
+            "eviction": "fifo", "max_records": cfg.holdout_max}))
+        self._store_lock = threading.Lock()
         self.trainers: dict[str, DraftTrainer] = {}
         for t in trainers:
             self.add_trainer(t)
@@ -539,9 +586,13 @@ class OnlineLearner:
         self._rng = random.Random(f"holdout:{cfg.seed}")
         self.observed = 0
         self.reports: list[RoundReport] = []
+        self.training: str | None = None  # the draft whose round is running
 
     def add_trainer(self, trainer: DraftTrainer) -> DraftTrainer:
-        self.trainers[trainer.draft_id] = trainer
+        d = trainer.draft_id
+        if self.holdouts.cfg.dir is not None and not trainer.holdout and shard_path(self.holdouts.cfg.dir, d).exists():
+            trainer.holdout = deque(self.holdouts[d].records(), maxlen=trainer.holdout.maxlen)  # a restart
+        self.trainers[d] = trainer
         return trainer
 
     def remove_trainer(self, draft_id: str, drop_shard: bool = True) -> None:
@@ -551,10 +602,30 @@ class OnlineLearner:
         self._pending.pop(draft_id, None)
         if drop_shard:
             self.shards.drop(draft_id)
+            self.holdouts.drop(draft_id)
 
     # -- traffic ----------------------------------------------------------------------------------
     def observe(self, record: ReplayRecord) -> None:
-        """Count the record's traffic and lost acceptance, then store it (shard or held-back set)."""
+        """Store the record (shard or held-back set), then count its traffic and lost acceptance."""
+        self.store(record)
+        self.count(record)
+
+    def store(self, record: ReplayRecord) -> str:
+        """Keep the record: in its draft's replay shard, or (a ``holdout_fraction`` of the teacher
+        records of a draft with a trainer) among the trainer's held-back records. With the shards on
+        disk it is written and flushed before this returns (a killed process loses nothing stored).
+        Thread-safe beside a round in another thread. Returns ``"shard"`` or ``"holdout"``."""
+        with self._store_lock:
+            trainer = self.trainers.get(record.draft_id)
+            if trainer is not None and record.context == "teacher" and self._rng.random() < self.cfg.holdout_fraction:
+                self.holdouts.append(record)
+                trainer.add_holdout(record)
+                return "holdout"
+            self.shards.append(record)
+            return "shard"
+
+    def count(self, record: ReplayRecord) -> None:
+        """The record's traffic and lost acceptance (what picks the next draft to train, and when)."""
         d = record.draft_id
         proposed = record.proposed
         wrong = int((record.draft_wrong & proposed).sum())
@@ -562,11 +633,6 @@ class OnlineLearner:
         self.observed += 1
         self._since += 1
         self._pending[d] = self._pending.get(d, 0) + record.n_rows
-        trainer = self.trainers.get(d)
-        if trainer is not None and record.context == "teacher" and self._rng.random() < self.cfg.holdout_fraction:
-            trainer.add_holdout(record)
-        else:
-            self.shards.append(record)
 
     def traffic(self, draft_id: str) -> dict:
         """Over the recent window: rows (traffic), proposed rows, acceptance."""
@@ -611,8 +677,12 @@ class OnlineLearner:
         trainer = self.trainers[d]
         self._pending[d] = 0
         shard, n = self.shards[d], self.cfg.batch_records
-        rep = trainer.train_round(shard.sample(n), self.should_yield, self.pause,
-                                  next_batch=(lambda: shard.sample(n)) if self.cfg.resample else None)
+        self.training = d
+        try:
+            rep = trainer.train_round(shard.sample(n), self.should_yield, self.pause,
+                                      next_batch=(lambda: shard.sample(n)) if self.cfg.resample else None)
+        finally:
+            self.training = None
         if rep.accepted and rep.steps > 0:
             version, state = trainer.publish()
             rep.version = version
@@ -630,7 +700,9 @@ class OnlineLearner:
             keep = [r for r in t.holdout if r.tenant != tenant]
             held += len(t.holdout) - len(keep)
             t.holdout = deque(keep, maxlen=t.holdout.maxlen)  # replaced, not mutated: a round may be reading it
+        self.holdouts.delete_tenant(tenant)
         return {"shards": self.shards.delete_tenant(tenant), "holdout": held}
 
     def close(self) -> None:
         self.shards.close()
+        self.holdouts.close()

@@ -222,3 +222,21 @@ def test_a_failing_round_does_not_end_learning_and_rounds_hold_the_exclusive_loc
         assert bg.stats().running
     assert bg.stats().errors == 1 and isinstance(bg.error, RuntimeError)
     assert held and all(held)
+
+
+def test_store_on_submit_writes_the_record_before_submit_returns(target, records, tmp_path):
+    """The serving side's hand-over is durable: with the learner thread not even started, every
+    record submit accepted is already in the shard log on disk (a fresh set reads it back), and
+    the thread, once started, only counts it (it is not stored twice)."""
+    from learner.replay import ShardConfig, ShardSet
+
+    cfg = LearnerConfig(train_every=100, holdout_fraction=0.0)
+    ol = OnlineLearner(cfg, ShardConfig(dir=tmp_path), [DraftTrainer("d", truncated_draft(target, 1), cfg)])
+    bg = BackgroundLearner(ol, store_on_submit=True)
+    for r in records[:3]:
+        assert bg.submit(r)
+    assert len(ShardSet.open(ShardConfig(dir=tmp_path))["d"]) == 3
+    with bg:
+        assert _wait(lambda: bg.stats().observed == 3)
+    assert len(ol.shards["d"]) == 3 and ol.traffic("d")["rows"] == sum(r.n_rows for r in records[:3])
+    ol.close()

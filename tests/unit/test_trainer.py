@@ -435,3 +435,83 @@ def test_gate_refuses_non_finite_loss_and_mismatched_state(setup):
     state.pop(next(iter(state)))
     with pytest.raises(RuntimeError, match="Missing key"):
         tr.gate(state)  # a state dict that does not fit the draft is an error, never a partial load
+
+
+# -- crashes and corrupt state at start ----------------------------------------------------------
+
+
+def test_a_checkpoint_that_does_not_load_is_skipped_and_the_previous_good_weights_served_above_it(setup, tmp_path, caplog):
+    """Truncated weights of the newest version: moved aside with the reason logged; the weights of
+    the version before are checkpointed again under a version above the skipped one (a replica
+    that got the skipped version must still take them); a NaN checkpoint is skipped the same way."""
+    draft, recs = setup
+    cfg = _cfg(tmp_path)
+    tr = DraftTrainer("d", draft, cfg)
+    snaps = {0: _weights(tr.model)}
+    for _ in range(2):
+        assert tr.train_round(recs[:12]).accepted
+        v, _ = tr.publish()
+        snaps[v] = _weights(tr.model)
+    weights = tmp_path / "d" / "v2" / "weights.safetensors"
+    assert weights.exists(), sorted(p.name for p in (tmp_path / "d" / "v2").iterdir())
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # cut short
+    with caplog.at_level("ERROR", logger="learner.trainer"):
+        tr2 = DraftTrainer("d", draft, cfg)
+    assert tr2.skipped == [2] and tr2.version == 3 and _same(_weights(tr2.model), snaps[1])
+    assert "checkpoint v2 is unreadable" in caplog.text
+    assert tr2.versions() == [0, 1, 3] and any(p.name.startswith("corrupt-v2-") for p in (tmp_path / "d").iterdir())
+    assert tr2.latest_version() == 3
+    # NaN weights that load as a file are not served either
+    from drafts.build import save_draft
+
+    bad = copy.deepcopy(tr2.model)
+    with torch.no_grad():
+        next(bad.parameters()).fill_(float("nan"))
+    save_draft(bad, tmp_path / "d" / "v4", tr2.keep_ids)
+    tr3 = DraftTrainer("d", draft, cfg)
+    assert tr3.skipped == [4] and tr3.version == 5 and _same(_weights(tr3.model), snaps[1])
+
+
+def test_a_checkpoint_newer_than_latest_is_the_one_loaded_and_leftovers_are_removed(setup, tmp_path):
+    """A crash after the checkpoint folder was renamed into place but before LATEST moved: the
+    folder is whole, so it is the newest version (and the learner re-announces it); a save cut
+    short leaves a temporary folder, removed at start."""
+    draft, recs = setup
+    cfg = _cfg(tmp_path)
+    tr = DraftTrainer("d", draft, cfg)
+    assert tr.train_round(recs[:12]).accepted
+    tr.publish()
+    (tmp_path / "d" / "LATEST").write_text("v0\n")  # as if the crash came before LATEST was replaced
+    (tmp_path / "d" / ".tmp-cut").mkdir()
+    tr2 = DraftTrainer("d", draft, cfg)
+    assert tr2.version == 1 and tr2.skipped == [] and _same(_weights(tr2.model), _weights(tr.model))
+    assert tr2.latest_version() == 1 and not (tmp_path / "d" / ".tmp-cut").exists()
+
+
+def test_stored_records_and_held_back_records_survive_a_restart(setup, tmp_path):
+    """Every record ``store`` returned for is on disk: a learner opened afresh on the same folder
+    (a killed process: nothing closed) finds each one in a shard or among the held-back records,
+    the held-back ones bounded by ``holdout_max``; deleting a tenant removes its held-back records
+    from disk too."""
+    import dataclasses
+
+    draft, recs = setup
+    cfg = _cfg(holdout_fraction=0.5, holdout_max=4)
+    ol = OnlineLearner(cfg, ShardConfig(dir=tmp_path / "shards"), [DraftTrainer("d", draft, cfg)])
+    tagged = [dataclasses.replace(r, request_id=f"r{i}", tenant="t1" if i % 2 else "t2") for i, r in enumerate(recs[:12])]
+    where = [ol.store(r) for r in tagged]
+    assert "holdout" in where and "shard" in where
+    kept = {r.request_id for r in ol.trainers["d"].holdout}
+    assert len(kept) == min(4, where.count("holdout"))
+    ol2 = OnlineLearner(cfg, ShardSet.open(ShardConfig(dir=tmp_path / "shards")), [DraftTrainer("d", draft, cfg)])
+    shard_ids = {r.request_id for r in ol2.shards["d"].records()}
+    held = {r.request_id for r in ol2.trainers["d"].holdout}
+    assert held == kept
+    assert shard_ids == {r.request_id for r, w in zip(tagged, where) if w == "shard"}
+    by_id = {r.request_id: r for r in tagged}
+    assert all(h.same_as(dataclasses.replace(by_id[h.request_id], seq=h.seq)) for h in ol2.trainers["d"].holdout)
+    ol2.delete_tenant("t1")
+    ol3 = OnlineLearner(cfg, ShardSet.open(ShardConfig(dir=tmp_path / "shards")), [DraftTrainer("d", draft, cfg)])
+    assert all(r.tenant == "t2" for r in [*ol3.trainers["d"].holdout, *ol3.shards["d"].records()])
+    for o in (ol, ol2, ol3):
+        o.close()
