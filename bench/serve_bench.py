@@ -8,7 +8,8 @@ latency p50/p99, acceptance per workload domain (from each response's usage exte
 by status. ``--inprocess`` also decodes the same prompts with the in-process engine (same engine
 config as the server's ``serve_config.yaml``, greedy, one at a time) for the ratio of concurrency 1
 to it. ``--metrics-cost R`` starts the server itself, with metrics off and on in turn, R rounds, and
-reports tokens/s on over off. Loopback only.
+reports tokens/s on over off. ``--load SECONDS`` runs the bounded load test of
+:mod:`bench.load` instead. Loopback only.
 """
 
 from __future__ import annotations
@@ -282,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="instead: start the server (on --config) with metrics off and on, ROUNDS times each, "
                          "alternating; tokens/s on vs off at the first --concurrency")
     ap.add_argument("--port", type=int, default=8000, help="with --metrics-cost: the port of the servers it starts")
+    ap.add_argument("--load", type=float, default=0, metavar="SECONDS",
+                    help="instead: a bounded load test for SECONDS (bench/load.py): --clients threads, chat and "
+                         "completions, streamed and not, then a --burst of requests at once")
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--burst", type=int, default=0, help="with --load: this many requests at once at the end")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     host = urlparse(args.url).hostname
@@ -301,6 +307,16 @@ def main(argv: list[str] | None = None) -> int:
                                                    "concurrency": args.concurrency[0], **cost}, indent=1))
         return 0
     model = args.model or client.models.list().data[0].id
+    if args.load:
+        from .load import format_load, run_load
+
+        texts = [r.text for r in load_workload(args.workload)]
+        res = run_load(args.url.rstrip("/"), args.api_key, model, texts, args.clients, args.load, args.max_tokens, args.burst)
+        print(format_load(res))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps({"url": args.url, "workload": args.workload, **res}, indent=1))
+        return 0 if res["server_errors"] == 0 and res["complete"] == res["served"] else 1
     if args.curve:
         records = select(load_workload(args.workload), args.curve)
         curve = learning_curve(client, model, records, args.curve_concurrency, args.max_tokens, args.window)

@@ -289,6 +289,9 @@ class DraftPoolConfig(_Strict):
     drafts_per_replica: int = Field(default=4, ge=1)
     #: requests in flight per replica (each is a coroutine; verification is what they wait on)
     max_ongoing: int = Field(default=16, ge=1)
+    #: a request whose target replica died waits this long for a replacement (its sequence is
+    #: then sent whole, the output unchanged); past it the client gets a retryable 503
+    target_wait_s: float = Field(default=60.0, ge=0.0)
 
 
 class IngressConfig(_Strict):
@@ -298,6 +301,8 @@ class IngressConfig(_Strict):
     max_tokens_limit: int = Field(default=2048, ge=1)  # refuse larger max_tokens with 400
     default_max_tokens: int = Field(default=256, ge=1)  # chat requests without max_tokens
     max_prompt_chars: int = Field(default=32_000, ge=1)
+    #: larger request bodies are refused with 413 before they are read
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
     #: per ingress replica: past this many requests in flight, answer 503 with Retry-After (shed
     #: load rather than queue without bound); scale the ingress or the draft pool to raise it
     max_in_flight: int = Field(default=64, ge=1)
@@ -339,6 +344,10 @@ class TenantKey(_Strict):
     key_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     admin: bool = False
     limits: TenantLimits | None = None  # None: AuthConfig.default_limits
+    #: the tenant's traffic trains only drafts of its own (``<draft>@<tenant>`` for the draft the
+    #: router picked, starting from the base draft) and never a shared one: acceptance timing cannot
+    #: reveal to others what its prompts taught a draft. None: ``AuthConfig.isolate_training``
+    isolate_training: bool | None = None
 
 
 class AuthConfig(_Strict):
@@ -351,6 +360,8 @@ class AuthConfig(_Strict):
     keys_env: str = "OSD_API_KEYS"
     admin_key_env: str = "OSD_ADMIN_KEY"
     default_limits: TenantLimits = TenantLimits(requests_per_minute=600, tokens_per_minute=200_000, max_concurrent=16)
+    #: every tenant's traffic trains only that tenant's drafts (see ``TenantKey.isolate_training``)
+    isolate_training: bool = False
 
 
 class LearnerServeConfig(_Strict):
@@ -389,6 +400,9 @@ class AppConfig(_Strict):
     target: TargetServeConfig = TargetServeConfig()
     drafts: DraftPoolConfig = DraftPoolConfig()
     router: RouterConfig = RouterConfig(mode="clusters")
+    #: how often the router deployment saves its state (under ``<learner state_dir>/router/<app>``,
+    #: reloaded at start); 0: never saved, a restarted router starts afresh
+    router_save_s: float = Field(default=30.0, ge=0.0)
     ingress: IngressConfig = IngressConfig()
     auth: AuthConfig = AuthConfig()
     learner: LearnerServeConfig = LearnerServeConfig()

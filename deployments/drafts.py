@@ -15,14 +15,17 @@ engine's ``accept``.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import copy
+import logging
 import time
 import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from config import AppConfig, SamplingParams
 from drafts.build import build_proposer
@@ -34,7 +37,10 @@ from speculative.engine import time_verify
 from speculative.models import encode_messages, encode_prompt, eos_token_ids, load_tokenizer, load_weights
 
 from .loopback import NodeInfo, bind_replica_grpc, replica_meter
+from .protocol import TargetUnavailable
 from .target import BatchedTarget
+
+log = logging.getLogger("osd.drafts")
 
 
 @dataclass
@@ -44,6 +50,7 @@ class GenerateRequest:
     request_id: str
     params: SamplingParams
     prompt: str | None = None  # /v1/completions: raw text, no chat template
+    prompt_ids: list[int] | None = None  # /v1/completions with a token-id prompt
     messages: list[dict] | None = None  # /v1/chat/completions
     domain: str = "unknown"
     lang: str = "und"
@@ -67,13 +74,33 @@ class TargetView:
 
 
 class RemoteVerifier:
-    """Split placement: one hop to the Target deployment per speculative step."""
+    """Split placement: one hop to the Target deployment per speculative step.
 
-    def __init__(self, handle):
+    When the target replica dies, the call is retried until a replacement answers (it has no
+    cache for the sequence and answers None: the caller sends it whole) or ``wait_s`` runs out
+    (:class:`TargetUnavailable`, which the client sees as a retryable 503)."""
+
+    def __init__(self, handle, wait_s: float = 60.0):
         self.handle = handle
+        self.wait_s = wait_s
 
     async def verify(self, call: VerifyCall) -> TargetRows | None:
-        return await self.handle.verify.remote(call)
+        deadline = None  # set by the first failure
+        while True:
+            try:
+                if deadline is None:
+                    return await self.handle.verify.remote(call)
+                return await asyncio.wait_for(self.handle.verify.remote(call), max(0.001, deadline - time.monotonic()))
+            except (RayActorError, ActorUnavailableError, asyncio.TimeoutError) as e:
+                if deadline is None:
+                    deadline = time.monotonic() + self.wait_s
+                    log.warning("target replica lost (%s); waiting up to %.0f s for its replacement", type(e).__name__, self.wait_s)
+                if time.monotonic() >= deadline:
+                    raise TargetUnavailable(f"the target model is restarting ({type(e).__name__}); retry the request") from None
+                await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+    async def ready(self, timeout_s: float) -> None:
+        await asyncio.wait_for(self.handle.stats.remote(), timeout_s)
 
     def release(self, seq_id: str) -> None:
         # fire and forget (the TTL catches a lost message), from an empty context: when the request
@@ -97,7 +124,7 @@ class DraftPool:
             self.verifier = BatchedTarget(cfg.engine.model, cfg.target, weights=target, meter=self.meter)
             self.verify_s = time_verify(self.verifier.runner, cfg.engine.k.k_max)
         else:
-            self.verifier = RemoteVerifier(target_handle)
+            self.verifier = RemoteVerifier(target_handle, cfg.drafts.target_wait_s)
             self.verify_s = None  # asked of the target deployment when the first draft loads
         self.view = TargetView(target, self.verifier.release)
         self.learner = learner_handle  # finished requests' replay records go there (None: no learning)
@@ -136,6 +163,12 @@ class DraftPool:
                 engine.stage_draft(state, version)
         return self.published[draft_id][1] if draft_id in self.published else 0
 
+    async def ready(self, timeout_s: float = 3.0) -> bool:
+        """This replica answers and so does the target it verifies with (split placement)."""
+        if isinstance(self.verifier, RemoteVerifier):
+            await self.verifier.ready(timeout_s)
+        return True
+
     def versions(self) -> dict[str, int]:
         return {d: e.draft_version for d, e in self.engines.items()}
 
@@ -169,6 +202,11 @@ class DraftPool:
 
     # -- one request ------------------------------------------------------------------------
     def _prompt_ids(self, req: GenerateRequest) -> list[int]:
+        if req.prompt_ids is not None:
+            bad = [i for i in req.prompt_ids if not 0 <= i < len(self.tokenizer)]
+            if bad:
+                raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {len(self.tokenizer)})")
+            return list(req.prompt_ids)
         if req.messages is not None:
             return encode_messages(self.tokenizer, req.messages)
         return encode_prompt(self.tokenizer, req.prompt or "", chat_template=False)

@@ -22,7 +22,7 @@ from config import AppConfig
 
 from .drafts import GenerateRequest
 from .loopback import bind_replica_grpc, replica_meter
-from .protocol import ChatRequest, CompletionRequest, error_body, new_id, now
+from .protocol import ChatRequest, CompletionRequest, TargetUnavailable, error_body, new_id, now
 from .tenants import Admission, Tenants
 
 log = logging.getLogger("osd.ingress")
@@ -33,6 +33,7 @@ api = FastAPI(title="osd-serve", description="Online speculative decoding, OpenA
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 #: a request whose draft replica dies goes on on another one, this many times at most
 MAX_RESUMES = 2
+ADMIN_BODY_BYTES = 64 << 10
 REPLICA_GONE = (RayActorError, ActorUnavailableError)
 #: the dashboard page and what it loads (vendored: the page needs no network beyond this server)
 STATIC = Path(__file__).parent / "static"
@@ -96,6 +97,38 @@ class Settle:
         if not self.settled:
             self.settled = True
             self.fn(used, status, usage)
+
+
+async def _json_body(request: Request, limit: int):
+    """The request's JSON, or the error response: 413 past ``limit`` bytes (declared or sent;
+    nothing past the limit is read), 400 for invalid UTF-8, invalid JSON or nesting too deep."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return _error(413, f"the body is larger than this server's limit of {limit} bytes")
+    data = bytearray()
+    async for part in request.stream():
+        data += part
+        if len(data) > limit:
+            return _error(413, f"the body is larger than this server's limit of {limit} bytes")
+    try:
+        return json.loads(bytes(data).decode("utf-8"))
+    except UnicodeDecodeError:
+        return _error(400, "the body is not valid UTF-8")
+    except RecursionError:
+        return _error(400, "the body's JSON is nested too deeply")
+    except json.JSONDecodeError as e:
+        return _error(400, f"the body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})")
+
+
+def _target_gone(e: BaseException) -> bool:
+    """The target model's replica died and no replacement answered in time (from the pool, the
+    exception arrives wrapped: Ray's error carries it as ``cause``)."""
+    return isinstance(e, TargetUnavailable) or isinstance(getattr(e, "cause", None), TargetUnavailable)
+
+
+def _unavailable(e: BaseException) -> JSONResponse:
+    return JSONResponse(error_body(str(getattr(e, "cause", e)), "server_error", code="target_unavailable"),
+                        status_code=503, headers={"Retry-After": str(TargetUnavailable.retry_after_s)})
 
 
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
@@ -170,11 +203,17 @@ class Ingress:
         return FileResponse(STATIC / name, media_type=STATIC_FILES[name])
 
     # -- health ------------------------------------------------------------------------------
-    async def ready(self) -> JSONResponse:
-        try:
-            await self.router.summary.remote()
-        except Exception as e:  # noqa: BLE001 - any failure means not ready
-            return _error(503, f"router not ready: {e}", "server_error")
+    async def ready(self, timeout_s: float = 5.0) -> JSONResponse:
+        """Ready when the router, a draft replica and, through it, the target answer within
+        ``timeout_s`` each; otherwise 503 naming the part that did not (e.g. while the target
+        replica restarts)."""
+        for part, call in (("router", lambda: self.router.summary.remote()), ("draft pool or target", lambda: self.pool.ready.remote())):
+            try:
+                await asyncio.wait_for(call(), timeout_s)
+            except Exception as e:  # noqa: BLE001 - any failure means not ready
+                why = "no answer within %.0f s" % timeout_s if isinstance(e, asyncio.TimeoutError) else str(getattr(e, "cause", e))
+                return JSONResponse(error_body(f"{part} not ready: {why}", "server_error", code="not_ready"),
+                                    status_code=503, headers={"Retry-After": "5"})
         return JSONResponse({"status": "ready"})
 
     def models(self) -> dict:
@@ -196,21 +235,19 @@ class Ingress:
             raise
 
     async def rollback(self, request: Request, draft_id: str):
-        try:
-            body = await request.json()
-            version = body["version"]
-            if not isinstance(version, int) or isinstance(version, bool):
-                raise TypeError
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        body = await _json_body(request, ADMIN_BODY_BYTES)
+        if isinstance(body, JSONResponse):
+            return body
+        version = body.get("version") if isinstance(body, dict) else None
+        if not isinstance(version, int) or isinstance(version, bool):
             return _error(400, 'the body must be {"version": <int>}', param="version")
         return await self.learner_call(request, "rollback", draft_id, version)
 
     async def configure_learner(self, request: Request):
-        try:
-            body = await request.json()
-            if not isinstance(body, dict) or not body:
-                raise TypeError
-        except (json.JSONDecodeError, UnicodeDecodeError, TypeError):
+        body = await _json_body(request, ADMIN_BODY_BYTES)
+        if isinstance(body, JSONResponse):
+            return body
+        if not isinstance(body, dict) or not body:
             return _error(400, 'the body must be a JSON object of settings, e.g. {"lr": 0.0005}')
         return await self.learner_call(request, "configure", body)
 
@@ -229,7 +266,12 @@ class Ingress:
         used, response = 0, None
         self.running += 1
         try:
-            response, used = await self._completion(request, chat, adm.tenant, timing)
+            try:
+                response, used = await self._completion(request, chat, adm.tenant, timing)
+            except Exception as e:  # noqa: BLE001 - only the target's absence is answered here
+                if not _target_gone(e):
+                    raise
+                response, used = _unavailable(e), 0
             return response
         finally:
             if used is not None:  # a stream settles its own account (and its metrics) when it ends
@@ -238,10 +280,9 @@ class Ingress:
 
     async def _completion(self, request: Request, chat: bool, tenant: str, timing: Timing):
         """(response, tokens to charge now; None when the streaming response charges them itself)."""
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "the body is not valid JSON"), 0
+        body = await _json_body(request, self.cfg.ingress.max_body_bytes)
+        if isinstance(body, JSONResponse):
+            return body, 0
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object"), 0
         try:
@@ -260,7 +301,8 @@ class Ingress:
         if params.max_tokens > self.cfg.ingress.max_tokens_limit:
             return _error(400, f"max_tokens {params.max_tokens} exceeds this server's limit of "
                                f"{self.cfg.ingress.max_tokens_limit}", param="max_tokens"), 0
-        text = req.last_user_text() if chat else req.prompt
+        ids = None if chat else req.prompt_ids
+        text = req.last_user_text() if chat else self._decode(ids) if ids is not None else req.prompt
         chars = sum(len(m["content"]) for m in messages) if chat else len(text)
         if chars > self.cfg.ingress.max_prompt_chars:
             return _error(400, f"the prompt is longer than {self.cfg.ingress.max_prompt_chars} characters"), 0
@@ -270,13 +312,15 @@ class Ingress:
         self.meter.observe("osd_router_latency_seconds", time.perf_counter() - t_route)
         self.meter.inc("osd_routes_total", reason=route.reason.split(":")[0], domain=route.domain)
         rid = new_id("chatcmpl" if chat else "cmpl")
-        gen = GenerateRequest(rid, params, prompt=None if chat else text, messages=messages,
-                              domain=route.domain, lang=route.lang, tenant=tenant)
-        stream = self.pool.options(multiplexed_model_id=route.draft_id, stream=True).stream.remote(gen)
+        gen = GenerateRequest(rid, params, prompt=None if chat or ids is not None else text, prompt_ids=ids,
+                              messages=messages, domain=route.domain, lang=route.lang, tenant=tenant)
+        # isolated tenants: a draft of their own, trained on their traffic only
+        draft_id = f"{route.draft_id}@{tenant}" if self.tenants.isolated(tenant) else route.draft_id
+        stream = self.pool.options(multiplexed_model_id=draft_id, stream=True).stream.remote(gen)
         first = await stream.__anext__()
         if "error" in first:
             return _error(400, first["error"]), 0
-        stream = self._resuming(stream, gen, route.draft_id, tenant)
+        stream = self._resuming(stream, gen, draft_id, tenant)
         if req.stream:
             settle = Settle(lambda used, status, usage: self._settle(tenant, timing, used, status, usage))
             sse = self._sse(stream, rid, chat, route, req.include_usage, timing, settle)
@@ -311,8 +355,19 @@ class Ingress:
                 if "error" in first:
                     raise RuntimeError(first["error"])
 
+    def _decode(self, ids: list[int]) -> str:
+        """A token-id prompt as text, for the router (ids outside the vocabulary are left out
+        here; the draft replica refuses the request for them)."""
+        if getattr(self, "_tokenizer", None) is None:
+            from speculative.models import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.cfg.engine.model.name)
+        return self._tokenizer.decode([i for i in ids if 0 <= i < len(self._tokenizer)])
+
     def _observe(self, route, usage: dict) -> None:
         spec = usage["speculative"]
+        if spec["draft_id"] != route.draft_id:  # an isolated tenant's own draft: not the router's to learn from
+            return
         self.router.observe.remote(route, spec["accepted"], spec["proposed"])
 
     @staticmethod
@@ -382,12 +437,32 @@ class Ingress:
             status = 499  # nginx's "client closed request", as the metrics' status
             raise
         except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
-            log.exception("stream %s failed", rid)
-            yield f"data: {json.dumps(error_body(f'generation failed: {e}', 'server_error'))}\n\n"
+            if _target_gone(e):  # retryable, as a 503 would be
+                status = 503
+                body = error_body(str(getattr(e, "cause", e)), "server_error", code="target_unavailable")
+            else:
+                log.exception("stream %s failed", rid)
+                body = error_body(f"generation failed: {e}", "server_error")
+            yield f"data: {json.dumps(body)}\n\n"
         finally:
             settle(used, status, usage)
             await stream.aclose()  # ends the request in the draft pool too, if it still runs
         yield "data: [DONE]\n\n"
+
+
+def _body_schema(model) -> dict:
+    """The OpenAPI request body of a route that reads its JSON itself (so that clients and
+    fuzzers such as schemathesis see the fields): the model's JSON schema, definitions inlined."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {k: inline(v) for k, v in node.items()}
+        return [inline(v) for v in node] if isinstance(node, list) else node
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=128)
@@ -454,11 +529,11 @@ class IngressDeployment(Ingress):
     async def admin_resume(self, request: Request):
         return await self.learner_call(request, "resume")
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(self, request: Request):
         return await self.completion(request, chat=False)
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=_body_schema(ChatRequest))
     async def chat_completions(self, request: Request):
         return await self.completion(request, chat=True)
 

@@ -179,8 +179,10 @@ class LearnerServer:
     def stats(self) -> dict:
         """Operators' view (JSON-safe: a round on bad data reports its NaN loss as null)."""
         s = self.background.stats().to_dict()
-        s["drafts"] = {d: {"version": t.version, "versions": t.versions(), "traffic": self.learner.traffic(d)}
-                       for d, t in self.learner.trainers.items()}
+        s["drafts"] = {d: {"version": t.version, "versions": t.versions(), "held_back": len(t.holdout),
+                           "traffic": self.learner.traffic(d)}
+                       for d, t in list(self.learner.trainers.items())}
+        s["settings"] = {k: getattr(self.trainer_cfg, k) for k in self.TUNABLE}
         return json_safe(s)
 
 

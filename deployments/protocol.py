@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from config import SamplingParams
 
 
+MAX_PROMPT_IDS = 32_768
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -66,18 +69,27 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] = Field(min_length=1)
+    #: one string, or one prompt as token ids (checked against the vocabulary by the draft replica)
+    prompt: str | list[str] | list[int] = Field(min_length=1)
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, v):
+        if isinstance(v, list) and v and all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+            if len(v) > MAX_PROMPT_IDS:
+                raise ValueError(f"a token-id prompt has at most {MAX_PROMPT_IDS} ids")
+            return v
         if isinstance(v, list):
             if len(v) != 1 or not isinstance(v[0], str):
-                raise ValueError("prompt must be one string (batches of prompts are not supported)")
+                raise ValueError("prompt must be one string or one list of token ids (batches of prompts are not supported)")
             v = v[0]
-        if not v.strip():
+        if isinstance(v, str) and not v.strip():
             raise ValueError("prompt is empty")
         return v
+
+    @property
+    def prompt_ids(self) -> list[int] | None:
+        return self.prompt if isinstance(self.prompt, list) else None
 
 
 class ChatMessage(BaseModel):
@@ -118,3 +130,9 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+class TargetUnavailable(RuntimeError):
+    """The target model is gone (its replica died) and no replacement answered in time: retryable."""
+
+    retry_after_s = 5

@@ -4,23 +4,45 @@ the replica's event loop, one at a time."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from pathlib import Path
+
 import torch
 from ray import serve
 
 from config import MetricsConfig, RouterConfig
-from router.router import Route, Router
+from router.router import Route, Router, load_state, save_state
 
 from .loopback import bind_replica_grpc, replica_meter
 
+log = logging.getLogger("osd.router")
+
 
 class RouterServer:
+    """``state_dir``: where the router's state (clusters, bandit, drafts) is saved and, at start,
+    reloaded from (a save that does not load is skipped, logged and moved aside); None: kept in
+    memory only."""
+
     def __init__(self, cfg: RouterConfig, max_batch: int = 16, batch_wait_s: float = 0.002,
-                 metrics: MetricsConfig | None = None):
+                 metrics: MetricsConfig | None = None, state_dir: str | None = None):
         torch.set_num_threads(cfg.threads)
         self.meter = replica_meter("Router", metrics or MetricsConfig())
         self.router = Router(cfg)
+        self.state_dir = state_dir
+        if state_dir is not None:
+            self.router = load_state(state_dir, cfg, self.router.extractor) or self.router
+        self.saved_at = self.router.t
         self.router.extractor.embed(["warm up"])  # load MiniLM now, not on the first request
         self.route = serve.batch(max_batch_size=max_batch, batch_wait_timeout_s=batch_wait_s)(self._route_batch)
+
+    def save(self) -> bool:
+        """Save the state if it changed since the last save (True when it did)."""
+        if self.state_dir is None or self.router.t == self.saved_at:
+            return False
+        save_state(self.router, self.state_dir)
+        self.saved_at = self.router.t
+        return True
 
     async def _route_batch(self, texts: list[str]) -> list[Route]:
         return self.router.route_batch(texts)
@@ -43,6 +65,20 @@ class RouterServer:
 
 @serve.deployment(name="Router", max_ongoing_requests=64)
 class RouterDeployment(RouterServer):
-    def __init__(self, cfg: RouterConfig, grpc_host: str | None = "127.0.0.1", metrics: MetricsConfig | None = None):
+    def __init__(self, cfg: RouterConfig, grpc_host: str | None = "127.0.0.1", metrics: MetricsConfig | None = None,
+                 state_dir: str | None = None, save_every_s: float = 30.0):
         bind_replica_grpc(grpc_host)
-        super().__init__(cfg, metrics=metrics)
+        if state_dir is not None:  # one folder per application (two apps may share a state folder)
+            state_dir = str(Path(state_dir) / serve.get_replica_context().app_name)
+        super().__init__(cfg, metrics=metrics, state_dir=state_dir if save_every_s > 0 else None)
+        if self.state_dir is not None:
+            self._saver = asyncio.get_running_loop().create_task(self._save_every(save_every_s))
+
+    async def _save_every(self, seconds: float) -> None:
+        """On the event loop, between two routing calls: the state saved is one consistent moment."""
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                self.save()
+            except Exception:  # noqa: BLE001 - a full disk must not stop routing
+                log.exception("router state: save failed")

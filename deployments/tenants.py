@@ -1,7 +1,8 @@
 """API keys -> tenants, and per-tenant limits (requests and tokens per minute, concurrency).
 
 Ray-free and clock-injected so that it is tested by hand. Keys are kept only as SHA-256 digests;
-a presented key is hashed and looked up (the digest table is the only secret-derived state).
+a presented key is hashed and compared with every stored digest in constant time (the digest
+table is the only secret-derived state).
 Limits are token buckets refilled continuously; a refused request is told how long to wait
 (``Retry-After``). Each ingress replica enforces its own buckets: with R ingress replicas a
 tenant gets up to R times its limits (say so to tenants, or keep one ingress replica).
@@ -10,6 +11,7 @@ tenant gets up to R times its limits (say so to tenants, or keep one ingress rep
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import time
@@ -93,6 +95,21 @@ class Tenants:
         """No keys configured: every request is served as tenant "anonymous"."""
         return not self.by_digest
 
+    def _match(self, presented: str) -> TenantKey | None:
+        """The key whose digest equals ``presented``: every stored digest is compared, each in
+        constant time (``hmac.compare_digest``), so the time taken says nothing about how close
+        a guess came or which key matched."""
+        found = None
+        for stored, key in self.by_digest.items():
+            if hmac.compare_digest(stored, presented):
+                found = key
+        return found
+
+    def isolated(self, tenant: str) -> bool:
+        """Whether the tenant's traffic trains only drafts of its own."""
+        flags = [k.isolate_training for k in self.by_digest.values() if k.tenant == tenant and k.isolate_training is not None]
+        return any(flags) if flags else self.cfg.isolate_training
+
     def limits(self, key: TenantKey) -> TenantLimits:
         return key.limits or self.cfg.default_limits
 
@@ -101,7 +118,7 @@ class Tenants:
         if self.open:
             return Admission("anonymous", admin=False)
         scheme, _, key = (authorization or "").partition(" ")
-        found = self.by_digest.get(digest(key.strip())) if scheme.lower() == "bearer" and key.strip() else None
+        found = self._match(digest(key.strip())) if scheme.lower() == "bearer" and key.strip() else None
         if found is None:
             return Admission("", False, 401, "a valid API key is required (Authorization: Bearer <key>)")
         return Admission(found.tenant, found.admin, key=found)

@@ -271,10 +271,10 @@ def to_student_space(target: SparseDist, keep_ids: torch.Tensor, n_student: int 
     keep_ids = keep_ids.to(torch.long).cpu()
     n_student = len(keep_ids) if n_student is None else n_student
     ids = target.ids.to(torch.long).cpu()  # [N, K]
-    size = int(max(ids.max().item() if ids.numel() else 0, keep_ids.max().item() if keep_ids.numel() else 0)) + 1
+    size = int(keep_ids.max().item()) + 1 if keep_ids.numel() else 1
     lookup = torch.full((size,), -1, dtype=torch.long)  # [size] target id -> student column or -1
     lookup[keep_ids] = torch.arange(len(keep_ids))
-    col = lookup[ids]  # [N, K]
+    col = torch.where(ids < size, lookup[ids.clamp(max=size - 1)], -1)  # [N, K]; ids past every kept id: dropped
     dropped = col < 0  # [N, K]
     probs = target.probs
     folded = (probs * dropped.to(probs.dtype)).sum(dim=-1)  # [N]

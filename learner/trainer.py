@@ -34,6 +34,7 @@ import shutil
 import threading
 import time
 from collections import deque
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any, Callable, Iterable, Literal, Sequence
@@ -151,7 +152,27 @@ def records_to_batch(records: Iterable[ReplayRecord], positions: str = "all") ->
         samples.append(s)
         masks.append(m)
     mask = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
-    return samples, mask
+    return _same_width(samples), mask
+
+
+#: ids of the columns that widen a narrower record's rows: above every vocabulary, so that they
+#: become placeholder columns (probability 0, no logit) and the loss is the loss without them
+PAD_ID = 1 << 30
+
+
+def _same_width(samples: list[Sample]) -> list[Sample]:
+    """Records written with different top-K (a config change, another replica) in one batch:
+    the narrower rows get distinct ``PAD_ID + r`` columns of probability 0."""
+    width = max((s.ids.shape[1] for s in samples), default=0)
+    out = []
+    for s in samples:
+        pad = width - s.ids.shape[1]
+        if pad:
+            rows = s.ids.shape[0]
+            extra = (PAD_ID + torch.arange(pad, dtype=s.ids.dtype)).expand(rows, pad)
+            s = dataclasses.replace(s, ids=torch.cat([s.ids, extra], 1), probs=torch.cat([s.probs, s.probs.new_zeros(rows, pad)], 1))
+        out.append(s)
+    return out
 
 
 def checkpoint_versions(root: Path | None) -> list[int]:
@@ -265,6 +286,8 @@ class DraftTrainer:
         n_ph = 0
         if self.keep_ids is not None:
             target, n_ph = to_student_space(target, self.keep_ids)
+        elif target.ids.numel() and int(target.ids.max()) >= PAD_ID:  # widened rows (``_same_width``)
+            target, n_ph = to_student_space(target, torch.arange(self.model.get_output_embeddings().weight.shape[0]))
         device = next(self.model.parameters()).device
         target = SparseDist(ids=target.ids.to(device), probs=target.probs.to(device), tail=target.tail.to(device))
         logits = student_logits_for(self.model, samples)[mask.to(device)]  # [N, V_draft]

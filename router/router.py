@@ -26,7 +26,9 @@ A router is plain single-threaded state: one per process (or Ray replica), calls
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -42,6 +44,7 @@ from router.features import UND, FeatureExtractor, QueryFeatures
 GENERAL = "general"  # the draft every query can fall back to; never retired
 UNKNOWN = "unknown"  # domain of queries routed by a fallback
 _FORMAT = 1
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -286,7 +289,10 @@ class Router:
         self = cls(cfg, extractor)
         if (d / "classifier.joblib").exists():
             self.classifier = DomainClassifier.load(d / "classifier.joblib")
-        self.clusters = OnlineClusters.from_state(cfg, state["clusters"], np.load(d / "centroids.npy"))
+        centroids = np.load(d / "centroids.npy")
+        if len(state["clusters"]["clusters"]) != len(centroids):
+            raise ValueError(f"{d}: {len(state['clusters']['clusters'])} clusters but {len(centroids)} centroids")
+        self.clusters = OnlineClusters.from_state(cfg, state["clusters"], centroids)
         self.bandit = AcceptanceBandit.from_state(cfg, state["bandit"])
         self.drafts, self.t = state["drafts"], state["t"]
         self.usage = {k: (v, t) for k, (v, t) in state["usage"].items()}
@@ -294,3 +300,50 @@ class Router:
         if state.get("lang_prior"):
             self.extractor.lang_prior = state["lang_prior"]
         return self
+
+
+# ---------------------------------------------------------------------- state across restarts
+
+
+def save_state(router: Router, directory: str | os.PathLike) -> Path:
+    """Save ``router`` as ``<directory>/current``, keeping the save before it as ``previous``.
+
+    The new state is written in a folder of its own and renamed into place, so ``current`` is
+    always a whole save (or absent) even when the process dies mid-write."""
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    router.save(tmp)
+    cur, prev = root / "current", root / "previous"
+    if cur.exists():
+        shutil.rmtree(prev, ignore_errors=True)
+        os.replace(cur, prev)
+    os.replace(tmp, cur)
+    return cur
+
+
+def load_state(directory: str | os.PathLike, cfg: RouterConfig, extractor: FeatureExtractor | None = None) -> Router | None:
+    """The newest save under ``directory`` that loads whole and was made under ``cfg`` (``current``,
+    else ``previous``); None when there is none. A save that does not load (truncated, corrupt,
+    another format) or that another router config made is skipped with the reason logged, and a
+    corrupt one is moved aside (``corrupt-<name>-<time>``) so that it is never tried again."""
+    root = Path(directory)
+    for name in ("current", "previous"):
+        d = root / name
+        if not (d / "state.json").exists() and not d.exists():
+            continue
+        try:
+            saved_cfg = RouterConfig.model_validate_json((d / "config.json").read_text())
+            if saved_cfg != cfg:
+                log.warning("router state %s was saved under another router config; not loaded (starting afresh)", d)
+                continue
+            router = Router.load(d, extractor)
+        except Exception as e:  # noqa: BLE001 - whatever is wrong with it, it is not used
+            aside = root / f"corrupt-{name}-{int(time.time())}"
+            log.error("router state %s is unreadable (%s: %s); skipped, moved to %s", d, type(e).__name__, e, aside.name)
+            os.replace(d, aside)
+            continue
+        log.info("router state loaded from %s (%d queries routed, %d drafts)", d, router.t, len(router.drafts))
+        return router
+    return None

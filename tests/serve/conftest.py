@@ -31,7 +31,7 @@ PROMPTS = [
 ]
 MAX_TOKENS = 20
 STATE: dict = {}  # what the tests may look at behind the app (the learner's state folder)
-KEY, TINY_KEY, ADMIN_KEY, SOLO_KEY = "sk-test-alice", "sk-test-tiny", "sk-test-ops", "sk-test-solo"
+KEY, TINY_KEY, ADMIN_KEY, SOLO_KEY, ISO_KEY = "sk-test-alice", "sk-test-tiny", "sk-test-ops", "sk-test-solo", "sk-test-iso"
 
 
 @pytest.fixture(scope="package")
@@ -46,11 +46,13 @@ def server(tmp_path_factory):
     # rounds after every 8 records, and a gate that publishes any finite update: what is tested
     # here is the path (records -> rounds -> object store -> every replica), not the gate
     app["args"]["learner"]["trainer"].update(train_every=8, gate_margin=1.0, holdout_fraction=0.2)
+    app["args"]["router_save_s"] = 5.0
     app["args"]["auth"] = {"keys": [
         {"tenant": "alice", "key_sha256": digest(KEY), "limits": {"requests_per_minute": 10_000, "max_concurrent": 16}},
         {"tenant": "tiny", "key_sha256": digest(TINY_KEY), "limits": {"requests_per_minute": 1}},
         {"tenant": "ops", "key_sha256": digest(ADMIN_KEY), "admin": True},
         {"tenant": "solo", "key_sha256": digest(SOLO_KEY), "limits": {"max_concurrent": 1}},
+        {"tenant": "iso", "key_sha256": digest(ISO_KEY), "isolate_training": True},
     ]}
     for d in app["deployments"]:
         if d["name"] == "DraftPool":
@@ -94,11 +96,11 @@ def _target_only(engine, prompt: str) -> str:
     return engine.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS)).text
 
 
-def _call(url: str, body=None, raw: bool = False, key: str | None = KEY) -> tuple[int, dict, dict]:
-    """(status, JSON body, headers: case-insensitive); GET without a body."""
+def _call(url: str, body=None, raw: bool = False, key: str | None = KEY, method: str | None = None) -> tuple[int, dict, dict]:
+    """(status, JSON body, headers: case-insensitive); GET without a body, POST with one."""
     data = None if body is None else body if raw else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
-    req = urllib.request.Request(url, data=data, headers=headers)
+    req = urllib.request.Request(url, data=data, headers=headers, method=method)
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read()), r.headers

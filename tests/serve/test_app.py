@@ -5,9 +5,11 @@ every draft replica."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import http.client
 import json
 import urllib.error
 import urllib.request
+from urllib.parse import urlparse
 
 import numpy as np
 import pytest
@@ -210,6 +212,16 @@ BAD = [
     ("completions", {"prompt": "x", "seed": True}, 400, "seed"),
     ("completions", {"prompt": "x", "stop": [""]}, 400, None),
     ("completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
+    ("completions", {"prompt": "x", "top_k": -1}, 400, "top_k"),
+    ("completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("completions", {"prompt": "x", "temperature": 2.5}, 400, "temperature"),
+    ("completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("completions", {"prompt": "x", "stop": 7}, 400, "stop"),
+    ("completions", {"prompt": [1, 2, 10**9]}, 400, None),  # a token id outside the vocabulary
+    ("completions", {"prompt": [1, -5]}, 400, None),
+    ("completions", {"prompt": [1, True]}, 400, "prompt"),
+    ("completions", {"prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ("completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None),
@@ -228,10 +240,84 @@ def test_bad_input_is_a_clear_4xx(server, endpoint, body, status, param):
         assert err["param"].startswith(param)
 
 
-@pytest.mark.parametrize("raw", [b"not json", b"\xff\xfe", b'{"prompt": "x", "temperature": NaN}', b""])
+@pytest.mark.parametrize("raw", [b"not json", b"\xff\xfe", b'{"prompt": "x", "temperature": NaN}', b"",
+                                 b'{"prompt": "\xff\xfe"}', b"[" * 100_000 + b"]" * 100_000])
 def test_malformed_bodies(server, raw):
+    """Invalid JSON, invalid UTF-8 (alone and inside a string), NaN, an empty body, and JSON
+    nested 100,000 deep: each a 400 in OpenAI's error shape."""
     code, out = _post(f"{server}/v1/completions", raw, raw=True)
-    assert code == 400 and out["error"]["message"]
+    assert code == 400 and out["error"]["message"] and out["error"]["type"] == "invalid_request_error"
+
+
+def test_a_body_past_the_size_limit_is_refused_with_413_unread(server):
+    """10 MB of prompt: refused by its declared length (and, sent without one, once the limit
+    is crossed), before any of it is parsed; the server goes on serving."""
+    big = json.dumps({"model": MODEL, "prompt": "x" * (10 << 20), "max_tokens": 1}).encode()
+    code, out = _post(f"{server}/v1/completions", big, raw=True)
+    assert code == 413 and "limit" in out["error"]["message"]
+    u = urlparse(server)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.putrequest("POST", "/v1/completions")
+    for k, v in {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}", "Transfer-Encoding": "chunked"}.items():
+        conn.putheader(k, v)
+    conn.endheaders()
+    try:
+        for i in range(0, len(big), 1 << 20):
+            piece = big[i:i + (1 << 20)]
+            conn.send(b"%x\r\n%s\r\n" % (len(piece), piece))
+        conn.send(b"0\r\n\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server may answer and close before the rest is sent
+    resp = conn.getresponse()
+    assert resp.status == 413
+    conn.close()
+    code, out = _post(f"{server}/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    assert code == 200
+
+
+def test_a_token_id_prompt_decodes_like_its_text(client, reference):
+    """A prompt given as token ids is served like the same prompt as text (greedy: the same text)."""
+    prompt = PROMPTS[1]
+    ids = reference.tokenizer(prompt)["input_ids"]
+    a = client.completions.create(model=MODEL, prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
+    assert a.choices[0].text == _target_only(reference, prompt) and a.usage.prompt_tokens == len(ids)
+
+
+def test_fuzzing_the_openapi_schema_finds_no_server_error_and_restarts_no_replica(server):
+    """schemathesis draws bodies from the served OpenAPI schema (within it and, negated, outside
+    it) for the generation endpoints, plus the read-only ones: no answer is a 5xx and every
+    replica of every deployment is the one that was there before (max_tokens capped at 4 to
+    bound the run)."""
+    import ray
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    def replicas():
+        return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "SERVE_REPLICA::osd#" in a["name"])
+
+    before = replicas()
+    schema = schemathesis.openapi.from_url(f"{server}/openapi.json")
+    seen: dict[int, int] = {}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for path, method, n in [("/v1/completions", "POST", 60), ("/v1/chat/completions", "POST", 60),
+                            ("/v1/models", "GET", 5), ("/ready", "GET", 3)]:
+        op = schema[path][method]
+
+        @given(case=op.as_strategy())
+        @settings(max_examples=n, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        def run(case):
+            if isinstance(case.body, dict):
+                for f in ("max_tokens", "max_completion_tokens"):
+                    if isinstance(case.body.get(f), int) and not isinstance(case.body.get(f), bool) and case.body[f] > 4:
+                        case.body[f] = 4
+            r = case.call(base_url=server, headers=headers, timeout=120)
+            seen[r.status_code] = seen.get(r.status_code, 0) + 1
+            assert r.status_code < 500, (case.body, r.status_code, r.text[:300])
+            if r.status_code >= 400:
+                assert r.json()["error"]["message"]
+        run()
+    assert seen.get(200, 0) > 0 and sum(v for k, v in seen.items() if 400 <= k < 500) > 0, seen
+    assert replicas() == before
 
 
 def test_keys_and_tenant_limits(server):

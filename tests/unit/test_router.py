@@ -180,3 +180,35 @@ def test_language_prior_from_labelled_traffic_fixes_related_languages(tmp_path):
     router.save(tmp_path)
     loaded = Router.load(tmp_path, FeatureExtractor(RouterConfig()))
     assert loaded.extractor.lang_prior == fx.lang_prior
+
+
+def test_saved_state_is_two_generations_and_a_corrupt_one_is_skipped(extractor, trained, tmp_path, caplog):
+    """``save_state`` keeps the save before as ``previous``; a truncated or mismatched ``current``
+    is skipped with the reason logged, moved aside, and ``previous`` is loaded; state saved under
+    another router config is not loaded; nothing loadable: None (a fresh router)."""
+    from router.router import load_state, save_state
+
+    cfg = RouterConfig(mode="both", confidence_threshold=0.99)  # most queries to clusters
+    router = Router(cfg, extractor)
+    router.classifier = trained.classifier
+    router.register_draft("code-draft", domain="code")
+    for i, r in enumerate(router.route_batch([t for ts in TRAIN.values() for t in ts])):
+        router.observe(r, i % 5, 4)
+    save_state(router, tmp_path)
+    first = router.summary()
+    router.route_batch([t for t, _ in HELD_OUT])
+    save_state(router, tmp_path)
+    assert load_state(tmp_path, cfg, extractor).summary() == router.summary() != first
+    state = tmp_path / "current" / "state.json"
+    state.write_text(state.read_text()[:100])  # cut short
+    with caplog.at_level("ERROR", logger="router.router"):
+        back = load_state(tmp_path, cfg, extractor)
+    assert back is not None and back.summary() == first
+    assert "router state" in caplog.text and "unreadable" in caplog.text
+    assert not (tmp_path / "current").exists() and any(p.name.startswith("corrupt-current-") for p in tmp_path.iterdir())
+    # centroids that do not match the clusters: corrupt as well
+    np.save(tmp_path / "previous" / "centroids.npy", np.zeros((0, 0), np.float32))
+    assert first["clusters"] and load_state(tmp_path, cfg, extractor) is None
+    save_state(router, tmp_path)
+    assert load_state(tmp_path, RouterConfig(mode="both", confidence_threshold=0.5), extractor) is None
+    assert load_state(tmp_path, cfg, extractor) is not None

@@ -33,6 +33,23 @@ def test_keys_are_stored_as_digests_and_compared_hashed():
     assert t.identify("Bearer sk-ops").admin and not t.identify("Bearer sk-alice").admin
 
 
+def test_every_stored_key_is_compared_in_constant_time_whichever_matches(monkeypatch):
+    """A presented key's digest is compared with each stored digest by ``hmac.compare_digest``,
+    all of them every time: no early exit on the first match, no dict lookup by the secret."""
+    import hmac
+
+    import deployments.tenants as mod
+
+    t, _ = _tenants()
+    calls, real = [], hmac.compare_digest
+    monkeypatch.setattr(mod.hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b))
+    for key in ("Bearer sk-alice", "Bearer sk-ops", "Bearer sk-nobody"):
+        calls.clear()
+        t.identify(key)
+        assert len(calls) == 2 and {a for a, _ in calls} == set(t.by_digest)
+        assert {b for _, b in calls} == {digest(key.split()[1])}
+
+
 def test_open_without_keys():
     t = Tenants(AuthConfig(), keys=[])
     assert t.open and t.admit(None).status == 200 and t.admit("Bearer anything").tenant == "anonymous"
@@ -89,3 +106,13 @@ def test_bucket_refills_continuously_up_to_its_rate():
     assert b.wait_for(1, 0.0) == pytest.approx(1.0)
     assert b.wait_for(1, 0.5) == pytest.approx(0.5)
     assert b.wait_for(30, 1000.0) == 0.0 and b.level == 60.0  # capped at one minute's worth
+
+
+def test_training_isolation_per_tenant_or_for_all():
+    keys = [TenantKey(tenant="a", key_sha256=digest("ka"), isolate_training=True),
+            TenantKey(tenant="b", key_sha256=digest("kb")),
+            TenantKey(tenant="c", key_sha256=digest("kc"), isolate_training=False)]
+    t = Tenants(AuthConfig(), keys)
+    assert t.isolated("a") and not t.isolated("b") and not t.isolated("c")
+    t = Tenants(AuthConfig(isolate_training=True), keys)
+    assert t.isolated("a") and t.isolated("b") and not t.isolated("c")

@@ -515,3 +515,36 @@ def test_stored_records_and_held_back_records_survive_a_restart(setup, tmp_path)
     assert all(r.tenant == "t2" for r in [*ol3.trainers["d"].holdout, *ol3.shards["d"].records()])
     for o in (ol, ol2, ol3):
         o.close()
+
+
+@pytest.mark.parametrize("restricted", [False, True])
+def test_records_of_different_top_k_train_together_and_padding_changes_no_loss(setup, restricted):
+    """Records written with another top-K (a probe, a config change) in the same shard: a batch
+    mixing them trains; the narrow record's padded rows give exactly its unpadded loss, with a
+    full head and with a restricted one."""
+    import dataclasses
+
+    from learner.trainer import _same_width
+
+    draft, recs = setup
+    wide = recs[0]
+    k = 2
+    narrow = dataclasses.replace(recs[1], top_ids=recs[1].top_ids[:, :k].clone(), top_probs=recs[1].top_probs[:, :k].clone(),
+                                 tail=recs[1].tail + recs[1].top_probs[:, k:].sum(-1))
+    assert wide.top_ids.shape[1] > k
+    keep = None
+    if restricted:  # a head over the ids these records name, plus some others
+        keep = torch.unique(torch.cat([wide.top_ids.flatten(), narrow.top_ids.flatten(), torch.arange(50)])).long()
+        head = draft.get_output_embeddings()
+        draft = copy.deepcopy(draft)
+        draft.lm_head = torch.nn.Linear(head.weight.shape[1], len(keep), bias=False)
+        draft.lm_head.weight.data = head.weight.data[keep].clone()
+        draft.config.tie_word_embeddings = False
+    tr = DraftTrainer("d", draft, _cfg(), keep_ids=keep)
+    alone, mask = records_to_batch([narrow])
+    padded = _same_width([*alone, *records_to_batch([wide])[0]])[:1]
+    assert padded[0].ids.shape[1] == wide.top_ids.shape[1] and alone[0].ids.shape[1] == k
+    with torch.no_grad():
+        assert torch.allclose(tr._loss(alone, mask), tr._loss(padded, mask), atol=1e-6)
+    rep = tr.train_round([wide, narrow, *recs[2:6]])
+    assert rep.steps > 0 and rep.loss_after is not None and np.isfinite(rep.loss_after)
