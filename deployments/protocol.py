@@ -30,10 +30,10 @@ class _Request(BaseModel):
     seed: int | None = Field(default=None, strict=True)
     stop: str | list[str] | None = None
     n: int = Field(default=1, strict=True)
-    stream: bool = False
+    stream: bool = Field(default=False, strict=True)
     stream_options: dict | None = None
     user: str | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool = Field(default=False, strict=True)
 
     @field_validator("n")
     @classmethod

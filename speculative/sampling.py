@@ -47,6 +47,7 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         # keep a token while the mass strictly before it is < top_p (always keeps the first)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
         keep_sorted = mass_before < params.top_p
+        keep_sorted[..., 0] = True  # rounding can leave the first's "mass before" above a tiny top_p
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
         logits = logits.masked_fill(~keep, float("-inf"))
     return logits.softmax(-1)

@@ -253,24 +253,29 @@ def test_a_body_past_the_size_limit_is_refused_with_413_unread(server):
     """10 MB of prompt: refused by its declared length (and, sent without one, once the limit
     is crossed), before any of it is parsed; the server goes on serving."""
     big = json.dumps({"model": MODEL, "prompt": "x" * (10 << 20), "max_tokens": 1}).encode()
-    code, out = _post(f"{server}/v1/completions", big, raw=True)
-    assert code == 413 and "limit" in out["error"]["message"]
     u = urlparse(server)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-    conn.putrequest("POST", "/v1/completions")
-    for k, v in {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}", "Transfer-Encoding": "chunked"}.items():
-        conn.putheader(k, v)
-    conn.endheaders()
-    try:
-        for i in range(0, len(big), 1 << 20):
-            piece = big[i:i + (1 << 20)]
-            conn.send(b"%x\r\n%s\r\n" % (len(piece), piece))
-        conn.send(b"0\r\n\r\n")
-    except (BrokenPipeError, ConnectionResetError):
-        pass  # the server may answer and close before the rest is sent
-    resp = conn.getresponse()
-    assert resp.status == 413
-    conn.close()
+
+    def send(headers: dict, pieces) -> tuple[int, dict]:
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+        conn.putrequest("POST", "/v1/completions")
+        for k, v in {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}", **headers}.items():
+            conn.putheader(k, v)
+        conn.endheaders()
+        try:
+            for piece in pieces:
+                conn.send(piece)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server answered and closed before the rest was sent
+        resp = conn.getresponse()
+        out = (resp.status, json.loads(resp.read()))
+        conn.close()
+        return out
+
+    mib = [big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)]
+    code, out = send({"Content-Length": str(len(big))}, mib[:2])  # refused on the declared length
+    assert code == 413 and "limit" in out["error"]["message"]
+    code, out = send({"Transfer-Encoding": "chunked"}, [b"%x\r\n%s\r\n" % (len(p), p) for p in mib[:3]])
+    assert code == 413  # no length declared: refused once the limit is crossed
     code, out = _post(f"{server}/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2})
     assert code == 200
 

@@ -270,3 +270,13 @@ def test_top_p_one_and_top_k_vocab_keep_every_token():
         probs = warp_logits(logits, params)
         assert (probs > 0).all(), params
         torch.testing.assert_close(probs, logits.softmax(-1))
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-30, 1e-9])
+def test_a_tiny_top_p_keeps_the_most_likely_token(top_p):
+    """A top_p below float32's resolution (fuzzing sent 5e-324) keeps the first token: a proper
+    distribution, never NaN."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    out = warp_logits(logits, SamplingParams(temperature=0.7, top_p=top_p))
+    assert torch.isfinite(out).all()
+    assert torch.equal(out.argmax(-1), logits.argmax(-1)) and torch.allclose(out.max(-1).values, torch.ones(3))
