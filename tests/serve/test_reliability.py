@@ -17,22 +17,40 @@ from .conftest import MODEL, SOLO_KEY, _call, scrape, total
 pytestmark = pytest.mark.serve
 
 
+def _start_stream(server: str, body: dict, key: str, timeout: float = 300, events: int = 3):
+    """A streamed completion, read until ``events`` SSE events arrived: (connection, response, bytes so far)."""
+    u = urlparse(server)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    conn.request("POST", "/v1/completions", json.dumps(body),
+                 {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    raw = b""
+    while raw.count(b"data: ") < events:
+        raw += resp.read1(256)
+    return conn, resp, raw
+
+
+def _finish_stream(conn, resp, raw: bytes, limit_s: float = 240) -> list[dict]:
+    """Read the rest of a stream (to ``[DONE]``, the end of the connection, or ``limit_s``): its JSON events."""
+    t0 = time.monotonic()
+    while not raw.rstrip().endswith(b"data: [DONE]") and time.monotonic() - t0 < limit_s:
+        chunk = resp.read1(4096)
+        if not chunk:
+            break
+        raw += chunk
+    conn.close()
+    return [json.loads(e[6:]) for e in raw.decode().split("\n\n") if e.startswith("data: {")]
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_slot_and_its_kv_caches(server):
     """Tenant "solo" may run one request at a time: while its stream runs a second one is refused;
     once the client has closed the connection mid-stream, the slot is free again, the target holds
     no KV cache for it and the draft pool has stopped decoding it (its 600 tokens would take a minute)."""
     before = scrape(server)
-    u = urlparse(server)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
     body = {"model": MODEL, "prompt": "Count from 1 to 1000: 1, 2, 3, 4,", "max_tokens": 600, "temperature": 0,
             "stream": True}
-    conn.request("POST", "/v1/completions", json.dumps(body),
-                 {"Content-Type": "application/json", "Authorization": f"Bearer {SOLO_KEY}"})
-    resp = conn.getresponse()
-    assert resp.status == 200
-    got = b""
-    while got.count(b"data: ") < 3:
-        got += resp.read1(256)
+    conn, resp, got = _start_stream(server, body, SOLO_KEY, timeout=60)
     small = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
     assert _call(server + "/v1/completions", small, key=SOLO_KEY)[0] == 429  # its one slot is taken
     t_left = time.monotonic()
@@ -88,9 +106,9 @@ def test_past_capacity_the_server_sheds_load_with_503_and_retry_after(server):
 
 
 def test_a_bounded_load_then_a_burst_no_server_error_every_answer_complete_and_the_excess_shed(server):
-    """The load test of ``osd bench-serve --load``, short: 6 clients for 20 s (chat and
+    """The load test of ``osd bench-serve --load``, short: 6 clients for 12 s (chat and
     completions, streamed and not, the mixed workload) get no 5xx and only complete answers;
-    then 40 requests at once (past the fixture's max_in_flight of 12) are served complete or
+    then 30 requests at once (past the fixture's max_in_flight of 12) are served complete or
     refused at once with 503/429 and Retry-After, nothing else."""
     from bench.load import run_load
     from workloads import load_workload
@@ -102,7 +120,7 @@ def test_a_bounded_load_then_a_burst_no_server_error_every_answer_complete_and_t
     import bench
 
     texts = [r.text for r in load_workload(Path(bench.__file__).parent / "data" / "mixture.jsonl")][:200]
-    res = run_load(server, KEY, MODEL, texts, clients=6, seconds=20, max_tokens=8, burst=40, sample_s=2)
+    res = run_load(server, KEY, MODEL, texts, clients=6, seconds=12, max_tokens=8, burst=30, sample_s=2)
     assert res["requests"] >= 6 and res["server_errors"] == 0, res["by_status"]
     assert set(res["by_status"]) <= {"200", "429"} and res["complete"] == res["served"] > 0, res["by_status"]
     assert res["streamed"] > 0 and res["memory_mib"]["peak"] > 100  # the replicas' memory is seen
@@ -125,28 +143,13 @@ def test_a_draft_replica_killed_mid_stream_the_request_completes_unchanged(serve
     prompt, n = "The history of the printing press", 40
     want = reference.generate(prompt, SamplingParams(max_tokens=n)).text
     before = scrape(server)
-    u = urlparse(server)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    conn.request("POST", "/v1/completions", json.dumps(body),
-                 {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-    resp = conn.getresponse()
-    assert resp.status == 200
-    raw = b""
-    while raw.count(b"data: ") < 3:  # a few steps streamed
-        raw += resp.read1(256)
+    conn, resp, raw = _start_stream(server, body, KEY)  # a few steps streamed
     for a in ray.util.list_named_actors(all_namespaces=True):
         if "osd#DraftPool#" in a["name"]:
             ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
-    t0 = time.monotonic()
-    while not raw.rstrip().endswith(b"data: [DONE]") and time.monotonic() - t0 < 240:
-        chunk = resp.read1(4096)
-        if not chunk:
-            break
-        raw += chunk
-    conn.close()
-    events = [json.loads(e[6:]) for e in raw.decode().split("\n\n") if e.startswith("data: {")]
+    events = _finish_stream(conn, resp, raw)
     assert not any("error" in e for e in events), events[-1]
     text = "".join(c["text"] for e in events for c in e["choices"])
     assert text == want
@@ -169,16 +172,8 @@ def test_the_target_restarting_mid_stream_the_request_waits_completes_unchanged_
 
     prompt, n = "A brief history of the bicycle", 40
     want = reference.generate(prompt, SamplingParams(max_tokens=n)).text
-    u = urlparse(server)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
-    conn.request("POST", "/v1/completions", json.dumps(body),
-                 {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-    resp = conn.getresponse()
-    assert resp.status == 200
-    raw = b""
-    while raw.count(b"data: ") < 3:
-        raw += resp.read1(256)
+    conn, resp, raw = _start_stream(server, body, KEY)
     assert _call(server + "/ready")[0] == 200
     victim = _kill("Target")
     readiness, stop = [], threading.Event()
@@ -193,16 +188,9 @@ def test_the_target_restarting_mid_stream_the_request_waits_completes_unchanged_
 
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
-    t0 = time.monotonic()
-    while not raw.rstrip().endswith(b"data: [DONE]") and time.monotonic() - t0 < 240:
-        chunk = resp.read1(4096)
-        if not chunk:
-            break
-        raw += chunk
-    conn.close()
+    events = _finish_stream(conn, resp, raw)
     poller.join(timeout=120)
     stop.set()
-    events = [json.loads(e[6:]) for e in raw.decode().split("\n\n") if e.startswith("data: {")]
     assert not any("error" in e for e in events), events[-1]
     assert "".join(c["text"] for e in events for c in e["choices"]) == want
     gap = [m for s, m in readiness if s == 503]
@@ -539,9 +527,14 @@ def test_a_tenants_stored_records_can_be_deleted(server):
         i += 1
         time.sleep(1)
     assert {"alice", "solo"} <= on_disk()
-    time.sleep(2)  # a finished request's record is sent after its response: let the last ones arrive
-    while _call(server + "/admin/learner", key=ADMIN_KEY)[1]["queue_depth"]:  # nothing still in flight
-        time.sleep(0.5)
+    # a finished request's record is sent after its response (earlier tests' too): wait until
+    # none has arrived for 4 s, so that no record of alice is still on its way
+    last, quiet_since, deadline = None, time.monotonic(), time.monotonic() + 90
+    while time.monotonic() < deadline and time.monotonic() - quiet_since < 4:
+        seen = total(scrape(server), "osd_learner_records_total")
+        if seen != last:
+            last, quiet_since = seen, time.monotonic()
+        time.sleep(1)
     others = on_disk() - {"alice"}
     req = urllib.request.Request(server + "/admin/tenants/alice/records", method="DELETE",
                                  headers={"Authorization": f"Bearer {KEY}"})
