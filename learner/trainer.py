@@ -590,11 +590,12 @@ class OnlineLearner:
         self.cfg = cfg
         if shards is None:
             shards = ShardConfig()
-        self.shards = shards if isinstance(shards, ShardSet) else ShardSet(shards)
+        # every shard already on disk is reopened now (a restart trains on, and deletes from, all of them)
+        self.shards = shards if isinstance(shards, ShardSet) else ShardSet.open(shards)
         #: the trainers' held-back records, persisted beside the shards (``<dir>/holdout``) when
         #: the shards are: a restarted learner gates against the same records
         scfg = self.shards.cfg
-        self.holdouts = ShardSet(scfg.model_copy(update={
+        self.holdouts = ShardSet.open(scfg.model_copy(update={
             "dir": scfg.dir / "holdout" if scfg.dir is not None else None,
             "eviction": "fifo", "max_records": cfg.holdout_max}))
         self._store_lock = threading.Lock()

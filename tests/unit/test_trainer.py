@@ -513,7 +513,14 @@ def test_stored_records_and_held_back_records_survive_a_restart(setup, tmp_path)
     ol2.delete_tenant("t1")
     ol3 = OnlineLearner(cfg, ShardSet.open(ShardConfig(dir=tmp_path / "shards")), [DraftTrainer("d", draft, cfg)])
     assert all(r.tenant == "t2" for r in [*ol3.trainers["d"].holdout, *ol3.shards["d"].records()])
-    for o in (ol, ol2, ol3):
+    # opened from the config alone (as the learner deployment does): every shard on disk is there
+    # at once, to train on and to delete from, before any new record arrives
+    ol4 = OnlineLearner(cfg, ShardConfig(dir=tmp_path / "shards"), [DraftTrainer("d", draft, cfg)])
+    assert "d" in ol4.shards and len(ol4.shards["d"]) > 0 and ol4.pick_draft() == "d"  # trainable at once
+    assert ol4.delete_tenant("t2")["shards"] > 0
+    ol5 = OnlineLearner(cfg, ShardConfig(dir=tmp_path / "shards"), [DraftTrainer("d", draft, cfg)])
+    assert len(ol5.shards["d"]) == 0 and not ol5.trainers["d"].holdout
+    for o in (ol, ol2, ol3, ol4, ol5):
         o.close()
 
 
