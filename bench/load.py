@@ -16,6 +16,7 @@ Then, with ``burst`` > 0, one overload phase: ``burst`` requests at once (more t
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
 import json
 import threading
 import time
@@ -96,7 +97,7 @@ def run_load(url: str, key: str, model: str, texts: list[str], clients: int, sec
     results: list[dict] = []
     memory: list[tuple[float, int]] = []
     lock, stop = threading.Lock(), threading.Event()
-    counter = iter(range(10**9))
+    counter = itertools.count()
     t_start = time.perf_counter()
     deadline = t_start + seconds
 

@@ -19,6 +19,7 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from config import AppConfig
+from speculative.models import load_tokenizer
 
 from .drafts import GenerateRequest
 from .loopback import bind_replica_grpc, replica_meter
@@ -126,9 +127,12 @@ def _target_gone(e: BaseException) -> bool:
     return isinstance(e, TargetUnavailable) or isinstance(getattr(e, "cause", None), TargetUnavailable)
 
 
+def _unavailable_body(e: BaseException) -> dict:
+    return error_body(str(getattr(e, "cause", e)), "server_error", code="target_unavailable")
+
+
 def _unavailable(e: BaseException) -> JSONResponse:
-    return JSONResponse(error_body(str(getattr(e, "cause", e)), "server_error", code="target_unavailable"),
-                        status_code=503, headers={"Retry-After": str(TargetUnavailable.retry_after_s)})
+    return JSONResponse(_unavailable_body(e), status_code=503, headers={"Retry-After": str(TargetUnavailable.retry_after_s)})
 
 
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
@@ -149,6 +153,7 @@ class Ingress:
         self.tenants = tenants if tenants is not None else Tenants(cfg.auth)
         self.meter = replica_meter("Ingress", cfg.metrics)
         self.running = 0
+        self.tokenizer = load_tokenizer(cfg.engine.model.name)  # token-id prompts, as text for the router
         if self.tenants.open:
             log.warning("no API keys configured: the server is open to every client that can reach it")
 
@@ -358,11 +363,7 @@ class Ingress:
     def _decode(self, ids: list[int]) -> str:
         """A token-id prompt as text, for the router (ids outside the vocabulary are left out
         here; the draft replica refuses the request for them)."""
-        if getattr(self, "_tokenizer", None) is None:
-            from speculative.models import load_tokenizer
-
-            self._tokenizer = load_tokenizer(self.cfg.engine.model.name)
-        return self._tokenizer.decode([i for i in ids if 0 <= i < len(self._tokenizer)])
+        return self.tokenizer.decode([i for i in ids if 0 <= i < len(self.tokenizer)])
 
     def _observe(self, route, usage: dict) -> None:
         spec = usage["speculative"]
@@ -439,7 +440,7 @@ class Ingress:
         except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
             if _target_gone(e):  # retryable, as a 503 would be
                 status = 503
-                body = error_body(str(getattr(e, "cause", e)), "server_error", code="target_unavailable")
+                body = _unavailable_body(e)
             else:
                 log.exception("stream %s failed", rid)
                 body = error_body(f"generation failed: {e}", "server_error")

@@ -85,6 +85,11 @@ class Tenants:
     def __init__(self, cfg: AuthConfig, keys: list[TenantKey] | None = None, clock: Callable[[], float] = time.monotonic):
         self.cfg = cfg
         self.by_digest = {k.key_sha256: k for k in (load_keys(cfg) if keys is None else keys)}
+        #: tenants whose keys set isolate_training (any key that says True isolates the tenant)
+        self.isolation: dict[str, bool] = {}
+        for k in self.by_digest.values():
+            if k.isolate_training is not None:
+                self.isolation[k.tenant] = self.isolation.get(k.tenant, False) or k.isolate_training
         self.clock = clock
         self.requests: dict[str, Bucket] = {}
         self.tokens: dict[str, Bucket] = {}
@@ -107,8 +112,7 @@ class Tenants:
 
     def isolated(self, tenant: str) -> bool:
         """Whether the tenant's traffic trains only drafts of its own."""
-        flags = [k.isolate_training for k in self.by_digest.values() if k.tenant == tenant and k.isolate_training is not None]
-        return any(flags) if flags else self.cfg.isolate_training
+        return self.isolation.get(tenant, self.cfg.isolate_training)
 
     def limits(self, key: TenantKey) -> TenantLimits:
         return key.limits or self.cfg.default_limits

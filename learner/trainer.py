@@ -46,7 +46,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from drafts.build import load_draft, save_draft
 from learner.losses import check_loss_name, SparseDist, get_loss
 from learner.offline import Sample, pad_placeholders, set_trainable, student_logits_for, to_student_space, top1_hits_on
-from learner.replay import ReplayRecord, ShardConfig, ShardSet, shard_path
+from learner.replay import ReplayRecord, ShardConfig, ShardSet
 
 __all__ = ["LearnerConfig", "RoundReport", "DraftTrainer", "OnlineLearner", "records_to_batch"]
 
@@ -614,8 +614,8 @@ class OnlineLearner:
 
     def add_trainer(self, trainer: DraftTrainer) -> DraftTrainer:
         d = trainer.draft_id
-        if self.holdouts.cfg.dir is not None and not trainer.holdout and shard_path(self.holdouts.cfg.dir, d).exists():
-            trainer.holdout = deque(self.holdouts[d].records(), maxlen=trainer.holdout.maxlen)  # a restart
+        if not trainer.holdout and d in self.holdouts:  # reopened from disk: a restart
+            trainer.holdout = deque(self.holdouts[d].records(), maxlen=trainer.holdout.maxlen)
         self.trainers[d] = trainer
         return trainer
 
