@@ -1,14 +1,17 @@
 """``osd bench``: target-only vs our speculative decoding vs Hugging Face assisted generation and
-prompt-lookup decoding, on the same prompts, interleaved, in one process.
+prompt-lookup decoding vs llama.cpp, on the same prompts, interleaved, in one process.
 
-Every method decodes greedily, so every output must equal target-only greedy token for token;
-the report says whether it did. Figures per domain and overall: tokens/s, speedup over
+Every method decodes greedily. A lossless method must equal its reference token for token (ours:
+target-only on the runtime served; Hugging Face's: HF greedy on the float model) and the report
+says whether it did; target-only on another runtime and llama.cpp are other models (other
+precisions), so for them the report gives their agreement with the served target instead. Figures per domain and overall: tokens/s, speedup over
 target-only on the same prompts, and for our engine alpha, mean acceptance length, c (draft cost
 per token / one target step) and the speedup the measured alpha and c predict.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from collections import defaultdict
@@ -26,10 +29,17 @@ from speculative.stats import SpecStats
 
 from workloads import WorkloadRecord, load_workload, without_prompts_of
 
-#: target: HF greedy generate (the reference); spec: our engine with the configured draft;
-#: spec_lookup: our engine with the prompt-lookup proposer alone; hf_assisted: HF generate with
-#: assistant_model = the same draft; hf_lookup: HF prompt-lookup decoding.
-METHODS = ("target", "spec", "spec_lookup", "hf_assisted", "hf_lookup")
+#: target: target-only on the runtime served (``--quantize``; the reference of ours); spec: our
+#: engine with the configured draft; spec_lookup: our engine with the prompt-lookup proposer alone;
+#: hf_assisted: HF generate with assistant_model = the same draft; hf_lookup: HF prompt-lookup
+#: decoding; target_fp32 / target_int8 / target_int4: target-only on that runtime (the float32
+#: reference is Hugging Face eager); llamacpp: llama.cpp's plain greedy decoding of the same GGUF.
+METHODS = ("target", "spec", "spec_lookup", "hf_assisted", "hf_lookup", "target_fp32", "target_int8", "target_int4",
+           "llamacpp")
+DEFAULT_METHODS = "target,spec,spec_lookup,hf_assisted,hf_lookup"
+RUNTIMES = {"target_fp32": "none", "target_int8": "int8", "target_int4": "int4"}
+#: methods that promise equality with their reference (the others report agreement)
+LOSSLESS = ("target", "spec", "spec_lookup", "hf_assisted", "hf_lookup")
 
 
 def select(records: list[WorkloadRecord], n: int, domains: list[str] | None = None) -> list[WorkloadRecord]:
@@ -82,13 +92,50 @@ def hf_greedy_generate(model, ids: list[int], max_tokens: int, eos: set[int], **
     return toks, dt
 
 
+def _other_runtimes(engine: SpeculativeEngine, methods: tuple[str, ...], skipped: dict) -> dict:
+    """Target-only engines on the runtimes the methods name (not the one served: that is ``target``)."""
+    from speculative.fast import FastPathError, make_runner, runtime_of
+
+    served = runtime_of(engine.target)
+    out = {}
+    for m in methods:
+        if m not in RUNTIMES:
+            continue
+        model = engine.target.model
+        if RUNTIMES[m] == "none" and model.dtype != torch.float32:
+            model = copy.deepcopy(model).float()
+        try:
+            runner = make_runner(model, RUNTIMES[m], name="target")
+        except FastPathError as e:
+            skipped[m] = str(e)
+            continue
+        if runtime_of(runner) == served:
+            skipped[m] = f"the served runtime ({served}): see target"
+            continue
+        out[m] = SpeculativeEngine(runner, engine.tokenizer, None, engine.cfg)
+    return out
+
+
+def _llamacpp(engine: SpeculativeEngine, methods: tuple[str, ...], skipped: dict, threads: int):
+    if "llamacpp" not in methods:
+        return None
+    from .llamacpp import BackendUnavailable, gguf_of, load_llamacpp
+
+    try:
+        return load_llamacpp(gguf_of(engine.cfg.model.name), threads)
+    except BackendUnavailable as e:
+        skipped["llamacpp"] = str(e)
+        return None
+
+
 def run_bench(
     engine: SpeculativeEngine,
     records: list[WorkloadRecord],
     max_tokens: int,
-    methods: tuple[str, ...] = METHODS,
+    methods: tuple[str, ...] = tuple(DEFAULT_METHODS.split(",")),
     lookup_tokens: int = 10,
     progress: bool = True,
+    threads: int | None = None,
 ) -> dict:
     target = engine.target.model
     runner = engine.learned_draft.runner if engine.learned_draft is not None else None
@@ -97,9 +144,16 @@ def run_bench(
     if "hf_assisted" in methods and assistant is None:
         skipped["hf_assisted"] = "needs a full-vocabulary draft model (this draft has none or a restricted head)"
         methods = tuple(m for m in methods if m != "hf_assisted")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; choose from {METHODS}")
     if "target" not in methods:
         methods = ("target",) + methods  # the reference output and speed
     params = SamplingParams(max_tokens=max_tokens)
+    runtimes = _other_runtimes(engine, methods, skipped)
+    llm = _llamacpp(engine, methods, skipped, threads or torch.get_num_threads())
+    methods = tuple(m for m in methods if m not in skipped)
+    alone = SpeculativeEngine(engine.target, engine.tokenizer, None, engine.cfg)  # target-only, runtime served
     lookup = None
     if "spec_lookup" in methods:
         cfg = engine.cfg.model_copy(update={"draft": DraftConfig(kind="ngram")})
@@ -107,14 +161,19 @@ def run_bench(
         lookup.costs.verify_s.update(engine.costs.verify_s)
         lookup.costs.draft_s["ngram"] = 0.0
     engines = {"spec": engine, "spec_lookup": lookup}
+    plain = {"target": alone, **runtimes}  # target-only engines
+    hf_methods = [m for m in methods if m.startswith("hf_")]
     tallies: dict[tuple[str, str], Tally] = defaultdict(Tally)
     rows = []
     for rec in tqdm(records, desc="bench", disable=not progress, unit="prompt"):
         ids = engine.encode(rec.text)
-        ref, dt = hf_greedy_generate(target, ids, max_tokens, engine.eos_ids)
+        g = alone.generate(ids, params)
+        ref, dt = g.token_ids, g.seconds
         row = {"domain": rec.domain, "lang": rec.lang, "source": rec.source, "prompt_tokens": len(ids), "target": {"tokens": len(ref), "s": dt}}
         for dom in (rec.domain, "overall"):
             tallies[("target", dom)].add(len(ref), dt, True)
+        # HF's methods run the float model: their reference is HF greedy on it (untimed)
+        hf_ref = hf_greedy_generate(target, ids, max_tokens, engine.eos_ids)[0] if hf_methods else None
         for m in methods:
             if m == "target":
                 continue
@@ -122,13 +181,20 @@ def run_bench(
             if m in engines:
                 g = engines[m].generate(ids, params)
                 toks, dt, stats = g.token_ids, g.seconds, g.stats
+            elif m in plain:
+                g = plain[m].generate(ids, params)
+                toks, dt = g.token_ids, g.seconds
+            elif m == "llamacpp":
+                from .llamacpp import llamacpp_greedy
+
+                toks, dt = llamacpp_greedy(llm, ids, max_tokens, engine.eos_ids)
             elif m == "hf_assisted":
                 toks, dt = hf_greedy_generate(target, ids, max_tokens, engine.eos_ids, assistant_model=assistant)
             elif m == "hf_lookup":
                 toks, dt = hf_greedy_generate(target, ids, max_tokens, engine.eos_ids, prompt_lookup_num_tokens=lookup_tokens)
             else:
                 raise ValueError(f"unknown method {m!r}; choose from {METHODS}")
-            equal = toks == ref
+            equal = toks == (hf_ref if m.startswith("hf_") else ref)
             row[m] = {"tokens": len(toks), "s": dt, "equal": equal}
             if stats is not None:
                 row[m].update(proposed=stats.proposed, accepted=stats.accepted, steps=stats.steps)
@@ -165,6 +231,7 @@ def summarise(engines, tallies, rows, methods, skipped, max_tokens) -> dict:
                 "speedup": round(t.tps / base.tps, 3) if base.tps else None,
                 "all_equal_target_greedy": t.equal == t.prompts,
                 "equal_prompts": t.equal,
+                "lossless_method": m in LOSSLESS,  # False: equal_prompts counts agreement with another model
             }
             if m in engines:
                 s = t.spec
@@ -204,7 +271,7 @@ def format_table(result: dict) -> str:
                 return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
             lines.append(
                 f"{dom:<9}{m:<13}{e['prompts']:>4}{e['tokens_per_s']:>8.2f}{f('speedup', '.2f'):>9}"
-                f"{'yes' if e['all_equal_target_greedy'] else str(e['equal_prompts']):>7}{f('alpha', '.3f'):>7}"
+                f"{_equal_cell(e):>7}{f('alpha', '.3f'):>7}"
                 f"{f('mean_acceptance_length', '.2f'):>8}{f('mean_k', '.2f'):>7}{f('c', '.2f'):>6}{f('theoretical_speedup', '.2f'):>8}"
             )
     c = result["costs"]
@@ -214,6 +281,14 @@ def format_table(result: dict) -> str:
     for m, why in result["skipped"].items():
         lines.append(f"skipped {m}: {why}")
     return "\n".join(lines)
+
+
+def _equal_cell(e: dict) -> str:
+    """'yes' when a lossless method equalled its reference on every prompt, else how many it did;
+    for other models (runtimes, llama.cpp) '~n': prompts whose output agreed with the served target."""
+    if not e.get("lossless_method", True):
+        return f"~{e['equal_prompts']}"
+    return "yes" if e["all_equal_target_greedy"] else str(e["equal_prompts"])
 
 
 def bench_main(args) -> int:
@@ -226,7 +301,11 @@ def bench_main(args) -> int:
 
     cfg = engine_config_from_args(args)
     engine = build_engine(cfg, texts=[r.text for r in workload])
-    result = run_bench(engine, records, args.max_tokens, tuple(args.methods.split(",")), args.lookup_tokens)
+    result = run_bench(engine, records, args.max_tokens, tuple(args.methods.split(",")), args.lookup_tokens,
+                       threads=args.threads)
+    from speculative.fast import runtime_of
+
+    result["runtime"] = runtime_of(engine.target)
     result["config"] = json.loads(cfg.model_dump_json())
     result["workload"] = str(args.workload)
     print(format_table(result))
@@ -244,7 +323,8 @@ def write_json(result: dict, path: str | None) -> None:
 
 def engine_config_from_args(args) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(name=args.target, device=getattr(args, "device", "cpu"), dtype=getattr(args, "dtype", "float32")),
+        model=ModelConfig(name=args.target, device=getattr(args, "device", "cpu"), dtype=getattr(args, "dtype", "float32"),
+                          quantize=getattr(args, "quantize", "auto")),
         draft=DraftConfig(
             kind=args.draft,
             num_layers=args.draft_layers,

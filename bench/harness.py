@@ -57,9 +57,10 @@ def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
     from speculative.engine import SpeculativeEngine
     from speculative.factory import build_engine
     from speculative.proposers import DraftModelProposer
-    from speculative.runner import ModelRunner
+    from speculative.fast import make_runner
 
-    model = ModelConfig(device=args.device, dtype=args.dtype, **({"name": args.target} if args.target else {}))
+    model = ModelConfig(device=args.device, dtype=args.dtype, quantize=getattr(args, "quantize", "none"),
+                        **({"name": args.target} if args.target else {}))
     ckpt = args.draft_checkpoint
     if ckpt:
         from drafts.build import resolve_checkpoint  # "default" -> the cached general draft
@@ -71,13 +72,14 @@ def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
     base = build_engine(cfg, texts=texts, calibrate=False)
     dp = _draft_of(base)
     start_model, keep = copy.deepcopy(dp.runner.model), dp.runner.vocab_map
-    target = base.target.model
+    target, target_runner = base.target.model, base.target
     first = [base]
 
     def factory():
         if first:
             return first.pop()
-        prop = DraftModelProposer(ModelRunner(copy.deepcopy(start_model), keep, name="draft"), target.config.vocab_size)
-        return SpeculativeEngine(ModelRunner(target, name="target"), base.tokenizer, prop, cfg)
+        prop = DraftModelProposer(make_runner(copy.deepcopy(start_model), model.quantize, keep, name="draft"),
+                                  target.config.vocab_size)
+        return SpeculativeEngine(target_runner, base.tokenizer, prop, cfg)  # one target runner: caches are per request id
 
     return factory

@@ -1,13 +1,21 @@
-"""``osd profile``: what each draft option costs on this machine.
+"""``osd profile``: what each runtime and draft option costs on this machine.
 
-Measures, at a fixed context length: the target's time for one forward over j = 1..J tokens
-relative to one token (how close to free verification is), and for each draft option its
-time per proposed token and c = draft time per token / target time per step. For restricted
-heads it also reports how many of the target's greedy output tokens the kept ids cover.
+For each path (the target on a runtime: Hugging Face eager float32, our int8 and int4 fast path,
+and llama.cpp when installed), at a fixed context length: the target's milliseconds per step, the
+cost of verifying j = 1..J tokens in one forward relative to one token, v(j); for each draft
+option on the same runtime its time per proposed token and c = that / one target step; and the
+physical limit of speculation at acceptance rate a,
+
+    S(k) = (1 - a^(k+1)) / ((1 - a) (k c + v(k + 1))),
+
+maximised over k (k = 0: target alone, S = 1), at the acceptance rates measured by ``osd bench``
+(``--alpha-from`` its JSON) or given (``--alpha``). For restricted heads it also reports how many of
+the target's greedy output tokens the kept ids cover.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 
@@ -15,9 +23,10 @@ import torch
 
 from config import DraftConfig, ModelConfig
 from drafts.build import build_draft_model
+from speculative.fast import FastPathError, make_runner, runtime_of
+from speculative.kpolicy import expected_speedup
 from speculative.models import encode_prompt, load_model
 from speculative.proposers import NgramProposer
-from speculative.runner import ModelRunner
 
 from .bench import write_json
 from workloads import load_workload
@@ -32,6 +41,8 @@ DRAFT_OPTIONS = [
     ("truncated-2+head16384", DraftConfig(kind="truncated", num_layers=2, head_vocab=16384)),
     ("truncated-1+head4096", DraftConfig(kind="truncated", num_layers=1, head_vocab=4096)),
 ]
+#: the runtimes profiled by default: ModelConfig.quantize values, and llama.cpp
+PATHS = ("none", "int8", "int4", "llamacpp")
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -44,29 +55,42 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _step_time(runner: ModelRunner, context: list[int], extra: list[int], repeats: int) -> float:
+def _step_time(runner, context: list[int], extra: list[int], repeats: int) -> float:
     runner.forward("p", 0, context)
     n = len(context)
     return _median_time(lambda: runner.forward("p", n, extra, keep_last=len(extra)), repeats)
 
 
+def speculation_limit(a: float, c: float, v: dict[int, float], k_max: int) -> dict:
+    """The best k and S(k) (formula above) at acceptance a, draft cost c and relative verify costs v."""
+    ks = [k for k in range(k_max + 1) if (k + 1) in v]
+    scores = {k: expected_speedup(a, k, c, v[k + 1]) for k in ks}
+    best = max(scores, key=lambda k: (scores[k], -k))
+    return {"best_k": best, "S": round(scores[best], 3), "S_by_k": {k: round(x, 3) for k, x in scores.items()}}
+
+
+def measured_alphas(bench_json: str) -> dict[str, float]:
+    """Acceptance rates an ``osd bench`` report measured: '<method>/<domain>' -> alpha."""
+    res = json.loads(open(bench_json).read())
+    out = {}
+    for dom, d in res["domains"].items():
+        for m, e in d.items():
+            if e.get("alpha") is not None:
+                out[f"{m}/{dom}"] = e["alpha"]
+    return out
+
+
 def profile(target_name: str, workload: str, context: int = 128, max_verify: int = 9, repeats: int = 15,
-            coverage_prompts: int = 8, coverage_tokens: int = 48, device: str = "cpu", dtype: str = "float32") -> dict:
+            coverage_prompts: int = 8, coverage_tokens: int = 48, device: str = "cpu", dtype: str = "float32",
+            paths: tuple[str, ...] = PATHS, drafts: tuple[str, ...] | None = None, alphas: dict[str, float] | None = None,
+            threads: int = 2) -> dict:
     target, tok = load_model(ModelConfig(name=target_name, device=device, dtype=dtype))
     recs = load_workload(workload)
     ctx = tok(" ".join(r.text for r in recs[:20]))["input_ids"][:context]
     extra = tok(" ".join(r.text for r in recs[20:40]))["input_ids"][:max_verify]
-    t_runner = ModelRunner(target)
-    verify = {j: _step_time(t_runner, ctx, extra[:j], repeats) for j in range(1, max_verify + 1)}
-    t1 = verify[1]
-    out = {
-        "device": str(target.device),
-        "dtype": str(target.dtype).removeprefix("torch."),
-        "context": context,
-        "target_ms_per_step": 1000 * t1,
-        "verify_cost_relative": {j: round(v / t1, 3) for j, v in verify.items()},
-        "drafts": {},
-    }
+    alphas = alphas or {"a=0.3": 0.3, "a=0.5": 0.5, "a=0.7": 0.7}
+    out = {"device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."), "context": context,
+           "alphas": alphas, "paths": {}, "skipped": {}}
     # the target's own greedy outputs on prompts not used to choose head ids: head coverage
     held_out = recs[1::2][:coverage_prompts]
     emitted: list[int] = []
@@ -76,34 +100,82 @@ def profile(target_name: str, workload: str, context: int = 128, max_verify: int
             g = target.generate(torch.tensor([ids], device=target.device), max_new_tokens=coverage_tokens, do_sample=False)
         emitted += g[0, len(ids):].tolist()
     texts = [r.text for r in recs[0::2]]
-    for name, cfg in DRAFT_OPTIONS:
-        draft, keep = build_draft_model(cfg, target, tok, texts)
-        runner = ModelRunner(draft, keep)
-        d = _step_time(runner, ctx, extra[:1], repeats)
-        entry = {"ms_per_token": round(1000 * d, 2), "c": round(d / t1, 3)}
-        if keep is not None:
-            kept = set(keep.tolist())
-            entry["head_coverage_of_target_tokens"] = round(sum(t in kept for t in emitted) / max(1, len(emitted)), 3)
-        out["drafts"][name] = entry
+    options = [(n, c) for n, c in DRAFT_OPTIONS if drafts is None or n in drafts]
     ng = NgramProposer()
-    seq = ctx + extra
-    d = _median_time(lambda: ng.lookup(seq, 8), repeats)
-    out["drafts"]["ngram"] = {"ms_per_token": round(1000 * d, 4), "c": round(d / t1, 5)}
-    out["upper_bound_speedup_free_verify"] = {
-        name: {k: round((k + 1) / (k * e["c"] + 1), 2) for k in (1, 2, 4)} for name, e in out["drafts"].items()
-    }
+    ngram_s = _median_time(lambda: ng.lookup(ctx + extra, 8), repeats)
+    for path in paths:
+        if path == "llamacpp":
+            entry = _llamacpp_path(target_name, ctx, extra, repeats, threads, out["skipped"])
+            if entry is None:
+                continue
+            t1, rel = entry["target_ms_per_step"] / 1000, entry["verify_cost_relative"]
+        else:
+            try:
+                t_runner = make_runner(target, path, name="target")
+            except FastPathError as e:
+                out["skipped"][path] = str(e)
+                continue
+            verify = {j: _step_time(t_runner, ctx, extra[:j], repeats) for j in range(1, max_verify + 1)}
+            t1 = verify[1]
+            rel = {j: round(v / t1, 3) for j, v in verify.items()}
+            entry = {"runtime": runtime_of(t_runner), "target_ms_per_step": round(1000 * t1, 2),
+                     "verify_cost_relative": rel, "drafts": {}}
+            del t_runner
+            for name, cfg in options:
+                draft, keep = build_draft_model(cfg, target, tok, texts)
+                runner = make_runner(draft, path, keep, name="draft")
+                d = _step_time(runner, ctx, extra[:1], repeats)
+                e = {"ms_per_token": round(1000 * d, 2), "c": round(d / t1, 3)}
+                if keep is not None:
+                    kept = set(keep.tolist())
+                    e["head_coverage_of_target_tokens"] = round(sum(t in kept for t in emitted) / max(1, len(emitted)), 3)
+                entry["drafts"][name] = e
+        entry.setdefault("drafts", {})["ngram"] = {"ms_per_token": round(1000 * ngram_s, 4), "c": round(ngram_s / t1, 5)}
+        entry["limit"] = {
+            name: {label: speculation_limit(a, e["c"], rel, max_verify - 1) for label, a in alphas.items()}
+            for name, e in entry["drafts"].items()
+        }
+        out["paths"][path] = entry
     return out
+
+
+def _llamacpp_path(target_name, ctx, extra, repeats, threads, skipped) -> dict | None:
+    from .llamacpp import BackendUnavailable, gguf_of, llamacpp_verify_times, load_llamacpp
+
+    try:
+        llm = load_llamacpp(gguf_of(target_name), threads, logits_all=True)
+    except BackendUnavailable as e:
+        skipped["llamacpp"] = str(e)
+        return None
+    times = llamacpp_verify_times(llm, ctx, extra, repeats)
+    t1 = times[1]
+    return {"runtime": "llama.cpp", "target_ms_per_step": round(1000 * t1, 2),
+            "verify_cost_relative": {j: round(v / t1, 3) for j, v in times.items()}, "drafts": {}}
+
+
+def format_profile(res: dict) -> str:
+    lines = []
+    for path, e in res["paths"].items():
+        lines.append(f"== {e['runtime']}: target {e['target_ms_per_step']:.1f} ms per step at context {res['context']}")
+        lines.append("   v(j), j = 1..: " + ", ".join(f"{v:.2f}" for v in e["verify_cost_relative"].values()))
+        lines.append(f"   {'draft':<24}{'ms/token':>10}{'c':>8}{'coverage':>10}  " + "  ".join(f"{a:>14}" for a in res["alphas"]))
+        for name, d in e["drafts"].items():
+            cov = d.get("head_coverage_of_target_tokens")
+            lim = "  ".join(f"{'S=' + format(x['S'], '.2f') + ' k=' + str(x['best_k']):>14}" for x in e["limit"][name].values())
+            lines.append(f"   {name:<24}{d['ms_per_token']:>10.3f}{d['c']:>8.3f}{'' if cov is None else format(cov, '.3f'):>10}  {lim}")
+    for path, why in res["skipped"].items():
+        lines.append(f"skipped {path}: {why}")
+    return "\n".join(lines)
 
 
 def profile_main(args) -> int:
     torch.set_num_threads(args.threads)
+    alphas = {f"a={a}": a for a in args.alpha} if args.alpha else None
+    if args.alpha_from:
+        alphas = {**(alphas or {}), **measured_alphas(args.alpha_from)}
     res = profile(args.target, args.workload, args.context, args.max_verify, args.repeats,
-                  device=args.device, dtype=args.dtype)
-    print(f"target: {res['target_ms_per_step']:.1f} ms per step at context {res['context']}")
-    print("verify cost of j tokens relative to 1: " + ", ".join(f"{j}:{v:.2f}" for j, v in res["verify_cost_relative"].items()))
-    print(f"{'draft':<24}{'ms/token':>10}{'c':>8}{'head coverage':>15}")
-    for name, e in res["drafts"].items():
-        cov = e.get("head_coverage_of_target_tokens")
-        print(f"{name:<24}{e['ms_per_token']:>10.3f}{e['c']:>8.3f}{'' if cov is None else format(cov, '.3f'):>15}")
+                  device=args.device, dtype=args.dtype, paths=tuple(args.paths.split(",")),
+                  drafts=tuple(args.drafts.split(",")) if args.drafts else None, alphas=alphas, threads=args.threads)
+    print(format_profile(res))
     write_json(res, args.json)
     return 0

@@ -65,6 +65,12 @@ class ModelConfig(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
     num_threads: int | None = Field(default=None, ge=1)
+    #: the runtime that serves the model. ``int4``: 4-bit weights in groups of 32 (8-bit head), our
+    #: own forward with preallocated KV caches (:mod:`speculative.fast`), CPU only; ``int8``: the
+    #: same with 8-bit weights; ``none``: Hugging Face eager in ``dtype`` (the float32 reference);
+    #: ``auto``: int4 on a CPU for a Llama-style model, else none. Lossless is relative to the
+    #: runtime served: speculative output equals that runtime's own target-only output.
+    quantize: Literal["auto", "int4", "int8", "none"] = "auto"
 
     @field_validator("device")
     @classmethod

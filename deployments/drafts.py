@@ -117,7 +117,7 @@ class DraftPool:
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.engine.model.name)
         target = load_weights(cfg.engine.model)  # the truncated draft is cut from it
-        self.base = build_proposer(cfg.engine.draft, target, self.tokenizer)
+        self.base = build_proposer(cfg.engine.draft, target, self.tokenizer, quantize=cfg.engine.model.quantize)
         self.meter = replica_meter("DraftPool", cfg.metrics)
         self.running = 0
         if cfg.placement == "colocated":

@@ -1,6 +1,6 @@
 """Target deployment: the target model, per-request KV caches, verification batched across requests.
 
-Transport only: ``ModelRunner.verify`` does the padded forward; this class collects the verify
+Transport only: the runner's ``verify`` does the batched forward; this class collects the verify
 calls of concurrent requests (``@serve.batch``), bounds the KV caches it holds (LRU + idle TTL) and
 answers ``None`` for a call whose cache is gone, so that the caller re-sends the sequence whole.
 """
@@ -14,7 +14,8 @@ import torch
 from ray import serve
 
 from config import MetricsConfig, ModelConfig, TargetServeConfig
-from speculative import ModelRunner, TargetRows, VerifyCall
+from speculative import TargetRows, VerifyCall
+from speculative.fast import make_runner
 from speculative.engine import time_verify
 from speculative.models import load_weights
 
@@ -29,7 +30,7 @@ class BatchedTarget:
         if threads:
             torch.set_num_threads(threads)
         self.cfg = cfg
-        self.runner = ModelRunner(weights if weights is not None else load_weights(model), name="target")
+        self.runner = make_runner(weights if weights is not None else load_weights(model), model.quantize, name="target")
         self.last_used: dict[str, float] = {}  # seq -> monotonic time of its last call
         self.batches = 0
         self.calls = 0

@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreT
 from config import DraftConfig, ModelConfig
 from speculative.models import ModelLoadError, check_same_vocab, load_tokenizer, load_weights
 from speculative.proposers import ChainedProposer, DraftModelProposer, NgramProposer
-from speculative.runner import ModelRunner
+from speculative.fast import make_runner
 
 DRAFT_META = "osd_draft.json"
 #: ``DraftConfig.checkpoint = "default"`` names the general starting draft that ``osd distill`` writes.
@@ -215,15 +215,17 @@ def build_draft_model(
 
 
 def build_proposer(
-    cfg: DraftConfig, target: PreTrainedModel, target_tok: PreTrainedTokenizerBase, texts: Iterable[str] = ()
+    cfg: DraftConfig, target: PreTrainedModel, target_tok: PreTrainedTokenizerBase, texts: Iterable[str] = (),
+    quantize: str = "none",
 ):
-    """The proposer for ``cfg``: None (target only), prompt lookup, a learned draft, or both."""
+    """The proposer for ``cfg``: None (target only), prompt lookup, a learned draft, or both. The
+    draft runs on the runtime ``quantize`` names (as the target's; ``ModelConfig.quantize``)."""
     if cfg.kind == "none":
         return None
     ngram = NgramProposer(cfg.ngram)
     if cfg.kind == "ngram":
         return ngram
     draft, keep = build_draft_model(cfg, target, target_tok, texts)
-    learned = DraftModelProposer(ModelRunner(draft, keep, name="draft"), target.config.vocab_size)
+    learned = DraftModelProposer(make_runner(draft, quantize, keep, name="draft"), target.config.vocab_size)
     return ChainedProposer(ngram, learned) if cfg.ngram_first else learned
 

@@ -44,6 +44,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=2)
     g.add_argument("--device", default="cpu", help="torch device of target and draft (cpu, cuda, cuda:1, ...)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--quantize", default="auto", choices=["auto", "int4", "int8", "none"], help="runtime: int4 / int8 weights on our fast CPU path, none = Hugging Face eager in --dtype (the float32 reference); auto = int4 on a CPU")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=int, default=48)
     b.add_argument("--domains", nargs="*", default=None)
     b.add_argument("--exclude", default=None, help="workload file whose prompts are skipped (e.g. what a draft trained on)")
-    b.add_argument("--methods", default="target,spec,spec_lookup,hf_assisted,hf_lookup")
+    b.add_argument("--methods", default="target,spec,spec_lookup,hf_assisted,hf_lookup",
+                   help="comma-separated: target, spec, spec_lookup, hf_assisted, hf_lookup, target_fp32, target_int8, target_int4, llamacpp")
     b.add_argument("--lookup-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
     b.add_argument("--json", default=None)
     _engine_args(b)
@@ -82,6 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--paths", default="none,int8,int4,llamacpp", help="runtimes: none (HF eager), int8, int4, llamacpp")
+    p.add_argument("--drafts", default=None, help="comma-separated draft options (default: all; e.g. truncated-2,truncated-2+head8192)")
+    p.add_argument("--alpha", type=float, nargs="*", default=None, help="acceptance rates for the limit S(k)")
+    p.add_argument("--alpha-from", default=None, help="an osd bench JSON: S(k) at the acceptance rates it measured")
     p.add_argument("--json", default=None)
 
     sub.add_parser("top", help="live figures of a running server (osd top -h)", add_help=False)

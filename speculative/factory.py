@@ -10,7 +10,7 @@ from config import EngineConfig
 
 from .engine import SpeculativeEngine
 from .models import load_model
-from .runner import ModelRunner
+from .fast import make_runner
 
 
 def build_engine(cfg: EngineConfig = EngineConfig(), texts: Iterable[str] = (), calibrate: bool = True) -> SpeculativeEngine:
@@ -23,8 +23,8 @@ def build_engine(cfg: EngineConfig = EngineConfig(), texts: Iterable[str] = (), 
     if cfg.model.num_threads:
         torch.set_num_threads(cfg.model.num_threads)
     target, tok = load_model(cfg.model)
-    proposer = build_proposer(cfg.draft, target, tok, texts)
-    engine = SpeculativeEngine(ModelRunner(target, name="target"), tok, proposer, cfg)
+    proposer = build_proposer(cfg.draft, target, tok, texts, quantize=cfg.model.quantize)
+    engine = SpeculativeEngine(make_runner(target, cfg.model.quantize, name="target"), tok, proposer, cfg)
     if calibrate:
         engine.calibrate()
     return engine

@@ -96,7 +96,11 @@ def next_logits(model: torch.nn.Module, prefixes: np.ndarray) -> np.ndarray:
     """The target's raw logits for the token after each prefix: [B, L] -> [B, V] float64 (no cache)."""
     ids = torch.as_tensor(prefixes, dtype=torch.long)
     with torch.inference_mode():
-        if isinstance(model, MarkovLM):
+        if hasattr(model, "forward_batch"):  # a runner (the int4 fast path): each prefix whole, uncached
+            rows = [model.forward("__law__", 0, row.tolist(), 1)[0] for row in ids]
+            model.release("__law__")
+            out = torch.stack(rows)
+        elif isinstance(model, MarkovLM):
             out = model.context_logits(ids)[:, -1]
         else:  # a Hugging Face causal LM
             out = model(input_ids=ids).logits[:, -1]
@@ -242,7 +246,7 @@ class Case:
     adaptive: bool
     draft: str  # "close" | "far" | "ngram" | "chain" (prompt lookup, then the close draft) | "none"
     restricted: bool = False  # draft head restricted to part of the vocabulary (vocab_map)
-    model: str = "markov"  # "markov" | "llama"
+    model: str = "markov"  # "markov" | "llama" | "llama-int4" (target and draft on the int4 fast path)
     seeded: bool = False  # requests with a seed: the exponential race instead of rejection sampling
 
     @property
@@ -296,7 +300,10 @@ PROPOSER_CASES = [
     Case(1.0, 0.8, 0, 4, False, "chain", restricted=True),
 ]
 #: The transformer path: the tiny random Llama target and a 1-layer Llama draft (k = 2).
-LLAMA_CASES = [Case(1.0, 0.8, 0, 2, False, "far", model="llama")]
+LLAMA_CASES = [Case(1.0, 0.8, 0, 2, False, "far", model="llama"),
+               # the int4 fast path (speculative.fast): the law is that runtime's own, as served
+               Case(0.7, 1.0, 0, 3, False, "far", model="llama-int4"),
+               Case(1.0, 0.8, 2, 2, True, "far", model="llama-int4")]
 #: Target-only decoding (no proposer): the warp itself, over every (temperature, top_p, top_k).
 TARGET_ONLY_CASES = [
     Case(t, p, tk, 0, False, "none")
@@ -334,6 +341,14 @@ def build_models(model: str) -> Models:
         small = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_attention_heads=2,
                      num_key_value_heads=1, initializer_range=0.5, eos_token_id=None, pad_token_id=None)
         return Models(tiny_llama(2, seed=3, **small), {"far": tiny_llama(1, seed=4, **small)})
+    if model == "llama-int4":
+        from conftest import tiny_llama
+        from speculative.fast import FastRunner
+
+        small = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                     num_key_value_heads=1, initializer_range=0.5, eos_token_id=None, pad_token_id=None)
+        return Models(FastRunner(tiny_llama(2, seed=3, **small), name="target", bits=4),
+                      {"far": FastRunner(tiny_llama(1, seed=4, **small), name="draft", bits=4)})
     target = MarkovLM(seed=0)
     return Models(target, {
         "close": MarkovLM(seed=1, base=target, noise=0.3),
@@ -351,7 +366,8 @@ def build_engine(case: Case, models: Models):
     def draft(kind: str):
         key = kind + ("+head" if case.restricted else "")
         vmap = torch.tensor(RESTRICTED) if case.restricted else None
-        return DraftModelProposer(ModelRunner(models.drafts[key], vmap, name="draft"), V)
+        model = models.drafts[key]
+        return DraftModelProposer(model if isinstance(model, ModelRunner) else ModelRunner(model, vmap, name="draft"), V)
 
     ngram = NgramProposer(NgramConfig(max_n=2, min_n=1))
     proposer = {"none": lambda: None, "ngram": lambda: ngram, "chain": lambda: ChainedProposer(ngram, draft("close"))}.get(
@@ -360,7 +376,8 @@ def build_engine(case: Case, models: Models):
     # must not move them), under which the best k follows the acceptance estimate through 0..k_max
     kcfg = (KPolicyConfig(k_max=case.k, ema=1e-12) if case.adaptive
             else KPolicyConfig(k_max=max(case.k, 1), fixed_k=case.k))
-    engine = SpeculativeEngine(ModelRunner(models.target, name="target"), _char_tokenizer(), proposer,
+    target = models.target if isinstance(models.target, ModelRunner) else ModelRunner(models.target, name="target")
+    engine = SpeculativeEngine(target, _char_tokenizer(), proposer,
                                EngineConfig(chat_template=False, k=kcfg, record_top_k=4))
     if case.adaptive:
         engine.costs.verify_s.update({j: 1.0 + 0.02 * (j - 1) for j in range(1, case.k + 2)})  # a GPU's v(j)

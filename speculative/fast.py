@@ -1,0 +1,293 @@
+"""The fast CPU path: int8 weights, our own lean Llama forward, preallocated KV caches.
+
+Why this design (measured on the 2-core AVX2 machine, all linear layers of SmolLM2-135M, M rows):
+  - float32 ``F.linear``: 53 ms (M=1), 90-113 ms (M=2..9);
+  - torch's fbgemm dynamic int8 (``quantize_dynamic``): 12-20 ms, but its activation scale is one
+    per *call*, so a row's result depends on the other rows in the call: verifying k + 1 tokens at
+    once would not give the logits of decoding them one by one, and greedy equality with the
+    target alone would hold only up to luck;
+  - ``torch._int_mm`` with per-row activation scales: 26-36 ms (the quantisation ops cost);
+  - ``aten._weight_int8pack_mm`` (int8 weights, one scale per output row, bfloat16 activations):
+    **11 ms** (M=1), 14 (M=2), 18 (M=4), 29 (M=8), and each output row is computed from its input
+    row alone: bitwise the same whatever else shares the call. This is what we use.
+Hugging Face's eager Llama around those kernels added ~13-24 ms a step (211 linear calls, a
+``torch.cat`` per layer to grow its cache, mask building), so :class:`FastRunner` runs its own
+forward over the same weights: fused q/k/v and gate/up projections (121 kernel calls a step),
+KV caches preallocated per sequence, and sequences of a batch concatenated row-wise (ragged, no
+padding: the linear layers see every row of every sequence in one call; attention runs per
+sequence).
+
+Exactness: every op is row-wise except attention, which runs in float64 and is rounded to float32
+after, so a row's logits are the same (to ~1e-16 relative before that rounding) whether it is
+decoded alone, verified with k others, prefilled with its prompt or batched with other sequences.
+The served target *is* this model: greedy speculative output equals its own target-only output,
+and rejection sampling draws from its distribution. The float32 Hugging Face model stays one flag
+away (``ModelConfig.quantize = "none"``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from .runner import ForwardCall, ModelRunner
+
+
+class FastPathError(ValueError):
+    """The model or device cannot run on the int8 fast path; the message says why and what to use."""
+
+
+def supports_fast_path(model: PreTrainedModel) -> str | None:
+    """None when ``model`` can run on :class:`FastRunner`, else why not."""
+    if str(next(model.parameters()).device) != "cpu":
+        return "the int8 path runs on the CPU (use quantize: none with bfloat16 on a GPU)"
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if inner is None or layers is None or not hasattr(model, "lm_head"):
+        return f"{type(model).__name__} is not a Llama-style decoder (model.layers + lm_head)"
+    for layer in layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        need = [(attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (attn, "o_proj"), (mlp, "gate_proj"), (mlp, "up_proj"), (mlp, "down_proj")]
+        if any(not isinstance(getattr(m, n, None), nn.Linear) for m, n in need):
+            return f"{type(model).__name__}: a layer lacks the Llama projections (q/k/v/o, gate/up/down)"
+    cfg = model.config
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act!r} (the fast path implements silu)"
+    if getattr(cfg, "sliding_window", None) or getattr(cfg, "attn_logit_softcapping", None):
+        return "sliding-window or soft-capped attention is not implemented on the fast path"
+    return None
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W stored as int8, one float scale per output row (symmetric, amax / 127);
+    x is rounded to bfloat16 for the kernel, y comes back in float32. Several linears of the same
+    input fuse into one (their rows stacked), which gives the same numbers as running them apart."""
+
+    def __init__(self, *linears: nn.Linear):
+        super().__init__()
+        w = torch.cat([lin.weight.detach().float() for lin in linears])  # [N, K]
+        scale = w.abs().amax(1).clamp_min(1e-12) / 127  # [N]
+        self.register_buffer("weight", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous())
+        self.register_buffer("scale", scale.to(torch.bfloat16))
+        biases = [lin.bias for lin in linears]
+        self.bias = None
+        if any(b is not None for b in biases):
+            self.bias = torch.cat([b.detach().float() if b is not None else torch.zeros(lin.out_features)
+                                   for b, lin in zip(biases, linears)])
+        self.splits = [lin.out_features for lin in linears]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] float -> [M, N] float32
+        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scale).float()
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T + b with W in 4 bits, asymmetric per group of ``group`` inputs (scale and minimum in
+    bfloat16, like llama.cpp's Q4_1 blocks of 32: the embedded GGUF's weights are Q4_1, so a group
+    holds them up to the rounding of its scale and minimum); x is rounded to bfloat16 for the kernel
+    (``aten._weight_int4pack_mm_for_cpu``: each output row from its input row alone). Rows are padded
+    to a multiple of 16 (the kernel's tile). Fuses several linears like :class:`Int8Linear`."""
+
+    def __init__(self, *linears: nn.Linear, group: int = 32):
+        super().__init__()
+        w = torch.cat([lin.weight.detach().float() for lin in linears])  # [N, K]
+        n, k = w.shape
+        if k % group:
+            raise FastPathError(f"int4 needs input widths divisible by {group}, got {k}")
+        pad = -n % 16
+        w = torch.cat([w, w.new_zeros(pad, k)])  # [N + pad, K]
+        groups = w.view(w.shape[0], k // group, group)  # [N', K/g, g]
+        lo, hi = groups.amin(-1), groups.amax(-1)  # [N', K/g]
+        scale = ((hi - lo) / 15).clamp_min(1e-12)
+        q = ((groups - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(w.shape)
+        # the kernel computes (q - 8) * scale + zero: zero = lo + 8 * scale
+        self.register_buffer("scales_zeros", torch.stack([scale.t(), (lo + 8 * scale).t()], -1).to(torch.bfloat16).contiguous())
+        self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        self.group, self.out_features = group, n
+        biases = [lin.bias for lin in linears]
+        self.bias = None
+        if any(b is not None for b in biases):
+            self.bias = torch.cat([b.detach().float() if b is not None else torch.zeros(lin.out_features)
+                                   for b, lin in zip(biases, linears)])
+        self.splits = [lin.out_features for lin in linears]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] float -> [M, N] float32
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.weight, self.group, self.scales_zeros)
+        y = y[:, : self.out_features].float()
+        return y if self.bias is None else y + self.bias
+
+
+class _Cache:
+    """One sequence's keys and values, all layers: [layers, 2, H_kv, capacity, D] float64."""
+
+    def __init__(self, layers: int, heads: int, dim: int, capacity: int):
+        self.kv = torch.zeros(layers, 2, heads, capacity, dim, dtype=torch.float64)
+        self.length = 0
+
+    def reserve(self, n: int) -> None:
+        cap = self.kv.shape[3]
+        if n > cap:
+            grown = torch.zeros(*self.kv.shape[:3], max(n, 2 * cap), self.kv.shape[4], dtype=torch.float64)
+            grown[:, :, :, : self.length] = self.kv[:, :, :, : self.length]
+            self.kv = grown
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+class FastRunner(ModelRunner):
+    """A :class:`ModelRunner` (same calls: ``forward``, ``forward_batch``, ``verify``, caches by
+    id) over an int8 copy of a Llama-style model. ``model`` stays the float model: what the learner
+    trains and what :meth:`load_state_dict` loads into; the int8 copy is rebuilt from it."""
+
+    def __init__(self, model: PreTrainedModel, vocab_map: torch.Tensor | None = None, name: str = "model",
+                 bits: int = 4, initial_capacity: int = 256):
+        if bits not in (4, 8):
+            raise FastPathError(f"{name}: the fast path has int4 and int8 weights, not {bits} bits")
+        why = supports_fast_path(model)
+        if why:
+            raise FastPathError(f"{name}: cannot use the int8 fast path: {why}")
+        super().__init__(model, vocab_map, name)
+        cfg = model.config
+        self.n_layers = cfg.num_hidden_layers
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.initial_capacity = initial_capacity
+        self.bits = bits
+        self._caches: dict[str, _Cache] = {}  # type: ignore[assignment]
+        self._quantise()
+
+    def _quantise(self) -> None:
+        m = self.model
+
+        def lin(*linears: nn.Linear) -> nn.Module:  # int4 where the input width allows groups of 32
+            if self.bits == 4 and linears[0].in_features % 32 == 0:
+                return Int4Linear(*linears)
+            return Int8Linear(*linears)
+
+        self.layers = [
+            (layer.input_layernorm, lin(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+             lin(layer.self_attn.o_proj), layer.post_attention_layernorm,
+             lin(layer.mlp.gate_proj, layer.mlp.up_proj), lin(layer.mlp.down_proj))
+            for layer in m.model.layers
+        ]
+        self.head = Int8Linear(m.lm_head)  # 8 bits, as the GGUF keeps its embeddings (Q8_0): 4 flipped argmaxes
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self._quantise()
+
+    # -- per-sequence state -------------------------------------------------------------
+    def cached_length(self, seq_id: str) -> int:
+        cache = self._caches.get(seq_id)
+        return 0 if cache is None else cache.length
+
+    # -- compute ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, seq_id: str, start: int, tokens: list[int], keep_last: int = 1) -> torch.Tensor:
+        """Logits for the last ``keep_last`` of ``tokens`` placed at positions start.. : [keep_last, V_model]."""
+        return self.forward_batch([ForwardCall(seq_id, start, tokens, keep_last)])[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, calls: list[ForwardCall]) -> list[torch.Tensor]:
+        """Several sequences in one pass: their new rows concatenated ([sum T, hidden]) through every
+        linear layer, attention per sequence against its own cache. Each call's result is the same
+        as alone. Returns each call's last ``keep_last`` rows ([keep_last, V_model])."""
+        if len({c.seq_id for c in calls}) != len(calls):
+            raise ValueError(f"{self.name}: a batch holds two calls for one sequence")
+        caches = [self._open(c) for c in calls]
+        lens = [len(c.tokens) for c in calls]  # [B] new rows per call
+        ids = torch.tensor([t for c in calls for t in c.tokens], dtype=torch.long)  # [R] R = sum T
+        pos = torch.cat([torch.arange(c.start, c.start + n) for c, n in zip(calls, lens)])  # [R]
+        inner = self.model.model
+        h = inner.embed_tokens(ids).float()  # [R, hidden]
+        cos, sin = inner.rotary_emb(h[None], pos[None])  # [1, R, D] each
+        cos, sin = cos[0][:, None], sin[0][:, None]  # [R, 1, D]
+        Hq, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        for li, (norm1, qkv, o_proj, norm2, gate_up, down) in enumerate(self.layers):
+            q, k, v = qkv(norm1(h)).split(qkv.splits, dim=-1)  # [R, Hq*D], [R, Hkv*D], [R, Hkv*D]
+            q = _rope(q.view(-1, Hq, D), cos, sin)  # [R, Hq, D]
+            k = _rope(k.view(-1, Hkv, D), cos, sin)  # [R, Hkv, D]
+            v = v.view(-1, Hkv, D)
+            out, row = [], 0
+            for c, cache, n in zip(calls, caches, lens):
+                kv = cache.kv[li]  # [2, Hkv, cap, D]
+                kv[0, :, c.start : c.start + n] = k[row : row + n].transpose(0, 1)
+                kv[1, :, c.start : c.start + n] = v[row : row + n].transpose(0, 1)
+                out.append(_attend(q[row : row + n], kv[:, :, : c.start + n], c.start))  # [n, Hq*D]
+                row += n
+            h = h + o_proj(torch.cat(out))
+            g, u = gate_up(norm2(h)).split(gate_up.splits, dim=-1)  # [R, I] each
+            h = h + down(nn.functional.silu(g) * u)
+        for c, cache, n in zip(calls, caches, lens):
+            cache.length = c.start + n
+        ends = torch.cumsum(torch.tensor(lens), 0).tolist()
+        rows = torch.cat([torch.arange(e - c.keep_last, e) for c, e in zip(calls, ends)])  # the rows asked for
+        logits = self.head(inner.norm(h[rows]))  # [sum keep_last, V_model]
+        return list(logits.split([c.keep_last for c in calls]))
+
+    def _open(self, c: ForwardCall) -> _Cache:
+        """The call's cache, cropped back to ``c.start`` (a new one at 0) with room for its tokens."""
+        if not c.tokens:
+            raise ValueError("forward needs at least one token")
+        cache = self._caches.get(c.seq_id)
+        have = 0 if cache is None else cache.length
+        if c.start > have:
+            raise ValueError(f"{self.name}: sequence {c.seq_id!r} has {have} cached positions, cannot start at {c.start}")
+        if cache is None:
+            cache = self._caches[c.seq_id] = _Cache(self.n_layers, self.n_kv, self.head_dim, self.initial_capacity)
+        cache.length = c.start  # crop: positions past start are overwritten
+        cache.reserve(c.start + len(c.tokens))
+        return cache
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding, HF's ``rotate_half`` convention. x: [R, H, D]; cos, sin: [R, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _attend(q: torch.Tensor, kv: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal attention of ``n`` new queries at positions start.. over the L = start + n cached
+    positions, in float64 (see the module docstring). q: [n, Hq, D]; kv: [2, Hkv, L, D] -> [n, Hq*D]."""
+    n, Hq, D = q.shape
+    Hkv, L = kv.shape[1], kv.shape[2]
+    g = Hq // Hkv  # query heads per key/value head (grouped-query attention)
+    qh = q.double().transpose(0, 1).reshape(Hkv, g * n, D)  # [Hkv, g*n, D]: head h*g+j, row t -> (h, j*n+t)
+    scores = qh @ kv[0].transpose(1, 2) * D**-0.5  # [Hkv, g*n, L]
+    if n > 1:
+        t = torch.arange(n).repeat(g)  # [g*n] each query's row
+        scores = scores.masked_fill(torch.arange(L)[None, :] > (start + t)[:, None], float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ kv[1]  # [Hkv, g*n, D]
+    return out.view(Hq, n, D).transpose(0, 1).reshape(n, Hq * D).float()
+
+
+def resolve_quantize(quantize: str, model: PreTrainedModel) -> str:
+    """The runtime a ``ModelConfig.quantize`` value means for ``model``: ``auto`` is int4 where the
+    fast path runs (a Llama-style model on the CPU), else none; an explicit int4 / int8 the fast
+    path cannot run is refused with the reason."""
+    why = supports_fast_path(model)
+    if quantize == "auto":
+        return "none" if why else "int4"
+    if quantize in ("int4", "int8") and why:
+        raise FastPathError(f"quantize={quantize!r}: {why}; use quantize: none")
+    return quantize
+
+
+def make_runner(model: PreTrainedModel, quantize: str = "none", vocab_map: torch.Tensor | None = None,
+                name: str = "model") -> ModelRunner:
+    """The runner for ``model`` on the runtime ``quantize`` names (see :func:`resolve_quantize`)."""
+    mode = resolve_quantize(quantize, model)
+    if mode == "none":
+        return ModelRunner(model, vocab_map, name)
+    return FastRunner(model, vocab_map, name, bits=4 if mode == "int4" else 8)
+
+
+def runtime_of(runner: ModelRunner) -> str:
+    """What a runner serves: ``int4`` / ``int8`` (fast path) or ``eager-<dtype>``."""
+    if isinstance(runner, FastRunner):
+        return f"int{runner.bits}"
+    return "eager-" + str(next(runner.model.parameters()).dtype).removeprefix("torch.")

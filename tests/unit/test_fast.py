@@ -1,0 +1,197 @@
+"""The int4 / int8 fast path (speculative.fast): a row's logits do not depend on how it is batched,
+cropping the cache equals recomputing, greedy speculative output equals the fast target's own
+target-only output, and the packed weights compute what they claim to.
+
+The rejection-sampling distribution on this path is tested with the exact-law harness
+(``tests/lossless.py``, cases ``llama-int4``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from config import EngineConfig, KPolicyConfig, ModelConfig, SamplingParams
+from conftest import _char_tokenizer, tiny_llama
+from speculative import ForwardCall, ModelRunner, SpeculativeEngine, VerifyCall
+from speculative.fast import FastPathError, FastRunner, Int4Linear, Int8Linear, make_runner, resolve_quantize, runtime_of
+from speculative.proposers import DraftModelProposer
+
+BITS = [4, 8]
+
+
+def _model(seed=0, layers=3):
+    return tiny_llama(layers, seed=seed)
+
+
+def _on_int4_grid(model: torch.nn.Module) -> torch.nn.Module:
+    """Round every decoder linear onto a 4-bit grid per group of 32 inputs whose step and minimum are
+    powers of two (exact in bfloat16): the weights int4 can hold without loss, as a Q4_1 GGUF's are."""
+    for layer in model.model.layers:
+        for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            w = lin.weight.data
+            g = torch.Generator().manual_seed(w.numel())
+            q = torch.randint(0, 16, w.shape, generator=g).float().view(w.shape[0], -1, 32)  # [N, K/32, 32]
+            q[..., 0], q[..., 1] = 0, 15  # every group spans the grid, as a Q4_1 block's minimum and maximum do
+            step = 2.0 ** torch.randint(-8, -5, (w.shape[0], w.shape[1] // 32, 1), generator=g).float()
+            lo = -8 * step
+            lin.weight.data = (q * step + lo).view_as(w)
+    return model
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_rows_do_not_depend_on_how_they_are_batched(bits):
+    """Prefill whole = in chunks = token by token; verify k+1 at once = one at a time; bitwise."""
+    r = FastRunner(_model(), bits=bits)
+    ids = torch.randint(2, 128, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    whole = r.forward("a", 0, ids, len(ids))  # [40, V]
+    r.forward("b", 0, ids[:17])
+    chunked = torch.cat([r.forward("b", 17, ids[17:30], 13), r.forward("b", 30, ids[30:], 10)])
+    one = [r.forward("c", 0, ids[:1])[0]] + [r.forward("c", i, [ids[i]])[0] for i in range(1, len(ids))]
+    assert torch.equal(whole[17:], chunked)
+    assert torch.equal(whole, torch.stack(one))
+    assert r.cached_length("a") == r.cached_length("b") == r.cached_length("c") == 40
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_ragged_batch_with_cropping_equals_each_sequence_alone(bits):
+    """Several sequences in one forward (some cropping back rejected positions) give each what it
+    gets alone, and leave each cache as alone; bitwise."""
+    model = _model()
+    single, batched = FastRunner(model, bits=bits), FastRunner(model, bits=bits)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(5):
+        prompt = torch.randint(2, 128, (3 + 9 * i,), generator=gen).tolist()
+        single.forward(f"s{i}", 0, prompt)
+        batched.forward(f"s{i}", 0, prompt)
+    for step in range(5):
+        calls = []
+        for i in range(5):
+            have = single.cached_length(f"s{i}")
+            n_new, back = 1 + (i + step) % 4, (i + step) % 3
+            calls.append(ForwardCall(f"s{i}", have - back, torch.randint(2, 128, (n_new,), generator=gen).tolist(), n_new))
+        want = [single.forward(c.seq_id, c.start, c.tokens, c.keep_last) for c in calls]
+        got = batched.forward_batch(calls)
+        for c, w, g in zip(calls, want, got):
+            assert g.shape == (c.keep_last, 128) and torch.equal(g, w)
+            assert batched.cached_length(c.seq_id) == c.start + len(c.tokens)
+    for i in range(5):  # the caches hold the same keys and values
+        a, b = single._caches[f"s{i}"], batched._caches[f"s{i}"]
+        assert torch.equal(a.kv[:, :, :, : a.length], b.kv[:, :, :, : b.length])
+
+
+def test_cropping_equals_a_fresh_sequence_and_the_cache_grows():
+    r = FastRunner(_model(), bits=4, initial_capacity=8)
+    ids = list(range(5, 45))
+    r.forward("x", 0, ids[:30])
+    r.forward("x", 30, [7, 8, 9, 10])  # rejected positions, overwritten next
+    got = r.forward("x", 30, ids[30:], 10)
+    assert torch.equal(got, r.forward("fresh", 0, ids, 10))
+    assert r._caches["x"].kv.shape[3] >= 40  # grown past its initial 8 positions
+    with pytest.raises(ValueError, match="cannot start at"):
+        r.forward("x", 41, [1])
+    r.release("x")
+    assert r.cached_length("x") == 0 and len(r) == 1
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_verify_matches_forward_and_batches_across_sequences(bits):
+    r = FastRunner(_model(), bits=bits)
+    r.forward("p", 0, [3, 4, 5, 6])
+    r.forward("q", 0, [9, 10])
+    rows = r.verify([VerifyCall("p", 4, [7, 8, 9], 3, full_rows=True), VerifyCall("q", 2, [11], 1, full_rows=True)])
+    assert rows[0].batch == rows[1].batch == 2  # one forward for both
+    alone = FastRunner(_model(), bits=bits)
+    assert torch.equal(rows[0].logits, alone.forward("p", 0, [3, 4, 5, 6, 7, 8, 9], 3))
+    assert torch.equal(rows[1].argmax, alone.forward("q", 0, [9, 10, 11], 1).argmax(-1))
+
+
+def test_int8_is_close_to_the_float_model():
+    model = tiny_llama(3, seed=0, initializer_range=0.1)  # the default 1.0 is chaotic: rounding errors grow per layer
+    fast, ref = FastRunner(model, bits=8), ModelRunner(model)
+    ids = list(range(2, 40))
+    a, b = fast.forward("a", 0, ids, len(ids)), ref.forward("a", 0, ids, len(ids))
+    err = (a - b).abs().max() / b.abs().max()
+    assert err < 0.05, err
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+
+
+def test_int4_holds_weights_on_its_grid_exactly():
+    """Weights on a 4-bit grid (as the GGUF's Q4_1 layers): the int4 runner computes the float model
+    up to bfloat16 activations, far closer than 4-bit rounding of arbitrary weights would."""
+    model = _on_int4_grid(tiny_llama(3, seed=0, initializer_range=0.1))
+    fast, ref = FastRunner(model, bits=4), ModelRunner(model)
+    ids = list(range(2, 40))
+    a, b = fast.forward("a", 0, ids, len(ids)), ref.forward("a", 0, ids, len(ids))
+    assert (a - b).abs().max() / b.abs().max() < 0.02
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
+    lin = model.model.layers[0].mlp.down_proj
+    x = torch.randn(3, lin.in_features).bfloat16().float()  # exact in bfloat16: only the kernel's bfloat16 output rounding left
+    y, want = Int4Linear(lin)(x), lin(x)
+    assert (y - want).abs().max() <= 2**-8 * want.abs().max()
+    off_grid = torch.nn.Linear(lin.in_features, lin.out_features, bias=False)
+    off_grid.weight.data = lin.weight.data + 0.3 * (lin.weight.data.std() * torch.randn_like(lin.weight))
+    err = (Int4Linear(off_grid)(x) - off_grid(x)).abs().max()
+    assert err > 4 * 2**-8 * off_grid(x).abs().max()  # weights off the grid do lose to 4-bit rounding
+
+
+def test_fused_linears_equal_separate_ones_and_pad_odd_widths():
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(64, 24, bias=True), torch.nn.Linear(64, 40, bias=False)  # 24 + 40 rows: padded to 16s
+    x = torch.randn(5, 64)
+    for cls in (Int4Linear, Int8Linear):
+        fused = cls(a, b)
+        y = fused(x)
+        assert y.shape == (5, 64)
+        assert torch.equal(y[:, :24], cls(a)(x)) and torch.equal(y[:, 24:], cls(b)(x))
+    torch.testing.assert_close(Int8Linear(a)(x), a(x), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_speculative_equals_the_fast_targets_own_output(bits, k):
+    target, draft = _model(0), tiny_llama(1, seed=7)
+    tok = _char_tokenizer()
+    runner = FastRunner(target, name="target", bits=bits)
+    cfg = EngineConfig(chat_template=False, k=KPolicyConfig(k_max=k, fixed_k=k))
+    alone = SpeculativeEngine(runner, tok, None, cfg)
+    spec = SpeculativeEngine(runner, tok, DraftModelProposer(FastRunner(draft, name="draft", bits=bits), 128), cfg)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    proposed = 0
+    for prompt in ([5, 6, 7, 8], list(range(20, 45)), [9] * 12):
+        want = alone.generate(prompt, params).token_ids
+        g = spec.generate(prompt, params)
+        assert g.token_ids == want
+        proposed += g.stats.proposed
+    assert proposed > 0
+
+
+def test_a_swapped_draft_is_requantised():
+    base, other = tiny_llama(1, seed=1), tiny_llama(1, seed=2)
+    r = FastRunner(base, bits=4)
+    before = r.forward("s", 0, [4, 5, 6])
+    r.load_state_dict({k: v.clone() for k, v in other.state_dict().items()})
+    after = r.forward("s", 0, [4, 5, 6])
+    assert not torch.equal(before, after)
+    assert torch.equal(after, FastRunner(other, bits=4).forward("s", 0, [4, 5, 6]))
+
+
+def test_choice_of_runtime_and_clear_refusals():
+    model = _model()
+    assert runtime_of(make_runner(model, "auto")) == "int4"
+    assert runtime_of(make_runner(model, "int8")) == "int8"
+    assert runtime_of(make_runner(model, "none")) == "eager-float32"
+
+    class NotLlama(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Linear(2, 2)
+    odd = NotLlama()
+    assert resolve_quantize("auto", odd) == "none"  # auto falls back to the eager runtime
+    with pytest.raises(FastPathError, match="not a Llama-style decoder"):
+        make_runner(odd, "int4")
+    with pytest.raises(FastPathError, match="4 and int8"):
+        FastRunner(model, bits=2)
+    assert ModelConfig().quantize == "auto"
+    with pytest.raises(ValueError):
+        ModelConfig(quantize="int3")
