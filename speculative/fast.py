@@ -207,25 +207,24 @@ class FastRunner(ModelRunner):
         cos, sin = cos[0][:, None], sin[0][:, None]  # [R, 1, D]
         Hq, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         for li, (norm1, qkv, o_proj, norm2, gate_up, down) in enumerate(self.layers):
-            q, k, v = qkv(norm1(h)).split(qkv.splits, dim=-1)  # [R, Hq*D], [R, Hkv*D], [R, Hkv*D]
-            q = _rope(q.view(-1, Hq, D), cos, sin)  # [R, Hq, D]
-            k = _rope(k.view(-1, Hkv, D), cos, sin)  # [R, Hkv, D]
-            v = v.view(-1, Hkv, D)
+            heads = qkv(_rms(norm1, h)).view(-1, Hq + 2 * Hkv, D)  # [R, Hq + 2 Hkv, D]: q, k, v heads
+            qk = _rope(heads[:, : Hq + Hkv], cos, sin)  # [R, Hq + Hkv, D] (one rotation for q and k)
+            q = qk[:, :Hq]  # [R, Hq, D]
+            kv_new = torch.stack((qk[:, Hq:], heads[:, Hq + Hkv :])).transpose(1, 2)  # [2, Hkv, R, D]
             out, row = [], 0
             for c, cache, n in zip(calls, caches, lens):
                 kv = cache.kv[li]  # [2, Hkv, cap, D]
-                kv[0, :, c.start : c.start + n] = k[row : row + n].transpose(0, 1)
-                kv[1, :, c.start : c.start + n] = v[row : row + n].transpose(0, 1)
+                kv[:, :, c.start : c.start + n] = kv_new[:, :, row : row + n]
                 out.append(_attend(q[row : row + n], kv[:, :, : c.start + n], c.start))  # [n, Hq*D]
                 row += n
-            h = h + o_proj(torch.cat(out))
-            g, u = gate_up(norm2(h)).split(gate_up.splits, dim=-1)  # [R, I] each
+            h = h + o_proj(torch.cat(out) if len(out) > 1 else out[0])
+            g, u = gate_up(_rms(norm2, h)).split(gate_up.splits, dim=-1)  # [R, I] each
             h = h + down(nn.functional.silu(g) * u)
         for c, cache, n in zip(calls, caches, lens):
             cache.length = c.start + n
         ends = torch.cumsum(torch.tensor(lens), 0).tolist()
         rows = torch.cat([torch.arange(e - c.keep_last, e) for c, e in zip(calls, ends)])  # the rows asked for
-        logits = self.head(inner.norm(h[rows]))  # [sum keep_last, V_model]
+        logits = self.head(_rms(inner.norm, h[rows]))  # [sum keep_last, V_model]
         return list(logits.split([c.keep_last for c in calls]))
 
     def _open(self, c: ForwardCall) -> _Cache:
@@ -241,6 +240,12 @@ class FastRunner(ModelRunner):
         cache.length = c.start  # crop: positions past start are overwritten
         cache.reserve(c.start + len(c.tokens))
         return cache
+
+
+def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The model's RMSNorm (its weight and epsilon) as one fused op, row by row. x: [R, hidden]."""
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+    return nn.functional.rms_norm(x, (x.shape[-1],), norm.weight.float(), eps)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
