@@ -78,7 +78,7 @@ def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
     def factory():
         if first:
             return first.pop()
-        prop = DraftModelProposer(make_runner(copy.deepcopy(start_model), model.quantize, keep, name="draft"),
+        prop = DraftModelProposer(make_runner(copy.deepcopy(start_model), model.quantize, keep, name="draft", draft=True),
                                   target.config.vocab_size)
         return SpeculativeEngine(target_runner, base.tokenizer, prop, cfg)  # one target runner: caches are per request id
 

@@ -123,7 +123,7 @@ def profile(target_name: str, workload: str, context: int = 128, max_verify: int
             del t_runner
             for name, cfg in options:
                 draft, keep = build_draft_model(cfg, target, tok, texts)
-                runner = make_runner(draft, path, keep, name="draft")
+                runner = make_runner(draft, path, keep, name="draft", draft=True)
                 d = _step_time(runner, ctx, extra[:1], repeats)
                 e = {"ms_per_token": round(1000 * d, 2), "c": round(d / t1, 3)}
                 if keep is not None:

@@ -226,6 +226,6 @@ def build_proposer(
     if cfg.kind == "ngram":
         return ngram
     draft, keep = build_draft_model(cfg, target, target_tok, texts)
-    learned = DraftModelProposer(make_runner(draft, quantize, keep, name="draft"), target.config.vocab_size)
+    learned = DraftModelProposer(make_runner(draft, quantize, keep, name="draft", draft=True), target.config.vocab_size)
     return ChainedProposer(ngram, learned) if cfg.ngram_first else learned
 

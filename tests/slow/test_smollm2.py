@@ -1,12 +1,15 @@
-"""The real embedded target (SmolLM2-135M-Instruct): speculative greedy output equals Hugging Face
-``generate(do_sample=False)`` token for token. The first run dequantises the GGUF once (~30 s)."""
+"""The real embedded target (SmolLM2-135M-Instruct): on the float32 reference runtime speculative
+greedy output equals Hugging Face ``generate(do_sample=False)`` token for token; on the int4 fast
+path (the default) it equals that runtime's own target-only output, and speculative sampling draws
+from that runtime's exact law. The first run dequantises the GGUF once (~30 s)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from bench.bench import hf_greedy_generate
-from config import DraftConfig, EngineConfig, KPolicyConfig, NgramConfig, SamplingParams
+from config import DraftConfig, EngineConfig, KPolicyConfig, ModelConfig, NgramConfig, SamplingParams
 from speculative import ModelRunner, NgramProposer, SpeculativeEngine
 from speculative.factory import build_engine
 
@@ -23,7 +26,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def engine():
-    cfg = EngineConfig(draft=DraftConfig(kind="truncated", num_layers=2), k=KPolicyConfig(fixed_k=3))
+    """The float32 reference runtime (Hugging Face eager): its greedy output is HF generate's."""
+    cfg = EngineConfig(model=ModelConfig(quantize="none"), draft=DraftConfig(kind="truncated", num_layers=2),
+                       k=KPolicyConfig(fixed_k=3))
     return build_engine(cfg, calibrate=False)
 
 
@@ -120,3 +125,54 @@ def test_cli_streams_chinese_without_replacement_characters(capsys):
     out = capsys.readouterr().out
     assert "\ufffd" not in out
     assert any("\u4e00" <= ch <= "\u9fff" for ch in out)  # Chinese characters were printed whole
+
+
+# -- the int4 fast path (speculative.fast), as served by default ------------------------------------------
+@pytest.fixture(scope="module")
+def int4_engines():
+    """(target-only, speculative with the truncated 2-layer draft) on the int4 runtime, one target runner."""
+    cfg = EngineConfig(model=ModelConfig(quantize="int4"), draft=DraftConfig(kind="truncated", num_layers=2),
+                       k=KPolicyConfig(fixed_k=3))
+    spec = build_engine(cfg, calibrate=False)
+    return SpeculativeEngine(spec.target, spec.tokenizer, None, cfg), spec
+
+
+def test_int4_runtime_is_the_fast_path(int4_engines):
+    from speculative.fast import runtime_of
+
+    alone, spec = int4_engines
+    assert runtime_of(spec.target) == "int4" and runtime_of(spec.learned_draft.runner) == "int4"
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_int4_greedy_speculative_equals_its_target_only(int4_engines, prompt):
+    alone, spec = int4_engines
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    want = alone.generate(prompt, params)
+    got = spec.generate(prompt, params)
+    assert got.token_ids == want.token_ids
+    assert got.stats.proposed > 0
+
+
+def test_int4_speculative_sampling_is_the_runtime_law(int4_engines):
+    """Exact law of the first two tokens (temperature 0.8, top_k 3: 9 outcomes) from the int4 runtime's
+    own logits, against samples of the speculative engine (k = 1: a draft token, then the bonus or
+    the recovered token), by the chi-square views of tests/lossless.py."""
+    import lossless as L
+
+    alone, spec = int4_engines
+    prompt = list(spec.tokenizer("The colour of the sky on a clear day is")["input_ids"])
+    m, temperature, top_k = 2, 0.8, 3
+    law = L.exact_law(spec.target, prompt, m, temperature, 1.0, top_k)
+    n = L.choose_n(law, m, n0=600)[0]
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=m, temperature=temperature, top_k=top_k, ignore_eos=True)
+    samples, rejected = [], 0
+    for _ in range(n):
+        steps = []
+        samples.append(tuple(spec.generate(prompt, params, on_step=steps.append, generator=gen).token_ids))
+        rejected += sum(s.accepted < s.proposed for s in steps)
+    views = L.chi_square_views(law, samples)
+    assert all(v.impossible == 0 for v in views), views
+    assert min(v.pvalue for v in views) >= L.ALPHA / len(views), views
+    assert 0 < rejected < n  # both paths ran: accepted draft tokens and recovered tokens
