@@ -59,6 +59,16 @@ def supports_fast_path(model: PreTrainedModel) -> str | None:
     return None
 
 
+def _fused_bias(linears) -> tuple[torch.Tensor | None, list[int]]:
+    """(the stacked biases of fused linears, zeros where one has none; None if none has one), and
+    each linear's share of the output columns."""
+    bias = None
+    if any(lin.bias is not None for lin in linears):
+        bias = torch.cat([lin.bias.detach().float() if lin.bias is not None else torch.zeros(lin.out_features)
+                          for lin in linears])
+    return bias, [lin.out_features for lin in linears]
+
+
 class Int8Linear(nn.Module):
     """y = x W^T + b with W stored as int8, one float scale per output row (symmetric, amax / 127);
     x is rounded to bfloat16 for the kernel, y comes back in float32. Several linears of the same
@@ -70,12 +80,7 @@ class Int8Linear(nn.Module):
         scale = w.abs().amax(1).clamp_min(1e-12) / 127  # [N]
         self.register_buffer("weight", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous())
         self.register_buffer("scale", scale.to(torch.bfloat16))
-        biases = [lin.bias for lin in linears]
-        self.bias = None
-        if any(b is not None for b in biases):
-            self.bias = torch.cat([b.detach().float() if b is not None else torch.zeros(lin.out_features)
-                                   for b, lin in zip(biases, linears)])
-        self.splits = [lin.out_features for lin in linears]
+        self.bias, self.splits = _fused_bias(linears)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] float -> [M, N] float32
         y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scale).float()
@@ -105,12 +110,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_zeros", torch.stack([scale.t(), (lo + 8 * scale).t()], -1).to(torch.bfloat16).contiguous())
         self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         self.group, self.out_features = group, n
-        biases = [lin.bias for lin in linears]
-        self.bias = None
-        if any(b is not None for b in biases):
-            self.bias = torch.cat([b.detach().float() if b is not None else torch.zeros(lin.out_features)
-                                   for b, lin in zip(biases, linears)])
-        self.splits = [lin.out_features for lin in linears]
+        self.bias, self.splits = _fused_bias(linears)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] float -> [M, N] float32
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.weight, self.group, self.scales_zeros)
