@@ -74,3 +74,28 @@ def test_without_prompts_of_drops_the_excluded_file_s_prompts(tmp_path):
     (tmp_path / "x.jsonl").write_text(WorkloadRecord("b", "chat").to_json() + "\n")
     assert [r.text for r in without_prompts_of(recs, tmp_path / "x.jsonl")] == ["a", "c"]
     assert without_prompts_of(recs, None) == recs
+
+
+def test_a_missing_llama_cpp_is_a_clear_message_and_the_bench_carries_on(bench_engine, monkeypatch, tmp_path):
+    import sys
+
+    from bench.llamacpp import BackendUnavailable, gguf_of, load_llamacpp
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp now raises ImportError
+    with pytest.raises(BackendUnavailable, match=r"llama.cpp is not installed: pip install 'osd-serve\[llamacpp\]'"):
+        load_llamacpp(tmp_path / "model.gguf")
+    with pytest.raises(BackendUnavailable, match="runs GGUF files"):
+        gguf_of(str(tmp_path))  # a folder without a .gguf
+    res = run_bench(bench_engine, _records()[:2], max_tokens=4, methods=("spec", "llamacpp"), progress=False)
+    assert "llamacpp" in res["skipped"] and set(res["domains"]["overall"]) == {"target", "spec"}
+
+
+def test_other_runtimes_are_timed_and_reported_as_agreement(bench_engine):
+    res = run_bench(bench_engine, _records()[:3], max_tokens=6, methods=("target_int8", "target_int4", "target_fp32"),
+                    progress=False)
+    overall = res["domains"]["overall"]
+    assert "target_fp32" in res["skipped"]  # the tiny engine serves float32 eager: that is "target"
+    assert {"target_int8", "target_int4"} <= set(overall)
+    for m in ("target_int8", "target_int4"):
+        assert overall[m]["lossless_method"] is False and overall[m]["tokens"] > 0
+    assert "~" in format_table(res)
