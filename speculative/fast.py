@@ -1,4 +1,4 @@
-"""The fast CPU path: int8 weights, our own lean Llama forward, preallocated KV caches.
+"""The fast CPU path: int4 (or int8) weights, our own lean Llama forward, preallocated KV caches.
 
 Why this design (measured on the 2-core AVX2 machine, all linear layers of SmolLM2-135M, M rows):
   - float32 ``F.linear``: 53 ms (M=1), 90-113 ms (M=2..9);
@@ -8,9 +8,12 @@ Why this design (measured on the 2-core AVX2 machine, all linear layers of SmolL
     target alone would hold only up to luck;
   - ``torch._int_mm`` with per-row activation scales: 26-36 ms (the quantisation ops cost);
   - ``aten._weight_int8pack_mm`` (int8 weights, one scale per output row, bfloat16 activations):
-    **11 ms** (M=1), 14 (M=2), 18 (M=4), 29 (M=8), and each output row is computed from its input
-    row alone: bitwise the same whatever else shares the call. This is what we use.
-Hugging Face's eager Llama around those kernels added ~13-24 ms a step (211 linear calls, a
+    11 ms (M=1), 14 (M=2), 18 (M=4), 29 (M=8);
+  - ``aten._weight_int4pack_mm_for_cpu`` (4-bit groups of 32, bfloat16 activations): **6 ms**
+    (M=1), 7 (M=2), 10 (M=4), 17 (M=8). The embedded GGUF's layers are Q4_1, i.e. 4-bit groups of 32.
+Both weight-only kernels compute each output row from its input row alone: bitwise the same
+whatever else shares the call. int4 is the default (``quantize: auto``), the head stays in 8 bits.
+Hugging Face's eager Llama around those kernels added 6-20 ms a step (211 linear calls, a
 ``torch.cat`` per layer to grow its cache, mask building), so :class:`FastRunner` runs its own
 forward over the same weights: fused q/k/v and gate/up projections (121 kernel calls a step),
 KV caches preallocated per sequence, and sequences of a batch concatenated row-wise (ragged, no
