@@ -4,9 +4,10 @@ prompt-lookup decoding vs llama.cpp, on the same prompts, interleaved, in one pr
 Every method decodes greedily. A lossless method must equal its reference token for token (ours:
 target-only on the runtime served; Hugging Face's: HF greedy on the float model) and the report
 says whether it did; target-only on another runtime and llama.cpp are other models (other
-precisions), so for them the report gives their agreement with the served target instead. Figures per domain and overall: tokens/s, speedup over
-target-only on the same prompts, and for our engine alpha, mean acceptance length, c (draft cost
-per token / one target step) and the speedup the measured alpha and c predict.
+precisions), so for them the report gives their agreement with the served target instead.
+Figures per domain and overall: tokens/s, speedup over target-only on the same prompts, and for
+our engine alpha, mean acceptance length, c (draft cost per token / one target step) and the
+speedup the measured alpha and c predict.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tqdm import tqdm
 
 from config import DraftConfig, EngineConfig, KPolicyConfig, ModelConfig, SamplingParams
 from speculative.engine import SpeculativeEngine
+from speculative.fast import FastPathError, make_runner, runtime_of
 from speculative.kpolicy import expected_speedup
 from speculative.proposers import NgramProposer
 from speculative.stats import SpecStats
@@ -94,8 +96,6 @@ def hf_greedy_generate(model, ids: list[int], max_tokens: int, eos: set[int], **
 
 def _other_runtimes(engine: SpeculativeEngine, methods: tuple[str, ...], skipped: dict) -> dict:
     """Target-only engines on the runtimes the methods name (not the one served: that is ``target``)."""
-    from speculative.fast import FastPathError, make_runner, runtime_of
-
     served = runtime_of(engine.target)
     out = {}
     for m in methods:
@@ -161,7 +161,6 @@ def run_bench(
         lookup.costs.verify_s.update(engine.costs.verify_s)
         lookup.costs.draft_s["ngram"] = 0.0
     engines = {"spec": engine, "spec_lookup": lookup}
-    plain = {"target": alone, **runtimes}  # target-only engines
     hf_methods = [m for m in methods if m.startswith("hf_")]
     tallies: dict[tuple[str, str], Tally] = defaultdict(Tally)
     rows = []
@@ -181,8 +180,8 @@ def run_bench(
             if m in engines:
                 g = engines[m].generate(ids, params)
                 toks, dt, stats = g.token_ids, g.seconds, g.stats
-            elif m in plain:
-                g = plain[m].generate(ids, params)
+            elif m in runtimes:  # target-only on another runtime
+                g = runtimes[m].generate(ids, params)
                 toks, dt = g.token_ids, g.seconds
             elif m == "llamacpp":
                 from .llamacpp import llamacpp_greedy
@@ -303,13 +302,31 @@ def bench_main(args) -> int:
     engine = build_engine(cfg, texts=[r.text for r in workload])
     result = run_bench(engine, records, args.max_tokens, tuple(args.methods.split(",")), args.lookup_tokens,
                        threads=args.threads)
-    from speculative.fast import runtime_of
-
     result["runtime"] = runtime_of(engine.target)
     result["config"] = json.loads(cfg.model_dump_json())
     result["workload"] = str(args.workload)
     print(format_table(result))
     write_json(result, args.json)
+    return 0
+
+
+def measurement_cli(prog: str, doc: str, add_args, run, argv=None) -> int:
+    """A ``python -m bench.<x>`` measurement: the module's own options (``add_args(parser)``) plus
+    --target, --threads and --json; ``run(args)`` returns the report, printed as JSON and written."""
+    import argparse
+
+    from config import EMBEDDED_TARGET
+
+    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=EMBEDDED_TARGET)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    add_args(ap)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    res = run(args)
+    print(json.dumps(res, indent=1))
+    write_json(res, args.json)
     return 0
 
 
@@ -324,7 +341,7 @@ def write_json(result: dict, path: str | None) -> None:
 def engine_config_from_args(args) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(name=args.target, device=getattr(args, "device", "cpu"), dtype=getattr(args, "dtype", "float32"),
-                          quantize=getattr(args, "quantize", "auto")),
+                          quantize=args.quantize),
         draft=DraftConfig(
             kind=args.draft,
             num_layers=args.draft_layers,

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from config import SamplingParams
+from config import QUANTIZE_CHOICES, SamplingParams
 from learner.offline import DistillConfig, collect_teacher_data, distill
 from learner.replay import ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
@@ -445,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--threads", type=int, default=2)
         p.add_argument("--device", default="cpu")
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-        p.add_argument("--quantize", default="auto", choices=["auto", "int4", "int8", "none"], help="runtime of target and draft (see osd bench -h)")
+        p.add_argument("--quantize", default="auto", choices=QUANTIZE_CHOICES, help="runtime of target and draft (see osd bench -h)")
         p.add_argument("--checkpoint-dir", default=None, help="online learner checkpoints (the learned draft)")
         p.add_argument("--json", default=None, help="write the result JSON here")
         p.add_argument("--png", default=None, help="write the plot here")
@@ -483,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--threads", type=int, default=2)
     x.add_argument("--device", default="cpu")
     x.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    x.add_argument("--quantize", default="auto", choices=["auto", "int4", "int8", "none"], help="runtime of target and draft (see osd bench -h)")
+    x.add_argument("--quantize", default="auto", choices=QUANTIZE_CHOICES, help="runtime of target and draft (see osd bench -h)")
     x.add_argument("--json", default=None)
     x.add_argument("--png", default=None)
     x.add_argument("--quiet", action="store_true")
@@ -513,7 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--threads", type=int, default=2, help="serving torch threads")
     o.add_argument("--device", default="cpu")
     o.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    o.add_argument("--quantize", default="auto", choices=["auto", "int4", "int8", "none"], help="runtime of target and draft (see osd bench -h)")
+    o.add_argument("--quantize", default="auto", choices=QUANTIZE_CHOICES, help="runtime of target and draft (see osd bench -h)")
     o.add_argument("--json", default=None)
     o.add_argument("--quiet", action="store_true")
     return ap

@@ -59,7 +59,7 @@ def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
     from speculative.proposers import DraftModelProposer
     from speculative.fast import make_runner
 
-    model = ModelConfig(device=args.device, dtype=args.dtype, quantize=getattr(args, "quantize", "none"),
+    model = ModelConfig(device=args.device, dtype=args.dtype, quantize=args.quantize,
                         **({"name": args.target} if args.target else {}))
     ckpt = args.draft_checkpoint
     if ckpt:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -71,7 +72,7 @@ def speculation_limit(a: float, c: float, v: dict[int, float], k_max: int) -> di
 
 def measured_alphas(bench_json: str) -> dict[str, float]:
     """Acceptance rates an ``osd bench`` report measured: '<method>/<domain>' -> alpha."""
-    res = json.loads(open(bench_json).read())
+    res = json.loads(Path(bench_json).read_text())
     out = {}
     for dom, d in res["domains"].items():
         for m, e in d.items():
@@ -100,7 +101,8 @@ def profile(target_name: str, workload: str, context: int = 128, max_verify: int
             g = target.generate(torch.tensor([ids], device=target.device), max_new_tokens=coverage_tokens, do_sample=False)
         emitted += g[0, len(ids):].tolist()
     texts = [r.text for r in recs[0::2]]
-    options = [(n, c) for n, c in DRAFT_OPTIONS if drafts is None or n in drafts]
+    # each draft option built once (its head ids chosen once), then run on every path
+    options = [(n, *build_draft_model(c, target, tok, texts)) for n, c in DRAFT_OPTIONS if drafts is None or n in drafts]
     ng = NgramProposer()
     ngram_s = _median_time(lambda: ng.lookup(ctx + extra, 8), repeats)
     for path in paths:
@@ -121,8 +123,7 @@ def profile(target_name: str, workload: str, context: int = 128, max_verify: int
             entry = {"runtime": runtime_of(t_runner), "target_ms_per_step": round(1000 * t1, 2),
                      "verify_cost_relative": rel, "drafts": {}}
             del t_runner
-            for name, cfg in options:
-                draft, keep = build_draft_model(cfg, target, tok, texts)
+            for name, draft, keep in options:
                 runner = make_runner(draft, path, keep, name="draft", draft=True)
                 d = _step_time(runner, ctx, extra[:1], repeats)
                 e = {"ms_per_token": round(1000 * d, 2), "c": round(d / t1, 3)}

@@ -10,18 +10,15 @@ llama.cpp on the same GGUF when installed.
 
 from __future__ import annotations
 
-import argparse
-import json
-
 import numpy as np
 import torch
 
-from config import EMBEDDED_TARGET, ModelConfig
+from config import ModelConfig
 from speculative.fast import FastRunner
 from speculative.models import encode_prompt, load_model
 from workloads import load_workload
 
-from .bench import hf_greedy_generate, select, write_json
+from .bench import hf_greedy_generate, measurement_cli, select
 from .llamacpp import BackendUnavailable, gguf_of, load_llamacpp
 
 
@@ -58,20 +55,13 @@ def agreement(target_name: str, workload: str, n: int, max_tokens: int, threads:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=EMBEDDED_TARGET)
-    ap.add_argument("--workload", default="bench/data/workload.jsonl")
-    ap.add_argument("--n", type=int, default=24)
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    res = agreement(a.target, a.workload, a.n, a.max_tokens, a.threads)
-    print(json.dumps(res, indent=1))
-    write_json(res, a.json)
-    return 0
+    def add_args(ap):
+        ap.add_argument("--workload", default="bench/data/workload.jsonl")
+        ap.add_argument("--n", type=int, default=24)
+        ap.add_argument("--max-tokens", type=int, default=48)
+
+    return measurement_cli("python -m bench.quality", __doc__, add_args,
+                           lambda a: agreement(a.target, a.workload, a.n, a.max_tokens, a.threads), argv)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "EMBEDDED_TARGET",
+    "QUANTIZE_CHOICES",
     "GREEDY_BELOW",
     "ModelConfig",
     "DraftConfig",
@@ -52,6 +53,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+Quantize = Literal["auto", "int4", "int8", "none"]
+#: the values of ``ModelConfig.quantize``, for command lines
+QUANTIZE_CHOICES: tuple[str, ...] = get_args(Quantize)
+
+
 class ModelConfig(_Strict):
     """The target model.
 
@@ -70,7 +76,7 @@ class ModelConfig(_Strict):
     #: same with 8-bit weights; ``none``: Hugging Face eager in ``dtype`` (the float32 reference);
     #: ``auto``: int4 on a CPU for a Llama-style model, else none. Lossless is relative to the
     #: runtime served: speculative output equals that runtime's own target-only output.
-    quantize: Literal["auto", "int4", "int8", "none"] = "auto"
+    quantize: Quantize = "auto"
 
     @field_validator("device")
     @classmethod

@@ -29,7 +29,7 @@ DEFAULT_WORKLOAD = Path(__file__).resolve().parent.parent / "bench" / "data" / "
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    from config import EMBEDDED_TARGET
+    from config import EMBEDDED_TARGET, QUANTIZE_CHOICES
 
     g = p.add_argument_group("engine")
     g.add_argument("--target", default=EMBEDDED_TARGET, help="target model: embedded default, HF id, folder or .gguf")
@@ -44,7 +44,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=2)
     g.add_argument("--device", default="cpu", help="torch device of target and draft (cpu, cuda, cuda:1, ...)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--quantize", default="auto", choices=["auto", "int4", "int8", "none"], help="runtime: int4 / int8 weights on our fast CPU path, none = Hugging Face eager in --dtype (the float32 reference); auto = int4 on a CPU")
+    g.add_argument("--quantize", default="auto", choices=QUANTIZE_CHOICES, help="runtime: int4 / int8 weights on our fast CPU path, none = Hugging Face eager in --dtype (the float32 reference); auto = int4 on a CPU")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,20 +1,20 @@
 """The fast CPU path: int4 (or int8) weights, our own lean Llama forward, preallocated KV caches.
 
-Why this design (measured on the 2-core AVX2 machine, all linear layers of SmolLM2-135M, M rows):
-  - float32 ``F.linear``: 53 ms (M=1), 90-113 ms (M=2..9);
-  - torch's fbgemm dynamic int8 (``quantize_dynamic``): 12-20 ms, but its activation scale is one
+Why this design (``python -m bench.kernels``, all 211 linear layers of SmolLM2-135M, M rows):
+  - float32 ``F.linear``: 45 ms (M=1), 58-73 ms (M=2..9);
+  - torch's fbgemm dynamic int8 (``quantize_dynamic``): 10-12 ms, but its activation scale is one
     per *call*, so a row's result depends on the other rows in the call: verifying k + 1 tokens at
     once would not give the logits of decoding them one by one, and greedy equality with the
     target alone would hold only up to luck;
-  - ``torch._int_mm`` with per-row activation scales: 26-36 ms (the quantisation ops cost);
+  - ``torch._int_mm`` with per-row int8 activation scales: 15-19 ms;
   - ``aten._weight_int8pack_mm`` (int8 weights, one scale per output row, bfloat16 activations):
-    11 ms (M=1), 14 (M=2), 18 (M=4), 29 (M=8);
-  - ``aten._weight_int4pack_mm_for_cpu`` (4-bit groups of 32, bfloat16 activations): **6 ms**
-    (M=1), 7 (M=2), 10 (M=4), 17 (M=8). The embedded GGUF's layers are Q4_1, i.e. 4-bit groups of 32.
+    12 ms (M=1), 15 (M=2), 16 (M=4), 29 (M=8);
+  - ``aten._weight_int4pack_mm_for_cpu`` (4-bit groups of 32, bfloat16 activations): **7.5 ms**
+    (M=1), 8 (M=2), 11 (M=4), 17 (M=8). The embedded GGUF's layers are Q4_1, i.e. 4-bit groups of 32.
 Both weight-only kernels compute each output row from its input row alone: bitwise the same
 whatever else shares the call. int4 is the default (``quantize: auto``), the head stays in 8 bits.
-Hugging Face's eager Llama around those kernels added 6-20 ms a step (211 linear calls, a
-``torch.cat`` per layer to grow its cache, mask building), so :class:`FastRunner` runs its own
+Hugging Face's eager Llama around those kernels makes 211 linear calls a step, grows its cache with
+a ``torch.cat`` per layer and builds masks, so :class:`FastRunner` runs its own
 forward over the same weights: fused q/k/v and gate/up projections (121 kernel calls a step),
 KV caches preallocated per sequence, and sequences of a batch concatenated row-wise (ragged, no
 padding: the linear layers see every row of every sequence in one call; attention runs per
@@ -38,13 +38,13 @@ from .runner import ForwardCall, ModelRunner
 
 
 class FastPathError(ValueError):
-    """The model or device cannot run on the int8 fast path; the message says why and what to use."""
+    """The model or device cannot run on the fast path; the message says why and what to use."""
 
 
 def supports_fast_path(model: PreTrainedModel) -> str | None:
     """None when ``model`` can run on :class:`FastRunner`, else why not."""
     if str(next(model.parameters()).device) != "cpu":
-        return "the int8 path runs on the CPU (use quantize: none with bfloat16 on a GPU)"
+        return "the int4 / int8 path runs on the CPU (use quantize: none with bfloat16 on a GPU)"
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if inner is None or layers is None or not hasattr(model, "lm_head"):
@@ -141,8 +141,8 @@ class _Cache:
 
 class FastRunner(ModelRunner):
     """A :class:`ModelRunner` (same calls: ``forward``, ``forward_batch``, ``verify``, caches by
-    id) over an int8 copy of a Llama-style model. ``model`` stays the float model: what the learner
-    trains and what :meth:`load_state_dict` loads into; the int8 copy is rebuilt from it."""
+    id) over an int4 / int8 copy of a Llama-style model. ``model`` stays the float model: what the
+    learner trains and what :meth:`load_state_dict` loads into; the packed copy is rebuilt from it."""
 
     def __init__(self, model: PreTrainedModel, vocab_map: torch.Tensor | None = None, name: str = "model",
                  bits: int = 4, initial_capacity: int = 256, head_bits: int = 8):
@@ -150,7 +150,7 @@ class FastRunner(ModelRunner):
             raise FastPathError(f"{name}: the fast path has int4 and int8 weights, not {bits} / {head_bits} bits")
         why = supports_fast_path(model)
         if why:
-            raise FastPathError(f"{name}: cannot use the int8 fast path: {why}")
+            raise FastPathError(f"{name}: cannot use the fast path: {why}")
         super().__init__(model, vocab_map, name)
         cfg = model.config
         self.n_layers = cfg.num_hidden_layers
@@ -185,11 +185,6 @@ class FastRunner(ModelRunner):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self._quantise()
-
-    # -- per-sequence state -------------------------------------------------------------
-    def cached_length(self, seq_id: str) -> int:
-        cache = self._caches.get(seq_id)
-        return 0 if cache is None else cache.length
 
     # -- compute ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -236,12 +231,7 @@ class FastRunner(ModelRunner):
 
     def _open(self, c: ForwardCall) -> _Cache:
         """The call's cache, cropped back to ``c.start`` (a new one at 0) with room for its tokens."""
-        if not c.tokens:
-            raise ValueError("forward needs at least one token")
-        cache = self._caches.get(c.seq_id)
-        have = 0 if cache is None else cache.length
-        if c.start > have:
-            raise ValueError(f"{self.name}: sequence {c.seq_id!r} has {have} cached positions, cannot start at {c.start}")
+        cache, _ = self._cached(c.seq_id, c.start, c.tokens)
         if cache is None:
             cache = self._caches[c.seq_id] = _Cache(self.n_layers, self.n_kv, self.head_dim, self.initial_capacity)
         cache.length = c.start  # crop: positions past start are overwritten

@@ -96,12 +96,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, seq_id: str, start: int, tokens: list[int], keep_last: int = 1) -> torch.Tensor:
         """Logits for the last ``keep_last`` of ``tokens`` placed at positions start.. : [keep_last, V_model]."""
-        if not tokens:
-            raise ValueError("forward needs at least one token")
-        cache = self._caches.get(seq_id)
-        have = 0 if cache is None else cache.get_seq_length()
-        if start > have:
-            raise ValueError(f"{self.name}: sequence {seq_id!r} has {have} cached positions, cannot start at {start}")
+        cache, have = self._cached(seq_id, start, tokens)
         if cache is None or start == 0:
             cache = self._caches[seq_id] = DynamicCache(config=self.model.config)
         elif start < have:
@@ -159,13 +154,19 @@ class ModelRunner:
             results.append(logits[b, tlen[b] - c.keep_last : tlen[b]])
         return results
 
-    def _prefix(self, c: ForwardCall) -> DynamicCache | None:
-        if not c.tokens:
+    def _cached(self, seq_id: str, start: int, tokens: list[int]):
+        """(the sequence's cache or None, its cached positions), refusing an empty call and a start
+        past what is cached. Caches are anything with ``get_seq_length()``."""
+        if not tokens:
             raise ValueError("forward needs at least one token")
-        cache = self._caches.get(c.seq_id)
+        cache = self._caches.get(seq_id)
         have = 0 if cache is None else cache.get_seq_length()
-        if c.start > have:
-            raise ValueError(f"{self.name}: sequence {c.seq_id!r} has {have} cached positions, cannot start at {c.start}")
+        if start > have:
+            raise ValueError(f"{self.name}: sequence {seq_id!r} has {have} cached positions, cannot start at {start}")
+        return cache, have
+
+    def _prefix(self, c: ForwardCall) -> DynamicCache | None:
+        cache, _ = self._cached(c.seq_id, c.start, c.tokens)
         return cache if c.start else None
 
     @staticmethod
