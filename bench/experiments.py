@@ -5,13 +5,22 @@
   fed one :class:`learner.replay.ReplayRecord` per request, publishing into ``engine.swap_draft``)
   and ``offline`` (the upper bound: a draft distilled beforehand on the target's greedy outputs for
   ALL the stream's prompts, then streamed without updates).
+  Proposers other than the token draft run as methods of their own on the same stream: ``target``
+  (no proposer: the speed reference), ``lookup`` (prompt lookup), ``suffix`` (suffix trees over
+  the stream served so far, learned online by construction) and ``controller`` (suffix tree,
+  prompt lookup and the online-learned draft, chosen per step); their alpha counts every drafted
+  step, whichever proposer drafted it.
 * :func:`run_shift` - the same, with the stream ordered in domain blocks; offline drafts trained
   on the first 30/50/70/100% of the stream; block boundaries are reported.
 * :func:`plot` - alpha vs records processed, one line per method (block boundaries for shift).
 * :func:`main` - ``python -m bench.experiments {online,shift} ...`` on the real engine.
 
-Alpha of a request = accepted draft tokens / proposed draft tokens (greedy, fixed k, so the draft
-proposes on every step that has budget). Curves are moving windows over the last ``window``
+Alpha of a request = accepted draft tokens / proposed draft tokens (greedy, fixed k unless
+``adaptive``, so the draft proposes on every step that has budget). Each row also keeps the
+request's output tokens and decoding seconds: tokens/s per method (and per domain) and its ratio to
+the ``target`` method's are reported when ``target`` runs. ``turns`` > 1 makes each record a
+conversation: turn t + 1 re-sends the history (user turns and the target's answers) with a
+follow-up question, as chat clients and agents do; each turn is a request of its own. Curves are moving windows over the last ``window``
 requests (token-weighted: sum accepted / sum proposed), sampled every ``eval_every`` requests.
 Everything returned is JSON-serialisable.
 """
@@ -30,7 +39,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from config import QUANTIZE_CHOICES, SamplingParams
+from config import QUANTIZE_CHOICES, KPolicyConfig, SamplingParams
 from learner.offline import DistillConfig, collect_teacher_data, distill
 from learner.replay import ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
@@ -96,19 +105,27 @@ def stream(
     ignore_eos: bool = False,
     log: Callable[[str], None] | None = print,
     label: str = "",
+    sources: tuple[str, ...] = ("draft",),
+    turns: int = 1,
 ) -> dict:
     """Stream ``items`` through ``engine`` (greedy); with a learner, observe each request's record and
-    train (subscriber: ``engine.swap_draft``). Returns per-request rows and the window curves."""
+    train (subscriber: ``engine.swap_draft``). Alpha counts the steps ``sources`` drafted. With
+    ``turns`` > 1 every item is a conversation of that many requests. Returns per-request rows
+    and the window curves."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
-    subs = [engine.swap_draft]
+    subs = [engine.swap_draft] if engine.learned_draft is not None else []
     win: deque[tuple[int, int]] = deque(maxlen=window)
     dwin: dict[str, deque[tuple[int, int]]] = {}
     rows, curve, dcurve = [], [], {}
     t_start = time.perf_counter()
-    for i, (prompt, domain) in enumerate(items, start=1):
-        rec, acc, prop, gen = serve_recorded(engine, prompt, params, domain=domain, draft_id=DRAFT_ID)
+    requests = _Conversation(engine, items, turns)
+    for i, (prompt, domain, turn) in enumerate(requests, start=1):
+        rec, acc, prop, gen = serve_recorded(engine, prompt, params, domain=domain, draft_id=DRAFT_ID, sources=sources)
+        requests.send(gen.text)  # the next turn of a conversation answers it
+        draft = engine.learned_draft
         row = {"i": i, "domain": domain, "accepted": acc, "proposed": prop, "alpha": _alpha(acc, prop),
-               "tokens": len(gen.token_ids), "draft_version": int(getattr(_draft_of(engine), "version", 0))}
+               "tokens": len(gen.token_ids), "seconds": gen.seconds, "turn": turn,
+               "draft_version": int(draft.version) if draft is not None else 0}
         if learner is not None:
             learner.observe(rec)
             if budget is not None:
@@ -132,11 +149,50 @@ def stream(
     return {"rows": rows, "curve": curve, "domain_curves": dcurve}
 
 
+#: follow-ups of a conversation's later turns (``turns`` > 1): what users and agent loops send next
+FOLLOW_UPS = (
+    "Please give that answer again, but shorter.",
+    "Check your answer above and write out the final version in full.",
+    "Repeat the most important part of your answer and explain it in one sentence.",
+)
+
+
+class _Conversation:
+    """The requests of a stream: each item once (``turns`` = 1), or as a conversation whose next
+    turn is built from the answer :meth:`send` receives (chat history + a follow-up)."""
+
+    def __init__(self, engine, items, turns: int):
+        if turns < 1:
+            raise ValueError("turns must be >= 1")
+        self.engine, self.items, self.turns = engine, items, turns
+        self.answer: str | None = None
+
+    def send(self, text: str) -> None:
+        self.answer = text
+
+    def __iter__(self):
+        from speculative.models import encode_messages
+
+        for prompt, domain in self.items:
+            if self.turns <= 1:
+                yield prompt, domain, 1
+                continue
+            messages = [{"role": "user", "content": prompt}]
+            for t in range(self.turns):
+                yield encode_messages(self.engine.tokenizer, messages), domain, t + 1
+                messages += [{"role": "assistant", "content": self.answer or ""},
+                             {"role": "user", "content": FOLLOW_UPS[t % len(FOLLOW_UPS)]}]
+
+
 def _summary(res: dict, window: int) -> dict:
     rows = res["rows"]
 
     def a(rs):
         return _alpha(sum(r["accepted"] for r in rs), sum(r["proposed"] for r in rs))
+
+    def tps(rs):
+        s = sum(r.get("seconds", 0.0) for r in rs)
+        return sum(r["tokens"] for r in rs) / s if s else None
 
     domains = list(dict.fromkeys(r["domain"] for r in rows))
     by_dom = {d: [r for r in rows if r["domain"] == d] for d in domains}
@@ -146,7 +202,23 @@ def _summary(res: dict, window: int) -> dict:
         "mean_alpha": a(rows),
         "second_half_alpha": a(rows[len(rows) // 2:]),
         "mean_alpha_domain": {d: a(rs) for d, rs in by_dom.items()},
+        "tokens_per_s": tps(rows),
+        "tokens_per_s_domain": {d: tps(rs) for d, rs in by_dom.items()},
+        "second_half_tokens_per_s": tps(rows[len(rows) // 2:]),
     }
+
+
+def _speedups(out: dict) -> None:
+    """Each method's tokens/s over the ``target`` method's (overall, second half, per domain)."""
+    ref = out.get("target")
+    if ref is None:
+        return
+    for e in out.values():
+        e["speedup"] = e["tokens_per_s"] / ref["tokens_per_s"] if e["tokens_per_s"] and ref["tokens_per_s"] else None
+        e["second_half_speedup"] = (e["second_half_tokens_per_s"] / ref["second_half_tokens_per_s"]
+                                    if e["second_half_tokens_per_s"] and ref["second_half_tokens_per_s"] else None)
+        e["speedup_domain"] = {d: (v / ref["tokens_per_s_domain"][d] if v and ref["tokens_per_s_domain"].get(d) else None)
+                               for d, v in e["tokens_per_s_domain"].items()}
 
 
 def _offline_train(engine, prompts: list, max_tokens: int, distill_cfg: DistillConfig, log) -> dict:
@@ -182,19 +254,32 @@ def _run_methods(
     seconds_per_round: float | None,
     ignore_eos: bool,
     log,
+    adaptive: bool = False,
+    turns: int = 1,
 ) -> dict:
     out = {}
     for m in methods:
         engine = engine_factory()
-        _force_k(engine, k)
+        if adaptive:  # the engine's k policy (k_max = k), on costs measured now
+            engine.cfg = engine.cfg.model_copy(update={"k": KPolicyConfig(k_max=max(k or 1, 1))})
+        else:
+            _force_k(engine, k)
         entry: dict[str, Any] = {"training_seconds": 0.0, "rounds": 0, "accepted_rounds": 0, "rejected_rounds": 0,
                                  "versions_published": 0}
         learner = budget = None
-        if m == "online":
+        sources = ("draft",)
+        if m in PROPOSER_METHODS:
+            engine.proposer = _method_proposer(m, engine)
+            sources = ("draft", "ngram", "suffix")
+        if adaptive and engine.proposer is not None:
+            engine.calibrate()
+        if m in ("online", "controller"):
             dp = _draft_of(engine)
             budget = _RoundBudget(seconds_per_round)
             trainer = DraftTrainer(DRAFT_ID, dp.runner.model, learner_cfg, keep_ids=dp.runner.vocab_map)
             learner = OnlineLearner(learner_cfg, ShardConfig(), [trainer], should_yield=budget)
+        elif m in PROPOSER_METHODS:
+            pass
         elif m in offline_prompts:
             if log:
                 log(f"[{m}] distilling the offline draft on {len(offline_prompts[m])} prompts")
@@ -205,7 +290,7 @@ def _run_methods(
         elif m != "static":
             raise ValueError(f"unknown method {m!r}")
         res = stream(engine, items, max_tokens=max_tokens, learner=learner, budget=budget, eval_every=eval_every,
-                     window=window, ignore_eos=ignore_eos, log=log, label=m)
+                     window=window, ignore_eos=ignore_eos, log=log, label=m, sources=sources, turns=turns)
         if learner is not None:
             reps = learner.reports
             entry["training_seconds"] = sum(r.seconds for r in reps)
@@ -217,8 +302,29 @@ def _run_methods(
             learner.close()
         entry.update(_summary(res, window))
         entry.update(curve=res["curve"], domain_curves=res["domain_curves"], rows=res["rows"])
+        if m == "controller":
+            entry["picks"] = dict(engine.proposer.picks)
         out[m] = entry
+    _speedups(out)
     return out
+
+
+#: methods that replace the token draft with another proposer (see the module docstring)
+PROPOSER_METHODS = ("target", "lookup", "suffix", "controller")
+
+
+def _method_proposer(method: str, engine):
+    from config import NgramConfig, SuffixConfig
+    from speculative.proposers import ControllerProposer, NgramProposer
+    from speculative.suffix import SuffixProposer
+
+    if method == "target":
+        return None
+    if method == "lookup":
+        return NgramProposer(NgramConfig())
+    if method == "suffix":
+        return SuffixProposer(SuffixConfig())
+    return ControllerProposer(SuffixProposer(SuffixConfig()), NgramProposer(NgramConfig()), _draft_of(engine))
 
 
 def _check_common(methods, eval_every, window, max_tokens):
@@ -246,6 +352,8 @@ def run_online(
     distill_cfg: DistillConfig | None = None,
     ignore_eos: bool = False,
     log: Callable[[str], None] | None = print,
+    adaptive: bool = False,
+    turns: int = 1,
 ) -> dict:
     """Alpha over the stream for static / online / offline (bound trained on ALL prompts) /
     ``offline@<pct>`` (trained on the first pct% only: over the rest of the stream it measures
@@ -260,7 +368,7 @@ def run_online(
     offline = {m: [p for p, _ in items[: _offline_count(m, len(items))]] for m in methods if m.startswith("offline")}
     return _run_stream("online", engine_factory, items, learner_cfg, methods, offline, {}, eval_every=eval_every,
                        max_tokens=max_tokens, k=k, window=window, seconds_per_round=seconds_per_round,
-                       distill_cfg=distill_cfg, ignore_eos=ignore_eos, log=log)
+                       distill_cfg=distill_cfg, ignore_eos=ignore_eos, log=log, adaptive=adaptive, turns=turns)
 
 
 def paired_gain(result: dict, method: str, base: str = "static", start: int | None = None) -> dict:
@@ -316,6 +424,8 @@ def run_shift(
     distill_cfg: DistillConfig | None = None,
     ignore_eos: bool = False,
     log: Callable[[str], None] | None = print,
+    adaptive: bool = False,
+    turns: int = 1,
 ) -> dict:
     """Domain-shift stream (blocks in ``order``): static, online, and ``offline@<pct>`` drafts
     trained on the first ``fraction`` of the stream. ``boundaries`` mark the blocks."""
@@ -327,19 +437,20 @@ def run_shift(
     extra = {"order": [b["domain"] for b in bounds], "boundaries": bounds, "fractions": list(fractions)}
     return _run_stream("shift", engine_factory, items, learner_cfg, methods, offline, extra, eval_every=eval_every,
                        max_tokens=max_tokens, k=k, window=window, seconds_per_round=seconds_per_round,
-                       distill_cfg=distill_cfg, ignore_eos=ignore_eos, log=log)
+                       distill_cfg=distill_cfg, ignore_eos=ignore_eos, log=log, adaptive=adaptive, turns=turns)
 
 
 def _run_stream(experiment, engine_factory, items, learner_cfg, methods, offline, extra, *, eval_every, max_tokens,
-                k, window, seconds_per_round, distill_cfg, ignore_eos, log) -> dict:
+                k, window, seconds_per_round, distill_cfg, ignore_eos, log, adaptive=False, turns=1) -> dict:
     """What online and shift share: the default offline training, the methods' runs, the report."""
     _check_common(methods, eval_every, window, max_tokens)
     distill_cfg = distill_cfg or DistillConfig(max_tokens=max_tokens, seconds=120.0, epochs=3, warmup_steps=0,
                                                lr=min(learner_cfg.lr * 10, 1e-2), log_every=1000)
     res = _run_methods(engine_factory, items, methods, learner_cfg, offline_prompts=offline, distill_cfg=distill_cfg,
                        max_tokens=max_tokens, k=k, eval_every=eval_every, window=window,
-                       seconds_per_round=seconds_per_round, ignore_eos=ignore_eos, log=log)
-    return {"experiment": experiment, "n_records": len(items), **extra,
+                       seconds_per_round=seconds_per_round, ignore_eos=ignore_eos, log=log, adaptive=adaptive,
+                       turns=turns)
+    return {"experiment": experiment, "n_records": len(items), "turns": turns, "adaptive": adaptive, **extra,
             "domains": list(dict.fromkeys(d for _, d in items)), "max_tokens": max_tokens, "k": k,
             "eval_every": eval_every, "window": window, "learner": json.loads(learner_cfg.model_dump_json()),
             "distill": json.loads(distill_cfg.model_dump_json()), "methods": res}
@@ -392,11 +503,13 @@ def format_table(result: dict) -> str:
     def f(v):
         return f"{v:.3f}" if isinstance(v, (int, float)) else "-"
 
-    hdr = f"{'method':<13}" + "".join(f"{d[:8]:>9}" for d in doms) + f"{'all':>9}{'mean':>9}{'2nd half':>9}{'train s':>9}{'rounds':>8}{'acc/rej':>9}"
+    hdr = (f"{'method':<13}" + "".join(f"{d[:8]:>9}" for d in doms)
+           + f"{'all':>9}{'mean':>9}{'2nd half':>9}{'tok/s':>8}{'speedup':>8}{'train s':>9}{'rounds':>8}{'acc/rej':>9}")
     lines = [hdr, "-" * len(hdr)]
     for m, e in result["methods"].items():
         lines.append(f"{m:<13}" + "".join(f"{f(e['final_alpha_domain'].get(d)):>9}" for d in doms)
-                     + f"{f(e['final_alpha']):>9}{f(e['mean_alpha']):>9}{f(e.get('second_half_alpha')):>9}{e['training_seconds']:>9.1f}{e['rounds']:>8}"
+                     + f"{f(e['final_alpha']):>9}{f(e['mean_alpha']):>9}{f(e.get('second_half_alpha')):>9}"
+                     + f"{f(e.get('tokens_per_s')):>8}{f(e.get('speedup')):>8}{e['training_seconds']:>9.1f}{e['rounds']:>8}"
                      + f"{str(e['accepted_rounds']) + '/' + str(e['rejected_rounds']):>9}")
     return "\n".join(lines)
 
@@ -418,10 +531,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--n", type=int, default=40, help="records (round-robin over domains, bench.select)")
         p.add_argument("--domains", nargs="*", default=None, help="keep only these domains")
         p.add_argument("--max-tokens", type=int, default=48)
-        p.add_argument("--k", type=int, default=4, help="fixed draft length")
+        p.add_argument("--k", type=int, default=4, help="fixed draft length (with --adaptive: the k policy's k_max)")
+        p.add_argument("--adaptive", action="store_true", help="the engine's adaptive k policy instead of a fixed k")
+        p.add_argument("--turns", type=int, default=1, help="requests per record: a conversation re-sending its history")
         p.add_argument("--eval-every", type=int, default=1)
         p.add_argument("--window", type=int, default=10, help="moving-window size (records)")
-        p.add_argument("--methods", default=None, help="comma list (online default static,online,offline)")
+        p.add_argument("--methods", default=None,
+                       help="comma list (online default static,online,offline); also target, lookup, suffix, controller")
         p.add_argument("--train-every", type=int, default=4)
         p.add_argument("--batch-records", type=int, default=16)
         p.add_argument("--steps-per-round", type=int, default=2)
@@ -563,7 +679,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     factory = real_engine_factory(args, texts=[r.text for r in all_recs])
     methods = tuple(args.methods.split(",")) if args.methods else None
     common = dict(eval_every=args.eval_every, max_tokens=args.max_tokens, k=args.k, window=args.window,
-                  seconds_per_round=args.seconds_per_round, distill_cfg=dcfg, log=log)
+                  seconds_per_round=args.seconds_per_round, distill_cfg=dcfg, log=log, adaptive=args.adaptive,
+                  turns=args.turns)
     if args.cmd == "online":
         result = run_online(factory, records, lcfg, methods=methods or ("static", "online", "offline"), **common)
     else:

@@ -33,21 +33,22 @@ def _alpha(acc: int, prop: int) -> float | None:
 
 
 def serve_recorded(engine, prompt, params: SamplingParams, *, domain: str | None = None, draft_id: str = "draft",
-                   probs_dtype: torch.dtype = torch.float32):
-    """Serve one request (text or token ids) to the end; returns ``(ReplayRecord, accepted,
-    proposed, Generation)`` with accepted / proposed counted over the learned draft's steps."""
+                   probs_dtype: torch.dtype = torch.float32, sources: tuple[str, ...] = ("draft",)):
+    """Serve one request (text or token ids) to the end in scope ``domain``; returns
+    ``(ReplayRecord, accepted, proposed, Generation)`` with accepted / proposed counted over the
+    steps that ``sources`` drafted (default: the learned draft's)."""
     b = RecordBuilder(probs_dtype=probs_dtype)
     acc = prop = 0
 
     def on_step(res):
         nonlocal acc, prop
         b.add(res)
-        if res.source == "draft":
+        if res.source in sources:
             acc += res.accepted
             prop += res.proposed
 
     tokens = engine.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-    gen = engine.generate(list(tokens), params, on_step=on_step)
+    gen = engine.generate(list(tokens), params, on_step=on_step, scope=domain)
     return b.finish(list(tokens) + gen.token_ids, len(tokens), domain=domain, draft_id=draft_id), acc, prop, gen
 
 

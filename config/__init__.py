@@ -18,6 +18,8 @@ __all__ = [
     "QUANTIZE_CHOICES",
     "GREEDY_BELOW",
     "ModelConfig",
+    "SuffixConfig",
+    "ControllerConfig",
     "DraftConfig",
     "NgramConfig",
     "KPolicyConfig",
@@ -103,6 +105,37 @@ class NgramConfig(_Strict):
         return self
 
 
+class SuffixConfig(_Strict):
+    """Suffix-tree proposer over past traffic (SuffixDecoding, arXiv 2411.04975; the tree is
+    ``arctic_inference.suffix_decoding``). Each scope (a domain, and a tenant when its training is
+    isolated) keeps one tree over the outputs of the requests it served, fed as they are generated;
+    every request also matches its own prompt and output. A step proposes the most frequent
+    continuation of the longest-matching suffix of the context, at most ``spec_factor`` x the match
+    length + ``spec_offset`` tokens (and the k policy's cap), stopping where a token's estimated
+    probability falls below ``min_token_prob``. Bounds: ``max_requests`` and ``max_tokens`` of
+    cached outputs per scope (oldest evicted first), ``max_scopes`` trees (least recently used
+    evicted first); memory is at most ``max_tokens`` x ``max_depth`` tree nodes a scope."""
+
+    max_depth: int = Field(default=64, ge=2, le=1024)  # longest context suffix matched (tree depth)
+    max_requests: int = Field(default=1024, ge=1)  # cached outputs per scope
+    max_tokens: int = Field(default=131_072, ge=16)  # cached output tokens per scope
+    max_scopes: int = Field(default=64, ge=1)
+    spec_factor: float = Field(default=1.0, gt=0.0, le=64.0)
+    spec_offset: float = Field(default=0.0, ge=0.0, le=64.0)
+    min_token_prob: float = Field(default=0.1, ge=0.0, le=1.0)
+
+
+class ControllerConfig(_Strict):
+    """Per-step choice among the proposers (suffix tree, prompt lookup, learned draft, none) by
+    expected tokens per unit of cost, S(k) maximised over k, from each proposer's live acceptance
+    in this request (a new request starts from its domain's) and its measured cost. The best
+    proposer that has something to propose drafts the step; a proposer not tried for
+    ``probe_every`` steps of a request drafts the next step it can, so a proposer that got
+    better (a draft that learned, a tree that filled) is noticed."""
+
+    probe_every: int = Field(default=8, ge=1)
+
+
 class DraftConfig(_Strict):
     """The proposer.
 
@@ -112,20 +145,28 @@ class DraftConfig(_Strict):
         sharing (a copy of) the target's embeddings
       - ``path``: any causal LM at ``path`` (must share the target's vocabulary)
       - ``ngram``: model-free prompt lookup only
+      - ``suffix``: model-free suffix tree over past traffic only (``suffix`` holds its settings)
       - ``none``: no proposer (target-only decoding)
     ``head_vocab``: keep only the N most frequent target tokens in the draft's output head
     (the 49152-row head dominates a small draft's cost); ids are mapped back to the target's.
     ``ngram_first``: try prompt lookup before the learned draft on every step.
+    ``use_suffix``: add the suffix tree over past traffic to a model kind (in the fixed order it is
+    tried first, before prompt lookup and the draft); ``suffix`` holds its settings.
+    ``controller``: instead of trying proposers in a fixed order, pick per step the one with the
+    best expected tokens per unit of cost (see :class:`ControllerConfig`); None: the fixed order.
     ``checkpoint``: a saved draft (``osd train-draft`` output) to load instead of building one;
     ``"default"`` is the general starting draft that ``osd distill`` builds and caches.
     """
 
-    kind: Literal["truncated", "fresh", "path", "ngram", "none"] = "truncated"
+    kind: Literal["truncated", "fresh", "path", "ngram", "suffix", "none"] = "truncated"
     num_layers: int = Field(default=2, ge=1)
     path: str | None = None
     head_vocab: int | None = Field(default=None, ge=16)
     ngram_first: bool = False
     ngram: NgramConfig = NgramConfig()
+    use_suffix: bool = False
+    suffix: SuffixConfig = SuffixConfig()
+    controller: ControllerConfig | None = None
     checkpoint: str | None = None
 
     @model_validator(mode="after")

@@ -215,7 +215,8 @@ class DraftPool:
         """Stream one request: first ``{"prompt_tokens"}`` (or ``{"error"}``), then ``{"text",
         "tokens"}`` per step, then ``{"finish_reason", "usage"}``."""
         try:
-            rid = engine.add_request(self._prompt_ids(req), req.params, req.request_id)
+            # scope: per-domain acceptance priors and suffix trees (an isolated tenant has its own engine)
+            rid = engine.add_request(self._prompt_ids(req), req.params, req.request_id, scope=req.domain)
         except RequestError as e:
             yield {"error": str(e)}
             return

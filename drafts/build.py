@@ -1,6 +1,8 @@
 """Drafts: (a) truncated target, (b) fresh small model sharing the target's embeddings,
 (c) any model by path, (d) any of these with a head restricted to frequent tokens,
-(e) prompt lookup (no model), alone or ahead of a learned draft.
+(e) prompt lookup (no model), alone or ahead of a learned draft, (f) suffix trees over past
+traffic (no model, ``speculative.suffix``); several of them in a fixed order or chosen per step by
+a controller.
 
 A small draft's cost is dominated by its output head (49152 x 576 for SmolLM2): a head over the
 target's N most frequent tokens cuts that cost roughly by 49152 / N while still covering most of
@@ -25,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreT
 
 from config import DraftConfig, ModelConfig
 from speculative.models import ModelLoadError, check_same_vocab, load_tokenizer, load_weights
-from speculative.proposers import ChainedProposer, DraftModelProposer, NgramProposer
+from speculative.proposers import ChainedProposer, ControllerProposer, DraftModelProposer, NgramProposer
 from speculative.fast import make_runner
 
 DRAFT_META = "osd_draft.json"
@@ -218,14 +220,22 @@ def build_proposer(
     cfg: DraftConfig, target: PreTrainedModel, target_tok: PreTrainedTokenizerBase, texts: Iterable[str] = (),
     quantize: str = "none",
 ):
-    """The proposer for ``cfg``: None (target only), prompt lookup, a learned draft, or both. The
-    draft runs on the runtime ``quantize`` names (as the target's; ``ModelConfig.quantize``)."""
+    """The proposer for ``cfg``: None (target only), prompt lookup, the suffix tree, a learned
+    draft, or several of them, tried in a fixed order (suffix tree, prompt lookup, draft) or chosen
+    per step by the controller. The draft runs on the runtime ``quantize`` names (as the target's;
+    ``ModelConfig.quantize``)."""
     if cfg.kind == "none":
         return None
-    ngram = NgramProposer(cfg.ngram)
-    if cfg.kind == "ngram":
-        return ngram
-    draft, keep = build_draft_model(cfg, target, target_tok, texts)
-    learned = DraftModelProposer(make_runner(draft, quantize, keep, name="draft", draft=True), target.config.vocab_size)
-    return ChainedProposer(ngram, learned) if cfg.ngram_first else learned
+    parts = []
+    if cfg.kind == "suffix" or cfg.use_suffix:
+        from speculative.suffix import SuffixProposer  # needs arctic-inference: only when asked for
 
+        parts.append(SuffixProposer(cfg.suffix))
+    if cfg.kind == "ngram" or cfg.ngram_first:
+        parts.append(NgramProposer(cfg.ngram))
+    if cfg.kind not in ("ngram", "suffix"):
+        draft, keep = build_draft_model(cfg, target, target_tok, texts)
+        parts.append(DraftModelProposer(make_runner(draft, quantize, keep, name="draft", draft=True), target.config.vocab_size))
+    if cfg.controller is not None:
+        return ControllerProposer(*parts, probe_every=cfg.controller.probe_every)
+    return parts[0] if len(parts) == 1 else ChainedProposer(*parts)

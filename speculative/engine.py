@@ -14,6 +14,7 @@ import numbers
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -23,12 +24,16 @@ from transformers import PreTrainedTokenizerBase
 from config import EngineConfig, SamplingParams
 
 from .detokenize import final_text
-from .kpolicy import CostModel, KPolicy
+from .kpolicy import CostModel, KPolicy, StepChoice
 from .models import encode_prompt, eos_token_ids
 from .proposers import EMPTY, DraftModelProposer, Proposal, Proposer, learned_draft
 from .runner import ModelRunner, TargetRows, VerifyCall
 from .sampling import greedy_accept, race_noise, race_sample, rejection_accept, warp_logits
 from .stats import SpecStats
+
+
+#: scopes (domains) whose acceptance the engine keeps as priors; the least recently seen goes first
+MAX_SCOPES = 256
 
 
 class RequestError(ValueError):
@@ -107,6 +112,7 @@ class RequestState:
     prompt_len: int
     policy: KPolicy
     generator: torch.Generator | None
+    scope: str | None = None  # the request's domain: its k policy's prior and its proposers' scope
     target_len: int = 0
     finished: bool = False
     finish_reason: str | None = None
@@ -146,6 +152,8 @@ class SpeculativeEngine:
         self.cfg = cfg
         self.costs = CostModel(ema=cfg.k.ema)
         self.global_policy = KPolicy(cfg.k, self.costs)  # engine-wide acceptance: the prior of new requests
+        #: per scope (domain) acceptance, the prior of that scope's new requests (most recent last)
+        self.scope_policy: OrderedDict[str, KPolicy] = OrderedDict()
         self.requests: dict[str, RequestState] = {}
         self.vocab_size = target.vocab_size
         self.max_positions = target.max_positions
@@ -174,9 +182,12 @@ class SpeculativeEngine:
         params: SamplingParams = SamplingParams(),
         request_id: str | None = None,
         generator: torch.Generator | None = None,
+        scope: str | None = None,
     ) -> str:
         """Queue a request. Unseeded sampling draws from ``generator`` when given (reproducible
-        experiments and tests), else from fresh entropy; a seeded request needs no generator."""
+        experiments and tests), else from fresh entropy; a seeded request needs no generator.
+        ``scope`` (the request's domain) selects the acceptance its k policy starts from and the
+        proposers' per-domain state (suffix trees)."""
         if isinstance(prompt, (str, bytes, bytearray)):
             tokens = self.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
@@ -200,7 +211,12 @@ class SpeculativeEngine:
                 gen = torch.Generator()
                 gen.seed()  # fresh entropy for this request only; the global RNG is untouched
         prior = {s: e.value for s, e in self.global_policy.alpha.items()}
-        self.requests[rid] = RequestState(rid, params, tokens, len(tokens), KPolicy(self.cfg.k, self.costs, prior), gen)
+        if scope is not None and scope in self.scope_policy:
+            self.scope_policy.move_to_end(scope)
+            prior.update({s: e.value for s, e in self.scope_policy[scope].alpha.items()})
+        self.requests[rid] = RequestState(rid, params, tokens, len(tokens), KPolicy(self.cfg.k, self.costs, prior), gen, scope)
+        if self.proposer is not None:
+            self.proposer.begin(rid, list(tokens), scope)
         return rid
 
     def resume(self, request_id: str, output: list[int]) -> None:
@@ -211,10 +227,10 @@ class SpeculativeEngine:
         self._append(st, self.check_token_ids(list(output)))
 
     def release(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+        st = self.requests.pop(request_id, None)
         self.target.release(request_id)
         if self.proposer is not None:
-            self.proposer.release(request_id)
+            self.proposer.release(request_id, list(st.tokens) if st is not None else None)
 
     @property
     def busy(self) -> bool:
@@ -249,7 +265,7 @@ class SpeculativeEngine:
         budget = st.params.max_tokens - len(st.output) - 1  # drafting past max_tokens is wasted work
         prop: Proposal = EMPTY
         if self.proposer is not None and budget > 0:
-            prop = self.proposer.propose(request_id, st.tokens, lambda s: min(st.policy.choose(s), budget), st.params, st.generator)
+            prop = self.proposer.propose(request_id, st.tokens, StepChoice(st.policy, budget), st.params, st.generator)
         feed = st.tokens[st.target_len :] + prop.tokens  # the uncached suffix + d_1..d_k
         call = VerifyCall(request_id, st.target_len, feed, prop.k + 1, not st.params.greedy, self.cfg.record_top_k)
         return PendingStep(request_id, len(st.tokens), prop, call)
@@ -329,10 +345,20 @@ class SpeculativeEngine:
         if prop.k:
             st.policy.observe(prop.source, prop.k, n)
             self.global_policy.observe(prop.source, prop.k, n)
+            if st.scope is not None:
+                self._scope_policy(st.scope).observe(prop.source, prop.k, n)
             if prop.input_tokens <= prop.k + 1:  # no catch-up/prefill inside: a clean per-token cost
                 self.costs.observe_draft(prop.source, prop.k, prop.seconds)
         if fed == prop.k + 1 and batch == 1:  # no prefill or other requests inside: a clean verify cost
             self.costs.observe_verify(fed, target_s)
+
+    def _scope_policy(self, scope: str) -> KPolicy:
+        pol = self.scope_policy.get(scope)
+        if pol is None:
+            pol = self.scope_policy[scope] = KPolicy(self.cfg.k, self.costs)
+            while len(self.scope_policy) > MAX_SCOPES:
+                self.scope_policy.popitem(last=False)
+        return pol
 
     # -- whole generations ----------------------------------------------------------------------
     def text_of(self, st: RequestState) -> str:
@@ -344,8 +370,9 @@ class SpeculativeEngine:
         params: SamplingParams = SamplingParams(),
         on_step: Callable[[StepResult], None] | None = None,
         generator: torch.Generator | None = None,
+        scope: str | None = None,
     ) -> Generation:
-        rid = self.add_request(prompt, params, generator=generator)
+        rid = self.add_request(prompt, params, generator=generator, scope=scope)
         st = self.requests[rid]
         try:
             while not st.finished:
@@ -382,8 +409,9 @@ class SpeculativeEngine:
                 self.costs.draft_s["draft"] = min(_timed(runner.forward, seq, context, ids[context:]) for _ in range(repeats))
             finally:
                 runner.release(seq)
-        if self.proposer is not None and "ngram" in self.proposer.sources:
-            self.costs.draft_s["ngram"] = 0.0
+        for source in ("ngram", "suffix"):  # model-free: microseconds, refined as they run
+            if self.proposer is not None and source in self.proposer.sources:
+                self.costs.draft_s[source] = 0.0
         return {"verify_s": dict(self.costs.verify_s), "draft_s": dict(self.costs.draft_s)}
 
     # -- draft weights ----------------------------------------------------------------------

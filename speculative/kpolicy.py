@@ -114,6 +114,11 @@ class KPolicy:
             self.alpha[source] = AcceptanceEstimate(self.prior.get(source, self.cfg.prior_alpha))
         return self.alpha[source]
 
+    def best_speedup(self, source: str) -> float:
+        """max over k of S(k) for ``source`` now (1.0 = k = 0, plain decoding): what the controller ranks by."""
+        a, c = self.estimate(source).value, self.costs.c(source)
+        return max(expected_speedup(a, k, c, self.costs.relative_verify(k + 1)) for k in range(self.cfg.k_max + 1))
+
     def best_k(self, a: float, c: float) -> int:
         scores = [
             expected_speedup(a, k, c, self.costs.relative_verify(k + 1)) for k in range(self.cfg.k_max + 1)
@@ -139,3 +144,20 @@ class KPolicy:
 
     def observe(self, source: str, proposed: int, accepted: int) -> None:
         self.estimate(source).observe(proposed, accepted)
+
+
+class StepChoice:
+    """What a proposer asks while proposing one step of one request: k for a source (the request's
+    policy, capped by the tokens it may still emit) and, for a controller, each source's expected
+    speedup. Calling it is the k policy's decision for this step (probe counters advance);
+    ``speedup`` only reads."""
+
+    def __init__(self, policy: KPolicy, budget: int):
+        self.policy = policy
+        self.budget = budget
+
+    def __call__(self, source: str) -> int:
+        return min(self.policy.choose(source), self.budget)
+
+    def speedup(self, source: str) -> float:
+        return self.policy.best_speedup(source)

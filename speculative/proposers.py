@@ -7,14 +7,17 @@ sequence the verifier kept, so it can roll back its own state.
 - :class:`DraftModelProposer`: a small causal LM (truncated target, fresh model, any model by path,
   optionally with a head restricted to the target's most frequent tokens).
 - :class:`NgramProposer`: model-free prompt lookup (match the last n tokens earlier in the context).
-- :class:`ChainedProposer`: prompt lookup first, the learned draft when lookup finds nothing.
+- :class:`ChainedProposer`: proposers in a fixed order; the first that proposes drafts the step.
+- :class:`ControllerProposer`: per step, the proposer with the best expected tokens per unit of
+  cost from its live acceptance; the others are still probed.
+- :class:`speculative.suffix.SuffixProposer`: suffix trees over past traffic (another module).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -23,7 +26,8 @@ from config import NgramConfig, SamplingParams
 from .runner import ModelRunner
 from .sampling import race_noise, race_sample, warp_logits
 
-#: The k policy, asked once per step by the proposer that is about to propose: source -> k.
+#: The k policy, asked once per step by the proposer that is about to propose: source -> k. The
+#: engine passes a :class:`speculative.kpolicy.StepChoice`, which also ranks sources (``speedup``).
 ChooseK = Callable[[str], int]
 
 
@@ -31,7 +35,7 @@ ChooseK = Callable[[str], int]
 class Proposal:
     tokens: list[int]  # [k] draft tokens, target ids
     probs: torch.Tensor | None  # [k, V_target] draft distribution q; None = one-hot (greedy or deterministic)
-    source: str  # "draft" | "ngram" | "none"
+    source: str  # "draft" | "ngram" | "suffix" | "none"
     seconds: float = 0.0
     input_tokens: int = 0  # tokens the draft model consumed (> k means it caught up on a lag)
 
@@ -46,6 +50,9 @@ EMPTY = Proposal([], None, "none")
 class Proposer(Protocol):
     sources: tuple[str, ...]
 
+    def begin(self, seq_id: str, prompt: list[int], scope: str | None = None) -> None:
+        """A new request of ``scope`` (its domain; None: unscoped) with these prompt tokens."""
+
     def propose(
         self, seq_id: str, tokens: list[int], choose_k: ChooseK, params: SamplingParams, gen: torch.Generator | None
     ) -> Proposal: ...
@@ -53,7 +60,8 @@ class Proposer(Protocol):
     def feedback(self, seq_id: str, committed: int) -> None:
         """The first ``committed`` tokens of the sequence are final (prompt + accepted output)."""
 
-    def release(self, seq_id: str) -> None: ...
+    def release(self, seq_id: str, tokens: list[int] | None = None) -> None:
+        """The request ended (``tokens``: prompt + output as served, for proposers that learn from it)."""
 
 
 class DraftModelProposer:
@@ -74,6 +82,9 @@ class DraftModelProposer:
             return probs
         full = torch.zeros(*probs.shape[:-1], self.target_vocab)
         return full.index_copy_(-1, vm, probs)
+
+    def begin(self, seq_id: str, prompt: list[int], scope: str | None = None) -> None:
+        pass
 
     def propose(self, seq_id, tokens, choose_k, params, gen) -> Proposal:
         k = choose_k("draft")
@@ -111,7 +122,7 @@ class DraftModelProposer:
     def feedback(self, seq_id: str, committed: int) -> None:
         self._valid[seq_id] = min(self._valid.get(seq_id, 0), committed)
 
-    def release(self, seq_id: str) -> None:
+    def release(self, seq_id: str, tokens: list[int] | None = None) -> None:
         self._valid.pop(seq_id, None)
         self.runner.release(seq_id)
 
@@ -141,6 +152,9 @@ class NgramProposer:
                     return tokens[i + n : i + n + k]
         return []
 
+    def begin(self, seq_id: str, prompt: list[int], scope: str | None = None) -> None:
+        pass
+
     def propose(self, seq_id, tokens, choose_k, params, gen) -> Proposal:
         k = choose_k("ngram")
         if k <= 0:
@@ -154,7 +168,7 @@ class NgramProposer:
     def feedback(self, seq_id: str, committed: int) -> None:
         pass
 
-    def release(self, seq_id: str) -> None:
+    def release(self, seq_id: str, tokens: list[int] | None = None) -> None:
         pass
 
 
@@ -172,8 +186,15 @@ class ChainedProposer:
         self.proposers = proposers
         self.sources = tuple(s for p in proposers for s in p.sources)
 
-    def propose(self, seq_id, tokens, choose_k, params, gen) -> Proposal:
+    def ordered(self, seq_id: str, choose_k: ChooseK) -> Sequence[Proposer]:
+        return self.proposers
+
+    def begin(self, seq_id: str, prompt: list[int], scope: str | None = None) -> None:
         for p in self.proposers:
+            p.begin(seq_id, prompt, scope)
+
+    def propose(self, seq_id, tokens, choose_k, params, gen) -> Proposal:
+        for p in self.ordered(seq_id, choose_k):
             prop = p.propose(seq_id, tokens, choose_k, params, gen)
             if prop.k:
                 return prop
@@ -183,10 +204,49 @@ class ChainedProposer:
         for p in self.proposers:
             p.feedback(seq_id, committed)
 
-    def release(self, seq_id: str) -> None:
+    def release(self, seq_id: str, tokens: list[int] | None = None) -> None:
         for p in self.proposers:
-            p.release(seq_id)
+            p.release(seq_id, tokens)
 
     @property
     def draft(self) -> DraftModelProposer | None:
         return next((p for p in self.proposers if isinstance(p, DraftModelProposer)), None)
+
+
+class ControllerProposer(ChainedProposer):
+    """Picks the proposer per step by expected tokens per unit of cost (after ATLAS's controller).
+
+    Each step ranks the proposers by ``choose_k.speedup(source)``: S(k) = E[tokens](k) / (k c +
+    v(k + 1)) maximised over k, from the request's live acceptance of that source (a new request
+    starts from its domain's) and the source's measured cost c. The best one that has something to
+    propose drafts the step, so a cheap model-free proposer that finds no match hands over to the
+    next. A proposer not tried for ``probe_every`` steps of a request goes first once (probing),
+    so one that got better is noticed; the k policy still lets every source fall to k = 0 (none).
+    """
+
+    def __init__(self, *proposers: Proposer, probe_every: int = 8):
+        super().__init__(*proposers)
+        self.probe_every = probe_every
+        self._since: dict[str, list[int]] = {}  # seq -> steps since each proposer last drafted
+        self.picks: dict[str, int] = {}  # source -> steps it drafted (all requests)
+
+    def ordered(self, seq_id: str, choose_k: ChooseK) -> Sequence[Proposer]:
+        since = self._since.setdefault(seq_id, [0] * len(self.proposers))
+        speedup = getattr(choose_k, "speedup", None)
+        score = [max(speedup(s) for s in p.sources) if speedup else 0.0 for p in self.proposers]
+        # best expected speedup first (ties: the given order); a proposer due a probe before all
+        order = sorted(range(len(self.proposers)), key=lambda i: (since[i] < self.probe_every, -score[i], i))
+        return [self.proposers[i] for i in order]
+
+    def propose(self, seq_id, tokens, choose_k, params, gen) -> Proposal:
+        prop = super().propose(seq_id, tokens, choose_k, params, gen)
+        since = self._since[seq_id]
+        for i, p in enumerate(self.proposers):
+            since[i] = 0 if prop.source in p.sources else since[i] + 1
+        if prop.k:
+            self.picks[prop.source] = self.picks.get(prop.source, 0) + 1
+        return prop
+
+    def release(self, seq_id: str, tokens: list[int] | None = None) -> None:
+        self._since.pop(seq_id, None)
+        super().release(seq_id, tokens)

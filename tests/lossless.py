@@ -244,7 +244,9 @@ class Case:
     top_k: int
     k: int  # fixed k, or k_max when adaptive
     adaptive: bool
-    draft: str  # "close" | "far" | "ngram" | "chain" (prompt lookup, then the close draft) | "none"
+    #: "close" | "far" | "ngram" | "chain" (prompt lookup, then the close draft) | "suffix" (a suffix tree
+    #: over the case's earlier samples) | "controller" (suffix tree, lookup, close draft: chosen per step) | "none"
+    draft: str
     restricted: bool = False  # draft head restricted to part of the vocabulary (vocab_map)
     model: str = "markov"  # "markov" | "llama" | "llama-int4" (target and draft on the int4 fast path)
     seeded: bool = False  # requests with a seed: the exponential race instead of rejection sampling
@@ -298,6 +300,8 @@ PROPOSER_CASES = [
     Case(1.0, 0.5, 0, 4, True, "ngram"),
     Case(0.3, 1.0, 3, 1, False, "ngram"),
     Case(1.0, 0.8, 0, 4, False, "chain", restricted=True),
+    Case(1.0, 0.8, 0, 4, False, "suffix"),
+    Case(0.7, 1.0, 3, 3, True, "controller", restricted=True),
 ]
 #: The transformer path: the tiny random Llama target and a 1-layer Llama draft (k = 2).
 LLAMA_CASES = [Case(1.0, 0.8, 0, 2, False, "far", model="llama"),
@@ -318,6 +322,7 @@ SEEDED_CASES = [
     Case(0.3, 0.8, 3, 4, True, "close", seeded=True),
     Case(1.0, 1.0, 0, 4, False, "chain", restricted=True, seeded=True),
     Case(0.7, 0.8, 0, 2, False, "ngram", seeded=True),
+    Case(1.0, 0.8, 0, 3, False, "suffix", seeded=True),
     Case(1.0, 0.8, 3, 0, False, "none", seeded=True),
     Case(0.3, 1.0, 0, 0, False, "none", seeded=True),
     Case(1.0, 0.8, 0, 2, False, "far", model="llama", seeded=True),
@@ -359,9 +364,11 @@ def build_models(model: str) -> Models:
 
 
 def build_engine(case: Case, models: Models):
-    from config import EngineConfig, KPolicyConfig, NgramConfig
+    from config import EngineConfig, KPolicyConfig, NgramConfig, SuffixConfig
     from conftest import _char_tokenizer
     from speculative import ChainedProposer, DraftModelProposer, ModelRunner, NgramProposer, SpeculativeEngine
+    from speculative.proposers import ControllerProposer
+    from speculative.suffix import SuffixProposer
 
     def draft(kind: str):
         key = kind + ("+head" if case.restricted else "")
@@ -370,7 +377,11 @@ def build_engine(case: Case, models: Models):
         return DraftModelProposer(model if isinstance(model, ModelRunner) else ModelRunner(model, vmap, name="draft"), V)
 
     ngram = NgramProposer(NgramConfig(max_n=2, min_n=1))
-    proposer = {"none": lambda: None, "ngram": lambda: ngram, "chain": lambda: ChainedProposer(ngram, draft("close"))}.get(
+    # the suffix tree learns from every sample before: its proposals depend on the case's history
+    suffix = SuffixProposer(SuffixConfig(max_depth=8, spec_factor=2.0, min_token_prob=0.05))
+    proposer = {"none": lambda: None, "ngram": lambda: ngram, "chain": lambda: ChainedProposer(ngram, draft("close")),
+                "suffix": lambda: suffix,
+                "controller": lambda: ControllerProposer(suffix, ngram, draft("close"), probe_every=3)}.get(
         case.draft, lambda: draft(case.draft))()
     # adaptive: costs seeded below and frozen (ema ~ 0: the microsecond timings of these tiny models
     # must not move them), under which the best k follows the acceptance estimate through 0..k_max
@@ -381,7 +392,7 @@ def build_engine(case: Case, models: Models):
                                EngineConfig(chat_template=False, k=kcfg, record_top_k=4))
     if case.adaptive:
         engine.costs.verify_s.update({j: 1.0 + 0.02 * (j - 1) for j in range(1, case.k + 2)})  # a GPU's v(j)
-        engine.costs.draft_s.update({"draft": 0.01, "ngram": 0.001})
+        engine.costs.draft_s.update({"draft": 0.01, "ngram": 0.001, "suffix": 0.001})
     return engine
 
 

@@ -158,3 +158,24 @@ def test_paired_gain_by_hand():
     res["methods"]["online"]["rows"][0]["i"] = 9
     with pytest.raises(ValueError, match="same records"):
         paired_gain(res, "online")
+
+
+def test_other_proposers_as_methods_with_speed_and_conversations(factory):
+    """target / lookup / suffix / controller run on the same stream; tokens/s and the speedup over
+    target are reported; with turns = 2 each record is two requests, the second re-sending the
+    first answer, which the suffix tree (matching the request's own prompt) then drafts from."""
+    recs = RECORDS[:4]
+    res = run_online(factory, recs, LCFG, methods=("target", "lookup", "suffix", "controller"), max_tokens=12, k=4,
+                     window=3, ignore_eos=True, log=None, turns=2)
+    ms = res["methods"]
+    assert res["turns"] == 2
+    for m, e in ms.items():
+        assert [r["turn"] for r in e["rows"]] == [1, 2] * len(recs), m
+        assert e["tokens_per_s"] > 0 and e["speedup"] > 0 and set(e["speedup_domain"]) <= set(TEXTS)
+    assert ms["target"]["speedup"] == 1.0 and sum(r["proposed"] for r in ms["target"]["rows"]) == 0
+    second = [r for r in ms["suffix"]["rows"] if r["turn"] == 2]
+    assert sum(r["accepted"] for r in second) > 0  # the answer, re-sent, is drafted from
+    ctl = ms["controller"]
+    assert sum(ctl["picks"].values()) > 0 and set(ctl["picks"]) <= {"suffix", "ngram", "draft"}
+    assert ctl["rounds"] >= 1  # its draft learns online
+    json.dumps(res)
