@@ -146,6 +146,8 @@ class DraftConfig(_Strict):
       - ``path``: any causal LM at ``path`` (must share the target's vocabulary)
       - ``ngram``: model-free prompt lookup only
       - ``suffix``: model-free suffix tree over past traffic only (``suffix`` holds its settings)
+      - ``feature``: one decoder layer over the target's own features (EAGLE-style,
+        ``speculative.feature``), initialised from the target's last layer, learned online
       - ``none``: no proposer (target-only decoding)
     ``head_vocab``: keep only the N most frequent target tokens in the draft's output head
     (the 49152-row head dominates a small draft's cost); ids are mapped back to the target's.
@@ -158,7 +160,7 @@ class DraftConfig(_Strict):
     ``"default"`` is the general starting draft that ``osd distill`` builds and caches.
     """
 
-    kind: Literal["truncated", "fresh", "path", "ngram", "suffix", "none"] = "truncated"
+    kind: Literal["truncated", "fresh", "path", "feature", "ngram", "suffix", "none"] = "truncated"
     num_layers: int = Field(default=2, ge=1)
     path: str | None = None
     head_vocab: int | None = Field(default=None, ge=16)

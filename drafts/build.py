@@ -233,7 +233,13 @@ def build_proposer(
         parts.append(SuffixProposer(cfg.suffix))
     if cfg.kind == "ngram" or cfg.ngram_first:
         parts.append(NgramProposer(cfg.ngram))
-    if cfg.kind not in ("ngram", "suffix"):
+    if cfg.kind == "feature":
+        from speculative.feature import FeatureDraftProposer, FeatureRunner, feature_draft
+
+        keep = frequent_token_ids(target_tok, cfg.head_vocab, texts) if cfg.head_vocab else None
+        runner = FeatureRunner(feature_draft(target, keep), keep)
+        parts.append(FeatureDraftProposer(runner, target.config.vocab_size))
+    elif cfg.kind not in ("ngram", "suffix"):
         draft, keep = build_draft_model(cfg, target, target_tok, texts)
         parts.append(DraftModelProposer(make_runner(draft, quantize, keep, name="draft", draft=True), target.config.vocab_size))
     if cfg.controller is not None:

@@ -99,6 +99,7 @@ class Sample:
     probs: torch.Tensor  # [T, K] float32, sorted descending per row
     tail: torch.Tensor  # [T] float32
     prompt: str = ""
+    features: torch.Tensor | None = None  # [F, H] target features at positions 0..F-1 (feature drafts)
 
     @property
     def n_out(self) -> int:
@@ -313,6 +314,8 @@ def student_logits_for(draft: PreTrainedModel, batch: Sequence[Sample]) -> torch
     Sequences are right-padded; the decoder runs over every position (the prompt is the
     context), the head only over the output positions.
     """
+    if getattr(draft, "uses_features", False):  # a feature-conditioned draft reads the target's features too
+        return draft.teacher_forced_logits(batch)
     device = next(draft.parameters()).device
     lens = [int(s.tokens.shape[0]) - 1 for s in batch]  # inputs are tokens[:-1]
     width = max(lens)
@@ -386,13 +389,17 @@ def top1_agreement_on(draft: PreTrainedModel, samples: Sequence[Sample], keep_id
 
 def set_trainable(draft: PreTrainedModel, cfg: Any) -> list[torch.nn.Parameter]:
     """Set ``requires_grad`` from ``cfg.train_head`` / ``cfg.train_embeddings`` (a tied matrix
-    trains only when both are set; everything else always trains); returns the trainable parameters."""
+    trains only when both are set; a feature draft's, the target's own, never; everything else
+    always trains); returns the trainable parameters."""
     head = draft.get_output_embeddings().weight
     emb = draft.get_input_embeddings().weight
     tied = head is emb
     for p in draft.parameters():
         p.requires_grad_(True)
-    if tied:
+    if getattr(draft, "uses_features", False):  # a feature draft's head and embeddings are copies of the target's
+        head.requires_grad_(cfg.train_head)
+        emb.requires_grad_(cfg.train_embeddings)
+    elif tied:
         emb.requires_grad_(cfg.train_head and cfg.train_embeddings)
     else:
         head.requires_grad_(cfg.train_head)

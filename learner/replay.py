@@ -101,6 +101,10 @@ _MAX_FRAME = 1 << 30  # a larger length field is corruption, not a record
 RECORD_OVERHEAD = 256
 
 _ARRAYS = ("tokens", "positions", "top_ids", "top_probs", "tail", "draft_wrong", "proposed")
+#: arrays a record may lack (None): the target's features, kept for feature-conditioned drafts
+_OPTIONAL = ("features",)
+#: proposer sources whose steps are a learned draft's (their rows count as proposed by it)
+LEARNED_SOURCES = ("draft", "feature")
 _NP_DTYPES = {
     torch.int32: "<i4",
     torch.float16: "<f2",
@@ -149,6 +153,9 @@ class ReplayRecord:
     request_id: str = ""
     context: Literal["teacher", "student"] = "teacher"
     seq: int = -1
+    #: [F, H] float16: the target's features (after its final norm) at positions 0..F-1, the final
+    #: tokens it was fed (F < len(tokens)); None unless the request ran a feature-conditioned draft
+    features: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.tokens = _as_tensor(self.tokens, torch.int32).reshape(-1)
@@ -173,6 +180,10 @@ class ReplayRecord:
         self.request_id = str(self.request_id)
         self.seq = int(self.seq)
         self.loss = _clean_loss(self.loss)
+        if self.features is not None:
+            self.features = _as_tensor(self.features, torch.float16)
+            if self.features.dim() != 2 or self.features.shape[0] >= max(self.tokens.shape[0], 1):
+                raise ValueError(f"ReplayRecord: features must be [F, H] with F < len(tokens), got {tuple(self.features.shape)}")
         if self.context not in ("teacher", "student"):
             raise ValueError(f"ReplayRecord: context must be 'teacher' or 'student', got {self.context!r}")
         if self.top_ids.dim() != 2 or self.top_ids.shape[0] != n or self.top_probs.shape != self.top_ids.shape:
@@ -204,7 +215,7 @@ class ReplayRecord:
     @property
     def nbytes(self) -> int:
         """Approximate size in memory and on disk: array bytes + strings + a fixed overhead."""
-        arrays = sum(getattr(self, a).numel() * getattr(self, a).element_size() for a in _ARRAYS)
+        arrays = sum(t.numel() * t.element_size() for a in _ARRAYS + _OPTIONAL if (t := getattr(self, a)) is not None)
         strings = sum(len((s or "").encode()) for s in (self.domain, self.tenant, self.draft_id, self.request_id))
         return arrays + strings + RECORD_OVERHEAD
 
@@ -235,6 +246,7 @@ class ReplayRecord:
             ids=self.top_ids[keep].to(torch.int32),
             probs=self.top_probs[keep].float(),
             tail=self.tail[keep].float(),
+            features=self.features,
         )
 
     def same_as(self, other: "ReplayRecord") -> bool:
@@ -259,8 +271,10 @@ def _clean_loss(loss: Any) -> float | None:
 def encode_record(rec: ReplayRecord) -> bytes:
     """Compact, pickle-free bytes: ``meta_len u32 | JSON meta | raw little-endian arrays``."""
     arrays, blobs = [], []
-    for name in _ARRAYS:
-        t: torch.Tensor = getattr(rec, name)
+    for name in _ARRAYS + _OPTIONAL:
+        t: torch.Tensor | None = getattr(rec, name)
+        if t is None:
+            continue
         dt = _NP_DTYPES[t.dtype]
         arrays.append([name, dt, list(t.shape)])
         blobs.append(t.numpy().astype(dt, copy=False).tobytes())
@@ -291,7 +305,7 @@ def decode_record(buf: bytes | memoryview) -> ReplayRecord:
         off = 4 + mlen
         tensors = {}
         for name, dt, shape in meta.pop("arrays"):
-            if name not in _ARRAYS or dt not in _TORCH_DTYPES:
+            if name not in _ARRAYS + _OPTIONAL or dt not in _TORCH_DTYPES:
                 raise ValueError(f"unknown array {name!r} of dtype {dt!r}")
             count = int(np.prod(shape, dtype=np.int64))
             arr = np.frombuffer(buf, dtype=np.dtype(dt), count=count, offset=off).reshape(shape)
@@ -323,6 +337,8 @@ class _StepRows:
     wrong: torch.Tensor  # [k+1] bool
     proposed: torch.Tensor  # [k+1] bool
     draft_version: int
+    features_start: int = 0
+    features: torch.Tensor | None = None  # [n, H] float16: target features of this step's final fed tokens
 
 
 class RecordBuilder:
@@ -361,7 +377,7 @@ class RecordBuilder:
             )
         if not 0 <= step.accepted <= k or len(step.draft_matches_target) != k:
             raise ValueError(f"RecordBuilder: inconsistent step (k={k}, accepted={step.accepted})")
-        by_draft = step.source == "draft"
+        by_draft = step.source in LEARNED_SOURCES
         proposed = torch.tensor([by_draft and i < k for i in range(k + 1)], dtype=torch.bool)
         matches = torch.tensor(list(step.draft_matches_target) + [False], dtype=torch.bool)
         n_teacher = min(step.accepted, len(step.emitted)) + 1
@@ -377,6 +393,8 @@ class RecordBuilder:
                 wrong=~(proposed & matches),
                 proposed=proposed,
                 draft_version=int(step.draft_version),
+                features_start=int(getattr(step, "features_start", 0)),
+                features=getattr(step, "features", None),
             )
         )
 
@@ -434,6 +452,7 @@ class RecordBuilder:
             draft_version=version,
             created=created,
             request_id=self._request_id or "",
+            features=_features_of(steps),
         )
         self.student_records = []
         if self.keep_student_rows:
@@ -463,6 +482,20 @@ class RecordBuilder:
                 )
         self._steps, self._request_id = [], None
         return rec
+
+
+def _features_of(steps: list[_StepRows]) -> torch.Tensor | None:
+    """The steps' target features as one [F, H] array over positions 0..F-1 (None when a step has
+    none or they leave a gap: a feature draft needs every position's)."""
+    if not steps or any(s.features is None for s in steps):
+        return None
+    parts, end = [], 0
+    for s in steps:
+        if s.features_start > end:
+            return None
+        parts.append(s.features[end - s.features_start :])
+        end = max(end, s.features_start + s.features.shape[0])
+    return torch.cat(parts).to(torch.float16)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -290,8 +290,10 @@ class DraftTrainer:
             target, n_ph = to_student_space(target, torch.arange(self.model.get_output_embeddings().weight.shape[0]))
         device = next(self.model.parameters()).device
         target = SparseDist(ids=target.ids.to(device), probs=target.probs.to(device), tail=target.tail.to(device))
-        logits = student_logits_for(self.model, samples)[mask.to(device)]  # [N, V_draft]
-        return self.loss_fn(pad_placeholders(logits, n_ph), target).mean()
+        logits = student_logits_for(self.model, samples)  # [N, V_draft], or [passes, N, V_draft]
+        if logits.dim() == 3:  # a feature draft in training: on the target's features, then on its own
+            return torch.stack([self.loss_fn(pad_placeholders(lg[mask.to(device)], n_ph), target).mean() for lg in logits]).mean()
+        return self.loss_fn(pad_placeholders(logits[mask.to(device)], n_ph), target).mean()
 
     @torch.no_grad()
     def _eval_loss(self, samples, mask) -> float:

@@ -84,6 +84,10 @@ class StepResult:
     target_s: float
     finished: bool
     finish_reason: str | None  # "stop" | "length" | None
+    #: [n, H] float16 target features at positions features_start.. (its final fed tokens), when
+    #: the proposer reads them (a feature-conditioned draft); None otherwise
+    features: torch.Tensor | None = None
+    features_start: int = 0
 
     @property
     def proposed(self) -> int:
@@ -233,6 +237,11 @@ class SpeculativeEngine:
             self.proposer.release(request_id, list(st.tokens) if st is not None else None)
 
     @property
+    def wants_features(self) -> bool:
+        """Whether verification returns the target's features (a feature-conditioned draft reads them)."""
+        return bool(getattr(self.proposer, "wants_features", False))
+
+    @property
     def busy(self) -> bool:
         """Whether any request is live (a background learner yields while this is True)."""
         return bool(self.requests)
@@ -267,7 +276,8 @@ class SpeculativeEngine:
         if self.proposer is not None and budget > 0:
             prop = self.proposer.propose(request_id, st.tokens, StepChoice(st.policy, budget), st.params, st.generator)
         feed = st.tokens[st.target_len :] + prop.tokens  # the uncached suffix + d_1..d_k
-        call = VerifyCall(request_id, st.target_len, feed, prop.k + 1, not st.params.greedy, self.cfg.record_top_k)
+        call = VerifyCall(request_id, st.target_len, feed, prop.k + 1, not st.params.greedy, self.cfg.record_top_k,
+                          features=self.wants_features)
         return PendingStep(request_id, len(st.tokens), prop, call)
 
     def accept(self, pending: "PendingStep", rows: TargetRows) -> StepResult:
@@ -291,7 +301,13 @@ class SpeculativeEngine:
 
         # commit: the target cache keeps tokens + d_1..d_n; the new token is pending
         st.target_len = start + n
+        feats, f_start = None, 0
+        if rows.features is not None:  # [fed, H], the last fed position is start + k - 1 (a resent call feeds more)
+            f_start = start + k - rows.features.shape[0]
+            feats = rows.features[: start + n - f_start]  # the final positions f_start..start+n-1
         if self.proposer is not None:
+            if feats is not None:
+                self.proposer.observe_features(pending.request_id, f_start, feats)
             self.proposer.feedback(pending.request_id, start + n)
         emitted = self._append(st, prop.tokens[:n] + [next_token])
         self._observe(st, prop, n, len(emitted), len(pending.call.tokens), rows.seconds, rows.batch)
@@ -311,6 +327,8 @@ class SpeculativeEngine:
             target_s=rows.seconds,
             finished=st.finished,
             finish_reason=st.finish_reason,
+            features=feats,
+            features_start=f_start,
         )
 
     def _append(self, st: RequestState, new: list[int]) -> list[int]:
@@ -401,7 +419,8 @@ class SpeculativeEngine:
         if verify_s is None:
             verify_s = time_verify(self.target, self.cfg.k.k_max, context, repeats)
         self.costs.verify_s.update(verify_s)
-        if self.learned_draft is not None:
+        if self.learned_draft is not None and hasattr(self.learned_draft.runner, "forward"):
+            # (a feature draft needs the target's features to run: its cost is measured online)
             runner, seq = self.learned_draft.runner, "__calibrate__"
             ids = _calibration_ids(context + 1, self.vocab_size)
             try:

@@ -192,11 +192,18 @@ class FastRunner(ModelRunner):
         """Logits for the last ``keep_last`` of ``tokens`` placed at positions start.. : [keep_last, V_model]."""
         return self.forward_batch([ForwardCall(seq_id, start, tokens, keep_last)])[0]
 
-    @torch.inference_mode()
     def forward_batch(self, calls: list[ForwardCall]) -> list[torch.Tensor]:
         """Several sequences in one pass: their new rows concatenated ([sum T, hidden]) through every
         linear layer, attention per sequence against its own cache. Each call's result is the same
         as alone. Returns each call's last ``keep_last`` rows ([keep_last, V_model])."""
+        return self._batch(calls, False)[0]
+
+    def forward_batch_features(self, calls: list[ForwardCall]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`forward_batch`, plus each call's features after the final norm, [len(tokens), H] float32."""
+        return self._batch(calls, True)
+
+    @torch.inference_mode()
+    def _batch(self, calls: list[ForwardCall], features: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         if len({c.seq_id for c in calls}) != len(calls):
             raise ValueError(f"{self.name}: a batch holds two calls for one sequence")
         caches = [self._open(c) for c in calls]
@@ -227,7 +234,8 @@ class FastRunner(ModelRunner):
         ends = torch.cumsum(torch.tensor(lens), 0).tolist()
         rows = torch.cat([torch.arange(e - c.keep_last, e) for c, e in zip(calls, ends)])  # the rows asked for
         logits = self.head(_rms(inner.norm, h[rows]))  # [sum keep_last, V_model]
-        return list(logits.split([c.keep_last for c in calls]))
+        feats = list(_rms(inner.norm, h).split(lens)) if features else None  # every row after the final norm
+        return list(logits.split([c.keep_last for c in calls])), feats
 
     def _open(self, c: ForwardCall) -> _Cache:
         """The call's cache, cropped back to ``c.start`` (a new one at 0) with room for its tokens."""

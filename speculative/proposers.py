@@ -60,6 +60,10 @@ class Proposer(Protocol):
     def feedback(self, seq_id: str, committed: int) -> None:
         """The first ``committed`` tokens of the sequence are final (prompt + accepted output)."""
 
+    def observe_features(self, seq_id: str, start: int, features: torch.Tensor) -> None:
+        """The target's features ([n, H]) at final positions start..start+n-1; only proposers whose
+        ``wants_features`` is True get them (verification computes them only then)."""
+
     def release(self, seq_id: str, tokens: list[int] | None = None) -> None:
         """The request ended (``tokens``: prompt + output as served, for proposers that learn from it)."""
 
@@ -83,6 +87,20 @@ class DraftModelProposer:
         full = torch.zeros(*probs.shape[:-1], self.target_vocab)
         return full.index_copy_(-1, vm, probs)
 
+    def _draw(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None,
+              position: int) -> tuple[int, torch.Tensor | None]:
+        """The draft token at ``position`` from the draft's logits ([V_draft]), as a target id, and
+        q ([V_target]) when sampling. Greedy verification needs only the token; a seeded request
+        races q with the noise the target's row at ``position`` will use."""
+        vm = self.runner.vocab_map
+        if params.greedy:
+            j = int(logits.argmax())
+            return (j if vm is None else int(vm[j])), None
+        q = self._to_target(warp_logits(logits[None], params))[0]  # [V_target]
+        if params.seed is not None:
+            return int(race_sample(q[None], race_noise(params.seed, [position], q.shape[-1]))[0]), q
+        return int(torch.multinomial(q, 1, generator=gen)), q
+
     def begin(self, seq_id: str, prompt: list[int], scope: str | None = None) -> None:
         pass
 
@@ -97,19 +115,11 @@ class DraftModelProposer:
         pos = start
         draft_tokens: list[int] = []
         rows = []
-        vm = self.runner.vocab_map
         for i in range(k):
             logits = self.runner.forward(seq_id, pos, feed)[-1]  # [V_draft]
             pos += len(feed)
-            if params.greedy:  # greedy verification needs only the tokens, not q
-                j = int(logits.argmax())
-                tok = j if vm is None else int(vm[j])
-            else:
-                q = self._to_target(warp_logits(logits[None], params))[0]  # [V_target]
-                if params.seed is not None:  # seeded: race q with the noise the target's row will use
-                    tok = int(race_sample(q[None], race_noise(params.seed, [len(tokens) + i], q.shape[-1]))[0])
-                else:
-                    tok = int(torch.multinomial(q, 1, generator=gen))
+            tok, q = self._draw(logits, params, gen, len(tokens) + i)
+            if q is not None:
                 rows.append(q)
             draft_tokens.append(tok)
             feed = [tok]
@@ -121,6 +131,9 @@ class DraftModelProposer:
 
     def feedback(self, seq_id: str, committed: int) -> None:
         self._valid[seq_id] = min(self._valid.get(seq_id, 0), committed)
+
+    def observe_features(self, seq_id: str, start: int, features: torch.Tensor) -> None:
+        pass
 
     def release(self, seq_id: str, tokens: list[int] | None = None) -> None:
         self._valid.pop(seq_id, None)
@@ -168,6 +181,9 @@ class NgramProposer:
     def feedback(self, seq_id: str, committed: int) -> None:
         pass
 
+    def observe_features(self, seq_id: str, start: int, features: torch.Tensor) -> None:
+        pass
+
     def release(self, seq_id: str, tokens: list[int] | None = None) -> None:
         pass
 
@@ -204,12 +220,21 @@ class ChainedProposer:
         for p in self.proposers:
             p.feedback(seq_id, committed)
 
+    @property
+    def wants_features(self) -> bool:
+        return any(getattr(p, "wants_features", False) for p in self.proposers)
+
+    def observe_features(self, seq_id: str, start: int, features: torch.Tensor) -> None:
+        for p in self.proposers:
+            p.observe_features(seq_id, start, features)
+
     def release(self, seq_id: str, tokens: list[int] | None = None) -> None:
         for p in self.proposers:
             p.release(seq_id, tokens)
 
     @property
     def draft(self) -> DraftModelProposer | None:
+        """The learned draft among the proposers (a token draft or a feature-conditioned one)."""
         return next((p for p in self.proposers if isinstance(p, DraftModelProposer)), None)
 
 

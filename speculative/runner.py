@@ -43,6 +43,7 @@ class VerifyCall:
     rows: int
     full_rows: bool = False
     top_k: int = 16
+    features: bool = False  # also return the target's features at every fed position (feature drafts)
 
 
 @dataclass
@@ -59,12 +60,17 @@ class TargetRows:
     logits: torch.Tensor | None  # [rows, V] float when the call asked for full rows, else None
     seconds: float = 0.0  # the target's compute time for the forward this call was part of
     batch: int = 1  # calls in that forward
+    #: [len(tokens), H] float16 when the call asked: the hidden state the target's head reads (after
+    #: the final norm) at each fed position, what a feature-conditioned draft proposes from
+    features: torch.Tensor | None = None
 
 
-def target_rows(logits: torch.Tensor, call: VerifyCall, seconds: float = 0.0, batch: int = 1) -> TargetRows:
+def target_rows(logits: torch.Tensor, call: VerifyCall, seconds: float = 0.0, batch: int = 1,
+                features: torch.Tensor | None = None) -> TargetRows:
     """Compact the logits of one call ([rows, V]) into what the engine needs."""
     ids, probs, tail = sparse_top_k(logits, call.top_k)
-    return TargetRows(logits.argmax(-1), ids, probs, tail, logits if call.full_rows else None, seconds, batch)
+    feats = features.to(torch.float16) if call.features and features is not None else None
+    return TargetRows(logits.argmax(-1), ids, probs, tail, logits if call.full_rows else None, seconds, batch, feats)
 
 
 class ModelRunner:
@@ -104,6 +110,21 @@ class ModelRunner:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep_last)
         return out.logits[0, -keep_last:].float().cpu()  # [keep_last, V_model], on the CPU (acceptance runs there)
+
+    def forward_batch_features(self, calls: list[ForwardCall]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`forward_batch`, plus each call's features: the hidden state after the final norm
+        (what the head reads) at every one of its tokens, [len(tokens), H] float32."""
+        norm = self.model.get_decoder().norm
+        seen: list[torch.Tensor] = []
+        hook = norm.register_forward_hook(lambda _m, _i, out: seen.append(out.detach()))
+        try:
+            if len(calls) == 1:
+                return [self.forward(calls[0].seq_id, calls[0].start, calls[0].tokens, calls[0].keep_last)], \
+                       [seen[-1][0].float().cpu()]
+            logits = self.forward_batch(calls)
+        finally:
+            hook.remove()
+        return logits, [seen[-1][b, : len(c.tokens)].float().cpu() for b, c in enumerate(calls)]  # right-padded rows
 
     @torch.inference_mode()
     def forward_batch(self, calls: list[ForwardCall]) -> list[torch.Tensor]:
@@ -184,10 +205,13 @@ class ModelRunner:
         for group in groups:
             t0 = time.perf_counter()
             fwd = [ForwardCall(calls[i].seq_id, calls[i].start, calls[i].tokens, calls[i].rows) for i in group]
-            logits = self.forward_batch(fwd)
+            if any(calls[i].features for i in group):
+                logits, feats = self.forward_batch_features(fwd)
+            else:
+                logits, feats = self.forward_batch(fwd), [None] * len(group)
             seconds = time.perf_counter() - t0
-            for i, lg in zip(group, logits):
-                out[i] = target_rows(lg, calls[i], seconds, len(group))
+            for i, lg, f in zip(group, logits, feats):
+                out[i] = target_rows(lg, calls[i], seconds, len(group), f)
         return out  # type: ignore[return-value]
 
     @property

@@ -160,6 +160,9 @@ class SuffixProposer:
     def feedback(self, seq_id: str, committed: int) -> None:
         pass  # the tokens a step passes to propose() are final; nothing to roll back
 
+    def observe_features(self, seq_id: str, start: int, features) -> None:
+        pass
+
     def release(self, seq_id: str, tokens: list[int] | None = None) -> None:
         """The request ended: its last tokens join its scope's tree, which keeps its output."""
         a = self.active.pop(seq_id, None)

@@ -245,7 +245,8 @@ class Case:
     k: int  # fixed k, or k_max when adaptive
     adaptive: bool
     #: "close" | "far" | "ngram" | "chain" (prompt lookup, then the close draft) | "suffix" (a suffix tree
-    #: over the case's earlier samples) | "controller" (suffix tree, lookup, close draft: chosen per step) | "none"
+    #: over the case's earlier samples) | "controller" (suffix tree, lookup, close draft: chosen per step) |
+    #: "feature" (a feature-conditioned draft reading the target's hidden states; llama models) | "none"
     draft: str
     restricted: bool = False  # draft head restricted to part of the vocabulary (vocab_map)
     model: str = "markov"  # "markov" | "llama" | "llama-int4" (target and draft on the int4 fast path)
@@ -304,7 +305,9 @@ PROPOSER_CASES = [
     Case(0.7, 1.0, 3, 3, True, "controller", restricted=True),
 ]
 #: The transformer path: the tiny random Llama target and a 1-layer Llama draft (k = 2).
-LLAMA_CASES = [Case(1.0, 0.8, 0, 2, False, "far", model="llama"),
+LLAMA_CASES = [Case(1.0, 0.8, 0, 3, False, "feature", model="llama"),
+               Case(0.7, 1.0, 2, 2, True, "feature", model="llama-int4", restricted=True),
+               Case(1.0, 0.8, 0, 2, False, "far", model="llama"),
                # the int4 fast path (speculative.fast): the law is that runtime's own, as served
                Case(0.7, 1.0, 0, 3, False, "far", model="llama-int4"),
                Case(1.0, 0.8, 2, 2, True, "far", model="llama-int4")]
@@ -326,6 +329,7 @@ SEEDED_CASES = [
     Case(1.0, 0.8, 3, 0, False, "none", seeded=True),
     Case(0.3, 1.0, 0, 0, False, "none", seeded=True),
     Case(1.0, 0.8, 0, 2, False, "far", model="llama", seeded=True),
+    Case(1.0, 0.8, 0, 2, False, "feature", model="llama", seeded=True),
 ]
 
 PROMPT = [1, 2, 3, 1, 2, 4, 1, 2]  # repeats, so that prompt lookup finds continuations
@@ -379,8 +383,15 @@ def build_engine(case: Case, models: Models):
     ngram = NgramProposer(NgramConfig(max_n=2, min_n=1))
     # the suffix tree learns from every sample before: its proposals depend on the case's history
     suffix = SuffixProposer(SuffixConfig(max_depth=8, spec_factor=2.0, min_token_prob=0.05))
+    def feature():
+        from speculative.feature import FeatureDraftProposer, FeatureRunner, feature_draft
+
+        base = models.target.model if isinstance(models.target, ModelRunner) else models.target
+        keep = torch.tensor(RESTRICTED) if case.restricted else None
+        return FeatureDraftProposer(FeatureRunner(feature_draft(base, keep), keep), V)
+
     proposer = {"none": lambda: None, "ngram": lambda: ngram, "chain": lambda: ChainedProposer(ngram, draft("close")),
-                "suffix": lambda: suffix,
+                "suffix": lambda: suffix, "feature": feature,
                 "controller": lambda: ControllerProposer(suffix, ngram, draft("close"), probe_every=3)}.get(
         case.draft, lambda: draft(case.draft))()
     # adaptive: costs seeded below and frozen (ema ~ 0: the microsecond timings of these tiny models
@@ -392,7 +403,7 @@ def build_engine(case: Case, models: Models):
                                EngineConfig(chat_template=False, k=kcfg, record_top_k=4))
     if case.adaptive:
         engine.costs.verify_s.update({j: 1.0 + 0.02 * (j - 1) for j in range(1, case.k + 2)})  # a GPU's v(j)
-        engine.costs.draft_s.update({"draft": 0.01, "ngram": 0.001, "suffix": 0.001})
+        engine.costs.draft_s.update({"draft": 0.01, "feature": 0.01, "ngram": 0.001, "suffix": 0.001})
     return engine
 
 

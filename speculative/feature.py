@@ -1,0 +1,240 @@
+"""A draft that sees the target: one decoder layer over the target's own features (EAGLE-style).
+
+Verification already computes the target's hidden state at every position it is fed; the one its
+head reads (after the final norm) is the *feature* f_t, from which the target's distribution of
+token t + 1 is head(f_t). The draft predicts the next feature from the current one and the token
+that was actually chosen:
+
+    h_t = Layer(fc([n(f_t) ; e(x_{t+1})]))   one Llama decoder layer, causal over t, own KV cache
+    f^_{t+1} = norm(h_t)                      the predicted feature
+    q(x_{t+2}) = softmax(head(f^_{t+1}))      the target's head (restricted to frequent tokens)
+
+Proposing k tokens after the final features f_0..f_{m-1} and the pending token x_m: the last pair
+(f_{m-1}, x_m) gives d_1; then the draft feeds its own predicted feature with its own token,
+(f^_m, d_1) -> d_2, and so on (EAGLE's autoregression at the feature level). Training (the online
+learner, with the existing losses) runs two passes per batch: on the target's features, and on
+the draft's own predicted features, as it meets them beyond the first drafted token (EAGLE-3's
+"training-time test"), so drafting k steps ahead does not drift.
+
+Initialisation (our choice, for learning online from few records): fc maps [f ; e] -> e and the
+layer, norm and head are the target's first layer, final norm and head, so the draft starts as the
+one-layer truncated token draft and learns to read the features (normalised to the embeddings'
+scale first: unscaled, a target's features dwarf its embeddings and the first updates drown the
+token). Lossless by the engine's verification, as every proposer.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Sequence
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel
+
+from .proposers import EMPTY, DraftModelProposer, Proposal
+
+
+class FeatureDraft(nn.Module):
+    """fc + one decoder layer + norm + head over (target feature, next token) pairs."""
+
+    uses_features = True
+
+    def __init__(self, config, head_rows: int):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+        cfg = copy.deepcopy(config)
+        cfg.num_hidden_layers = 1
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = cfg.layer_types[:1]
+        cfg._attn_implementation = "sdpa"
+        self.config = cfg
+        H = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
+        self.feature_norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)  # features to the embeddings' scale
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.layer = LlamaDecoderLayer(cfg, layer_idx=0)
+        self.norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, head_rows, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(cfg)
+
+    # -- what the learner and the runner ask of a draft -------------------------------------------
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                past_key_values: DynamicCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Predicted features (after the draft's norm) for the pairs (features[b, t], input_ids[b, t]):
+        [B, T, H]. ``attention_mask``: [B, 1, T, S] additive (None: causal over the cache + T)."""
+        f = self.feature_norm(features.to(self.fc.weight.dtype))
+        x = self.fc(torch.cat([f, self.embed_tokens(input_ids)], dim=-1))  # [B, T, H]
+        B, T, _ = x.shape
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if attention_mask is None and T > 1:
+            attention_mask = _causal(T, past, x.dtype)[None, None].expand(B, 1, T, past + T)
+        cache_position = torch.arange(past, past + T)
+        pos_emb = self.rotary_emb(x, position_ids)
+        h = self.layer(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+                       use_cache=past_key_values is not None, cache_position=cache_position, position_embeddings=pos_emb)
+        if isinstance(h, tuple):
+            h = h[0]
+        return self.norm(h)
+
+    def teacher_forced_logits(self, batch: Sequence) -> torch.Tensor:
+        """Draft logits at the output positions of ``batch`` (learner ``Sample`` s with features),
+        rows in sample order: [N, V_draft]; in training mode two passes, [2, N, V_draft]: on the
+        target's features, then on the draft's own predictions of them (shifted by one position).
+
+        The pair (f_j, x_{j+1}) predicts token j + 2; a sample's output positions p = prompt_len..L-1
+        are predicted by the pairs j = p - 2 (a sample needs prompt_len >= 2 and features up to L - 3)."""
+        dev = self.fc.weight.device
+        rows_b, rows_t, feats, ids, lens = [], [], [], [], []
+        for b, s in enumerate(batch):
+            L, p0 = int(s.tokens.shape[0]), int(s.prompt_len)
+            if s.features is None or p0 < 2 or s.features.shape[0] < L - 2:
+                raise ValueError("a feature draft trains on records with the target's features (prompt_len >= 2)")
+            n = L - 2  # pairs j = 0..L-3
+            feats.append(s.features[:n].float())
+            ids.append(s.tokens[1 : n + 1].long())
+            lens.append(n)
+            rows_b.append(torch.full((L - p0,), b))
+            rows_t.append(torch.arange(p0 - 2, L - 2))
+        W, H = max(lens), self.config.hidden_size
+        F = torch.zeros(len(batch), W, H, device=dev)
+        X = torch.zeros(len(batch), W, dtype=torch.long, device=dev)
+        for b, (f, x) in enumerate(zip(feats, ids)):
+            F[b, : len(x)], X[b, : len(x)] = f.to(dev), x.to(dev)
+        pos = torch.arange(W, device=dev).expand(len(batch), W)
+        mask = _causal(W, 0, F.dtype, dev)[None, None].expand(len(batch), 1, W, W)  # padding sits after: harmless
+        rb, rt = torch.cat(rows_b).to(dev), torch.cat(rows_t).to(dev)
+        first = self(F, X, pos, attention_mask=mask)  # [B, W, H] predicted f_{j+1}
+        if not self.training:
+            return self.lm_head(first[rb, rt])
+        own = torch.cat([F[:, :1], first[:, :-1].detach()], dim=1)  # pair j reads the draft's own f^_j (j >= 1)
+        second = self(own, X, pos, attention_mask=mask)
+        return torch.stack([self.lm_head(first[rb, rt]), self.lm_head(second[rb, rt])])
+
+
+def _causal(T: int, past: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """[T, past + T] additive mask: new row i sees the cache and new rows 0..i."""
+    m = torch.full((T, past + T), torch.finfo(dtype).min, dtype=dtype, device=device)
+    return m.triu(past + 1)
+
+
+def feature_draft(target: PreTrainedModel, keep_ids: torch.Tensor | None = None) -> FeatureDraft:
+    """A feature draft initialised from ``target`` (see the module docstring); ``keep_ids``
+    restricts the head to those target tokens (then map proposals back with ``vocab_map=keep_ids``)."""
+    head = target.get_output_embeddings().weight.detach()
+    head = head[keep_ids] if keep_ids is not None else head
+    draft = FeatureDraft(target.config, head.shape[0])
+    H = target.config.hidden_size
+    with torch.no_grad():
+        emb = target.get_input_embeddings().weight
+        draft.embed_tokens.weight.copy_(emb)
+        draft.feature_norm.weight.fill_(float(emb.float().pow(2).mean().sqrt()))  # an embedding's RMS
+        draft.fc.weight.copy_(torch.cat([torch.zeros(H, H), torch.eye(H)], dim=1))  # e: the feature is learned in
+        draft.layer.load_state_dict(target.get_decoder().layers[0].state_dict())
+        draft.norm.load_state_dict(target.get_decoder().norm.state_dict())
+        draft.lm_head.weight.copy_(head)
+    draft.lm_head.weight.requires_grad_(False)
+    draft.embed_tokens.weight.requires_grad_(False)
+    return draft.eval()
+
+
+class FeatureRunner:
+    """The draft's side of :class:`FeatureDraftProposer`: the model and one KV cache per sequence
+    (its layer's, over the pairs fed so far)."""
+
+    def __init__(self, model: FeatureDraft, vocab_map: torch.Tensor | None = None, name: str = "feature-draft"):
+        self.model = model
+        self.vocab_map = vocab_map
+        self.name = name
+        self._caches: dict[str, DynamicCache] = {}
+
+    @torch.inference_mode()
+    def step(self, seq_id: str, start: int, features: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+        """Feed pairs (features[i], tokens[i]) at pair positions start..; returns the predicted
+        features [T, H] (the cache past ``start`` is dropped first)."""
+        cache = self._caches.get(seq_id)
+        if cache is None or start == 0:
+            cache = self._caches[seq_id] = DynamicCache(config=self.model.config)
+        have = cache.get_seq_length()
+        if start > have:
+            raise ValueError(f"{self.name}: sequence {seq_id!r} has {have} cached pairs, cannot start at {start}")
+        if start < have:
+            cache.crop(start - have)  # negative: drop the (have - start) pairs past start
+        ids = torch.tensor([tokens], dtype=torch.long)  # [1, T]
+        pos = torch.arange(start, start + len(tokens))[None]  # [1, T]
+        return self.model(features[None], ids, pos, past_key_values=cache)[0]  # [T, H]
+
+    @torch.inference_mode()
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(h).float()  # [T, V_draft]
+
+    def release(self, seq_id: str) -> None:
+        self._caches.pop(seq_id, None)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()}, strict=True)
+        self._caches.clear()
+
+
+class FeatureDraftProposer(DraftModelProposer):
+    """Proposes with a :class:`FeatureDraft` from the target's features, which verification returns
+    (``wants_features``). Learned online like the token draft (same learner, same versions)."""
+
+    sources = ("feature",)
+    wants_features = True
+
+    def __init__(self, runner: FeatureRunner, target_vocab: int):
+        super().__init__(runner, target_vocab)
+        self._feats: dict[str, torch.Tensor] = {}  # seq -> [m, H] float32 final target features, positions 0..m-1
+
+    def observe_features(self, seq_id: str, start: int, features: torch.Tensor) -> None:
+        have = self._feats.get(seq_id)
+        kept = have[:start] if have is not None else torch.zeros(0, features.shape[-1])
+        if kept.shape[0] != start:  # a gap (features of earlier positions never came): start over when they do
+            self._feats.pop(seq_id, None)
+            return
+        self._feats[seq_id] = torch.cat([kept, features.float()])
+        self._valid[seq_id] = min(self._valid.get(seq_id, 0), start)  # pairs from here on used other features
+
+    def propose(self, seq_id, tokens, choose_k, params, gen) -> Proposal:
+        feats = self._feats.get(seq_id)
+        m = 0 if feats is None else feats.shape[0]
+        if m == 0 or len(tokens) != m + 1:  # before the prompt was verified (or after a gap): nothing to read
+            return EMPTY
+        k = choose_k("feature")
+        if k <= 0:
+            return EMPTY
+        t0 = time.perf_counter()
+        start = min(self._valid.get(seq_id, 0), m - 1)  # pairs (f_j, x_{j+1}) cached and still valid
+        h = self.runner.step(seq_id, start, feats[start:m], tokens[start + 1 : m + 1])[-1:]  # [1, H] f^_m
+        draft_tokens, rows = [], []
+        for i in range(k):
+            tok, q = self._draw(self.runner.head(h)[0], params, gen, len(tokens) + i)
+            draft_tokens.append(tok)
+            if q is not None:
+                rows.append(q)
+            if i < k - 1:  # the draft's own feature and token: pair m + i
+                h = self.runner.step(seq_id, m + i, h, [tok])
+        self._valid[seq_id] = m  # pairs past m were built on the draft's own features: dropped next time
+        probs = torch.stack(rows) if rows else None
+        return Proposal(draft_tokens, probs, "feature", time.perf_counter() - t0, m - start + k - 1)
+
+    def feedback(self, seq_id: str, committed: int) -> None:
+        pass  # the features that arrive with each verification say what is final
+
+    def release(self, seq_id: str, tokens: list[int] | None = None) -> None:
+        self._feats.pop(seq_id, None)
+        super().release(seq_id, tokens)
+
+    def load_state_dict(self, state: dict, version: int) -> None:
+        self.runner.load_state_dict(state)
+        self._valid.clear()
+        self.version = version

@@ -1,0 +1,186 @@
+"""The feature-conditioned (EAGLE-style) draft: the target's features as verification returns them,
+greedy equality, its cache across rejections, records that carry features, and online training on a
+small trained model. Its sampling statistics are in tests/lossless.py (the ``feature`` cases)."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from bench.harness import serve_recorded
+from config import DraftConfig, EngineConfig, KPolicyConfig, SamplingParams
+from drafts.build import build_proposer
+from learner.replay import decode_record, encode_record
+from learner.trainer import DraftTrainer, LearnerConfig
+from speculative import ModelRunner, SpeculativeEngine
+from speculative.fast import FastRunner
+from speculative.feature import FeatureDraftProposer, FeatureRunner, feature_draft
+from speculative.runner import VerifyCall
+
+GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
+
+
+def full_features(model, ids: list[int]) -> torch.Tensor:
+    """The target's features by one uncached forward: [len(ids), H]."""
+    with torch.no_grad():
+        return model.get_decoder()(input_ids=torch.tensor([ids])).last_hidden_state[0].float()
+
+
+@pytest.mark.parametrize("runtime", ["hf", "int4"])
+def test_verification_returns_the_features_of_every_fed_position(target, runtime):
+    runner = ModelRunner(target, name="t") if runtime == "hf" else FastRunner(target, name="t", bits=4)
+    ref_model = target if runtime == "hf" else None
+    a, b = [5, 9, 14, 3, 7, 21, 8], [30, 31, 32]
+    first = runner.verify([VerifyCall("a", 0, a[:5], 1, features=True), VerifyCall("b", 0, b, 1)])
+    assert first[0].features.shape == (5, target.config.hidden_size) and first[0].features.dtype == torch.float16
+    assert first[1].features is None  # only the calls that ask pay for them
+    later = runner.verify([VerifyCall("a", 5, a[5:], 2, features=True), VerifyCall("b", 3, [33], 1, features=True)])[0]
+    feats = torch.cat([first[0].features, later.features]).float()  # positions 0..6
+    if ref_model is not None:
+        torch.testing.assert_close(feats, full_features(ref_model, a), atol=2e-3, rtol=2e-3)
+    else:  # the int4 runtime: its own features, computed alone, are the same bits
+        alone = FastRunner(target, name="t2", bits=4).verify([VerifyCall("x", 0, a, 1, features=True)])[0].features
+        assert torch.equal(feats.half(), alone)
+    # the head applied to a feature gives that position's next-token row
+    head = target.get_output_embeddings().weight
+    assert int((feats[-1] @ head.T).argmax()) == int(later.argmax[-1])
+
+
+@pytest.fixture
+def feature_engine(target, tok):
+    def make(k=3, model=None, runtime="hf"):
+        tgt = model if model is not None else target
+        runner = ModelRunner(tgt, name="t") if runtime == "hf" else FastRunner(tgt, name="t", bits=4)
+        prop = build_proposer(DraftConfig(kind="feature"), tgt, tok)
+        return SpeculativeEngine(runner, tok, prop, EngineConfig(chat_template=False, k=KPolicyConfig(fixed_k=k), record_top_k=8))
+
+    return make
+
+
+@pytest.mark.parametrize("runtime,k", [("hf", 1), ("hf", 3), ("int4", 4)])
+def test_greedy_output_equals_the_target_alone(feature_engine, make_engine, prompts, runtime, k, target):
+    engine = feature_engine(k, runtime=runtime)
+    alone = SpeculativeEngine(engine.target, engine.tokenizer, None, EngineConfig(chat_template=False))
+    sources = set()
+    for p in prompts:
+        steps = []
+        got = engine.generate(list(p), GREEDY, on_step=steps.append).token_ids
+        assert got == alone.generate(list(p), GREEDY).token_ids
+        sources |= {s.source for s in steps if s.proposed}
+        assert steps[0].proposed == 0  # nothing to read before the prompt was verified
+    assert sources == {"feature"}
+
+
+def test_the_drafts_cache_survives_rejections(target, tok):
+    """A long-lived proposer (its cache rebuilt only where features changed) proposes what a fresh
+    one proposes from the same features and tokens."""
+    engine = SpeculativeEngine(ModelRunner(target, name="t"), tok, build_proposer(DraftConfig(kind="feature"), target, tok),
+                               EngineConfig(chat_template=False, k=KPolicyConfig(fixed_k=3)))
+    rid = engine.add_request([5, 9, 14, 3, 7, 21, 8], GREEDY)
+    prop: FeatureDraftProposer = engine.proposer
+    for _ in range(6):
+        pending = engine.propose(rid)
+        fresh = FeatureDraftProposer(FeatureRunner(prop.runner.model), target.config.vocab_size)
+        if "x" not in prop._feats and rid in prop._feats:
+            fresh.observe_features("x", 0, prop._feats[rid])
+            again = fresh.propose("x", list(engine.requests[rid].tokens), lambda s: 3, GREEDY, None)
+            assert again.tokens == pending.proposal.tokens
+        engine.accept(pending, engine.target.verify([pending.call])[0])
+
+
+def test_records_carry_the_features_and_survive_encoding(feature_engine, prompts, target):
+    engine = feature_engine(3)
+    rec, *_ = serve_recorded(engine, list(prompts[1]), GREEDY, sources=("feature",))
+    L = rec.tokens.shape[0]
+    assert rec.features is not None and rec.features.shape == (L - 1, target.config.hidden_size)
+    torch.testing.assert_close(rec.features.float(), full_features(target, rec.tokens[: L - 1].tolist()), atol=2e-2, rtol=2e-2)
+    back = decode_record(encode_record(rec))
+    assert torch.equal(back.features, rec.features) and back.same_as(rec)
+    assert rec.nbytes >= rec.features.numel() * 2
+
+
+# -- online training on a small trained model ------------------------------------------------------------
+def digits(rng: random.Random, n: int) -> str:
+    """A toy language: each digit is the sum of the two before it, mod 10 (a Fibonacci sequence)."""
+    out = [rng.randrange(10), rng.randrange(10)]
+    while len(out) < n:
+        out.append((out[-1] + out[-2]) % 10)
+    return "".join(map(str, out[:n]))
+
+
+@pytest.fixture(scope="module")
+def trained_target(tok):
+    """A tiny Llama trained for a few seconds on the toy language: its outputs have structure that
+    a draft can learn and carry to new prompts (a random model's have none), and that the one-layer
+    starting draft does not know."""
+    from conftest import tiny_llama
+
+    torch.manual_seed(0)
+    model = tiny_llama(2, seed=7, hidden_size=64, intermediate_size=128, initializer_range=0.02).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rng = random.Random(0)
+    for _ in range(250):
+        x = torch.tensor([tok(digits(rng, 24))["input_ids"] for _ in range(32)])
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def test_online_training_raises_held_out_agreement(trained_target, tok):
+    engine = SpeculativeEngine(ModelRunner(trained_target, name="t"), tok,
+                               build_proposer(DraftConfig(kind="feature"), trained_target, tok),
+                               EngineConfig(chat_template=False, k=KPolicyConfig(fixed_k=3), record_top_k=8))
+    rng = random.Random(1)
+    records = [serve_recorded(engine, digits(rng, 4), SamplingParams(max_tokens=24, ignore_eos=True),
+                              sources=("feature",))[0] for _ in range(60)]
+    train, held = records[:40], records[40:]  # held-out prompts: never trained on
+    trainer = DraftTrainer("f", engine.proposer.runner.model,
+                           LearnerConfig(lr=1e-3, steps_per_round=5, positions="all", holdout_fraction=0.0, gate_margin=1.0))
+    for r in held:
+        trainer.add_holdout(r)
+    before = trainer.agreement()
+    for _ in range(10):
+        rep = trainer.train_round(train)
+        assert rep.accepted
+    after = trainer.agreement()
+    assert after >= before + 0.02, (before, after)
+    # the published weights serve: held-out acceptance rises with them
+    def served_alpha():
+        acc = prop = 0
+        for p in held[:10]:
+            _, a, n, _ = serve_recorded(engine, p.tokens[: p.prompt_len].tolist(), SamplingParams(max_tokens=24, ignore_eos=True),
+                                        sources=("feature",))
+            acc, prop = acc + a, prop + n
+        return acc / prop
+
+    alpha_before = served_alpha()
+    engine.swap_draft(*trainer.publish()[::-1])
+    assert engine.draft_version == trainer.version >= 1
+    assert served_alpha() > alpha_before
+
+
+def test_the_feature_draft_trains_on_its_own_predictions_too(trained_target, tok):
+    """In training mode a batch gives two passes of logits: on the target's features, and with each
+    pair reading the feature the draft predicted from the target's one before it (as its second
+    drafted token does when serving); they differ, and eval mode gives the first only."""
+    from learner.offline import student_logits_for
+
+    engine = SpeculativeEngine(ModelRunner(trained_target, name="t"), tok,
+                               build_proposer(DraftConfig(kind="feature"), trained_target, tok),
+                               EngineConfig(chat_template=False, k=KPolicyConfig(fixed_k=3), record_top_k=8))
+    rec, *_ = serve_recorded(engine, "3141", SamplingParams(max_tokens=16, ignore_eos=True), sources=("feature",))
+    model = copy.deepcopy(engine.proposer.runner.model)
+    with torch.no_grad():  # a draft that reads the features (the starting one ignores them)
+        model.fc.weight[:, : model.config.hidden_size].normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    model.train()
+    both = student_logits_for(model, [rec.to_sample()])
+    n_out = rec.tokens.shape[0] - rec.prompt_len
+    assert both.shape[:2] == (2, n_out)
+    assert not torch.allclose(both[0], both[1])  # each output of pass 2 reads a predicted feature
+    model.eval()
+    torch.testing.assert_close(student_logits_for(model, [rec.to_sample()]), both[0].detach())
