@@ -267,10 +267,10 @@ def _run_methods(
         entry: dict[str, Any] = {"training_seconds": 0.0, "rounds": 0, "accepted_rounds": 0, "rejected_rounds": 0,
                                  "versions_published": 0}
         learner = budget = None
-        sources = ("draft",)
+        sources = ("draft", "feature")  # the learned draft's steps
         if m in PROPOSER_METHODS:
             engine.proposer = _method_proposer(m, engine)
-            sources = ("draft", "ngram", "suffix")
+            sources = ("draft", "feature", "ngram", "suffix")
         if adaptive and engine.proposer is not None:
             engine.calibrate()
         if m in ("online", "controller"):
@@ -281,6 +281,8 @@ def _run_methods(
         elif m in PROPOSER_METHODS:
             pass
         elif m in offline_prompts:
+            if getattr(_draft_of(engine).runner.model, "uses_features", False):
+                raise ValueError(f"{m}: offline distillation reads no target features; a feature draft learns online")
             if log:
                 log(f"[{m}] distilling the offline draft on {len(offline_prompts[m])} prompts")
             off = _offline_train(engine, offline_prompts[m], max_tokens, distill_cfg, log)
@@ -555,6 +557,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--offline-epochs", type=int, default=3)
         p.add_argument("--offline-lr", type=float, default=1e-3)
         p.add_argument("--target", default=None, help="target model (default: the embedded one)")
+        p.add_argument("--draft-kind", choices=["truncated", "feature"], default="truncated",
+                       help="the learned draft: the truncated target (tokens only) or the feature-conditioned one")
         p.add_argument("--draft-layers", type=int, default=2)
         p.add_argument("--head-vocab", type=int, default=None)
         p.add_argument("--draft-checkpoint", default=None, help="starting draft (a saved draft folder)")

@@ -67,7 +67,8 @@ def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
         from drafts.build import resolve_checkpoint  # "default" -> the cached general draft
 
         ckpt = str(resolve_checkpoint(ckpt))
-    cfg = EngineConfig(model=model, draft=DraftConfig(kind="truncated", num_layers=args.draft_layers,
+    kind = getattr(args, "draft_kind", "truncated")
+    cfg = EngineConfig(model=model, draft=DraftConfig(kind=kind, num_layers=args.draft_layers,
                                                       head_vocab=args.head_vocab, checkpoint=ckpt),
                        k=KPolicyConfig(k_max=max(args.k, 1), fixed_k=args.k))
     base = build_engine(cfg, texts=texts, calibrate=False)
@@ -79,8 +80,14 @@ def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
     def factory():
         if first:
             return first.pop()
-        prop = DraftModelProposer(make_runner(copy.deepcopy(start_model), model.quantize, keep, name="draft", draft=True),
-                                  target.config.vocab_size)
+        if kind == "feature":
+            from speculative.feature import FeatureDraftProposer, FeatureRunner
+
+            prop = FeatureDraftProposer(FeatureRunner(copy.deepcopy(start_model), keep, head_bits=dp.runner.head_bits),
+                                        target.config.vocab_size)
+        else:
+            prop = DraftModelProposer(make_runner(copy.deepcopy(start_model), model.quantize, keep, name="draft", draft=True),
+                                      target.config.vocab_size)
         return SpeculativeEngine(target_runner, base.tokenizer, prop, cfg)  # one target runner: caches are per request id
 
     return factory

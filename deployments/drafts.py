@@ -29,7 +29,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from config import AppConfig, SamplingParams
 from drafts.build import build_proposer
-from learner.replay import RecordBuilder
+from learner.replay import LEARNED_SOURCES, RecordBuilder
 from router.router import GENERAL
 from speculative import RequestError, SpeculativeEngine, TargetRows, VerifyCall
 from speculative.detokenize import Detokenizer
@@ -192,7 +192,8 @@ class DraftPool:
         m.inc("osd_spec_decode_num_draft_tokens_total", k, **labels)
         m.inc("osd_spec_decode_num_accepted_tokens_total", res.accepted, **labels)
         m.observe("osd_spec_decode_accepted_length", res.accepted, draft=draft)
-        version = res.draft_version if res.source == "draft" else res.source  # "ngram": prompt lookup drafted
+        # the learned draft's version, or the model-free proposer that drafted ("ngram", "suffix")
+        version = res.draft_version if res.source in LEARNED_SOURCES else res.source
         m.inc("osd_spec_decode_draft_version_draft_tokens_total", k, draft=draft, draft_version=version)
         m.inc("osd_spec_decode_draft_version_accepted_tokens_total", res.accepted, draft=draft, draft_version=version)
         for i in range(k):

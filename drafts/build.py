@@ -236,8 +236,11 @@ def build_proposer(
     if cfg.kind == "feature":
         from speculative.feature import FeatureDraftProposer, FeatureRunner, feature_draft
 
+        from speculative.fast import resolve_quantize
+
         keep = frequent_token_ids(target_tok, cfg.head_vocab, texts) if cfg.head_vocab else None
-        runner = FeatureRunner(feature_draft(target, keep), keep)
+        mode = resolve_quantize(quantize, target)  # the draft's head in the runtime's bits
+        runner = FeatureRunner(feature_draft(target, keep), keep, head_bits={"int4": 4, "int8": 8}.get(mode))
         parts.append(FeatureDraftProposer(runner, target.config.vocab_size))
     elif cfg.kind not in ("ngram", "suffix"):
         draft, keep = build_draft_model(cfg, target, target_tok, texts)

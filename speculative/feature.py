@@ -148,13 +148,25 @@ def feature_draft(target: PreTrainedModel, keep_ids: torch.Tensor | None = None)
 
 class FeatureRunner:
     """The draft's side of :class:`FeatureDraftProposer`: the model and one KV cache per sequence
-    (its layer's, over the pairs fed so far)."""
+    (its layer's, over the pairs fed so far). ``head_bits`` 4 or 8: the head (most of the draft's
+    cost: 49152 x 576 for SmolLM2) runs as a packed int4 / int8 copy of the float head, re-packed
+    when weights are swapped (the fast CPU path's kernels); None: the float head."""
 
-    def __init__(self, model: FeatureDraft, vocab_map: torch.Tensor | None = None, name: str = "feature-draft"):
+    def __init__(self, model: FeatureDraft, vocab_map: torch.Tensor | None = None, name: str = "feature-draft",
+                 head_bits: int | None = None):
         self.model = model
         self.vocab_map = vocab_map
         self.name = name
+        self.head_bits = head_bits
         self._caches: dict[str, DynamicCache] = {}
+        self._head = self._pack()
+
+    def _pack(self) -> nn.Module:
+        from .fast import Int4Linear, Int8Linear
+
+        if self.head_bits is None:
+            return self.model.lm_head
+        return Int4Linear(self.model.lm_head) if self.head_bits == 4 else Int8Linear(self.model.lm_head)
 
     @torch.inference_mode()
     def step(self, seq_id: str, start: int, features: torch.Tensor, tokens: list[int]) -> torch.Tensor:
@@ -174,7 +186,7 @@ class FeatureRunner:
 
     @torch.inference_mode()
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(h).float()  # [T, V_draft]
+        return self._head(h).float()  # [T, V_draft]
 
     def release(self, seq_id: str) -> None:
         self._caches.pop(seq_id, None)
@@ -182,6 +194,7 @@ class FeatureRunner:
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()}, strict=True)
         self._caches.clear()
+        self._head = self._pack()
 
 
 class FeatureDraftProposer(DraftModelProposer):

@@ -67,7 +67,11 @@ def server(tmp_path_factory):
     from config import AppConfig
     from deployments.app import build
 
-    colo = AppConfig.model_validate({**app["args"], "placement": "colocated", "learner": {"enabled": False}})
+    # ... whose drafts are the other proposers: suffix tree, prompt lookup and a feature-conditioned
+    # draft (reading the target's features in the replica), chosen per step by the controller
+    engine = {**app["args"]["engine"], "draft": {"kind": "feature", "use_suffix": True, "ngram_first": True,
+                                                 "controller": {"probe_every": 2}}}
+    colo = AppConfig.model_validate({**app["args"], "engine": engine, "placement": "colocated", "learner": {"enabled": False}})
     small = {"ray_actor_options": {"num_cpus": 0.1}}
     serve.run(build(colo, {"Ingress": small, "Router": small, "DraftPool": small}), name="colo", route_prefix="/colo")
     yield url

@@ -348,7 +348,9 @@ def test_operator_endpoint_needs_the_admin_key(server, client):
 
 
 def test_colocated_placement_greedy_concurrent_equals_target_only(server, reference):
-    """Target inside the draft replica (no hop): concurrent greedy requests equal target-only."""
+    """Target inside the draft replica (no hop), the controller over suffix tree, prompt lookup and
+    the feature-conditioned draft: concurrent greedy requests (each prompt twice) equal target-only,
+    and drafts were proposed."""
     import openai
 
     colo = openai.OpenAI(base_url=f"{server}/colo/v1", api_key=KEY, max_retries=0, timeout=120)
@@ -357,7 +359,8 @@ def test_colocated_placement_greedy_concurrent_equals_target_only(server, refere
         return colo.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0)
 
     with cf.ThreadPoolExecutor(4) as pool:
-        got = list(pool.map(one, PROMPTS[:4]))
-    for p, r in zip(PROMPTS[:4], got):
+        got = list(pool.map(one, PROMPTS[:4] * 2))
+    for p, r in zip(PROMPTS[:4] * 2, got):
         assert r.choices[0].text == _target_only(reference, p), p
         assert r.usage.model_extra["speculative"]["steps"] >= 1
+    assert sum(r.usage.model_extra["speculative"]["proposed"] for r in got) > 0
