@@ -33,15 +33,18 @@ from workloads import WorkloadRecord, load_workload, without_prompts_of
 
 #: target: target-only on the runtime served (``--quantize``; the reference of ours); spec: our
 #: engine with the configured draft; spec_lookup: our engine with the prompt-lookup proposer alone;
+#: spec_suffix: our engine with the suffix tree alone (over the bench's earlier outputs: it learns
+#: as the bench goes, as a server does); spec_controller: the controller over suffix tree, prompt
+#: lookup and the configured draft (no learner);
 #: hf_assisted: HF generate with assistant_model = the same draft; hf_lookup: HF prompt-lookup
 #: decoding; target_fp32 / target_int8 / target_int4: target-only on that runtime (the float32
 #: reference is Hugging Face eager); llamacpp: llama.cpp's plain greedy decoding of the same GGUF.
-METHODS = ("target", "spec", "spec_lookup", "hf_assisted", "hf_lookup", "target_fp32", "target_int8", "target_int4",
-           "llamacpp")
+METHODS = ("target", "spec", "spec_lookup", "spec_suffix", "spec_controller", "hf_assisted", "hf_lookup", "target_fp32",
+           "target_int8", "target_int4", "llamacpp")
 DEFAULT_METHODS = "target,spec,spec_lookup,hf_assisted,hf_lookup"
 RUNTIMES = {"target_fp32": "none", "target_int8": "int8", "target_int4": "int4"}
 #: methods that promise equality with their reference (the others report agreement)
-LOSSLESS = ("target", "spec", "spec_lookup", "hf_assisted", "hf_lookup")
+LOSSLESS = ("target", "spec", "spec_lookup", "spec_suffix", "spec_controller", "hf_assisted", "hf_lookup")
 
 
 def select(records: list[WorkloadRecord], n: int, domains: list[str] | None = None) -> list[WorkloadRecord]:
@@ -160,7 +163,7 @@ def run_bench(
         lookup = SpeculativeEngine(engine.target, engine.tokenizer, NgramProposer(cfg.draft.ngram), cfg)
         lookup.costs.verify_s.update(engine.costs.verify_s)
         lookup.costs.draft_s["ngram"] = 0.0
-    engines = {"spec": engine, "spec_lookup": lookup}
+    engines = {"spec": engine, "spec_lookup": lookup, **_proposer_engines(engine, methods)}
     hf_methods = [m for m in methods if m.startswith("hf_")]
     tallies: dict[tuple[str, str], Tally] = defaultdict(Tally)
     rows = []
@@ -204,6 +207,28 @@ def run_bench(
                     t.spec.merge(stats)
         rows.append(row)
     return summarise(engines, tallies, rows, methods, skipped, max_tokens)
+
+
+def _proposer_engines(engine: SpeculativeEngine, methods) -> dict:
+    """spec_suffix / spec_controller: engines over the same target runner, costs as measured for spec."""
+    from config import NgramConfig, SuffixConfig
+    from speculative.proposers import ControllerProposer
+    from speculative.suffix import SuffixProposer
+
+    out = {}
+    for m in ("spec_suffix", "spec_controller"):
+        if m not in methods:
+            continue
+        if m == "spec_suffix":
+            prop = SuffixProposer(SuffixConfig())
+        else:
+            parts = [SuffixProposer(SuffixConfig()), NgramProposer(NgramConfig())]
+            parts += [copy.deepcopy(engine.learned_draft)] if engine.learned_draft is not None else []
+            prop = ControllerProposer(*parts)
+        e = out[m] = SpeculativeEngine(engine.target, engine.tokenizer, prop, engine.cfg)
+        e.costs.verify_s.update(engine.costs.verify_s)
+        e.costs.draft_s.update({**engine.costs.draft_s, "suffix": 0.0, "ngram": 0.0})
+    return out
 
 
 def summarise(engines, tallies, rows, methods, skipped, max_tokens) -> dict:

@@ -119,6 +119,7 @@ def stream(
     rows, curve, dcurve = [], [], {}
     t_start = time.perf_counter()
     requests = _Conversation(engine, items, turns)
+    total = len(items) * turns  # requests
     for i, (prompt, domain, turn) in enumerate(requests, start=1):
         rec, acc, prop, gen = serve_recorded(engine, prompt, params, domain=domain, draft_id=DRAFT_ID, sources=sources)
         requests.send(gen.text)  # the next turn of a conversation answers it
@@ -137,14 +138,14 @@ def stream(
         rows.append(row)
         win.append((acc, prop))
         dwin.setdefault(domain, deque(maxlen=window)).append((acc, prop))
-        if i % eval_every == 0 or i == len(items):
+        if i % eval_every == 0 or i == total:
             a = _alpha(sum(x for x, _ in win), sum(y for _, y in win))
             curve.append([i, a])
             da = _alpha(sum(x for x, _ in dwin[domain]), sum(y for _, y in dwin[domain]))
             dcurve.setdefault(domain, []).append([i, da])
             if log is not None:
                 v = row["draft_version"]
-                log(f"[{label}] {i}/{len(items)} {domain}: alpha {row['alpha'] if row['alpha'] is None else round(row['alpha'], 3)}"
+                log(f"[{label}] {i}/{total} {domain}: alpha {row['alpha'] if row['alpha'] is None else round(row['alpha'], 3)}"
                     f" window {a if a is None else round(a, 3)} (draft v{v}, {time.perf_counter() - t_start:.1f}s)")
     return {"rows": rows, "curve": curve, "domain_curves": dcurve}
 

@@ -452,7 +452,7 @@ class RecordBuilder:
             draft_version=version,
             created=created,
             request_id=self._request_id or "",
-            features=_features_of(steps),
+            features=_features_of(steps, length - 1),
         )
         self.student_records = []
         if self.keep_student_rows:
@@ -484,9 +484,10 @@ class RecordBuilder:
         return rec
 
 
-def _features_of(steps: list[_StepRows]) -> torch.Tensor | None:
-    """The steps' target features as one [F, H] array over positions 0..F-1 (None when a step has
-    none or they leave a gap: a feature draft needs every position's)."""
+def _features_of(steps: list[_StepRows], limit: int) -> torch.Tensor | None:
+    """The steps' target features as one [F, H] array over positions 0..F-1, F <= ``limit`` (a
+    step's accepted drafts past an EOS or max_tokens were verified but are not in the record);
+    None when a step has none or they leave a gap: a feature draft needs every position's."""
     if not steps or any(s.features is None for s in steps):
         return None
     parts, end = [], 0
@@ -495,7 +496,7 @@ def _features_of(steps: list[_StepRows]) -> torch.Tensor | None:
             return None
         parts.append(s.features[end - s.features_start :])
         end = max(end, s.features_start + s.features.shape[0])
-    return torch.cat(parts).to(torch.float16)
+    return torch.cat(parts)[:limit].to(torch.float16)
 
 
 # ---------------------------------------------------------------------------------------------

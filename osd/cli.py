@@ -70,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--domains", nargs="*", default=None)
     b.add_argument("--exclude", default=None, help="workload file whose prompts are skipped (e.g. what a draft trained on)")
     b.add_argument("--methods", default="target,spec,spec_lookup,hf_assisted,hf_lookup",
-                   help="comma-separated: target, spec, spec_lookup, hf_assisted, hf_lookup, target_fp32, target_int8, target_int4, llamacpp")
+                   help="comma-separated: target, spec, spec_lookup, spec_suffix, spec_controller, hf_assisted, hf_lookup, "
+                        "target_fp32, target_int8, target_int4, llamacpp")
     b.add_argument("--lookup-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
     b.add_argument("--json", default=None)
     _engine_args(b)

@@ -99,3 +99,15 @@ def test_other_runtimes_are_timed_and_reported_as_agreement(bench_engine):
     for m in ("target_int8", "target_int4"):
         assert overall[m]["lossless_method"] is False and overall[m]["tokens"] > 0
     assert "~" in format_table(res)
+
+
+def test_suffix_and_controller_methods_are_lossless_and_learn_as_the_bench_goes(bench_engine):
+    """spec_suffix / spec_controller decode every prompt to the target's output; served twice, the
+    suffix tree drafts the repeats from the first pass."""
+    recs = _records()[:3] * 2
+    res = run_bench(bench_engine, recs, max_tokens=12, methods=("spec_suffix", "spec_controller"), progress=False)
+    overall = res["domains"]["overall"]
+    for m in ("spec_suffix", "spec_controller"):
+        assert overall[m]["all_equal_target_greedy"] and overall[m]["lossless_method"], m
+    second = [r["spec_suffix"] for r in res["rows"][3:]]
+    assert sum(r["accepted"] for r in second) > 0

@@ -184,3 +184,29 @@ def test_the_feature_draft_trains_on_its_own_predictions_too(trained_target, tok
     assert not torch.allclose(both[0], both[1])  # each output of pass 2 reads a predicted feature
     model.eval()
     torch.testing.assert_close(student_logits_for(model, [rec.to_sample()]), both[0].detach())
+
+
+def test_a_record_ending_inside_a_drafted_run_keeps_only_its_tokens_features():
+    """An EOS accepted inside a drafted run ends the request: the target computed features for the
+    positions after it, which are not the record's (the record keeps len(tokens) - 1 of them)."""
+    from types import SimpleNamespace
+
+    from learner.replay import RecordBuilder
+
+    H, K = 4, 2
+    rows = lambda n: dict(target_top_ids=torch.zeros(n, K, dtype=torch.long), target_top_probs=torch.full((n, K), 0.5),
+                          target_tail=torch.zeros(n))
+    prompt = [5, 6, 7]
+    # step 1: the prompt fed, no draft, emits 8; step 2: feeds 8 + drafts [9, EOS, 4], all accepted,
+    # emits only 9 (the EOS ends it): features came for positions 3..6
+    s1 = SimpleNamespace(request_id="r", start=3, draft_tokens=[], accepted=0, draft_matches_target=[], emitted=[8],
+                         source="none", draft_version=0, features=torch.randn(3, H), features_start=0, **rows(1))
+    s2 = SimpleNamespace(request_id="r", start=4, draft_tokens=[9, 0, 4], accepted=3, draft_matches_target=[True] * 3,
+                         emitted=[9], source="feature", draft_version=0, features=torch.randn(4, H), features_start=3,
+                         **rows(4))
+    b = RecordBuilder()
+    b.add(s1)
+    b.add(s2)
+    rec = b.finish(prompt + [8, 9], len(prompt))
+    assert rec.features.shape == (4, H)  # positions 0..3: the tokens 5, 6, 7, 8 (9 was never fed)
+    torch.testing.assert_close(rec.features.float(), torch.cat([s1.features, s2.features[:1]]), atol=1e-2, rtol=1e-2)
