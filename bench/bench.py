@@ -261,7 +261,8 @@ def summarise(engines, tallies, rows, methods, skipped, max_tokens) -> dict:
                 s = t.spec
                 a = s.alpha
                 mc = engines[m].costs
-                src = "draft" if "draft" in mc.draft_s else next(iter(mc.draft_s), None)
+                own = engines[m].proposer.sources if engines[m].proposer is not None else ()
+                src = next((x for x in ("draft", *own) if x in own and x in mc.draft_s), None)  # its learned draft's first
                 c = mc.c(src) if src else 0.0
                 k_max = engine.cfg.k.k_max
                 entry.update(

@@ -169,14 +169,7 @@ class NgramProposer:
         pass
 
     def propose(self, seq_id, tokens, choose_k, params, gen) -> Proposal:
-        k = choose_k("ngram")
-        if k <= 0:
-            return EMPTY
-        t0 = time.perf_counter()
-        found = self.lookup(tokens, k)
-        if not found:
-            return EMPTY
-        return Proposal(found, None, "ngram", time.perf_counter() - t0)
+        return model_free_proposal("ngram", choose_k, lambda k: self.lookup(tokens, k))
 
     def feedback(self, seq_id: str, committed: int) -> None:
         pass
@@ -186,6 +179,17 @@ class NgramProposer:
 
     def release(self, seq_id: str, tokens: list[int] | None = None) -> None:
         pass
+
+
+def model_free_proposal(source: str, choose_k: ChooseK, find: Callable[[int], list[int]]) -> Proposal:
+    """A deterministic proposer's step: k from the policy, then ``find(k)``'s tokens (q one-hot),
+    timed; EMPTY when k = 0 or nothing is found."""
+    k = choose_k(source)
+    if k <= 0:
+        return EMPTY
+    t0 = time.perf_counter()
+    found = find(k)
+    return Proposal(list(found), None, source, time.perf_counter() - t0) if found else EMPTY
 
 
 def learned_draft(proposer: "Proposer | None") -> "DraftModelProposer | None":

@@ -16,13 +16,12 @@ on requests and tokens with oldest-first eviction, and the proposer interface.
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from config import SuffixConfig
 
-from .proposers import EMPTY, Proposal
+from .proposers import Proposal, model_free_proposal
 
 INSTALL_HINT = (
     "the suffix-tree proposer needs arctic-inference 0.3.0 (C++, builds on a CPU in ~20 s against the "
@@ -140,10 +139,9 @@ class SuffixProposer:
 
     # -- the proposer interface ----------------------------------------------------------------------
     def propose(self, seq_id, tokens, choose_k, params, gen) -> Proposal:
-        k = choose_k("suffix")
-        if k <= 0:
-            return EMPTY
-        t0 = time.perf_counter()
+        return model_free_proposal("suffix", choose_k, lambda k: self._speculate(seq_id, tokens, k))
+
+    def _speculate(self, seq_id: str, tokens: list[int], k: int) -> list[int]:
         sc = self._sync(seq_id, tokens)
         draft = sc.cache.speculate(
             seq_id,
@@ -153,9 +151,7 @@ class SuffixProposer:
             max_spec_offset=self.cfg.spec_offset,
             min_token_prob=self.cfg.min_token_prob,
         )
-        if not draft.token_ids:
-            return EMPTY
-        return Proposal(list(draft.token_ids), None, "suffix", time.perf_counter() - t0)
+        return list(draft.token_ids)
 
     def feedback(self, seq_id: str, committed: int) -> None:
         pass  # the tokens a step passes to propose() are final; nothing to roll back
