@@ -598,6 +598,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--spawn-min-tokens", type=int, default=64)
     x.add_argument("--max-drafts", type=int, default=8)
     x.add_argument("--target", default=None)
+    x.add_argument("--draft-kind", choices=["truncated", "feature"], default="truncated")
+    x.add_argument("--controller", action="store_true",
+                   help="each draft beside a suffix tree of its own and prompt lookup, chosen per step")
     x.add_argument("--draft-layers", type=int, default=2)
     x.add_argument("--head-vocab", type=int, default=None)
     x.add_argument("--draft-checkpoint", default=None)

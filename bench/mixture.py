@@ -66,8 +66,10 @@ def mixed_stream(records: Sequence[Any], n_per_label: int | None, seed: int = 0)
 class _Drafts:
     """The engines of one method: one per draft, all sharing the target; plus their trainers."""
 
-    def __init__(self, engine_factory: Callable[[], Any], learner: OnlineLearner, cfg: LearnerConfig, k: int | None):
+    def __init__(self, engine_factory: Callable[[], Any], learner: OnlineLearner, cfg: LearnerConfig, k: int | None,
+                 controller: bool = False):
         self.factory, self.learner, self.cfg, self.k = engine_factory, learner, cfg, k
+        self.controller = controller
         self.engines: dict[str, Any] = {}
         self.spawned: list[dict] = []
         self.retired: list[dict] = []
@@ -80,6 +82,12 @@ class _Drafts:
             src = _draft_of(self.engines[parent]).runner.model.state_dict()
             dp.load_state_dict({n: t.detach().clone() for n, t in src.items()}, 0)
             self.spawned.append({"draft": draft_id, "parent": parent, "at": at, "domain": domain})
+        if self.controller:  # this draft's own suffix tree and prompt lookup beside it, chosen per step
+            from config import NgramConfig, SuffixConfig
+            from speculative.proposers import ControllerProposer, NgramProposer
+            from speculative.suffix import SuffixProposer
+
+            eng.proposer = ControllerProposer(SuffixProposer(SuffixConfig()), NgramProposer(NgramConfig()), dp)
         self.engines[draft_id] = eng
         self.learner.add_trainer(DraftTrainer(draft_id, dp.runner.model, self.cfg, keep_ids=dp.runner.vocab_map))
         return eng
@@ -95,9 +103,15 @@ class _Drafts:
         return {d: [e.swap_draft] for d, e in self.engines.items()}
 
 
-def _run_method(method, engine_factory, stream, learner_cfg, router, *, max_tokens, k, window, log) -> dict:
+#: drafted steps counted in alpha: the learned draft's (token or feature) and, with the
+#: controller, the suffix tree's and prompt lookup's
+SOURCES = ("draft", "feature", "suffix", "ngram")
+
+
+def _run_method(method, engine_factory, stream, learner_cfg, router, *, max_tokens, k, window, log,
+                controller: bool = False) -> dict:
     learner = OnlineLearner(learner_cfg, ShardConfig())
-    drafts = _Drafts(engine_factory, learner, learner_cfg, k)
+    drafts = _Drafts(engine_factory, learner, learner_cfg, k, controller)
     drafts.add(GENERAL)
     params = SamplingParams(max_tokens=max_tokens)
     rows, curves = [], {}
@@ -118,7 +132,7 @@ def _run_method(method, engine_factory, stream, learner_cfg, router, *, max_toke
                     drafts.retire(ev.draft_id, i, ev.reason)
         draft_id = route.draft_id if route is not None and route.draft_id in drafts.engines else GENERAL
         record, acc, prop, _ = serve_recorded(drafts.engines[draft_id], rec.text, params, domain=label,
-                                              draft_id=draft_id, probs_dtype=torch.float16)
+                                              draft_id=draft_id, probs_dtype=torch.float16, sources=SOURCES)
         learner.observe(record)
         rep = learner.maybe_train(drafts.subscribers())
         if route is not None:
@@ -180,10 +194,13 @@ def run_mixture(
     extractor=None,
     log: Callable[[str], None] | None = print,
     on_method: Callable[[dict], None] | None = None,
+    controller: bool = False,
 ) -> dict:
     """See the module docstring. ``train_records`` (labelled, e.g. bench/data/train.jsonl) train the
     supervised router; any of their texts that is also in the stream is dropped first.
-    ``engine_factory()`` returns a fresh engine (shared target, fresh copy of the starting draft)."""
+    ``engine_factory()`` returns a fresh engine (shared target, fresh copy of the starting draft).
+    ``controller``: every draft runs beside a suffix tree of its own and prompt lookup, the
+    controller choosing per step (alpha then counts every drafted step)."""
     from router import Router
     from router.features import FeatureExtractor
 
@@ -201,7 +218,7 @@ def run_mixture(
         counts[label_of(r)] = counts.get(label_of(r), 0) + 1
     res: dict[str, Any] = {}
     out = {"experiment": "mixture", "n_records": len(stream), "labels": counts, "train_records": len(train),
-           "max_tokens": max_tokens, "k": k, "window": window, "seed": seed,
+           "max_tokens": max_tokens, "k": k, "window": window, "seed": seed, "controller": controller,
            "learner": learner_cfg.model_dump(mode="json"), "router": router_cfg.model_dump(mode="json"), "methods": res}
     for m in methods:
         router = None
@@ -210,7 +227,7 @@ def run_mixture(
             if m == "supervised":
                 router.fit([r.text for r in train], [r.domain for r in train])
         res[m] = _run_method(m, engine_factory, stream, learner_cfg, router, max_tokens=max_tokens, k=k,
-                             window=window, log=log)
+                             window=window, log=log, controller=controller)
         if on_method is not None:  # e.g. write the JSON so far: a long run keeps what it measured
             on_method(out)
     return out
@@ -285,7 +302,8 @@ def main(args) -> int:
     factory = real_engine_factory(args, texts=[r.text for r in records])
     result = run_mixture(factory, records, train, lcfg, rcfg, methods=[m for m in args.methods.split(",") if m],
                          n_per_label=args.n_per_label, max_tokens=args.max_tokens, k=args.k, window=args.window,
-                         seed=args.seed, log=log, on_method=lambda r: write_json({**r, "workload": str(args.workload)}, args.json))
+                         seed=args.seed, log=log, on_method=lambda r: write_json({**r, "workload": str(args.workload)}, args.json),
+                         controller=args.controller)
     result["workload"] = str(args.workload)
     print(format_mixture(result))
     write_json(result, args.json)

@@ -80,3 +80,22 @@ def test_unknown_method_rejected(extractor):
 
     with pytest.raises(ValueError):
         run_mixture(lambda: None, _recs(SQL, "sql", "en", ""), [], methods=["bogus"], extractor=extractor, log=None)
+
+
+def test_mixture_with_the_controller_drafts_from_each_drafts_suffix_tree(target, make_engine, draft_proposer, extractor):
+    """--controller: every routed draft runs beside a suffix tree of its own; a stream that repeats
+    its queries gets them drafted from the first answers, and alpha counts those steps."""
+    from bench.mixture import run_mixture
+
+    start = truncated_draft(target, 1)
+
+    def factory():
+        return make_engine(draft_proposer(copy.deepcopy(start)), k=3)
+
+    stream = _recs(SQL[:4], "sql", "en", "") * 2
+    lcfg = LearnerConfig(train_every=4, batch_records=4, steps_per_round=1, lr=1e-3, holdout_fraction=0.0, positions="all")
+    res = run_mixture(factory, stream, [], lcfg, RouterConfig(), methods=["single"], n_per_label=None, max_tokens=8,
+                      k=3, window=4, extractor=extractor, log=None, controller=True)
+    rows = res["methods"]["single"]["rows"]
+    assert res["controller"] and len(rows) == 8
+    assert sum(r["accepted"] for r in rows[4:]) > sum(r["accepted"] for r in rows[:4])
