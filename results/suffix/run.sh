@@ -20,5 +20,8 @@ case "${1:-all}" in
     $X --n 80 --max-tokens 48 --k 4 --methods static,online --draft-kind feature --window 10 --eval-every 2 \
        --json results/suffix/feature.json --png results/suffix/feature.png
     $X --n 80 --max-tokens 48 --k 4 --methods static,online --draft-kind truncated --window 10 --eval-every 2 \
-       --json results/suffix/token.json --png results/suffix/token.png ;;
+       --json results/suffix/token.json --png results/suffix/token.png ;;&
+  feature-sql|all)  # E. the feature draft learning online on one domain: the 60 SQL prompts
+    $X --domains sql --n 60 --max-tokens 48 --k 4 --methods online --draft-kind feature --window 10 --eval-every 2 \
+       --json results/suffix/feature_sql.json ;;
 esac
