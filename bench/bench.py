@@ -211,8 +211,8 @@ def run_bench(
 
 def _proposer_engines(engine: SpeculativeEngine, methods) -> dict:
     """spec_suffix / spec_controller: engines over the same target runner, costs as measured for spec."""
-    from config import NgramConfig, SuffixConfig
-    from speculative.proposers import ControllerProposer
+    from config import SuffixConfig
+    from drafts.build import controller_over
     from speculative.suffix import SuffixProposer
 
     out = {}
@@ -222,9 +222,8 @@ def _proposer_engines(engine: SpeculativeEngine, methods) -> dict:
         if m == "spec_suffix":
             prop = SuffixProposer(SuffixConfig())
         else:
-            parts = [SuffixProposer(SuffixConfig()), NgramProposer(NgramConfig())]
-            parts += [copy.deepcopy(engine.learned_draft)] if engine.learned_draft is not None else []
-            prop = ControllerProposer(*parts)
+            learned = engine.learned_draft
+            prop = controller_over(copy.deepcopy(learned) if learned is not None else None)
         e = out[m] = SpeculativeEngine(engine.target, engine.tokenizer, prop, engine.cfg)
         e.costs.verify_s.update(engine.costs.verify_s)
         e.costs.draft_s.update({**engine.costs.draft_s, "suffix": 0.0, "ngram": 0.0})

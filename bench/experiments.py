@@ -41,10 +41,10 @@ import torch
 
 from config import QUANTIZE_CHOICES, KPolicyConfig, SamplingParams
 from learner.offline import DistillConfig, collect_teacher_data, distill
-from learner.replay import ShardConfig
+from learner.replay import LEARNED_SOURCES, ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
 
-from .harness import _alpha, _draft_of, _force_k, real_engine_factory, serve_recorded
+from .harness import ANY_SOURCE, _alpha, _draft_of, _force_k, real_engine_factory, serve_recorded
 
 __all__ = ["run_online", "run_shift", "plot", "main", "order_blocks", "stream", "format_table", "serve_recorded"]
 
@@ -268,10 +268,10 @@ def _run_methods(
         entry: dict[str, Any] = {"training_seconds": 0.0, "rounds": 0, "accepted_rounds": 0, "rejected_rounds": 0,
                                  "versions_published": 0}
         learner = budget = None
-        sources = ("draft", "feature")  # the learned draft's steps
+        sources = LEARNED_SOURCES  # the learned draft's steps
         if m in PROPOSER_METHODS:
             engine.proposer = _method_proposer(m, engine)
-            sources = ("draft", "feature", "ngram", "suffix")
+            sources = ANY_SOURCE
         if adaptive and engine.proposer is not None:
             engine.calibrate()
         if m in ("online", "controller"):
@@ -318,7 +318,8 @@ PROPOSER_METHODS = ("target", "lookup", "suffix", "controller")
 
 def _method_proposer(method: str, engine):
     from config import NgramConfig, SuffixConfig
-    from speculative.proposers import ControllerProposer, NgramProposer
+    from drafts.build import controller_over
+    from speculative.proposers import NgramProposer
     from speculative.suffix import SuffixProposer
 
     if method == "target":
@@ -327,7 +328,7 @@ def _method_proposer(method: str, engine):
         return NgramProposer(NgramConfig())
     if method == "suffix":
         return SuffixProposer(SuffixConfig())
-    return ControllerProposer(SuffixProposer(SuffixConfig()), NgramProposer(NgramConfig()), _draft_of(engine))
+    return controller_over(_draft_of(engine))
 
 
 def _check_common(methods, eval_every, window, max_tokens):
@@ -517,6 +518,46 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def report(result: dict, segment: int = 20) -> str:
+    """Per method, from the per-request rows: alpha per domain and overall (whole stream and second
+    half), the share of output tokens that came from accepted drafts, alpha per ``segment``
+    requests and per conversation turn, tokens/s per domain and the ratio to ``target``'s."""
+    def alpha(rs):
+        p = sum(r["proposed"] for r in rs)
+        return f"{sum(r['accepted'] for r in rs) / p:.3f}" if p else "-"
+
+    def tps(rs):
+        s = sum(r.get("seconds", 0.0) for r in rs)
+        return sum(r["tokens"] for r in rs) / s if s else None
+
+    ref = result["methods"].get("target")
+    lines = []
+    for m, e in result["methods"].items():
+        rows = e["rows"]
+        half = rows[len(rows) // 2:]
+        doms = list(dict.fromkeys(r["domain"] for r in rows))
+        by = lambda rs, d: [r for r in rs if r["domain"] == d]  # noqa: E731
+        tokens = sum(r["tokens"] for r in rows)
+        lines.append(f"{m}: alpha {alpha(rows)} (second half {alpha(half)}), drafted "
+                     f"{sum(r['accepted'] for r in rows) / tokens:.1%} of {tokens} tokens, "
+                     f"rounds {e.get('accepted_rounds', 0)}/{e.get('rounds', 0)} published")
+        lines.append("  alpha by domain: " + ", ".join(f"{d} {alpha(by(rows, d))} (2nd half {alpha(by(half, d))})" for d in doms))
+        segs = [rows[i:i + segment] for i in range(0, len(rows), segment)]
+        lines.append(f"  alpha per {segment} requests: " + " / ".join(alpha(s) for s in segs))
+        if any(r.get("turn", 1) > 1 for r in rows):
+            turns = sorted({r["turn"] for r in rows})
+            lines.append("  alpha by turn: " + " / ".join(alpha([r for r in rows if r["turn"] == t]) for t in turns))
+        if all("seconds" in r for r in rows):
+            speed = {d: tps(by(rows, d)) for d in doms} | {"all": tps(rows)}
+            ratio = {}
+            if ref is not None and all("seconds" in r for r in ref["rows"]):
+                base = {d: tps(by(ref["rows"], d)) for d in doms} | {"all": tps(ref["rows"])}
+                ratio = {d: v / base[d] for d, v in speed.items() if v and base.get(d)}
+            lines.append("  tokens/s: " + ", ".join(f"{d} {v:.1f}" + (f" ({ratio[d]:.3f}x)" if d in ratio else "")
+                                                     for d, v in speed.items() if v))
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
@@ -524,7 +565,7 @@ def format_table(result: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="osd experiment", description="online / shift acceptance experiments")
-    sub = ap.add_subparsers(dest="cmd", metavar="{online,shift,overhead,mixture}")
+    sub = ap.add_subparsers(dest="cmd", metavar="{online,shift,overhead,mixture,report}")
     sub.required = True
     default_wl = Path(__file__).resolve().parent / "data" / "workload.jsonl"
     for name, help_ in (("online", "static vs online vs offline-bound draft on one stream"),
@@ -611,6 +652,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--json", default=None)
     x.add_argument("--png", default=None)
     x.add_argument("--quiet", action="store_true")
+    r = sub.add_parser("report", help="the figures of online / shift result JSONs, from their per-request rows")
+    r.add_argument("json", nargs="+", help="result files written with --json")
+    r.add_argument("--segment", type=int, default=20, help="alpha per this many requests")
     o = sub.add_parser("overhead", help="serving speed with the learner paused / in the background / not yielding")
     o.add_argument("--workload", default=str(default_wl))
     o.add_argument("--n", type=int, default=24, help="timed requests per mode")
@@ -655,6 +699,11 @@ def unseen_by(records: Sequence[Any], checkpoint: str) -> list:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cmd == "report":
+        for path in args.json:
+            print(f"== {path}")
+            print(report(json.loads(Path(path).read_text()), args.segment))
+        return 0
     if args.cmd == "mixture":
         from bench.mixture import main as mixture_main
 

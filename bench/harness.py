@@ -10,7 +10,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from config import KPolicyConfig, SamplingParams
-from learner.replay import RecordBuilder
+from learner.replay import LEARNED_SOURCES, RecordBuilder
+
+#: every proposer source whose drafted steps count in a stream's alpha: the learned draft's
+#: (token or feature) and the model-free ones
+ANY_SOURCE = LEARNED_SOURCES + ("ngram", "suffix")
 
 
 def _draft_of(engine):

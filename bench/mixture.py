@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from bench.harness import _alpha, _draft_of, _force_k, real_engine_factory, serve_recorded
+from bench.harness import ANY_SOURCE, _alpha, _draft_of, _force_k, real_engine_factory, serve_recorded
 from config import RouterConfig, SamplingParams
 from learner.replay import ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
@@ -83,11 +83,9 @@ class _Drafts:
             dp.load_state_dict({n: t.detach().clone() for n, t in src.items()}, 0)
             self.spawned.append({"draft": draft_id, "parent": parent, "at": at, "domain": domain})
         if self.controller:  # this draft's own suffix tree and prompt lookup beside it, chosen per step
-            from config import NgramConfig, SuffixConfig
-            from speculative.proposers import ControllerProposer, NgramProposer
-            from speculative.suffix import SuffixProposer
+            from drafts.build import controller_over
 
-            eng.proposer = ControllerProposer(SuffixProposer(SuffixConfig()), NgramProposer(NgramConfig()), dp)
+            eng.proposer = controller_over(dp)
         self.engines[draft_id] = eng
         self.learner.add_trainer(DraftTrainer(draft_id, dp.runner.model, self.cfg, keep_ids=dp.runner.vocab_map))
         return eng
@@ -101,11 +99,6 @@ class _Drafts:
 
     def subscribers(self) -> dict[str, list]:
         return {d: [e.swap_draft] for d, e in self.engines.items()}
-
-
-#: drafted steps counted in alpha: the learned draft's (token or feature) and, with the
-#: controller, the suffix tree's and prompt lookup's
-SOURCES = ("draft", "feature", "suffix", "ngram")
 
 
 def _run_method(method, engine_factory, stream, learner_cfg, router, *, max_tokens, k, window, log,
@@ -132,7 +125,7 @@ def _run_method(method, engine_factory, stream, learner_cfg, router, *, max_toke
                     drafts.retire(ev.draft_id, i, ev.reason)
         draft_id = route.draft_id if route is not None and route.draft_id in drafts.engines else GENERAL
         record, acc, prop, _ = serve_recorded(drafts.engines[draft_id], rec.text, params, domain=label,
-                                              draft_id=draft_id, probs_dtype=torch.float16, sources=SOURCES)
+                                              draft_id=draft_id, probs_dtype=torch.float16, sources=ANY_SOURCE)
         learner.observe(record)
         rep = learner.maybe_train(drafts.subscribers())
         if route is not None:

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from config import DraftConfig, ModelConfig
+from config import ControllerConfig, DraftConfig, ModelConfig
 from speculative.models import ModelLoadError, check_same_vocab, load_tokenizer, load_weights
 from speculative.proposers import ChainedProposer, ControllerProposer, DraftModelProposer, NgramProposer
 from speculative.fast import make_runner
@@ -248,3 +248,12 @@ def build_proposer(
     if cfg.controller is not None:
         return ControllerProposer(*parts, probe_every=cfg.controller.probe_every)
     return parts[0] if len(parts) == 1 else ChainedProposer(*parts)
+
+
+def controller_over(learned=None, cfg: DraftConfig = DraftConfig(use_suffix=True, controller=ControllerConfig())):
+    """The controller over a fresh suffix tree, prompt lookup and ``learned`` (an existing learned
+    draft's proposer, when given): what the experiments and the bench compare with ``cfg``'s settings."""
+    from speculative.suffix import SuffixProposer
+
+    parts = [SuffixProposer(cfg.suffix), NgramProposer(cfg.ngram)] + ([learned] if learned is not None else [])
+    return ControllerProposer(*parts, probe_every=(cfg.controller or ControllerConfig()).probe_every)

@@ -389,17 +389,13 @@ def top1_agreement_on(draft: PreTrainedModel, samples: Sequence[Sample], keep_id
 
 def set_trainable(draft: PreTrainedModel, cfg: Any) -> list[torch.nn.Parameter]:
     """Set ``requires_grad`` from ``cfg.train_head`` / ``cfg.train_embeddings`` (a tied matrix
-    trains only when both are set; a feature draft's, the target's own, never; everything else
-    always trains); returns the trainable parameters."""
+    trains only when both are set; everything else always trains); returns the trainable parameters."""
     head = draft.get_output_embeddings().weight
     emb = draft.get_input_embeddings().weight
     tied = head is emb
     for p in draft.parameters():
         p.requires_grad_(True)
-    if getattr(draft, "uses_features", False):  # a feature draft's head and embeddings are copies of the target's
-        head.requires_grad_(cfg.train_head)
-        emb.requires_grad_(cfg.train_embeddings)
-    elif tied:
+    if tied:
         emb.requires_grad_(cfg.train_head and cfg.train_embeddings)
     else:
         head.requires_grad_(cfg.train_head)

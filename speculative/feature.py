@@ -141,8 +141,6 @@ def feature_draft(target: PreTrainedModel, keep_ids: torch.Tensor | None = None)
         draft.layer.load_state_dict(target.get_decoder().layers[0].state_dict())
         draft.norm.load_state_dict(target.get_decoder().norm.state_dict())
         draft.lm_head.weight.copy_(head)
-    draft.lm_head.weight.requires_grad_(False)
-    draft.embed_tokens.weight.requires_grad_(False)
     return draft.eval()
 
 
@@ -246,8 +244,3 @@ class FeatureDraftProposer(DraftModelProposer):
     def release(self, seq_id: str, tokens: list[int] | None = None) -> None:
         self._feats.pop(seq_id, None)
         super().release(seq_id, tokens)
-
-    def load_state_dict(self, state: dict, version: int) -> None:
-        self.runner.load_state_dict(state)
-        self._valid.clear()
-        self.version = version

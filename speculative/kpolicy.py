@@ -114,15 +114,16 @@ class KPolicy:
             self.alpha[source] = AcceptanceEstimate(self.prior.get(source, self.cfg.prior_alpha))
         return self.alpha[source]
 
+    def speedups(self, a: float, c: float) -> list[float]:
+        """S(k) for k = 0..k_max at acceptance ``a`` and draft cost ``c`` (S(0) = 1: plain decoding)."""
+        return [expected_speedup(a, k, c, self.costs.relative_verify(k + 1)) for k in range(self.cfg.k_max + 1)]
+
     def best_speedup(self, source: str) -> float:
-        """max over k of S(k) for ``source`` now (1.0 = k = 0, plain decoding): what the controller ranks by."""
-        a, c = self.estimate(source).value, self.costs.c(source)
-        return max(expected_speedup(a, k, c, self.costs.relative_verify(k + 1)) for k in range(self.cfg.k_max + 1))
+        """max over k of S(k) for ``source`` now: what the controller ranks by."""
+        return max(self.speedups(self.estimate(source).value, self.costs.c(source)))
 
     def best_k(self, a: float, c: float) -> int:
-        scores = [
-            expected_speedup(a, k, c, self.costs.relative_verify(k + 1)) for k in range(self.cfg.k_max + 1)
-        ]
+        scores = self.speedups(a, c)
         return max(range(len(scores)), key=lambda k: (scores[k], -k))
 
     def choose(self, source: str) -> int:

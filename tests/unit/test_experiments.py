@@ -179,3 +179,7 @@ def test_other_proposers_as_methods_with_speed_and_conversations(factory):
     assert sum(ctl["picks"].values()) > 0 and set(ctl["picks"]) <= {"suffix", "ngram", "draft"}
     assert ctl["rounds"] >= 1  # its draft learns online
     json.dumps(res)
+    from bench.experiments import report
+
+    text = report(res, segment=2)
+    assert "alpha by turn" in text and f"suffix: alpha {sum(r['accepted'] for r in ms['suffix']['rows']) / sum(r['proposed'] for r in ms['suffix']['rows']):.3f}" in text
