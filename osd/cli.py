@@ -8,6 +8,7 @@
   osd bench --workload F --n N     target-only vs ours vs HF assisted vs HF prompt lookup
   osd profile                      draft options' cost ratio c, verify cost of j tokens
   osd workload build --out F       build the workload file from public corpora
+  osd workload open --out F        other sources of the domains, and domains no label names
   osd train-draft --domain code    distil a draft offline for a few minutes (by hand)
   osd experiment online|shift      alpha vs records: static / online learner / offline bound
   osd experiment mixture           one shared draft vs per-domain drafts picked by the router
@@ -184,8 +185,13 @@ def _subcommand(argv: list[str]):
         from workloads import main as workload_main
 
         def build(rest: list[str]) -> int:
+            if rest[:1] == ["open"]:  # sources beyond the built-in ones, and domains no label names
+                from workloads.open_set import main as open_main
+
+                return open_main(rest[1:])
             if rest[:1] != ["build"]:
-                print("usage: osd workload build --out FILE [--per-domain N] [--domains ...] [--languages ...]", file=sys.stderr)
+                print("usage: osd workload build --out FILE [--per-domain N] [--domains ...] [--languages ...]\n"
+                      "       osd workload open --out FILE [--per-source N] [--sources ...]", file=sys.stderr)
                 return 2
             return workload_main(rest[1:])
 

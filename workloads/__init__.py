@@ -57,6 +57,12 @@ PINNED_PACKAGES: dict[str, str] = {
 }
 
 DOMAINS: tuple[str, ...] = ("code", "sql", "chat", "math")
+#: Sources that are a mix of every kind of request, not one domain: ShareGPT's first turns are
+#: essays, code, lyrics, contract clauses, health coaching, ... The workload files group them under
+#: "chat" (the experiments report them there), but a domain classifier must not learn "chat" from
+#: them: it would learn "chat = any request" and take the traffic of every domain no label names
+#: (measured: docs/routing.md). Routers train on the other sources (``named_for_routing``).
+GENERAL_SOURCES: tuple[str, ...] = ("sharegpt",)
 MAX_TEXT_CHARS = 1500
 MIN_CHAT_CHARS = 8
 MIN_SHAREGPT_CHARS = 16
@@ -127,6 +133,17 @@ def load_workload(path: str | os.PathLike) -> list[WorkloadRecord]:
             records.append(WorkloadRecord(text=text, **kwargs))
     return records
 
+
+
+def is_general(record: WorkloadRecord) -> bool:
+    """Whether the record comes from a source of mixed traffic (``GENERAL_SOURCES``)."""
+    return record.source.split(":")[0] in GENERAL_SOURCES
+
+
+def named_for_routing(records: Iterable[WorkloadRecord], keep_general: bool = False) -> list[WorkloadRecord]:
+    """The records a domain classifier trains on: a named domain, not from a general source
+    (``keep_general``: those too, for comparison)."""
+    return [r for r in records if r.domain != "unknown" and (keep_general or not is_general(r))]
 
 
 def without_prompts_of(records: list[WorkloadRecord], exclude: str | Path | None) -> list[WorkloadRecord]:
