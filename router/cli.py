@@ -7,7 +7,22 @@ language id with ``lang``, overall and on chatterbot-sourced records (their labe
 language folder: ground truth; ShareGPT labels were themselves made by py3langid). As the
 workload holds few non-English chatterbot records, ``--lang-corpus chatterbot`` also scores the
 language id on every first turn of the chatterbot-corpus wheel (about 4300 texts, 26 languages).
-Latency is single-query ``Router.route`` after a warm-up, per query.
+Latency is single-query ``Router.route`` after a warm-up, per query; the embedding cache
+(``--embed-cache``) is emptied after the warm-up, so it only counts repeats within the workload.
+
+With ``--open FILE`` (default bench/data/open.jsonl, built by ``osd workload open``: other
+sources of the named domains, and five kinds of requests no label names) the report adds three
+figures on traffic the classifier never saw, each from fresh routers trained on embeddings of the
+pool (train + workload + the open file's named records, each text once):
+
+* **leave-one-source-out**: for every source of a named domain with two or more sources, a
+  router trained without that source; recall = the share of the source's records routed to
+  their domain (or its language variants) rather than to a cluster, the general draft or
+  another domain;
+* **leave-one-domain-out**: a router trained without a whole domain; the share of that domain's
+  records routed to clusters (a named domain is then wrong: the domain is not one of them);
+* **unnamed domains**: a router trained on the whole pool; the share of each unnamed kind's
+  records routed to clusters.
 """
 
 from __future__ import annotations
@@ -30,18 +45,35 @@ DATA = Path(__file__).resolve().parent.parent / "bench" / "data"
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--workload", default=str(DATA / "workload.jsonl"), help="records to route (JSONL)")
-    p.add_argument("--train", default=str(DATA / "train.jsonl"), help="labelled records for the classifier")
+    p.add_argument("--train", default=str(DATA / "router_train.jsonl"),
+                   help="labelled records for the classifier (osd workload open --router-train)")
     p.add_argument("--exclude", nargs="*", default=[], help="more workload files whose texts are never trained on")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--mode", choices=["supervised", "clusters", "both"], default="both")
     p.add_argument("--confidence-threshold", type=float, default=None)
     p.add_argument("--max-tokens", type=int, default=None, help="MiniLM input length (RouterConfig.max_tokens)")
-    p.add_argument("--quantize", action="store_true", help="int8 MiniLM (RouterConfig.quantize)")
+    p.add_argument("--quantize", action=argparse.BooleanOptionalAction, default=None,
+                   help="int8 MiniLM (RouterConfig.quantize; default: the config's, int8)")
+    p.add_argument("--backend", choices=["torch", "onnx"], default=None,
+                   help="MiniLM runtime (RouterConfig.backend); default: the config's")
+    p.add_argument("--embed-cache", type=int, default=None,
+                   help="embeddings cached by text (RouterConfig.embed_cache; 0 = off); default: the config's. "
+                        "The cache is emptied after the warm-up and before the batched timing either way")
     p.add_argument("--load", default=None, help="route with a router saved by --save instead of training one")
     p.add_argument("--save", default=None, help="save the trained router (after routing) to this folder")
     p.add_argument("--warmup", type=int, default=10, help="queries embedded before timing")
     p.add_argument("--lang-corpus", choices=["chatterbot", "none"], default="chatterbot",
                    help="also score language id on the whole chatterbot-corpus wheel (pip-downloaded once)")
+    p.add_argument("--open", default=str(DATA / "open.jsonl"),
+                   help="records of other sources and unnamed domains (osd workload open): leave-one-source-out, "
+                        "leave-one-domain-out and unnamed-domain figures; 'none' to skip")
+    p.add_argument("--open-domains", default=None,
+                   help="comma-separated RouterConfig.open_domains ('*' all, '' none); default: the config's")
+    p.add_argument("--typical-quantile", type=float, default=None, help="RouterConfig.typical_quantile")
+    p.add_argument("--keep-general", action="store_true",
+                   help="also train on the general sources (workloads.GENERAL_SOURCES: ShareGPT as 'chat'), as "
+                        "routers did before; for comparison")
+    p.add_argument("--typical-k", type=int, default=None, help="RouterConfig.typical_k")
     p.add_argument("--no-lang-prior", dest="lang_prior", action="store_false",
                    help="language id without the prior learned from the training file's lang labels")
     return p
@@ -86,21 +118,25 @@ def _chatterbot_corpus():
 
 
 def evaluate(args: argparse.Namespace) -> dict:
-    from workloads import load_workload
     from router.router import Router
+    from workloads import is_general, load_workload, named_for_routing
 
     records = load_workload(args.workload)
     report: dict = {"workload": args.workload, "n_records": len(records)}
     if args.load:
         router = Router.load(args.load)
     else:
-        overrides = {"mode": args.mode, "quantize": args.quantize}
-        for key in ("confidence_threshold", "max_tokens"):
-            if getattr(args, key) is not None:
+        overrides = {"mode": args.mode}
+        if args.quantize is not None:
+            overrides["quantize"] = args.quantize
+        for key in ("confidence_threshold", "max_tokens", "typical_quantile", "typical_k", "backend", "embed_cache"):
+            if getattr(args, key, None) is not None:
                 overrides[key] = getattr(args, key)
+        if getattr(args, "open_domains", None) is not None:
+            overrides["open_domains"] = tuple(d for d in args.open_domains.split(",") if d)
         router = Router(RouterConfig(**overrides))
         banned = {r.text for f in [args.workload, *args.exclude] for r in load_workload(f)}
-        pool = [r for r in load_workload(args.train) if r.domain != "unknown"]
+        pool = named_for_routing(load_workload(args.train), keep_general=args.keep_general)
         train = [r for r in pool if r.text not in banned]
         t0 = time.perf_counter()
         router.fit([r.text for r in train], [r.domain for r in train],
@@ -110,20 +146,24 @@ def evaluate(args: argparse.Namespace) -> dict:
     cfg = router.cfg
     report["config"] = cfg.model_dump(mode="json")
 
-    # warm-up (features only: the routing state is not touched), then one query at a time
+    # warm-up (features only: the routing state is not touched), then one query at a time; the
+    # embedding cache starts empty, so only repeats within the workload hit it
     router.extractor.extract([r.text for r in records[: args.warmup]])
+    router.extractor.clear_cache()
     routes, ms = [], []
     for r in records:
         t0 = time.perf_counter()
         routes.append(router.route(r.text))
         ms.append((time.perf_counter() - t0) * 1e3)
+    report["embed_cache"] = router.extractor.cache_info()
+    router.extractor.clear_cache()
     t0 = time.perf_counter()
     router.extractor.extract([r.text for r in records])
     report["latency_ms"] = {**_percentiles(ms),
                             "batched_features_per_query": (time.perf_counter() - t0) * 1e3 / max(len(records), 1)}
 
     # topic: the classifier's label (also where it was unsure) against `domain`
-    labelled = [(r.domain, x.topic) for r, x in zip(records, routes) if r.domain != "unknown" and x.topic]
+    labelled = [(r.domain, x.topic) for r, x in zip(records, routes) if r.domain != "unknown" and x.topic and not is_general(r)]
     if labelled:
         truth, pred = map(list, zip(*labelled))
         labels = sorted(set(truth) | set(pred))
@@ -131,12 +171,16 @@ def evaluate(args: argparse.Namespace) -> dict:
         report["topic"] = {
             "n": len(truth), "accuracy": float(accuracy_score(truth, pred)),
             "below_threshold": sum(x.confidence < cfg.confidence_threshold for x in routes if x.topic) / len(truth),
+            "routed_to_domain": {d: sum(_outcome(x) == d for r, x in zip(records, routes) if r.domain == d and not is_general(r))
+                                 / max(1, sum(r.domain == d and not is_general(r) for r in records)) for d in labels},
+            "general_to_clusters": (sum(x.cluster is not None for r, x in zip(records, routes) if is_general(r))
+                                    / max(1, sum(map(is_general, records)))),
             "per_label": {k: v for k, v in classification_report(truth, pred, labels=labels, output_dict=True,
                                                                  zero_division=0).items() if k in labels},
             "confusion": {"labels": labels, "matrix": cm.tolist()},
             "errors": [{"text": r.text[:120], "domain": r.domain, "predicted": x.topic, "confidence": x.confidence,
                         "source": r.source} for r, x in zip(records, routes)
-                       if x.topic and r.domain not in ("unknown", x.topic)][:20],
+                       if x.topic and r.domain not in ("unknown", x.topic) and not is_general(r)][:20],
         }
 
     # language: overall, and on chatterbot records whose label is ground truth
@@ -156,11 +200,83 @@ def evaluate(args: argparse.Namespace) -> dict:
                                for name, (lo, hi) in buckets.items() if (m := (lengths >= lo) & (lengths < hi)).any()}
         report["language"]["chatterbot_corpus"] = scores
 
+    if getattr(args, "open", "none") not in (None, "none") and not args.load:
+        report["open_set"] = open_set_report(cfg, router.extractor, load_workload(args.train), records,
+                                             load_workload(args.open), args.lang_prior, args.keep_general)
+        report["open_set"]["file"] = args.open
     report["routes"] = {k: dict(Counter(getattr(x, k) for x in routes)) for k in ("draft_id", "domain", "reason")}
     report["router"] = router.summary()
     if args.save:
         router.save(args.save)
     return report
+
+
+def _outcome(route) -> str:
+    """Where a route went: "cluster", "fallback", or the named domain (language variant dropped)."""
+    if route.cluster is not None:
+        return "cluster"
+    return "fallback" if route.domain == "unknown" else route.domain.split("/")[0]
+
+
+def open_set_report(cfg: RouterConfig, extractor, train: Sequence, workload: Sequence, open_records: Sequence,
+                    lang_prior: bool = True, keep_general: bool = False) -> dict:
+    """Leave-one-source-out recall, leave-one-domain-out and unnamed-domain shares routed to clusters
+    (see the module docstring). Records: ``workloads.WorkloadRecord``; the named domains are those of
+    ``train``; a record's source is the part of ``source`` before ":"."""
+    from router.router import Router
+
+    from workloads import GENERAL_SOURCES, WorkloadRecord, is_general, named_for_routing
+
+    named = sorted({r.domain for r in named_for_routing(train)})
+    pool, seen = [], set()
+    for r in named_for_routing([*train, *workload, *open_records], keep_general=keep_general):
+        if r.domain in named and r.text not in seen:
+            seen.add(r.text)
+            pool.append(r)
+    general = {} if keep_general else {r.text: WorkloadRecord(r.text, "general", r.lang, r.source)
+                                       for r in [*train, *workload] if is_general(r)}
+    unnamed = [r for r in open_records if r.domain not in named and r.domain != "unknown"] + list(general.values())
+    feats = extractor.extract([r.text for r in pool + unnamed])
+    X = np.stack([f.embedding for f in feats])  # [n, 384]
+    pf, uf = feats[: len(pool)], feats[len(pool):]
+    src = np.array([r.source.split(":")[0] for r in pool])
+    dom = np.array([r.domain for r in pool])
+
+    def routes_of(train_mask: np.ndarray, test: Sequence):
+        router = Router(cfg, extractor)
+        router.fit_embeddings(X[: len(pool)][train_mask], dom[train_mask],
+                              [r.lang for r, m in zip(pool, train_mask) if m] if lang_prior else None)
+        return [_outcome(x) for x in router.route_features(test)]
+
+    def share(outs: list[str], want: str) -> float:
+        return sum(o == want for o in outs) / max(len(outs), 1)
+
+    loso = {}
+    for d in named:
+        sources = sorted(set(src[dom == d]))
+        for s in sources if len(sources) > 1 else []:
+            test = [f for f, m in zip(pf, src == s) if m]
+            outs = routes_of(src != s, test)
+            loso[f"{d}:{s}"] = {"domain": d, "source": s, "n": len(outs), "recall": share(outs, d),
+                                "went": dict(Counter(outs))}
+    lodo = {}
+    for d in named:
+        outs = routes_of(dom != d, [f for f, m in zip(pf, dom == d) if m])
+        lodo[d] = {"n": len(outs), "to_clusters": share(outs, "cluster"), "went": dict(Counter(outs))}
+    outs = routes_of(np.ones(len(pool), bool), uf)
+    kinds = sorted({r.domain for r in unnamed})
+    per_kind = {k: {"n": sum(r.domain == k for r in unnamed),
+                    "to_clusters": share([o for o, r in zip(outs, unnamed) if r.domain == k], "cluster"),
+                    "went": dict(Counter(o for o, r in zip(outs, unnamed) if r.domain == k))} for k in kinds}
+    return {
+        "pool": {"n": len(pool), "sources": {d: sorted(set(src[dom == d])) for d in named}},
+        "loso": loso,
+        "loso_min_recall": {d: min((v["recall"] for v in loso.values() if v["domain"] == d), default=None) for d in named},
+        "lodo": lodo,
+        "unnamed": per_kind,
+        "unnamed_to_clusters": share([o for o, r in zip(outs, unnamed) if r.domain != "general"], "cluster"),
+        "general_sources": list(GENERAL_SOURCES),
+    }
 
 
 def _print(report: dict) -> None:
@@ -173,6 +289,8 @@ def _print(report: dict) -> None:
         t = report["topic"]
         print(f"\ntopic accuracy {t['accuracy']:.3f} on {t['n']} records "
               f"({t['below_threshold']:.1%} below the confidence threshold)")
+        print("routed to their domain (open-set decision): " + ", ".join(f"{d} {v:.3f}" for d, v in t["routed_to_domain"].items())
+              + f"; general traffic to clusters: {t['general_to_clusters']:.3f}")
         print(_table(t["confusion"]["labels"], np.array(t["confusion"]["matrix"])))
     lang = report["language"]
     for name, s in lang.items():
@@ -183,7 +301,22 @@ def _print(report: dict) -> None:
                 print("  most common errors: " + ", ".join(f"{k} x{v}" for k, v in list(s["errors"].items())[:8]))
     print(f"\nrouter latency per query: p50 {lat['p50']:.1f} ms, p90 {lat['p90']:.1f} ms, p99 {lat['p99']:.1f} ms "
           f"(n={lat['n']}); batched features {lat['batched_features_per_query']:.1f} ms per query")
+    cfg, cache = report["config"], report["embed_cache"]
+    print(f"embedder: backend {cfg['backend']}, quantize {cfg['quantize']}, {cfg['threads']} thread(s); embedding "
+          f"cache {cache['max']} entries: {cache['hits']} hits, {cache['misses']} misses while routing")
     print(f"routes by draft: {report['routes']['draft_id']}; by reason: {report['routes']['reason']}")
+    if "open_set" in report:
+        o = report["open_set"]
+        print(f"\nleave-one-source-out recall (pool of {o['pool']['n']} named records):")
+        for key, v in o["loso"].items():
+            print(f"  {key:<24} {v['recall']:.3f}  (n={v['n']}; went: {v['went']})")
+        print("leave-one-domain-out, share routed to clusters:")
+        for d, v in o["lodo"].items():
+            print(f"  {d:<24} {v['to_clusters']:.3f}  (n={v['n']}; went: {v['went']})")
+        print(f"unnamed domains, share routed to clusters: {o['unnamed_to_clusters']:.3f} "
+              f"(general: mixed traffic of {', '.join(o['general_sources'])}, not counted in it)")
+        for k, v in o["unnamed"].items():
+            print(f"  {k:<24} {v['to_clusters']:.3f}  (n={v['n']}; went: {v['went']})")
 
 
 def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:

@@ -1,7 +1,17 @@
 """Domains: named by a classifier trained on labelled examples, or discovered by online clustering.
 
 ``DomainClassifier`` is a multinomial logistic regression over the 384-d embeddings; its top
-probability is the confidence the router compares with its threshold.
+probability is the confidence the router compares with its threshold. A probability says which
+named domain a query is *closest to*, not whether it belongs to any: a logistic regression
+extrapolates, and traffic of a domain no label names gets a confident label all the same (mostly
+the broadest class, "chat"). So the classifier also keeps its training embeddings and scores a
+query's **typicality** for a label: the mean cosine similarity to the label's ``typical_k``
+nearest training examples. Each label's threshold is calibrated on held-out examples (``folds``
+-fold: an example is scored against the other folds' examples of its label) as the
+``typical_quantile`` quantile of those held-out scores: with 0.1, about 10% of unseen in-domain
+queries of the training sources are called atypical. The router applies it to the domains it is
+told are open-ended (``RouterConfig.open_domains``); see ``docs/routing.md`` for the measurements
+behind that choice.
 
 ``OnlineClusters`` is leader clustering (online k-means without a fixed k) on unit vectors, with
 language as a hard split: a query joins the nearest centroid of its language when the cosine
@@ -31,11 +41,15 @@ _CENTROID_MEMORY = 100  # a centroid is the mean of its first 100 members, then 
 
 
 class DomainClassifier:
-    """Domain label + probability from an embedding."""
+    """Domain label + probability from an embedding, and the label's typicality."""
 
-    def __init__(self, C: float = 10.0, seed: int = 0):
+    def __init__(self, C: float = 10.0, seed: int = 0, typical_k: int = 1, typical_quantile: float = 0.1,
+                 folds: int = 5):
         self.C, self.seed = C, seed
+        self.typical_k, self.typical_quantile, self.folds = typical_k, typical_quantile, folds
         self.model: LogisticRegression | None = None
+        self.examples: dict[str, np.ndarray] = {}  # label -> [n_label, d] training embeddings
+        self.thresholds: dict[str, float] = {}  # label -> typicality threshold (held-out quantile)
 
     @property
     def fitted(self) -> bool:
@@ -49,9 +63,45 @@ class DomainClassifier:
         """X: [n, d] embeddings; labels: [n] domain names (at least two distinct)."""
         if len(set(labels)) < 2:
             raise ValueError(f"a classifier needs at least two domains, got {sorted(set(labels))}")
+        X, y = np.asarray(X, dtype=np.float32), np.asarray(labels)
         self.model = LogisticRegression(C=self.C, max_iter=2000, class_weight="balanced", random_state=self.seed)
-        self.model.fit(np.asarray(X, dtype=np.float32), np.asarray(labels))
+        self.model.fit(X, y)
+        self.examples = {str(c): X[y == c] for c in self.model.classes_}
+        self.thresholds = {c: self._calibrate(ex) for c, ex in self.examples.items()}
         return self
+
+    def _calibrate(self, ex: np.ndarray) -> float:
+        """The ``typical_quantile`` quantile of held-out typicality scores of a label's examples
+        [n, d]: each fold scored against the label's other folds. -1 (everything typical) for a
+        label with fewer than two examples."""
+        n = len(ex)
+        if n < 2:
+            return -1.0
+        order = np.random.default_rng(self.seed).permutation(n)
+        scores = []
+        for fold in np.array_split(order, min(self.folds, n)):
+            rest = np.setdiff1d(order, fold)
+            scores.append(self._knn(ex[rest], ex[fold]))
+        return float(np.quantile(np.concatenate(scores), self.typical_quantile))
+
+    def _knn(self, examples: np.ndarray, X: np.ndarray) -> np.ndarray:
+        """Mean cosine similarity of each row of X [m, d] to its ``typical_k`` nearest rows of
+        ``examples`` [n, d] (unit vectors) -> [m]."""
+        sims = X @ examples.T  # [m, n]
+        k = min(self.typical_k, sims.shape[1])
+        return np.partition(sims, sims.shape[1] - k, axis=1)[:, -k:].mean(axis=1)
+
+    def typicality(self, X: np.ndarray, labels: Sequence[str]) -> np.ndarray:
+        """Typicality of each embedding X [n, d] for its label -> [n]."""
+        X = np.asarray(X, dtype=np.float32)
+        out = np.empty(len(X), dtype=np.float32)
+        for c in set(labels):
+            rows = [i for i, lb in enumerate(labels) if lb == c]
+            out[rows] = self._knn(self.examples[c], X[rows])
+        return out
+
+    def typical(self, label: str, score: float) -> bool:
+        return score >= self.thresholds.get(label, -1.0)
 
     def predict(self, X: np.ndarray) -> tuple[list[str], np.ndarray]:
         """Labels [n] and their probabilities [n] for embeddings X [n, d]."""
@@ -62,13 +112,15 @@ class DomainClassifier:
         return [str(self.model.classes_[i]) for i in best], proba[np.arange(len(best)), best]
 
     def save(self, path: str | Path) -> None:
-        joblib.dump({"C": self.C, "seed": self.seed, "model": self.model}, path)
+        joblib.dump({"C": self.C, "seed": self.seed, "model": self.model, "typical_k": self.typical_k,
+                     "typical_quantile": self.typical_quantile, "folds": self.folds,
+                     "examples": self.examples, "thresholds": self.thresholds}, path)
 
     @classmethod
     def load(cls, path: str | Path) -> "DomainClassifier":
         state = joblib.load(path)
-        clf = cls(state["C"], state["seed"])
-        clf.model = state["model"]
+        clf = cls(state["C"], state["seed"], state["typical_k"], state["typical_quantile"], state["folds"])
+        clf.model, clf.examples, clf.thresholds = state["model"], state["examples"], state["thresholds"]
         return clf
 
 

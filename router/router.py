@@ -4,15 +4,17 @@ One ``route`` reads top to bottom:
 
 1. **features**: MiniLM embedding + language (``FeatureExtractor``); a text without letters
    (empty, emoji, digits) goes to the general draft.
-2. **domain**: the classifier's label when it is confident (``supervised`` / ``both``), else the
-   query's online cluster (``clusters`` / ``both``); in ``supervised`` mode an unsure label falls
-   back to the general draft. Named domains listed in ``lang_split_domains`` are split by
+2. **domain**: the classifier's label when it is confident and, for an open-ended domain
+   (``open_domains``), the query is typical of the label's examples (``supervised`` / ``both``);
+   else the query's online cluster (``clusters`` / ``both``); in ``supervised`` mode an unsure
+   label falls back to the general draft. Named domains listed in ``lang_split_domains`` are split by
    language ("chat/fr"), since each language is its own mode; clusters are split by language
    anyway ("c3/fr").
 3. **draft**: among the general draft, the drafts bound to that domain and the unbound drafts,
    the ``AcceptanceBandit`` picks the best observed acceptance (Thompson sampling, a little
    exploration); a domain seen for the first time gets its own draft if it has one, else the
-   general draft.
+   general draft. A query sent to a cluster although the classifier named a domain keeps that
+   domain's draft among its candidates: a discovered domain starts from the best named draft.
 
 ``observe(route, accepted, proposed)`` feeds the engine's step results back. ``maintenance``
 (run after every routed query) expires noise and idle clusters and gives a draft to a busy
@@ -43,7 +45,7 @@ from router.features import UND, FeatureExtractor, QueryFeatures
 
 GENERAL = "general"  # the draft every query can fall back to; never retired
 UNKNOWN = "unknown"  # domain of queries routed by a fallback
-_FORMAT = 1
+_FORMAT = 2  # 2: the classifier keeps its examples and typicality thresholds
 log = logging.getLogger(__name__)
 
 
@@ -60,6 +62,7 @@ class Route:
     cluster: int | None = None
     lang_conf: float = 0.0
     latency_ms: float = 0.0
+    typicality: float | None = None  # similarity to the topic's nearest training example(s)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -80,7 +83,7 @@ class Router:
     def __init__(self, cfg: RouterConfig = RouterConfig(), extractor: FeatureExtractor | None = None):
         self.cfg = cfg
         self.extractor = extractor if extractor is not None else FeatureExtractor(cfg)
-        self.classifier = DomainClassifier(cfg.classifier_c, cfg.seed)
+        self.classifier = DomainClassifier(cfg.classifier_c, cfg.seed, cfg.typical_k, cfg.typical_quantile)
         self.clusters = OnlineClusters(cfg)
         self.bandit = AcceptanceBandit(cfg)
         self.drafts: dict[str, str | None] = {GENERAL: None}  # draft -> domain it serves (None: any)
@@ -92,7 +95,11 @@ class Router:
 
     def fit(self, texts: Sequence[str], domains: Sequence[str], langs: Sequence[str] | None = None) -> "Router":
         """Train the domain classifier on labelled examples; with ``langs``, also the language prior."""
-        self.classifier.fit(self.extractor.embed(texts), domains)
+        return self.fit_embeddings(self.extractor.embed(texts), domains, langs)
+
+    def fit_embeddings(self, X: np.ndarray, domains: Sequence[str], langs: Sequence[str] | None = None) -> "Router":
+        """``fit`` on embeddings X [n, 384] already computed."""
+        self.classifier.fit(X, domains)
         if langs is not None:
             self.extractor.fit_lang_prior(langs)
         return self
@@ -105,44 +112,67 @@ class Router:
     def route_batch(self, texts: Sequence[str]) -> list[Route]:
         """Route several queries with one batched embedding pass; in order, as ``route`` would."""
         start = time.perf_counter()
-        feats = self.extractor.extract(texts)
-        labels, probs = self._classify(feats)
-        routes = []
-        for f, topic, prob in zip(feats, labels, probs):
-            routes.append(self._route_one(f, topic, prob))
-            self.maintenance()
+        routes = self.route_features(self.extractor.extract(texts))
         per_query_ms = (time.perf_counter() - start) * 1e3 / max(len(texts), 1)
         return [replace(r, latency_ms=per_query_ms) for r in routes]
 
-    def _classify(self, feats: list[QueryFeatures]) -> tuple[list[str | None], list[float]]:
-        if self.cfg.mode == "clusters" or not self.classifier.fitted or not feats:
-            return [None] * len(feats), [0.0] * len(feats)
-        labels, probs = self.classifier.predict(np.stack([f.embedding for f in feats]))
-        return list(labels), [float(p) for p in probs]
+    def route_features(self, feats: Sequence[QueryFeatures]) -> list[Route]:
+        """``route_batch`` on features already extracted (evaluations embed a corpus once)."""
+        labels, probs, typ = self._classify(list(feats))
+        routes = []
+        for f, topic, prob, t in zip(feats, labels, probs, typ):
+            routes.append(self._route_one(f, topic, prob, t))
+            self.maintenance()
+        return routes
 
-    def _route_one(self, f: QueryFeatures, topic: str | None, prob: float) -> Route:
+    def _classify(self, feats: list[QueryFeatures]) -> tuple[list[str | None], list[float], list[float | None]]:
+        """Label, probability and typicality (None where not needed) of each query."""
+        none = [None] * len(feats)
+        if self.cfg.mode == "clusters" or not self.classifier.fitted or not feats:
+            return none, [0.0] * len(feats), none
+        X = np.stack([f.embedding for f in feats])  # [n, 384]
+        labels, probs = self.classifier.predict(X)
+        typ: list[float | None] = list(none)
+        rows = [i for i, lb in enumerate(labels) if self._open(lb)]
+        if rows:
+            for i, v in zip(rows, self.classifier.typicality(X[rows], [labels[i] for i in rows])):
+                typ[i] = float(v)
+        return list(labels), [float(p) for p in probs], typ
+
+    def _open(self, topic: str) -> bool:
+        return "*" in self.cfg.open_domains or topic in self.cfg.open_domains
+
+    def _route_one(self, f: QueryFeatures, topic: str | None, prob: float, typ: float | None = None) -> Route:
         self.t += 1
         cfg = self.cfg
         if f.lang == UND:
             return self._fallback(f, "fallback: empty text" if f.empty else "fallback: no letters")
-        cluster = None
-        if topic is not None and prob >= cfg.confidence_threshold:
+        cluster, hint = None, None
+        confident = topic is not None and prob >= cfg.confidence_threshold
+        if confident and (typ is None or self.classifier.typical(topic, typ)):
             domain, confidence, source = self.domain_key(topic, f.lang), prob, "classifier"
         elif cfg.mode == "supervised":
-            why = "no classifier" if topic is None else f"confidence {prob:.2f} < {cfg.confidence_threshold}"
-            return self._fallback(f, f"fallback: {why}", topic, prob)
+            why = ("no classifier" if topic is None else f"confidence {prob:.2f} < {cfg.confidence_threshold}"
+                   if not confident else f"atypical of {topic} ({typ:.2f} < {self.classifier.thresholds[topic]:.2f})")
+            return self._fallback(f, f"fallback: {why}", topic, prob, typ)
         else:
             c, confidence = self.clusters.assign(f.embedding, f.lang, self.t)
             domain, cluster, source = c.key, c.id, "cluster"
+            if topic is not None:
+                hint = self.own_draft(self.domain_key(topic, f.lang))
         candidates = self.candidates(domain)
-        draft, explored = self.bandit.choose(domain, candidates, default=self.own_draft(domain) or GENERAL)
+        if hint is not None and hint not in candidates:
+            candidates.append(hint)
+        default = self.own_draft(domain) or hint or GENERAL
+        draft, explored = self.bandit.choose(domain, candidates, default=default)
         self._use(draft)
         return Route(domain, f.lang, draft, confidence, "bandit-explore" if explored else source,
-                     topic, cluster, f.lang_conf)
+                     topic, cluster, f.lang_conf, typicality=typ)
 
-    def _fallback(self, f: QueryFeatures, reason: str, topic: str | None = None, prob: float = 0.0) -> Route:
+    def _fallback(self, f: QueryFeatures, reason: str, topic: str | None = None, prob: float = 0.0,
+                  typ: float | None = None) -> Route:
         self._use(GENERAL)
-        return Route(UNKNOWN, f.lang, GENERAL, prob, reason, topic, None, f.lang_conf)
+        return Route(UNKNOWN, f.lang, GENERAL, prob, reason, topic, None, f.lang_conf, typicality=typ)
 
     def domain_key(self, topic: str, lang: str) -> str:
         """A named domain's routing key: one mode per language for ``lang_split_domains``."""
