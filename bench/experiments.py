@@ -652,7 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--json", default=None)
     x.add_argument("--png", default=None)
     x.add_argument("--quiet", action="store_true")
-    r = sub.add_parser("report", help="the figures of online / shift result JSONs, from their per-request rows")
+    r = sub.add_parser("report", help="the figures of online / shift / mixture result JSONs, from their per-request rows")
     r.add_argument("json", nargs="+", help="result files written with --json")
     r.add_argument("--segment", type=int, default=20, help="alpha per this many requests")
     o = sub.add_parser("overhead", help="serving speed with the learner paused / in the background / not yielding")
@@ -702,7 +702,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "report":
         for path in args.json:
             print(f"== {path}")
-            print(report(json.loads(Path(path).read_text()), args.segment))
+            result = json.loads(Path(path).read_text())
+            if result.get("experiment") == "mixture":  # its tables, the oracle figures recomputed from the rows
+                from bench.mixture import format_mixture, recompute_oracle
+
+                print(format_mixture(recompute_oracle(result)))
+            else:
+                print(report(result, args.segment))
         return 0
     if args.cmd == "mixture":
         from bench.mixture import main as mixture_main

@@ -18,6 +18,16 @@ The bandit picks among a domain's drafts by observed acceptance. Reported per me
 last ``window`` records of the label and over the second half of the stream; route accuracy for
 the supervised router; drafts spawned and retired. Alpha of a request is accepted / proposed draft
 tokens at a fixed k (greedy), as in :mod:`bench.experiments`.
+
+Routing is judged against an **oracle**: after each request, every draft in memory at that moment
+is scored in hindsight on it (the acceptance it would have had at the same k, from one
+teacher-forced pass over the target's output: greedy output does not depend on the draft; see
+:func:`counterfactual_counts`), without feeding the learner or the router. A row's
+``alpha_by_draft`` is {draft: [accepted, proposed]}; the oracle takes per request the draft that
+accepts most (ties to the routed one). Per method (and per label, in ``oracle_label``):
+``routed_alpha``, ``oracle_alpha`` and ``routed_vs_oracle`` over the whole stream and its second
+half; the aim is a ratio >= 0.95. Token drafts at a fixed k only (``--controller``, adaptive k and
+feature drafts: ``oracle_skipped`` says why).
 """
 
 from __future__ import annotations
@@ -35,7 +45,8 @@ from config import RouterConfig, SamplingParams
 from learner.replay import ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
 
-__all__ = ["METHODS", "label_of", "mixed_stream", "run_mixture", "format_mixture", "plot_mixture"]
+__all__ = ["METHODS", "label_of", "mixed_stream", "run_mixture", "format_mixture", "plot_mixture", "alpha_by_draft",
+           "counterfactual_counts", "oracle_summary", "mode_oracle", "recompute_oracle"]
 
 METHODS = ("single", "supervised", "clusters")
 GENERAL = "general"
@@ -101,12 +112,197 @@ class _Drafts:
         return {d: [e.swap_draft] for d, e in self.engines.items()}
 
 
+# -- the oracle: every draft in memory, scored in hindsight on the request just served ----------------
+#
+# Greedy decoding makes the target's output independent of the draft that served it, so the
+# acceptance another draft would have had at the same fixed k follows from the output alone: the
+# engine's step at output offset o proposes k' = min(k, max_tokens - o - 1) tokens (none when
+# k' <= 0), keeps the longest prefix where the draft's token equals the target's, and emits that
+# prefix plus one target token; it ends at max_tokens or at the step whose emitted tokens hold the
+# EOS. While a draft agrees with the target its autoregressive proposals are its teacher-forced
+# predictions on the target's tokens, so one teacher-forced pass per draft gives every step. Only a
+# draft that agrees up to and past the EOS (the engine still compares the proposals it made after
+# the EOS) needs the target's own greedy continuation past the EOS: computed then, once a request.
+
+ORACLE_TARGET = 0.95  # routing's aim: the routed drafts' alpha >= 95% of the oracle's
+_CF_SEQ = "__mixture_counterfactual__"
+
+
+def counterfactual_counts(pred: Callable[[int], int], truth: Callable[[int], int], n_out: int, max_tokens: int,
+                          k: int, eos_ended: bool) -> tuple[int, int]:
+    """(accepted, proposed) of a draft with fixed ``k`` on a greedy request whose output had
+    ``n_out`` tokens, as :class:`speculative.engine.SpeculativeEngine` counts them.
+    ``pred(j)``: the draft's greedy token for output index j given the target's tokens before it;
+    ``truth(j)``: the target's token at output index j (j >= n_out only when ``eos_ended``: the EOS,
+    then the target's greedy continuation past it)."""
+    o = acc = prop = 0
+    while o < max_tokens:
+        kk = max(min(k, max_tokens - o - 1), 0)  # the engine drafts nothing past max_tokens
+        n = 0
+        while n < kk and pred(o + n) == truth(o + n):
+            n += 1
+        acc, prop = acc + n, prop + kk
+        if eos_ended and o + n >= n_out:  # this step emitted the EOS: the request ended
+            break
+        o += n + 1
+        if not eos_ended and o >= n_out:
+            break
+    return acc, prop
+
+
+class _TargetPath:
+    """The target's greedy tokens after a prompt: the output served, then (lazily) its continuation."""
+
+    def __init__(self, target, prompt: list[int], output: list[int], eos_ended: bool):
+        self.target, self.prompt, self.eos_ended = target, list(prompt), eos_ended
+        self.tokens, self.n_out = list(output), len(output)
+
+    def __call__(self, j: int) -> int:
+        while j >= len(self.tokens):
+            if not self.eos_ended:
+                raise IndexError(f"output index {j} past an output of {self.n_out} tokens that did not end at EOS")
+            if len(self.tokens) == self.n_out:  # prefill prompt + output: the row after it is the EOS
+                row = self.target.forward(_CF_SEQ, 0, self.prompt + self.tokens, 1)
+            else:
+                row = self.target.forward(_CF_SEQ, len(self.prompt) + len(self.tokens) - 1, [self.tokens[-1]], 1)
+            self.tokens.append(int(row[-1].argmax()))
+        return self.tokens[j]
+
+    def close(self) -> None:
+        if len(self.tokens) > self.n_out:
+            self.target.release(_CF_SEQ)
+
+
+class _DraftPath:
+    """A draft's teacher-forced greedy predictions on the target's tokens: one pass over prompt +
+    output, then one position at a time past the output when a counterfactual asks."""
+
+    def __init__(self, dp, prompt: list[int], truth: _TargetPath):
+        self.runner, self.truth, self.L = dp.runner, truth, len(prompt)
+        out = truth.tokens[: truth.n_out]
+        self.preds = self._ids(self.runner.forward(_CF_SEQ, 0, list(prompt) + out, truth.n_out + 1))  # indexes 0..n_out
+
+    def _ids(self, logits: torch.Tensor) -> list[int]:
+        ids = logits.argmax(-1)
+        vm = self.runner.vocab_map
+        return [int(t) for t in (ids if vm is None else vm[ids])]
+
+    def __call__(self, j: int) -> int:
+        while j >= len(self.preds):
+            i = len(self.preds) - 1  # feed the target's token at output index i
+            self.preds += self._ids(self.runner.forward(_CF_SEQ, self.L + i, [self.truth(i)], 1))
+        return self.preds[j]
+
+    def close(self) -> None:
+        self.runner.release(_CF_SEQ)
+
+
+def counterfactual_skip_reason(engine, controller: bool = False) -> str | None:
+    """Why drafts served by ``engine`` cannot be scored in hindsight (None: they can)."""
+    if controller:
+        return "--controller: other proposers draft some steps"
+    if getattr(engine.cfg.k, "fixed_k", None) is None:
+        return "adaptive k: k depends on the draft's own acceptance"
+    dp = _draft_of(engine)
+    if getattr(dp, "wants_features", False):
+        return "feature draft: its proposals need the target's features"
+    if getattr(engine.proposer, "sources", ("draft",)) != ("draft",):
+        return "the engine's proposer is not the learned token draft alone"
+    return None
+
+
+@torch.inference_mode()
+def alpha_by_draft(engines: dict[str, Any], prompt: Sequence[int], output: Sequence[int], finish_reason: str,
+                   params: SamplingParams) -> dict[str, list[int]]:
+    """{draft_id: [accepted, proposed]} that each engine's draft would have had on this greedy
+    request (prompt and output token ids, as served) at its engine's fixed k, without serving it:
+    no engine, learner or router state changes (the drafts' and the target's scratch caches are
+    released). Every engine must share the target and pass :func:`counterfactual_skip_reason`."""
+    if not params.greedy or params.stop or params.ignore_eos:
+        raise ValueError("counterfactual acceptance needs greedy decoding without stop strings or ignore_eos")
+    eos_ended = finish_reason == "stop"
+    if not engines:
+        return {}
+    first = next(iter(engines.values()))
+    truth = _TargetPath(first.target, list(prompt), list(output), eos_ended)
+    out: dict[str, list[int]] = {}
+    try:
+        for d_id, eng in engines.items():
+            path = _DraftPath(_draft_of(eng), list(prompt), truth)
+            try:
+                k = int(eng.cfg.k.fixed_k)
+                acc, prop = counterfactual_counts(path, truth, len(output), params.max_tokens, k, eos_ended)
+            finally:
+                path.close()
+            out[d_id] = [acc, prop]
+    finally:
+        truth.close()
+    return out
+
+
+def _oracle_pick(row: dict) -> tuple[str, int, int]:
+    """(draft, accepted, proposed) of the oracle on one row: most accepted, ties to the routed draft
+    (then fewest proposed, then the name)."""
+    by = row["alpha_by_draft"]
+    d = max(by, key=lambda x: (by[x][0], x == row["draft"], -by[x][1], x))
+    return d, by[d][0], by[d][1]
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def oracle_summary(rows: Sequence[dict]) -> dict:
+    """Routed vs oracle over ``rows`` (each with ``alpha_by_draft``): alpha = summed accepted / summed
+    proposed. The oracle always accepts at least as many tokens (``accepted_vs_oracle`` <= 1: fewer
+    target steps for the same output); its alpha is higher in practice but not by construction:
+    near max_tokens the engine proposes fewer than k, so a draft that accepts more in fewer, fuller
+    steps can propose more per accepted token (max_tokens 6, k 3: accepted 4 of 6 vs 3 of 4)."""
+    ra = sum(r["accepted"] for r in rows)
+    rp = sum(r["proposed"] for r in rows)
+    picks = [_oracle_pick(r) for r in rows]
+    oa, op = sum(p[1] for p in picks), sum(p[2] for p in picks)
+    routed, oracle = _alpha(ra, rp), _alpha(oa, op)
+    return {"routed_alpha": routed, "oracle_alpha": oracle, "routed_vs_oracle": _ratio(routed, oracle),
+            "routed_accepted": ra, "oracle_accepted": oa, "accepted_vs_oracle": _ratio(ra, oa), "n": len(rows),
+            "oracle_other": sum(1 for r, p in zip(rows, picks) if p[0] != r["draft"])}
+
+
+def mode_oracle(rows: Sequence[dict]) -> dict:
+    """The best *fixed* draft per label in hindsight: for each label the one draft whose
+    [accepted, proposed] summed over the label's rows (the routed draft's where it was not in
+    memory yet) accepts most. Unlike the per-request oracle it does not profit from per-request
+    luck (the best of 8 near-equal drafts on 32 tokens beats any choice made before the request):
+    it asks whether the router sent each mode to its best draft."""
+    by_label: dict[str, list[dict]] = {}
+    for r in rows:
+        by_label.setdefault(r["label"], []).append(r)
+    acc = prop = 0
+    best: dict[str, str] = {}
+    for lb, rs in by_label.items():
+        def total(d: str) -> tuple[int, int]:
+            pairs = [r["alpha_by_draft"].get(d, [r["accepted"], r["proposed"]]) for r in rs]
+            return sum(a for a, _ in pairs), sum(p for _, p in pairs)
+        drafts = sorted({d for r in rs for d in r["alpha_by_draft"]})
+        best[lb] = max(drafts, key=lambda d: (total(d)[0], -total(d)[1], d))
+        a, p = total(best[lb])
+        acc, prop = acc + a, prop + p
+    routed = _alpha(sum(r["accepted"] for r in rows), sum(r["proposed"] for r in rows))
+    alpha = _alpha(acc, prop)
+    return {"mode_oracle_alpha": alpha, "routed_vs_mode_oracle": _ratio(routed, alpha), "mode_oracle_drafts": best}
+
+
 def _run_method(method, engine_factory, stream, learner_cfg, router, *, max_tokens, k, window, log,
                 controller: bool = False) -> dict:
     learner = OnlineLearner(learner_cfg, ShardConfig())
     drafts = _Drafts(engine_factory, learner, learner_cfg, k, controller)
     drafts.add(GENERAL)
     params = SamplingParams(max_tokens=max_tokens)
+    # the oracle: every draft in memory scored in hindsight on each request (token drafts, fixed k)
+    skip = counterfactual_skip_reason(drafts.engines[GENERAL], controller)
+    if skip is None and (not params.greedy or params.stop or params.ignore_eos):
+        skip = "not greedy decoding"
+    mismatches = 0
     rows, curves = [], {}
     wins: dict[str, deque] = {}
     t0 = time.perf_counter()
@@ -124,13 +320,27 @@ def _run_method(method, engine_factory, stream, learner_cfg, router, *, max_toke
                 else:
                     drafts.retire(ev.draft_id, i, ev.reason)
         draft_id = route.draft_id if route is not None and route.draft_id in drafts.engines else GENERAL
-        record, acc, prop, _ = serve_recorded(drafts.engines[draft_id], rec.text, params, domain=label,
+        record, acc, prop, gen = serve_recorded(drafts.engines[draft_id], rec.text, params, domain=label,
                                               draft_id=draft_id, probs_dtype=torch.float16, sources=ANY_SOURCE)
+        by_draft = cf_routed = None
+        if skip is None:  # before the learner's round: the drafts as they served this request; no side effect
+            p_len = record.prompt_len
+            by_draft = alpha_by_draft(drafts.engines, record.tokens[:p_len].tolist(), list(gen.token_ids),
+                                      gen.finish_reason, params)
+            if by_draft[draft_id] != [acc, prop]:  # the routed draft's own: exactly what serving measured
+                mismatches += 1
+                if log is not None:
+                    log(f"[{method}] request {i}: counterfactual of the routed draft {draft_id} {by_draft[draft_id]} "
+                        f"!= measured {[acc, prop]} (float rounding of a near-tie?)")
+                cf_routed, by_draft[draft_id] = by_draft[draft_id], [acc, prop]
         learner.observe(record)
         rep = learner.maybe_train(drafts.subscribers())
         if route is not None:
             router.observe(route, acc, prop)
-        row = {"i": i, "label": label, "draft": draft_id, "accepted": acc, "proposed": prop, "alpha": _alpha(acc, prop)}
+        row = {"i": i, "label": label, "draft": draft_id, "accepted": acc, "proposed": prop, "alpha": _alpha(acc, prop),
+               "alpha_by_draft": by_draft}
+        if cf_routed is not None:
+            row["counterfactual_routed"] = cf_routed
         if route is not None:
             row.update(route_domain=route.domain, reason=route.reason, confidence=round(route.confidence, 4))
         if rep is not None:
@@ -163,6 +373,10 @@ def _run_method(method, engine_factory, stream, learner_cfg, router, *, max_toke
         "curves": curves,
         "rows": rows,
     }
+    out.update(_oracle_fields(rows, labels, half, skip, mismatches))
+    if log is not None and skip is None:
+        log(f"[{method}] routed alpha {_f(out['routed_alpha']['all'])} vs oracle {_f(out['oracle_alpha']['all'])} "
+            f"(ratio {_f(out['routed_vs_oracle']['all'])}; second half {_f(out['routed_vs_oracle']['second_half'])})")
     if router is not None:
         out["router"] = router.summary()
         routed = [r for r in rows if r.get("route_domain") not in (None, "unknown")]
@@ -170,6 +384,54 @@ def _run_method(method, engine_factory, stream, learner_cfg, router, *, max_toke
             out["route_accuracy"] = sum(same_mode(r["route_domain"], r["label"], router.cfg.base_lang) for r in routed) / len(routed)
             out["routed_share"] = len(routed) / len(rows)
     return out
+
+
+def _oracle_fields(rows: list[dict], labels: list[str], half: int, skip: str | None, mismatches: int) -> dict:
+    """A method's routed vs oracle alpha, whole stream and second half, overall and per label."""
+    if skip is not None:
+        return {"routed_alpha": None, "oracle_alpha": None, "routed_vs_oracle": None, "accepted_vs_oracle": None,
+                "oracle_label": None, "counterfactual_mismatches": None, "oracle_skipped": skip}
+    parts = {"all": rows, "second_half": rows[half:]}
+    whole = {name: {**oracle_summary(rs), **mode_oracle(rs)} for name, rs in parts.items()}
+    by_label = {lb: {name: oracle_summary([r for r in rs if r["label"] == lb]) for name, rs in parts.items()}
+                for lb in labels}
+
+    def pick(d, key):
+        return {name: s[key] for name, s in d.items()}
+
+    return {
+        "routed_alpha": pick(whole, "routed_alpha"),
+        "oracle_alpha": pick(whole, "oracle_alpha"),
+        "routed_vs_oracle": pick(whole, "routed_vs_oracle"),
+        "accepted_vs_oracle": pick(whole, "accepted_vs_oracle"),
+        "mode_oracle_alpha": pick(whole, "mode_oracle_alpha"),
+        "routed_vs_mode_oracle": pick(whole, "routed_vs_mode_oracle"),
+        "mode_oracle_drafts": pick(whole, "mode_oracle_drafts"),
+        "oracle_label": {lb: {key: pick(d, key) for key in ("routed_alpha", "oracle_alpha", "routed_vs_oracle",
+                                                            "accepted_vs_oracle")}
+                         for lb, d in by_label.items()},
+        # requests where another draft in memory would have accepted more than the routed one
+        "oracle_other": pick(whole, "oracle_other"),
+        "oracle_target": ORACLE_TARGET,
+        "oracle_met": {name: s["routed_vs_oracle"] is not None and s["routed_vs_oracle"] >= ORACLE_TARGET
+                       for name, s in whole.items()},
+        "counterfactual_mismatches": mismatches,
+        "oracle_skipped": None,
+    }
+
+
+def recompute_oracle(result: dict) -> dict:
+    """``result`` (a mixture JSON) with every method's oracle figures recomputed from its rows."""
+    for e in result["methods"].values():
+        rows = e["rows"]
+        if rows and all(r.get("alpha_by_draft") for r in rows):
+            labels = list(dict.fromkeys(r["label"] for r in rows))
+            e.update(_oracle_fields(rows, labels, len(rows) // 2, None, e.get("counterfactual_mismatches") or 0))
+    return result
+
+
+def _f(v) -> str:
+    return f"{v:.3f}" if isinstance(v, (int, float)) else "-"
 
 
 def run_mixture(
@@ -203,8 +465,10 @@ def run_mixture(
     stream = mixed_stream(records, n_per_label, seed)
     if not stream:
         raise ValueError("empty stream")
+    from workloads import named_for_routing
+
     in_stream = {r.text for r in stream}
-    train = [r for r in train_records if r.text not in in_stream]
+    train = [r for r in named_for_routing(train_records) if r.text not in in_stream]
     extractor = extractor if extractor is not None else FeatureExtractor(router_cfg)
     counts: dict[str, int] = {}
     for r in stream:
@@ -227,7 +491,8 @@ def run_mixture(
 
 
 def format_mixture(result: dict) -> str:
-    """Method x label alpha over the second half of the stream (and the last ``window`` records)."""
+    """Method x label alpha over the second half of the stream (and the last ``window`` records);
+    then routed vs oracle alpha per method (ratio per label, overall, second half)."""
     labels = list(result["labels"])
 
     def f(v):
@@ -238,6 +503,21 @@ def format_mixture(result: dict) -> str:
     for m, e in result["methods"].items():
         lines.append(f"{m:<12}" + "".join(f"{f(e['second_half_alpha_label'].get(lb)):>10}" for lb in labels)
                      + f"{f(e['second_half_alpha']):>8}{len(e['drafts_final']):>8}{f(e.get('route_accuracy')):>10}")
+    lines += ["", "routed alpha / oracle alpha (oracle: per request the draft in memory that accepts most, in hindsight;",
+              f"target >= {ORACLE_TARGET:.2f}): per label and all over the stream, then over its second half; other = "
+              "requests where another draft accepts more; per mode = routed / the best fixed draft per label in hindsight"]
+    hdr = (f"{'method':<12}" + "".join(f"{lb[:9]:>10}" for lb in labels)
+           + f"{'routed':>8}{'oracle':>8}{'ratio':>7}{'2nd half':>9}{'other':>7}{'per mode':>9}")
+    lines += [hdr, "-" * len(hdr)]
+    for m, e in result["methods"].items():
+        if e.get("routed_vs_oracle") is None:
+            lines.append(f"{m:<12}skipped: {e.get('oracle_skipped') or 'no oracle in this result'}")
+            continue
+        lines.append(f"{m:<12}" + "".join(f"{f(e['oracle_label'].get(lb, {}).get('routed_vs_oracle', {}).get('all')):>10}"
+                                          for lb in labels)
+                     + f"{f(e['routed_alpha']['all']):>8}{f(e['oracle_alpha']['all']):>8}{f(e['routed_vs_oracle']['all']):>7}"
+                     + f"{f(e['routed_vs_oracle']['second_half']):>9}{e['oracle_other']['all']:>7}"
+                     + f"{f((e.get('routed_vs_mode_oracle') or {}).get('all')):>9}")
     return "\n".join(lines)
 
 

@@ -71,7 +71,26 @@ def test_mixture_forks_per_domain_drafts_and_serves_every_record(target, make_en
         served = {r["label"] for r in sup["rows"] if r["draft"] == f"d:{dom}"}
         assert must in served and served <= may, (dom, served)
     assert m["clusters"]["spawned"], m["clusters"]["router"]  # spawn_alpha 1.0: every busy cluster gets a draft
-    assert "supervised" in format_mixture(res)
+    # the oracle: every draft in memory scored on every request; the routed one's = what serving measured
+    for name, e in m.items():
+        assert e["counterfactual_mismatches"] == 0 and e["oracle_skipped"] is None
+        for r in e["rows"]:
+            assert "general" in r["alpha_by_draft"] and r["alpha_by_draft"][r["draft"]] == [r["accepted"], r["proposed"]]
+        for part in ("all", "second_half"):
+            assert e["routed_alpha"][part] <= e["oracle_alpha"][part] and e["accepted_vs_oracle"][part] <= 1
+            for lb in res["labels"]:
+                assert (e["oracle_label"][lb]["accepted_vs_oracle"][part] or 0) <= 1
+        assert e["routed_alpha"]["all"] == e["mean_alpha"] and e["routed_alpha"]["second_half"] == e["second_half_alpha"]
+    one = m["single"]  # one draft in memory: the oracle is the routed draft
+    assert all(list(r["alpha_by_draft"]) == ["general"] for r in one["rows"])
+    assert one["oracle_alpha"] == one["routed_alpha"] and one["routed_vs_oracle"]["all"] == 1.0
+    assert one["oracle_other"]["all"] == 0
+    # the forks are in memory from the request that spawned them on
+    sup_rows = sup["rows"]
+    assert max(len(r["alpha_by_draft"]) for r in sup_rows) == 1 + len(sup["spawned"])
+    for s in sup["spawned"]:
+        assert all((s["draft"] in r["alpha_by_draft"]) == (r["i"] >= s["at"]) for r in sup_rows)
+    assert "supervised" in format_mixture(res) and "oracle" in format_mixture(res)
     assert plot_mixture(res, tmp_path / "m.png").stat().st_size > 0
 
 
@@ -85,7 +104,7 @@ def test_unknown_method_rejected(extractor):
 def test_mixture_with_the_controller_drafts_from_each_drafts_suffix_tree(target, make_engine, draft_proposer, extractor):
     """--controller: every routed draft runs beside a suffix tree of its own; a stream that repeats
     its queries gets them drafted from the first answers, and alpha counts those steps."""
-    from bench.mixture import run_mixture
+    from bench.mixture import format_mixture, run_mixture
 
     start = truncated_draft(target, 1)
 
@@ -98,4 +117,209 @@ def test_mixture_with_the_controller_drafts_from_each_drafts_suffix_tree(target,
                       k=3, window=4, extractor=extractor, log=None, controller=True)
     rows = res["methods"]["single"]["rows"]
     assert res["controller"] and len(rows) == 8
+    e = res["methods"]["single"]  # other proposers draft some steps: no oracle
+    assert e["oracle_skipped"] and e["routed_vs_oracle"] is None and all(r["alpha_by_draft"] is None for r in rows)
+    assert "skipped" in format_mixture(res)
     assert sum(r["accepted"] for r in rows[4:]) > sum(r["accepted"] for r in rows[:4])
+
+
+# -- the oracle: every draft in memory scored in hindsight ------------------------------------------
+
+
+def test_counterfactual_counts_by_hand():
+    """The engine's step accounting: k capped by the tokens left, the EOS step ends the request."""
+    from bench.mixture import counterfactual_counts
+
+    def run(pred, n_out, max_tokens, k, eos):
+        return counterfactual_counts(lambda j: pred[j], lambda j: 0, n_out, max_tokens, k, eos)
+
+    right, wrong = [0] * 20, [1] * 20
+    # max_tokens 6, k 4: 4 accepted + 1 -> the last token is the target's alone (no room to draft)
+    assert run(right, 6, 6, 4, False) == (4, 4)
+    # every step rejected: k proposed while 4 fit, then 3, 2, 1, then a step with none
+    assert run(wrong, 6, 6, 4, False) == (0, 4 + 4 + 3 + 2 + 1)
+    # EOS at output index 2: the draft that agrees keeps going past it (the engine compares all k)
+    assert run(right, 2, 10, 4, True) == (4, 4)
+    # ... and one that is wrong at the EOS: 2 accepted, the target's EOS ends it
+    assert run([0, 0, 1, 0, 0], 2, 10, 4, True) == (2, 4)
+    # after a step that ends just before the EOS, the next step proposes and ends at the EOS
+    assert run([0, 1, 1, 1, 1], 2, 10, 3, True) == (1, 6)
+
+
+@pytest.fixture(scope="module")
+def eos_target(make_llama):
+    """The shared target's weights with token 38 as EOS: some greedy outputs end at EOS, some at max_tokens."""
+    return make_llama(3, 0, eos_token_id=38)
+
+
+def _engines(eos_target, make_engine, draft_proposer, make_llama, k):
+    from speculative import ModelRunner
+
+    target = ModelRunner(eos_target, name="target")  # shared, as in the experiment
+    drafts = {"t1": truncated_draft(eos_target, 1), "t2": truncated_draft(eos_target, 2),
+              "copy": copy.deepcopy(eos_target), "other": make_llama(1, 7)}  # copy: agrees with the target
+    out = {}
+    for d, m in drafts.items():
+        eng = make_engine(draft_proposer(m), model=eos_target, k=k)
+        eng.target = target
+        out[d] = eng
+    return out
+
+
+@pytest.mark.parametrize("k", [3, 4])
+def test_counterfactual_equals_what_serving_each_draft_measures(eos_target, make_engine, draft_proposer, make_llama, k):
+    """Serve every request with every draft: the output is the same (greedy), and each draft's
+    counterfactual, computed from any one serving, equals its measured (accepted, proposed):
+    requests ending at EOS (a draft agreeing past it) and at max_tokens, near the budget's end."""
+    from bench.harness import serve_recorded
+    from bench.mixture import alpha_by_draft, counterfactual_skip_reason
+    from config import SamplingParams
+
+    engines = _engines(eos_target, make_engine, draft_proposer, make_llama, k)
+    assert all(counterfactual_skip_reason(e) is None for e in engines.values())
+    ends = set()
+    for text in SQL[:2] + EN[:2] + ES[:2]:
+        for max_tokens in (5, 14, 20):
+            params = SamplingParams(max_tokens=max_tokens)
+            served = {d: serve_recorded(e, text, params) for d, e in engines.items()}
+            outs = {tuple(g.token_ids) for _, _, _, g in served.values()}
+            assert len(outs) == 1, text
+            rec, _, _, gen = served["t1"]
+            ends.add(gen.finish_reason)
+            cf = alpha_by_draft(engines, rec.tokens[: rec.prompt_len].tolist(), gen.token_ids, gen.finish_reason, params)
+            assert cf == {d: [a, p] for d, (_, a, p, _) in served.items()}, (text, max_tokens)
+            assert cf["copy"][0] > 0 and cf["copy"][0] >= max(a for a, _ in cf.values())
+    assert ends == {"stop", "length"}
+    # no scratch cache left behind in any draft or the target
+    assert all(len(e.learned_draft.runner) == 0 for e in engines.values())
+    assert len(next(iter(engines.values())).target) == 0
+
+
+def test_oracle_skipped_with_the_controller_or_adaptive_k(target, make_engine, draft_proposer):
+    from bench.mixture import counterfactual_skip_reason
+    from config import KPolicyConfig
+
+    eng = make_engine(draft_proposer(truncated_draft(target, 1)), k=KPolicyConfig(k_max=4))
+    assert "adaptive" in counterfactual_skip_reason(eng)
+    assert "controller" in counterfactual_skip_reason(make_engine(draft_proposer(truncated_draft(target, 1)), k=3), True)
+
+
+class _StubRouter:
+    """Routes query i to ``route_to(i)``; spawns the draft ``spawn`` (forked from general) before the first."""
+
+    def __init__(self, route_to, spawn="d:copy"):
+        from config import RouterConfig
+
+        self.route_to, self.spawn, self.cfg, self.drafts = route_to, spawn, RouterConfig(), {}
+        self.n, self.seen = 0, []
+
+    def route(self, text):
+        from router.router import Route
+
+        self.n += 1
+        return Route("unknown", "en", self.route_to(self.n), 1.0, "stub")
+
+    def events(self):
+        from router.router import DraftEvent
+
+        if self.n == 1 and self.spawn:
+            return [DraftEvent("spawn", self.spawn, "x", "general", "stub")]
+        return []
+
+    def observe(self, route, accepted, proposed):
+        self.seen.append((route.draft_id, accepted, proposed))
+
+    def summary(self):
+        return {"observed": len(self.seen)}
+
+
+def _copy_factory(target, make_engine, draft_proposer, V):
+    """The first engine (the general draft) a weak 1-layer draft; every later one a draft that copies
+    the target and keeps its weights (a fork's or a round's new weights are ignored)."""
+    from speculative import DraftModelProposer, ModelRunner
+
+    class Pinned(DraftModelProposer):
+        def load_state_dict(self, state, version):
+            self.version = version
+
+    calls = []
+
+    def factory():
+        calls.append(1)
+        if len(calls) == 1:
+            return make_engine(draft_proposer(truncated_draft(target, 1)), k=3)
+        return make_engine(Pinned(ModelRunner(copy.deepcopy(target), name="draft"), V), k=3)
+
+    return factory
+
+
+def test_oracle_beats_routing_that_ignores_a_better_draft(target, make_engine, draft_proposer, V):
+    """Every query routed to the weak general draft while a draft that copies the target is in
+    memory: the oracle picks the copy and routing falls short of it."""
+    from bench.mixture import _run_method, format_mixture
+
+    router = _StubRouter(lambda i: "general")
+    stream = _recs(SQL[:3], "sql", "en", "") + _recs(EN[:3], "chat", "en", "")
+    lcfg = LearnerConfig(train_every=100, holdout_fraction=0.0)
+    e = _run_method("clusters", _copy_factory(target, make_engine, draft_proposer, V), stream, lcfg, router,
+                    max_tokens=10, k=3, window=4, log=None)
+    assert {r["draft"] for r in e["rows"]} == {"general"} and e["counterfactual_mismatches"] == 0
+    assert all(r["alpha_by_draft"]["d:copy"][0] >= r["alpha_by_draft"]["general"][0] for r in e["rows"])
+    assert e["oracle_other"]["all"] > 0 and e["oracle_alpha"]["all"] > e["routed_alpha"]["all"]
+    assert e["routed_vs_oracle"]["all"] < 1 and e["accepted_vs_oracle"]["all"] < 1
+    assert e["oracle_label"]["sql"]["routed_vs_oracle"]["all"] < 1
+    # the router saw only what the routed draft measured
+    assert router.seen == [("general", r["accepted"], r["proposed"]) for r in e["rows"]]
+    res = {"labels": {"sql": 3, "chat/en": 3}, "methods": {"clusters": e}}
+    assert f"{e['routed_vs_oracle']['all']:.3f}" in format_mixture(res)
+
+
+def test_the_oracle_has_no_side_effect(target, make_engine, draft_proposer, V, monkeypatch):
+    """The same stream with and without the oracle: the same routes, router observations, learner
+    records, rounds and published versions (the counterfactual only reads the drafts)."""
+    import bench.mixture as mx
+
+    observed = []
+
+    class Spy(mx.OnlineLearner):
+        def observe(self, record):
+            observed.append((record.draft_id, record.tokens.tolist(), record.positions.tolist(),
+                             record.draft_wrong.tolist(), record.top_ids.tolist()))
+            return super().observe(record)
+
+    monkeypatch.setattr(mx, "OnlineLearner", Spy)
+    stream = _recs(SQL[:4], "sql", "en", "") + _recs(EN[:4], "chat", "en", "")
+    lcfg = LearnerConfig(train_every=2, batch_records=4, steps_per_round=1, lr=1e-2, holdout_fraction=0.0,
+                         gate_margin=0.0, positions="all")
+    runs = []
+    for oracle in (True, False):
+        if not oracle:
+            monkeypatch.setattr(mx, "counterfactual_skip_reason", lambda *a, **kw: "off")
+        observed.clear()
+        torch.manual_seed(0)
+        router = _StubRouter(lambda i: ("general", "d:copy")[i % 2])  # both drafts serve, both train
+        e = mx._run_method("clusters", _copy_factory(target, make_engine, draft_proposer, V), stream, lcfg, router,
+                           max_tokens=8, k=3, window=4, log=None)
+        rows = [{k: v for k, v in r.items() if k != "alpha_by_draft"} for r in e["rows"]]
+        runs.append((rows, router.seen, list(observed), e["rounds"], e["published"]))
+        assert (e["oracle_skipped"] is None) == oracle
+    assert runs[0][3] > 0 and runs[0][4] > 0  # rounds ran and published new weights mid-stream
+    assert runs[0] == runs[1]
+
+
+def test_mode_oracle_is_the_best_fixed_draft_per_label():
+    """Hand-made rows: on label a, draft y accepts more in total though x wins one request; on b
+    the routed draft is best. A draft absent from a row counts with the routed draft's values."""
+    from bench.mixture import mode_oracle, oracle_summary
+
+    rows = [
+        {"label": "a", "draft": "x", "accepted": 3, "proposed": 8, "alpha_by_draft": {"x": [3, 8], "y": [2, 8]}},
+        {"label": "a", "draft": "x", "accepted": 1, "proposed": 8, "alpha_by_draft": {"x": [1, 8], "y": [5, 8]}},
+        {"label": "a", "draft": "x", "accepted": 2, "proposed": 8, "alpha_by_draft": {"x": [2, 8]}},  # y not yet
+        {"label": "b", "draft": "x", "accepted": 4, "proposed": 8, "alpha_by_draft": {"x": [4, 8], "y": [0, 8]}},
+    ]
+    m = mode_oracle(rows)
+    assert m["mode_oracle_drafts"] == {"a": "y", "b": "x"}
+    assert m["mode_oracle_alpha"] == pytest.approx((2 + 5 + 2 + 4) / 32)
+    assert m["routed_vs_mode_oracle"] == pytest.approx((10 / 32) / (13 / 32))
+    assert oracle_summary(rows)["oracle_alpha"] >= m["mode_oracle_alpha"]  # per request >= per mode
