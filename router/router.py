@@ -44,6 +44,9 @@ from router.domains import DomainClassifier, OnlineClusters
 from router.features import UND, FeatureExtractor, QueryFeatures
 
 GENERAL = "general"  # the draft every query can fall back to; never retired
+#: RouterConfig fields that change how fast the router runs, not where it routes: a save made
+#: under other values of these loads (load_state)
+RUNTIME_FIELDS = {"threads", "embed_cache", "batch_size"}
 UNKNOWN = "unknown"  # domain of queries routed by a fallback
 _FORMAT = 2  # 2: the classifier keeps its examples and typicality thresholds
 log = logging.getLogger(__name__)
@@ -365,7 +368,7 @@ def load_state(directory: str | os.PathLike, cfg: RouterConfig, extractor: Featu
             continue
         try:
             saved_cfg = RouterConfig.model_validate_json((d / "config.json").read_text())
-            if saved_cfg != cfg:
+            if saved_cfg.model_dump(exclude=RUNTIME_FIELDS) != cfg.model_dump(exclude=RUNTIME_FIELDS):
                 log.warning("router state %s was saved under another router config; not loaded (starting afresh)", d)
                 continue
             router = Router.load(d, extractor)

@@ -33,13 +33,6 @@ def _recs(texts, domain, lang, tag):
     return [WorkloadRecord(t + tag, domain, lang, "test") for t in texts]
 
 
-@pytest.fixture(scope="module")
-def extractor():
-    from router.features import FeatureExtractor
-
-    return FeatureExtractor(RouterConfig())
-
-
 def test_mixture_forks_per_domain_drafts_and_serves_every_record(target, make_engine, draft_proposer, extractor, tmp_path):
     from bench.mixture import format_mixture, label_of, mixed_stream, plot_mixture, run_mixture
 

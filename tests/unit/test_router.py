@@ -54,13 +54,6 @@ BAD = ["", "   \n\t ", "😀🎉🔥👍", "12345 + 678 = ?!", "\x00\x01\x02\x07
 
 
 @pytest.fixture(scope="module")
-def extractor() -> FeatureExtractor:
-    fx = FeatureExtractor(RouterConfig())
-    fx.embed(["warm up"])
-    return fx
-
-
-@pytest.fixture(scope="module")
 def trained(extractor) -> Router:
     texts = [t for ts in TRAIN.values() for t in ts]
     return Router(RouterConfig(mode="supervised", confidence_threshold=0.3), extractor).fit(
@@ -212,3 +205,5 @@ def test_saved_state_is_two_generations_and_a_corrupt_one_is_skipped(extractor, 
     save_state(router, tmp_path)
     assert load_state(tmp_path, RouterConfig(mode="both", confidence_threshold=0.5), extractor) is None
     assert load_state(tmp_path, cfg, extractor) is not None
+    # speed-only settings do not make a save foreign
+    assert load_state(tmp_path, cfg.model_copy(update={"embed_cache": 7, "threads": 2, "batch_size": 3}), extractor) is not None

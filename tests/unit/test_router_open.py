@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from config import RouterConfig
-from router import GENERAL, FeatureExtractor, Router
+from router import GENERAL, Router
 from router.cli import _outcome, open_set_report
 from router.domains import DomainClassifier
 from workloads import WorkloadRecord, load_workload
@@ -32,13 +32,6 @@ def _by_source(records, per: int) -> dict[str, list[WorkloadRecord]]:
         if len(out.setdefault(src, [])) < per:
             out[src].append(r)
     return out
-
-
-@pytest.fixture(scope="module")
-def extractor() -> FeatureExtractor:
-    fx = FeatureExtractor(RouterConfig())
-    fx.embed(["warm up"])
-    return fx
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +159,7 @@ def test_open_set_report_on_a_small_pool(extractor):
     train = [r for s in ("python-stdlib", "codeio", "spider-dev", "champ", "chatterbot") for r in by[s]]
     extra = [r for s in ("humaneval", "gsm-symbolic", "quotes", "verne-2889") for r in ob[s]]
     general = [WorkloadRecord("Write me an essay on the history of print.", "chat", "en", "sharegpt:x")]
-    rep = open_set_report(RouterConfig(), extractor, train + general, [], extra)
+    rep = open_set_report(RouterConfig(), extractor, train + general, [], extra, lang_prior=False)  # shared extractor: no prior
     assert set(rep["loso"]) == {"code:codeio", "code:humaneval", "code:python-stdlib", "math:champ",
                                 "math:gsm-symbolic"}  # sql and chat have one source here
     assert rep["loso"]["code:humaneval"]["n"] == 6 and set(rep["lodo"]) == {"chat", "code", "math", "sql"}
