@@ -199,3 +199,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def extractor():
+    """The router's feature extractor with the default config (onnx int8 MiniLM, py3langid), warm;
+    loaded on first use by a test that asks for it."""
+    from config import RouterConfig
+    from router.features import FeatureExtractor
+
+    fx = FeatureExtractor(RouterConfig())
+    fx.embed(["warm up"])
+    return fx
