@@ -12,7 +12,7 @@ import torch
 from ray import serve
 
 from config import MetricsConfig, RouterConfig
-from router.router import Route, Router, load_state, save_state
+from router.router import Route, Router, fit_examples, load_state, save_state
 
 from .loopback import bind_replica_grpc, replica_meter
 
@@ -22,7 +22,7 @@ log = logging.getLogger("osd.router")
 class RouterServer:
     """``state_dir``: where the router's state (clusters, bandit, drafts) is saved and, at start,
     reloaded from (a save that does not load is skipped, logged and moved aside); None: kept in
-    memory only."""
+    memory only. Without a saved state, ``cfg.examples`` (if set) trains the domain classifier."""
 
     def __init__(self, cfg: RouterConfig, max_batch: int = 16, batch_wait_s: float = 0.002,
                  metrics: MetricsConfig | None = None, state_dir: str | None = None):
@@ -30,8 +30,11 @@ class RouterServer:
         self.meter = replica_meter("Router", metrics or MetricsConfig())
         self.router = Router(cfg)
         self.state_dir = state_dir
-        if state_dir is not None:
-            self.router = load_state(state_dir, cfg, self.router.extractor) or self.router
+        loaded = load_state(state_dir, cfg, self.router.extractor) if state_dir is not None else None
+        if loaded is not None:
+            self.router = loaded
+        elif cfg.examples and cfg.mode != "clusters":  # named domains from labelled examples
+            fit_examples(self.router, cfg.examples)
         self.saved_at = self.router.t
         self.router.extractor.embed(["warm up"])  # load MiniLM now, not on the first request
         self.route = serve.batch(max_batch_size=max_batch, batch_wait_timeout_s=batch_wait_s)(self._route_batch)

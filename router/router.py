@@ -335,6 +335,15 @@ class Router:
         return self
 
 
+def fit_examples(router: Router, path: str | os.PathLike) -> Router:
+    """Fit ``router``'s classifier (and language prior) on the named-domain records of a workload
+    file (general sources left out: ``workloads.named_for_routing``)."""
+    from workloads import load_workload, named_for_routing
+
+    recs = named_for_routing(load_workload(path))
+    return router.fit([r.text for r in recs], [r.domain for r in recs], [r.lang for r in recs])
+
+
 # ---------------------------------------------------------------------- state across restarts
 
 

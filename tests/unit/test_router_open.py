@@ -167,3 +167,23 @@ def test_open_set_report_on_a_small_pool(extractor):
     for v in [*rep["loso"].values(), *rep["lodo"].values(), *rep["unnamed"].values()]:
         assert sum(v["went"].values()) == v["n"]
     assert rep["lodo"]["sql"]["went"].get("sql", 0) == 0  # a router without sql never names it
+
+
+def test_the_router_deployment_fits_its_examples_at_start(train, held_out, tmp_path):
+    """``RouterConfig.examples`` gives the served router its named domains when it starts without a
+    saved state (its general sources left out); a saved state wins over it."""
+    from deployments.router import RouterServer
+    from workloads import save_workload
+
+    examples = tmp_path / "examples.jsonl"
+    save_workload(train + [WorkloadRecord("Write an essay on print.", "chat", "en", "sharegpt:1")], examples)
+    server = RouterServer(RouterConfig(mode="both", examples=str(examples)), state_dir=str(tmp_path / "state"))
+    assert server.router.classifier.classes == ["chat", "code", "math", "sql"]
+    assert len(server.router.classifier.examples["chat"]) == sum(r.domain == "chat" for r in train)  # no ShareGPT
+    routes = server.router.route_batch([r.text for r in held_out["dbgpt-example"]])
+    assert sum(x.domain == "sql" for x in routes) >= 9
+    assert not RouterServer(RouterConfig(mode="clusters", examples=str(examples))).router.classifier.fitted
+    server.save()
+    examples.write_text("")  # a saved router is reloaded, the examples not read again
+    again = RouterServer(RouterConfig(mode="both", examples=str(examples)), state_dir=str(tmp_path / "state"))
+    assert again.router.t == server.router.t and again.router.classifier.classes == ["chat", "code", "math", "sql"]
