@@ -197,8 +197,10 @@ class _DraftPath:
         self.runner.release(_CF_SEQ)
 
 
-def counterfactual_skip_reason(engine, controller: bool = False) -> str | None:
-    """Why drafts served by ``engine`` cannot be scored in hindsight (None: they can)."""
+def counterfactual_skip_reason(engine, controller: bool = False, params: SamplingParams | None = None) -> str | None:
+    """Why drafts served by ``engine`` (with ``params``) cannot be scored in hindsight (None: they can)."""
+    if params is not None and (not params.greedy or params.stop or params.ignore_eos):
+        return "not greedy decoding (or stop strings, or ignore_eos)"
     if controller:
         return "--controller: other proposers draft some steps"
     if getattr(engine.cfg.k, "fixed_k", None) is None:
@@ -283,9 +285,9 @@ def mode_oracle(rows: Sequence[dict]) -> dict:
         def total(d: str) -> tuple[int, int]:
             pairs = [r["alpha_by_draft"].get(d, [r["accepted"], r["proposed"]]) for r in rs]
             return sum(a for a, _ in pairs), sum(p for _, p in pairs)
-        drafts = sorted({d for r in rs for d in r["alpha_by_draft"]})
-        best[lb] = max(drafts, key=lambda d: (total(d)[0], -total(d)[1], d))
-        a, p = total(best[lb])
+        totals = {d: total(d) for d in sorted({d for r in rs for d in r["alpha_by_draft"]})}
+        best[lb] = max(totals, key=lambda d: (totals[d][0], -totals[d][1], d))
+        a, p = totals[best[lb]]
         acc, prop = acc + a, prop + p
     routed = _alpha(sum(r["accepted"] for r in rows), sum(r["proposed"] for r in rows))
     alpha = _alpha(acc, prop)
@@ -299,9 +301,7 @@ def _run_method(method, engine_factory, stream, learner_cfg, router, *, max_toke
     drafts.add(GENERAL)
     params = SamplingParams(max_tokens=max_tokens)
     # the oracle: every draft in memory scored in hindsight on each request (token drafts, fixed k)
-    skip = counterfactual_skip_reason(drafts.engines[GENERAL], controller)
-    if skip is None and (not params.greedy or params.stop or params.ignore_eos):
-        skip = "not greedy decoding"
+    skip = counterfactual_skip_reason(drafts.engines[GENERAL], controller, params)
     mismatches = 0
     rows, curves = [], {}
     wins: dict[str, deque] = {}
@@ -494,15 +494,11 @@ def format_mixture(result: dict) -> str:
     """Method x label alpha over the second half of the stream (and the last ``window`` records);
     then routed vs oracle alpha per method (ratio per label, overall, second half)."""
     labels = list(result["labels"])
-
-    def f(v):
-        return f"{v:.3f}" if isinstance(v, (int, float)) else "-"
-
     hdr = f"{'method':<12}" + "".join(f"{lb[:9]:>10}" for lb in labels) + f"{'all':>8}{'drafts':>8}{'route acc':>10}"
     lines = ["alpha over the second half of the stream (last-window alpha in the JSON)", hdr, "-" * len(hdr)]
     for m, e in result["methods"].items():
-        lines.append(f"{m:<12}" + "".join(f"{f(e['second_half_alpha_label'].get(lb)):>10}" for lb in labels)
-                     + f"{f(e['second_half_alpha']):>8}{len(e['drafts_final']):>8}{f(e.get('route_accuracy')):>10}")
+        lines.append(f"{m:<12}" + "".join(f"{_f(e['second_half_alpha_label'].get(lb)):>10}" for lb in labels)
+                     + f"{_f(e['second_half_alpha']):>8}{len(e['drafts_final']):>8}{_f(e.get('route_accuracy')):>10}")
     lines += ["", "routed alpha / oracle alpha (oracle: per request the draft in memory that accepts most, in hindsight;",
               f"target >= {ORACLE_TARGET:.2f}): per label and all over the stream, then over its second half; other = "
               "requests where another draft accepts more; per mode = routed / the best fixed draft per label in hindsight"]
@@ -513,11 +509,11 @@ def format_mixture(result: dict) -> str:
         if e.get("routed_vs_oracle") is None:
             lines.append(f"{m:<12}skipped: {e.get('oracle_skipped') or 'no oracle in this result'}")
             continue
-        lines.append(f"{m:<12}" + "".join(f"{f(e['oracle_label'].get(lb, {}).get('routed_vs_oracle', {}).get('all')):>10}"
+        lines.append(f"{m:<12}" + "".join(f"{_f(e['oracle_label'].get(lb, {}).get('routed_vs_oracle', {}).get('all')):>10}"
                                           for lb in labels)
-                     + f"{f(e['routed_alpha']['all']):>8}{f(e['oracle_alpha']['all']):>8}{f(e['routed_vs_oracle']['all']):>7}"
-                     + f"{f(e['routed_vs_oracle']['second_half']):>9}{e['oracle_other']['all']:>7}"
-                     + f"{f((e.get('routed_vs_mode_oracle') or {}).get('all')):>9}")
+                     + f"{_f(e['routed_alpha']['all']):>8}{_f(e['oracle_alpha']['all']):>8}{_f(e['routed_vs_oracle']['all']):>7}"
+                     + f"{_f(e['routed_vs_oracle']['second_half']):>9}{e['oracle_other']['all']:>7}"
+                     + f"{_f((e.get('routed_vs_mode_oracle') or {}).get('all')):>9}")
     return "\n".join(lines)
 
 

@@ -283,7 +283,7 @@ class RouterConfig(_Strict):
     #: against 22.8 at 128; int8: 4.5 against 9.5, 7.1 against 10.3 (results/route_latency).
     backend: Literal["torch", "onnx"] = "onnx"
     #: int8 weights with dynamically quantized activations: about 1.7x faster with torch, 2.4x with
-    #: onnx (cosine to the float embedding 0.99 on average; the same routing figures within a few
+    #: onnx (cosine to the float embedding >= 0.97 on the test texts; the same routing figures within a few
     #: records: docs/routing.md). Activations are then scaled per batch, so texts are embedded one
     #: at a time (a query's embedding must not depend on its neighbours in a batch).
     quantize: bool = True

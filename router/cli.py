@@ -173,7 +173,7 @@ def evaluate(args: argparse.Namespace) -> dict:
             "below_threshold": sum(x.confidence < cfg.confidence_threshold for x in routes if x.topic) / len(truth),
             "routed_to_domain": {d: sum(_outcome(x) == d for r, x in zip(records, routes) if r.domain == d and not is_general(r))
                                  / max(1, sum(r.domain == d and not is_general(r) for r in records)) for d in labels},
-            "general_to_clusters": (sum(x.cluster is not None for r, x in zip(records, routes) if is_general(r))
+            "general_to_clusters": (sum(_outcome(x) == "cluster" for r, x in zip(records, routes) if is_general(r))
                                     / max(1, sum(map(is_general, records)))),
             "per_label": {k: v for k, v in classification_report(truth, pred, labels=labels, output_dict=True,
                                                                  zero_division=0).items() if k in labels},

@@ -195,7 +195,7 @@ def _export_onnx(model_path: Path, dest: Path, threads: int) -> None:
     ``_PROBES`` (one at a time and in one padded batch) before it is published."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoModel
 
     pooling = json.loads((model_path / "1_Pooling" / "config.json").read_text())
     modules = [m["type"].rsplit(".", 1)[-1] for m in json.loads((model_path / "modules.json").read_text())]
@@ -214,7 +214,7 @@ def _export_onnx(model_path: Path, dest: Path, threads: int) -> None:
             return torch.nn.functional.normalize(e, p=2.0, dim=-1)
 
     torch.set_num_threads(threads)
-    tok = AutoTokenizer.from_pretrained(str(model_path))
+    tok = _tokenizer(str(model_path))
     # eager attention: a plain graph, without the data-dependent shortcuts of the SDPA path
     net = MeanPooled(AutoModel.from_pretrained(str(model_path), attn_implementation="eager")).eval()
     # traced on a padded batch, so that the graph uses the attention mask

@@ -155,8 +155,12 @@ class Router:
         if confident and (typ is None or self.classifier.typical(topic, typ)):
             domain, confidence, source = self.domain_key(topic, f.lang), prob, "classifier"
         elif cfg.mode == "supervised":
-            why = ("no classifier" if topic is None else f"confidence {prob:.2f} < {cfg.confidence_threshold}"
-                   if not confident else f"atypical of {topic} ({typ:.2f} < {self.classifier.thresholds[topic]:.2f})")
+            if topic is None:
+                why = "no classifier"
+            elif not confident:
+                why = f"confidence {prob:.2f} < {cfg.confidence_threshold}"
+            else:
+                why = f"atypical of {topic} ({typ:.2f} < {self.classifier.thresholds[topic]:.2f})"
             return self._fallback(f, f"fallback: {why}", topic, prob, typ)
         else:
             c, confidence = self.clusters.assign(f.embedding, f.lang, self.t)

