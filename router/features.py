@@ -34,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-from config import RouterConfig, cache_dir
+from config import RouterConfig, cache_dir, content_key, file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -102,20 +102,13 @@ _PROBES = [  # texts of several lengths and scripts on which an export is checke
 
 def onnx_dir(model_path: Path | None = None) -> Path:
     """Where the onnx export of ``model_path`` (default: the packaged MiniLM) is cached: a folder
-    under ``cache_dir()/router`` named by a hash of the model's path, its weights file's size and
-    mtime, the export format and the opset."""
+    under ``cache_dir()/router`` named by a hash of the model's weights and config (their
+    contents, so every install of the same model shares one export), the export format and the
+    opset."""
     model_path = Path(model_path or _model_path()).resolve()
-    st = (model_path / "model.safetensors").stat()
-    key = json.dumps([str(model_path), st.st_size, st.st_mtime_ns, ONNX_FORMAT, ONNX_OPSET])
+    weights = content_key(model_path / "model.safetensors", model_path / "config.json", length=64)
+    key = json.dumps([weights, ONNX_FORMAT, ONNX_OPSET])
     return cache_dir() / "router" / f"minilm-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _write_atomic(path: Path, write) -> None:
@@ -134,7 +127,7 @@ def _write_atomic(path: Path, write) -> None:
 def _publish(path: Path, write) -> None:
     """Write ``path`` atomically, then its ``.json`` record (size and sha256) that marks it whole."""
     _write_atomic(path, write)
-    meta = {"size": path.stat().st_size, "sha256": _sha256(path), "format": ONNX_FORMAT}
+    meta = {"size": path.stat().st_size, "sha256": file_sha256(path), "format": ONNX_FORMAT}
     _write_atomic(path.with_suffix(".json"), lambda t: t.write_text(json.dumps(meta)))
 
 
@@ -144,7 +137,7 @@ def _is_whole(path: Path) -> bool:
     try:
         meta = json.loads(path.with_suffix(".json").read_text())
         return (path.stat().st_size == meta["size"] and meta.get("format") == ONNX_FORMAT
-                and _sha256(path) == meta["sha256"])
+                and file_sha256(path) == meta["sha256"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
 

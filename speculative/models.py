@@ -8,7 +8,6 @@ starts take well under a second and give bit-identical outputs.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import logging
 import os
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from config import EMBEDDED_TARGET, ModelConfig, cache_dir
+from config import EMBEDDED_TARGET, ModelConfig, cache_dir, content_key
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +52,7 @@ def embedded_gguf_path() -> Path:
 
 
 def _gguf_cache_folder(gguf: Path) -> Path:
-    st = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
-    return cache_dir() / "models" / f"{gguf.stem}-{key}"
+    return cache_dir() / "models" / f"{gguf.stem}-{content_key(gguf, length=12)}"
 
 
 def _dequantise_gguf(gguf: Path, dest: Path) -> None:

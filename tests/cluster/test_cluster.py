@@ -25,9 +25,12 @@ def cluster(tmp_path_factory):
     from ray import serve
     from ray.cluster_utils import Cluster
 
+    # ray.cluster_utils gives each node a 150 MiB object store by default, less than one draft's
+    # weights (255 MB): the broadcast would spill to disk and fail when the disk is 95% full.
+    store = 1 << 30
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"tgt": 1, "pool": 1},
-                                                       "include_dashboard": False})
-    c.add_node(num_cpus=2, resources={"drf": 1, "pool": 1})
+                                                       "include_dashboard": False, "object_store_memory": store})
+    c.add_node(num_cpus=2, resources={"drf": 1, "pool": 1}, object_store_memory=store)
     c.wait_for_nodes()
     ray.init(address=c.address)
     yield c
