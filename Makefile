@@ -41,7 +41,7 @@ run: $(STAMP)
 
 # The whole test suite: fast unit tests and the slow ones on the real SmolLM2.
 test: $(STAMP) system-tools
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=25 tests
 
 # Mutation testing of the sampling path, engine, proposers, k policy and the learner's gate (not in CI:
 # about an hour on 2 cores). Prints every surviving mutant and the score; the JSON keeps them all.

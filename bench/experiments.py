@@ -687,13 +687,13 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def unseen_by(records: Sequence[Any], checkpoint: str) -> list:
-    """``records`` minus the prompts the saved draft ``checkpoint`` (a folder or "default") was
+def unseen_by(records: Sequence[Any], checkpoint: str, kind: str = "truncated") -> list:
+    """``records`` minus the prompts the saved draft ``checkpoint`` (a folder or "default" of ``kind``) was
     distilled on (its meta's ``trained_prompts``): a stream measures what the draft learns online,
     not what it memorised offline."""
     from drafts.build import prompt_digest, resolve_checkpoint, trained_prompts
 
-    seen = trained_prompts(resolve_checkpoint(checkpoint))
+    seen = trained_prompts(resolve_checkpoint(checkpoint, kind))
     return [r for r in records if prompt_digest(r.text) not in seen]
 
 
@@ -722,7 +722,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     stream_recs = all_recs
     if args.cmd in ("online", "shift") and args.draft_checkpoint and not args.include_trained:
-        stream_recs = unseen_by(all_recs, args.draft_checkpoint)
+        stream_recs = unseen_by(all_recs, args.draft_checkpoint, getattr(args, "draft_kind", "truncated"))
         if log:
             dropped = len(all_recs) - len(stream_recs)
             log(f"stream: {dropped} of {len(all_recs)} records dropped (the starting draft trained on them)" if dropped else

@@ -67,11 +67,11 @@ def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
     model = ModelConfig(device=args.device, dtype=args.dtype, quantize=args.quantize,
                         **({"name": args.target} if args.target else {}))
     ckpt = args.draft_checkpoint
-    if ckpt:
-        from drafts.build import resolve_checkpoint  # "default" -> the cached general draft
-
-        ckpt = str(resolve_checkpoint(ckpt))
     kind = getattr(args, "draft_kind", "truncated")
+    if ckpt:
+        from drafts.build import resolve_checkpoint  # "default" -> the cached general draft of that kind
+
+        ckpt = str(resolve_checkpoint(ckpt, kind))
     cfg = EngineConfig(model=model, draft=DraftConfig(kind=kind, num_layers=args.draft_layers,
                                                       head_vocab=args.head_vocab, checkpoint=ckpt),
                        k=KPolicyConfig(k_max=max(args.k, 1), fixed_k=args.k))

@@ -35,10 +35,12 @@ DRAFT_META = "osd_draft.json"
 DEFAULT_CHECKPOINT = "default"
 
 
-def default_draft_path() -> Path:
+def default_draft_path(kind: str = "truncated") -> Path:
+    """Where ``osd distill`` caches the general starting draft: one for token drafts, one for
+    feature drafts (``--kind feature``)."""
     from config import cache_dir
 
-    return cache_dir() / "drafts" / "default"
+    return cache_dir() / "drafts" / ("default-feature" if kind == "feature" else "default")
 
 
 def prompt_digest(text: str) -> str:
@@ -58,13 +60,15 @@ def trained_prompts(path: str | Path) -> set[str]:
     return set(read_meta(path).get("trained_prompts", []))
 
 
-def resolve_checkpoint(name: str) -> Path:
-    """A checkpoint folder, or the general starting draft for ``"default"`` (refused if not built yet)."""
+def resolve_checkpoint(name: str, kind: str = "truncated") -> Path:
+    """A checkpoint folder, or the general starting draft of ``kind`` for ``"default"`` (refused if
+    not built yet)."""
     if name != DEFAULT_CHECKPOINT:
         return Path(name)
-    path = default_draft_path()
+    path = default_draft_path(kind)
     if not (path / DRAFT_META).exists():
-        raise ModelLoadError(f"no default starting draft at {path}: build it once with `osd distill`")
+        how = "osd distill --kind feature" if kind == "feature" else "osd distill"
+        raise ModelLoadError(f"no default starting draft at {path}: build it once with `{how}`")
     return path
 DRAFT_WEIGHTS = "weights.safetensors"
 
@@ -151,11 +155,13 @@ def save_draft(draft: PreTrainedModel, path: str | Path, keep_ids: torch.Tensor 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
     try:
+        feature = getattr(draft, "uses_features", False)  # a FeatureDraft keeps its own head
         state = {k: v.detach().contiguous().clone() for k, v in draft.state_dict().items()}
-        if draft.config.tie_word_embeddings:
+        if draft.config.tie_word_embeddings and not feature:
             state.pop("lm_head.weight", None)
         save_file(state, tmp / DRAFT_WEIGHTS)
         info = {
+            "arch": "feature" if feature else "causal_lm",
             "config": draft.config.to_dict(),
             "keep_ids": keep_ids.tolist() if keep_ids is not None else None,
             "meta": meta or {},
@@ -177,8 +183,14 @@ def load_draft(path: str | Path) -> tuple[PreTrainedModel, torch.Tensor | None, 
     info = json.loads((path / DRAFT_META).read_text())
     cfg_dict = dict(info["config"])
     cfg = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
-    draft = AutoModelForCausalLM.from_config(cfg)
     keep = torch.tensor(info["keep_ids"], dtype=torch.long) if info["keep_ids"] is not None else None
+    if info.get("arch") == "feature":
+        from speculative.feature import FeatureDraft
+
+        draft = FeatureDraft(cfg, len(keep) if keep is not None else cfg.vocab_size)
+        draft.load_state_dict(load_file(path / DRAFT_WEIGHTS), strict=True)
+        return draft.eval(), keep, info["meta"]
+    draft = AutoModelForCausalLM.from_config(cfg)
     if keep is not None:
         draft = restrict_head(draft, keep)
     draft.load_state_dict(load_file(path / DRAFT_WEIGHTS), strict=not cfg.tie_word_embeddings)
@@ -193,7 +205,10 @@ def build_draft_model(
 ) -> tuple[PreTrainedModel, torch.Tensor | None]:
     """The learned draft a config asks for (not for kind ngram/none)."""
     if cfg.checkpoint:
-        draft, keep, _ = load_draft(resolve_checkpoint(cfg.checkpoint))
+        draft, keep, _ = load_draft(resolve_checkpoint(cfg.checkpoint, cfg.kind))
+        if getattr(draft, "uses_features", False) != (cfg.kind == "feature"):
+            raise ValueError(f"draft checkpoint {cfg.checkpoint} is {'a' if cfg.kind != 'feature' else 'not a'} "
+                             f"feature draft, but draft.kind is {cfg.kind!r}")
         if draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(
                 f"draft checkpoint {cfg.checkpoint} has vocab {draft.config.vocab_size}, target "
@@ -204,6 +219,11 @@ def build_draft_model(
         draft = truncated_draft(target, cfg.num_layers)
     elif cfg.kind == "fresh":
         draft = fresh_draft(target, cfg.num_layers)
+    elif cfg.kind == "feature":
+        from speculative.feature import feature_draft
+
+        keep = frequent_token_ids(target_tok, cfg.head_vocab, texts) if cfg.head_vocab else None
+        return feature_draft(target, keep).to(target.device), keep
     elif cfg.kind == "path":
         check_same_vocab(target_tok, load_tokenizer(cfg.path))  # refused before any weights load
         draft = load_weights(ModelConfig(name=cfg.path, dtype=str(target.dtype).removeprefix("torch.")))
@@ -234,13 +254,12 @@ def build_proposer(
     if cfg.kind == "ngram" or cfg.ngram_first:
         parts.append(NgramProposer(cfg.ngram))
     if cfg.kind == "feature":
-        from speculative.feature import FeatureDraftProposer, FeatureRunner, feature_draft
-
         from speculative.fast import resolve_quantize
+        from speculative.feature import FeatureDraftProposer, FeatureRunner
 
-        keep = frequent_token_ids(target_tok, cfg.head_vocab, texts) if cfg.head_vocab else None
+        draft, keep = build_draft_model(cfg, target, target_tok, texts)
         mode = resolve_quantize(quantize, target)  # the draft's head in the runtime's bits
-        runner = FeatureRunner(feature_draft(target, keep), keep, head_bits={"int4": 4, "int8": 8}.get(mode))
+        runner = FeatureRunner(draft, keep, head_bits={"int4": 4, "int8": 8}.get(mode))
         parts.append(FeatureDraftProposer(runner, target.config.vocab_size))
     elif cfg.kind not in ("ngram", "suffix"):
         draft, keep = build_draft_model(cfg, target, target_tok, texts)

@@ -160,13 +160,18 @@ def _greedy_outputs(model: PreTrainedModel, prompts: list[list[int]], max_tokens
 
 
 @torch.inference_mode()
-def _teacher_rows(model: PreTrainedModel, tokens: list[int], prompt_len: int, top_k: int) -> SparseDist:
-    """One teacher-forced forward over ``tokens[:-1]``; sparse top-k at the T output positions."""
+def _teacher_rows(model: PreTrainedModel, tokens: list[int], prompt_len: int, top_k: int,
+                  features: bool = False) -> tuple[SparseDist, torch.Tensor | None]:
+    """One teacher-forced forward over ``tokens[:-1]``: the sparse top-k at the T output positions
+    and, with ``features``, the target's features (its last hidden state after the final norm,
+    what its head reads) at every input position, [L-1, H] float16, as verification returns them."""
     device = next(model.parameters()).device
     n_out = len(tokens) - prompt_len
     ids = torch.tensor([tokens[:-1]], dtype=torch.long, device=device)  # [1, L-1]
-    logits = model(input_ids=ids, use_cache=False, logits_to_keep=n_out).logits[0, -n_out:]  # [T, V]
-    return sparse_from_logits(logits.float().cpu(), min(top_k, logits.shape[-1]))
+    hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0]  # [L-1, H]
+    logits = model.get_output_embeddings()(hidden[-n_out:])  # [T, V]
+    feats = hidden.to(torch.float16).cpu() if features else None
+    return sparse_from_logits(logits.float().cpu(), min(top_k, logits.shape[-1])), feats
 
 
 def collect_teacher_data(
@@ -178,8 +183,10 @@ def collect_teacher_data(
     chat_template: bool = True,
     batch_size: int = 1,
     log: Callable[[str], None] | None = None,
+    features: bool = False,
 ) -> list[Sample]:
-    """One target greedy generation per prompt, then its sparse top-``top_k`` distribution at each output position.
+    """One target greedy generation per prompt, then its sparse top-``top_k`` distribution at each output position
+    (and, with ``features``, the target's features at every input position: what a feature draft trains on).
 
     ``prompts`` are texts (encoded with ``tokenizer``, chat template applied when asked and
     available) or lists of token ids (used as given). ``engine_or_target_model`` is a
@@ -215,7 +222,7 @@ def collect_teacher_data(
                 if not out:
                     continue
                 tokens = ids + out
-                sd = _teacher_rows(model, tokens, len(ids), top_k)
+                sd, feats = _teacher_rows(model, tokens, len(ids), top_k, features)
                 samples.append(
                     Sample(
                         tokens=torch.tensor(tokens, dtype=torch.long),
@@ -224,6 +231,7 @@ def collect_teacher_data(
                         probs=sd.probs.float(),
                         tail=sd.tail.float(),
                         prompt=text,
+                        features=feats,
                     )
                 )
             if log is not None:
@@ -238,7 +246,8 @@ def save_samples(samples: list[Sample], path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = [
-        {"tokens": s.tokens, "prompt_len": s.prompt_len, "ids": s.ids, "probs": s.probs, "tail": s.tail, "prompt": s.prompt}
+        {"tokens": s.tokens, "prompt_len": s.prompt_len, "ids": s.ids, "probs": s.probs, "tail": s.tail, "prompt": s.prompt,
+         "features": s.features}
         for s in samples
     ]
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -332,6 +341,14 @@ def student_logits_for(draft: PreTrainedModel, batch: Sequence[Sample]) -> torch
     hidden = decoder(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).last_hidden_state  # [B, W, H]
     picked = hidden[torch.cat(rows).to(device), torch.cat(cols).to(device)]  # [sum T, H]
     return draft.get_output_embeddings()(picked)  # [sum T, V_draft]
+
+
+def passes_loss(loss_fn: Callable, logits: torch.Tensor, target: SparseDist, n_placeholder: int) -> torch.Tensor:
+    """The mean loss of draft ``logits`` ([N, V_draft], or [passes, N, V_draft] for a feature draft
+    in training: on the target's features, then on its own) against ``target`` (student space)."""
+    if logits.dim() == 3:
+        return torch.stack([loss_fn(pad_placeholders(lg, n_placeholder), target).mean() for lg in logits]).mean()
+    return loss_fn(pad_placeholders(logits, n_placeholder), target).mean()
 
 
 def _batch_target(batch: Sequence[Sample]) -> SparseDist:
@@ -455,8 +472,7 @@ def distill(
                 if keep_cpu is not None:
                     target, n_ph = to_student_space(target, keep_cpu)
                 target = SparseDist(ids=target.ids.to(device), probs=target.probs.to(device), tail=target.tail.to(device))
-                logits = pad_placeholders(student_logits_for(draft, batch), n_ph)  # [N, V_draft + n_ph]
-                loss = loss_fn(logits, target).mean()
+                loss = passes_loss(loss_fn, student_logits_for(draft, batch), target, n_ph)
                 if cfg.warmup_steps:
                     for g in opt.param_groups:
                         g["lr"] = cfg.lr * min(1.0, (steps + 1) / cfg.warmup_steps)
@@ -542,7 +558,8 @@ def train_draft(
     The domain's records are split (seeded by ``cfg.seed``) into a held-out fraction
     ``holdout`` and a training part, of which the first ``n_prompts`` are used. The target is
     :class:`config.ModelConfig` (or ``model_cfg``), the draft ``draft_cfg`` (default: truncated,
-    2 layers); a restricted head keeps the frequent ids of the training prompts and the target's
+    2 layers; ``kind="feature"``: a feature draft, and the teacher data then carries the target's
+    features, on which it trains with its two passes); a restricted head keeps the frequent ids of the training prompts and the target's
     outputs on them. ``teacher_cache``: a file to reuse (or write) the collected teacher data.
     ``exclude``: a workload file whose texts must not be trained on (e.g. the benchmark's prompts).
     Returns a JSON-serialisable report; the same summary goes into the saved draft's meta.
@@ -573,6 +590,7 @@ def train_draft(
     load_s = time.perf_counter() - t0
 
     cache = Path(teacher_cache) if teacher_cache else None
+    features = draft_cfg.kind == "feature"  # a feature draft trains on the target's features as well
     t0 = time.perf_counter()
     if cache is not None and cache.exists():
         data = load_samples(cache)
@@ -580,10 +598,13 @@ def train_draft(
         held_s = data[len(train_prompts) :]
         if [s.prompt for s in data] != train_prompts + held_prompts or any(s.ids.shape[1] != cfg.top_k for s in data):
             raise ValueError(f"teacher cache {cache} was collected for other prompts or top_k")
+        if features and any(s.features is None for s in data):
+            raise ValueError(f"teacher cache {cache} holds no target features (a feature draft needs them)")
         say(f"teacher data: loaded {len(data)} samples from {cache}")
     else:
         everything = collect_teacher_data(
-            target, tok, train_prompts + held_prompts, cfg.max_tokens, cfg.top_k, batch_size=cfg.gen_batch_size, log=say
+            target, tok, train_prompts + held_prompts, cfg.max_tokens, cfg.top_k, batch_size=cfg.gen_batch_size, log=say,
+            features=features,
         )
         if len(everything) != len(train_prompts) + len(held_prompts):
             raise RuntimeError("some prompts produced no output")  # keeps the train/held-out boundary simple
@@ -649,7 +670,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--workload", default=str(Path(__file__).resolve().parent.parent / "bench" / "data" / "workload.jsonl"))
     ap.add_argument("--domain", default=None)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--kind", default="truncated", choices=["truncated", "fresh"])
+    ap.add_argument("--kind", default="truncated", choices=["truncated", "fresh", "feature"],
+                    help="feature: one decoder layer over the target's features (EAGLE-style), trained on them")
     ap.add_argument("--num-layers", type=int, default=2)
     ap.add_argument("--head-vocab", type=int, default=None)
     ap.add_argument("--n-prompts", type=int, default=60)

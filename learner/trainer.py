@@ -5,7 +5,7 @@
   gate. :meth:`DraftTrainer.train_round` runs a few steps, each on a batch of replay records (the maths
   is :mod:`learner.offline`'s: records -> :class:`learner.offline.Sample` via ``to_sample()``,
   :func:`learner.offline.student_logits_for`, :func:`learner.offline.to_student_space`,
-  :func:`learner.offline.pad_placeholders`), then :meth:`DraftTrainer.gate` decides; a failing
+  :func:`learner.offline.passes_loss`), then :meth:`DraftTrainer.gate` decides; a failing
   candidate is discarded (pre-round weights and optimiser state restored) and logged.
   :meth:`DraftTrainer.publish` bumps the version, checkpoints atomically
   (``checkpoint_dir/<draft_id>/v<version>`` + an atomically replaced ``LATEST`` file) and returns
@@ -45,7 +45,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from drafts.build import load_draft, save_draft
 from learner.losses import check_loss_name, SparseDist, get_loss
-from learner.offline import Sample, pad_placeholders, set_trainable, student_logits_for, to_student_space, top1_hits_on
+from learner.offline import Sample, passes_loss, set_trainable, student_logits_for, to_student_space, top1_hits_on
 from learner.replay import ReplayRecord, ShardConfig, ShardSet
 
 __all__ = ["LearnerConfig", "RoundReport", "DraftTrainer", "OnlineLearner", "records_to_batch"]
@@ -291,9 +291,7 @@ class DraftTrainer:
         device = next(self.model.parameters()).device
         target = SparseDist(ids=target.ids.to(device), probs=target.probs.to(device), tail=target.tail.to(device))
         logits = student_logits_for(self.model, samples)  # [N, V_draft], or [passes, N, V_draft]
-        if logits.dim() == 3:  # a feature draft in training: on the target's features, then on its own
-            return torch.stack([self.loss_fn(pad_placeholders(lg[mask.to(device)], n_ph), target).mean() for lg in logits]).mean()
-        return self.loss_fn(pad_placeholders(logits[mask.to(device)], n_ph), target).mean()
+        return passes_loss(self.loss_fn, logits[..., mask.to(device), :], target, n_ph)
 
     @torch.no_grad()
     def _eval_loss(self, samples, mask) -> float:

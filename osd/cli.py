@@ -213,10 +213,15 @@ def _subcommand(argv: list[str]):
         from learner.offline import main as train_main
 
         train = str(DEFAULT_WORKLOAD.parent / "train.jsonl")
-        defaults = ["--workload", train, "--exclude", str(DEFAULT_WORKLOAD), "--out", str(default_draft_path()),
+
+        def defaults(rest: list[str]) -> list[str]:  # the cache folder depends on the draft's kind
+            kind_arg = argparse.ArgumentParser(add_help=False)
+            kind_arg.add_argument("--kind", default="truncated")
+            kind = kind_arg.parse_known_args(rest)[0].kind
+            return ["--workload", train, "--exclude", str(DEFAULT_WORKLOAD), "--out", str(default_draft_path(kind)),
                     "--n-prompts", "400", "--holdout", "0.05", "--max-tokens", "48", "--head-vocab", "8192",
                     "--seconds", "900"]
-        return lambda rest: train_main(defaults + rest)  # later options override the defaults
+        return lambda rest: train_main(defaults(rest) + rest)  # later options override the defaults
     return None
 
 

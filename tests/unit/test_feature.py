@@ -210,3 +210,71 @@ def test_a_record_ending_inside_a_drafted_run_keeps_only_its_tokens_features():
     rec = b.finish(prompt + [8, 9], len(prompt))
     assert rec.features.shape == (4, H)  # positions 0..3: the tokens 5, 6, 7, 8 (9 was never fed)
     torch.testing.assert_close(rec.features.float(), torch.cat([s1.features, s2.features[:1]]), atol=1e-2, rtol=1e-2)
+
+
+# -- the offline start: distilled on the target's features before it serves ---------------------------
+def test_teacher_data_carries_the_features_serving_records(trained_target, tok):
+    """Offline teacher data holds the target's features at every input position: the same numbers a
+    served record of the same greedy request carries (what the online learner trains on), and the
+    same teacher rows as without features."""
+    from learner.offline import collect_teacher_data
+
+    prompt = tok("3141")["input_ids"]
+    s, = collect_teacher_data(trained_target, tok, [prompt], max_tokens=16, top_k=8, features=True)
+    L, H = int(s.tokens.shape[0]), trained_target.config.hidden_size
+    assert s.features.shape == (L - 1, H) and s.features.dtype == torch.float16
+    torch.testing.assert_close(s.features.float(), full_features(trained_target, s.tokens[:-1].tolist()), atol=2e-3, rtol=2e-3)
+    plain, = collect_teacher_data(trained_target, tok, [prompt], max_tokens=16, top_k=8)
+    assert plain.features is None and torch.equal(plain.ids, s.ids) and torch.equal(plain.tokens, s.tokens)
+
+    engine = SpeculativeEngine(ModelRunner(trained_target, name="t"), tok,
+                               build_proposer(DraftConfig(kind="feature"), trained_target, tok),
+                               EngineConfig(chat_template=False, k=KPolicyConfig(fixed_k=3), record_top_k=8))
+    rec, *_ = serve_recorded(engine, list(prompt), SamplingParams(max_tokens=16, ignore_eos=True), sources=("feature",))
+    assert torch.equal(rec.tokens, s.tokens)
+    n = rec.features.shape[0]
+    torch.testing.assert_close(rec.features.float(), s.features[:n].float(), atol=2e-3, rtol=2e-3)
+
+
+def test_offline_distillation_raises_held_out_agreement_and_serves_from_its_checkpoint(trained_target, tok, tmp_path):
+    from drafts.build import build_draft_model, load_draft, save_draft
+    from learner.offline import DistillConfig, collect_teacher_data, distill
+    from speculative.feature import FeatureDraft
+
+    rng = random.Random(2)
+    prompts = [tok(digits(rng, 4))["input_ids"] for _ in range(48)]
+    data = collect_teacher_data(trained_target, tok, prompts, max_tokens=20, top_k=8, features=True)
+    train, held = data[:36], data[36:]  # held-out prompts: never trained on
+    draft, keep = build_draft_model(DraftConfig(kind="feature"), trained_target, tok)
+    untrained = copy.deepcopy(draft)
+    hist = distill(draft, train, DistillConfig(lr=1e-3, top_k=8, batch_positions=128, max_steps=60, epochs=100,
+                                               warmup_steps=5), log=None, heldout=held)
+    assert hist["agreement_on"] == "heldout"
+    assert hist["agreement_after"] >= hist["agreement_before"] + 0.1, hist
+
+    save_draft(draft, tmp_path / "f", keep, meta={"note": "offline"})
+    loaded, keep2, meta = load_draft(tmp_path / "f")
+    assert isinstance(loaded, FeatureDraft) and keep2 is None and meta == {"note": "offline"}
+    state = draft.state_dict()
+    assert loaded.state_dict().keys() == state.keys()  # the head too, though the target's config ties it
+    assert all(torch.equal(v, state[k]) for k, v in loaded.state_dict().items())
+    with pytest.raises(ValueError, match="feature draft"):
+        build_draft_model(DraftConfig(kind="truncated", checkpoint=str(tmp_path / "f")), trained_target, tok)
+
+    def serve(model_or_ckpt):
+        if isinstance(model_or_ckpt, str):
+            prop = build_proposer(DraftConfig(kind="feature", checkpoint=model_or_ckpt), trained_target, tok)
+        else:
+            prop = FeatureDraftProposer(FeatureRunner(model_or_ckpt), trained_target.config.vocab_size)
+        engine = SpeculativeEngine(ModelRunner(trained_target, name="t"), tok, prop,
+                                   EngineConfig(chat_template=False, k=KPolicyConfig(fixed_k=3)))
+        alone = SpeculativeEngine(engine.target, tok, None, EngineConfig(chat_template=False))
+        acc = drafted = 0
+        for p in prompts[36:]:
+            steps = []
+            out = engine.generate(list(p), SamplingParams(max_tokens=20, ignore_eos=True), on_step=steps.append)
+            assert out.token_ids == alone.generate(list(p), SamplingParams(max_tokens=20, ignore_eos=True)).token_ids
+            acc, drafted = acc + sum(s.accepted for s in steps), drafted + sum(s.proposed for s in steps)
+        return acc / drafted
+
+    assert serve(str(tmp_path / "f")) > serve(untrained) + 0.1
