@@ -43,8 +43,9 @@ from config import QUANTIZE_CHOICES, KPolicyConfig, SamplingParams
 from learner.offline import DistillConfig, collect_teacher_data, distill
 from learner.replay import LEARNED_SOURCES, ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
+from speculative.stats import SpecStats
 
-from .harness import ANY_SOURCE, _alpha, _draft_of, _force_k, real_engine_factory, serve_recorded
+from .harness import ANY_SOURCE, _alpha, _draft_of, _f, _force_k, real_engine_factory, serve_recorded
 
 __all__ = ["run_online", "run_shift", "plot", "main", "order_blocks", "stream", "format_table", "serve_recorded"]
 
@@ -121,10 +122,13 @@ def stream(
     requests = _Conversation(engine, items, turns)
     total = len(items) * turns  # requests
     for i, (prompt, domain, turn) in enumerate(requests, start=1):
-        rec, acc, prop, gen = serve_recorded(engine, prompt, params, domain=domain, draft_id=DRAFT_ID, sources=sources)
+        counted = SpecStats()
+        rec, acc, prop, gen = serve_recorded(engine, prompt, params, domain=domain, draft_id=DRAFT_ID, sources=sources,
+                                             stats=counted)
         requests.send(gen.text)  # the next turn of a conversation answers it
         draft = engine.learned_draft
-        row = {"i": i, "domain": domain, "accepted": acc, "proposed": prop, "alpha": _alpha(acc, prop),
+        row = {"i": i, "domain": domain, "accepted": acc, "proposed": prop, "rejected": counted.rejected,
+               "alpha": _alpha(acc, prop),
                "tokens": len(gen.token_ids), "seconds": gen.seconds, "turn": turn,
                "draft_version": int(draft.version) if draft is not None else 0}
         if learner is not None:
@@ -185,6 +189,15 @@ class _Conversation:
                              {"role": "user", "content": FOLLOW_UPS[t % len(FOLLOW_UPS)]}]
 
 
+def token_acceptance(rows: Sequence[dict]) -> float | None:
+    """Per-token acceptance over request rows: accepted / (accepted + rejected) (see
+    :mod:`speculative.stats`); None for rows without rejection counts (streams stored before
+    they were kept) or without drafted tokens."""
+    if any("rejected" not in r for r in rows):
+        return None
+    return _alpha(sum(r["accepted"] for r in rows), sum(r["accepted"] + r["rejected"] for r in rows))
+
+
 def _summary(res: dict, window: int) -> dict:
     rows = res["rows"]
 
@@ -198,6 +211,9 @@ def _summary(res: dict, window: int) -> dict:
     domains = list(dict.fromkeys(r["domain"] for r in rows))
     by_dom = {d: [r for r in rows if r["domain"] == d] for d in domains}
     return {
+        "token_acceptance": token_acceptance(rows),
+        "second_half_token_acceptance": token_acceptance(rows[len(rows) // 2:]),
+        "token_acceptance_domain": {d: token_acceptance(rs) for d, rs in by_dom.items()},
         "final_alpha": a(rows[-window:]),
         "final_alpha_domain": {d: a(rs[-window:]) for d, rs in by_dom.items()},
         "mean_alpha": a(rows),
@@ -541,6 +557,9 @@ def report(result: dict, segment: int = 20) -> str:
         lines.append(f"{m}: alpha {alpha(rows)} (second half {alpha(half)}), drafted "
                      f"{sum(r['accepted'] for r in rows) / tokens:.1%} of {tokens} tokens, "
                      f"rounds {e.get('accepted_rounds', 0)}/{e.get('rounds', 0)} published")
+        if token_acceptance(rows) is not None:
+            lines.append(f"  per-token acceptance {_f(token_acceptance(rows))} (second half {_f(token_acceptance(half))}): "
+                         + ", ".join(f"{d} {_f(token_acceptance(by(rows, d)))}" for d in doms))
         lines.append("  alpha by domain: " + ", ".join(f"{d} {alpha(by(rows, d))} (2nd half {alpha(by(half, d))})" for d in doms))
         segs = [rows[i:i + segment] for i in range(0, len(rows), segment)]
         lines.append(f"  alpha per {segment} requests: " + " / ".join(alpha(s) for s in segs))

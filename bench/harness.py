@@ -11,6 +11,7 @@ import torch
 
 from config import KPolicyConfig, SamplingParams
 from learner.replay import LEARNED_SOURCES, RecordBuilder
+from speculative.stats import SpecStats
 
 #: every proposer source whose drafted steps count in a stream's alpha: the learned draft's
 #: (token or feature) and the model-free ones
@@ -36,11 +37,18 @@ def _alpha(acc: int, prop: int) -> float | None:
     return acc / prop if prop else None
 
 
+def _f(v) -> str:
+    """A figure for a report: three decimals, "-" for none."""
+    return f"{v:.3f}" if isinstance(v, (int, float)) else "-"
+
+
 def serve_recorded(engine, prompt, params: SamplingParams, *, domain: str | None = None, draft_id: str = "draft",
-                   probs_dtype: torch.dtype = torch.float32, sources: tuple[str, ...] = ("draft",)):
+                   probs_dtype: torch.dtype = torch.float32, sources: tuple[str, ...] = ("draft",),
+                   stats: SpecStats | None = None):
     """Serve one request (text or token ids) to the end in scope ``domain``; returns
     ``(ReplayRecord, accepted, proposed, Generation)`` with accepted / proposed counted over the
-    steps that ``sources`` drafted (default: the learned draft's)."""
+    steps that ``sources`` drafted (default: the learned draft's); ``stats``, when given, observes
+    those same steps (rejections too)."""
     b = RecordBuilder(probs_dtype=probs_dtype)
     acc = prop = 0
 
@@ -50,6 +58,8 @@ def serve_recorded(engine, prompt, params: SamplingParams, *, domain: str | None
         if res.source in sources:
             acc += res.accepted
             prop += res.proposed
+            if stats is not None:
+                stats.observe(res.proposed, res.accepted, len(res.emitted), res.draft_s, res.target_s)
 
     tokens = engine.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
     gen = engine.generate(list(tokens), params, on_step=on_step, scope=domain)

@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from bench.harness import ANY_SOURCE, _alpha, _draft_of, _force_k, real_engine_factory, serve_recorded
+from bench.harness import ANY_SOURCE, _alpha, _draft_of, _f, _force_k, real_engine_factory, serve_recorded
 from config import RouterConfig, SamplingParams
 from learner.replay import ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
@@ -428,10 +428,6 @@ def recompute_oracle(result: dict) -> dict:
             labels = list(dict.fromkeys(r["label"] for r in rows))
             e.update(_oracle_fields(rows, labels, len(rows) // 2, None, e.get("counterfactual_mismatches") or 0))
     return result
-
-
-def _f(v) -> str:
-    return f"{v:.3f}" if isinstance(v, (int, float)) else "-"
 
 
 def run_mixture(

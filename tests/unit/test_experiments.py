@@ -67,6 +67,10 @@ def test_run_online(online):
         assert 0.0 <= e["final_alpha"] <= 1.0
         assert set(e["final_alpha_domain"]) == set(TEXTS)
         assert sum(r["proposed"] for r in e["rows"]) > 0
+        assert all(r["accepted"] + r["rejected"] <= r["proposed"] for r in e["rows"])
+        checked = sum(r["accepted"] + r["rejected"] for r in e["rows"])
+        assert e["token_acceptance"] == pytest.approx(sum(r["accepted"] for r in e["rows"]) / checked)
+        assert e["token_acceptance"] >= e["mean_alpha"]
     on = online["methods"]["online"]
     assert on["versions_published"] >= 1 and on["accepted_rounds"] >= 1 and on["training_seconds"] > 0
     assert max(r["draft_version"] for r in on["rows"]) >= 1
