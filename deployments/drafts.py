@@ -259,6 +259,7 @@ class DraftPool:
                         "proposed": s.proposed,
                         "accepted": s.accepted,
                         "alpha": s.alpha,
+                        "token_acceptance": s.token_acceptance,  # accepted / (accepted + rejected)
                         "mean_accepted_length": s.mean_acceptance_length,
                         "mean_k": s.proposed / s.steps if s.steps else 0.0,
                         "steps": s.steps,

@@ -688,6 +688,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--exclude", default=None, help="workload file whose prompts are never trained on")
     ap.add_argument("--json", default=None, help="write the report here")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--freeze-embeddings", action="store_true", help="keep the input embeddings as they start (EAGLE's practice)")
+    ap.add_argument("--freeze-head", action="store_true", help="keep the output head as it starts")
     ap.add_argument("--target", default=None, help="target model (default: the embedded one)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -703,6 +705,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         DistillConfig(
             loss=a.loss, top_k=a.top_k, lr=a.lr, max_tokens=a.max_tokens, batch_positions=a.batch_positions,
             seconds=a.seconds, epochs=a.epochs, seed=a.seed,
+            train_embeddings=not a.freeze_embeddings, train_head=not a.freeze_head,
         ),
         n_prompts=a.n_prompts,
         holdout=a.holdout,

@@ -35,6 +35,9 @@ def test_greedy_completion_equals_target_only(client, reference):
         spec = r.usage.model_extra["speculative"]
         assert 0 <= spec["accepted"] <= spec["proposed"]
         assert spec["alpha"] == (spec["accepted"] / spec["proposed"] if spec["proposed"] else None)
+        if spec["proposed"]:  # every drafted step kept all its tokens or rejected one: at most one per step
+            ta = spec["token_acceptance"]
+            assert spec["alpha"] <= ta <= 1 and ta * (spec["accepted"] + spec["steps"]) >= spec["accepted"]
         assert spec["draft_id"] == "general" and spec["draft_version"] == 0
         assert spec["language"] and spec["domain"]
         assert r.usage.completion_tokens <= MAX_TOKENS and r.usage.prompt_tokens > 0
