@@ -209,20 +209,24 @@ def _subcommand(argv: list[str]):
 
         return experiment_main
     if argv[:1] == ["distill"]:  # the general starting draft: all domains, cached as "default"
-        from drafts.build import default_draft_path
         from learner.offline import main as train_main
 
-        train = str(DEFAULT_WORKLOAD.parent / "train.jsonl")
-
-        def defaults(rest: list[str]) -> list[str]:  # the cache folder depends on the draft's kind
-            kind_arg = argparse.ArgumentParser(add_help=False)
-            kind_arg.add_argument("--kind", default="truncated")
-            kind = kind_arg.parse_known_args(rest)[0].kind
-            return ["--workload", train, "--exclude", str(DEFAULT_WORKLOAD), "--out", str(default_draft_path(kind)),
-                    "--n-prompts", "400", "--holdout", "0.05", "--max-tokens", "48", "--head-vocab", "8192",
-                    "--seconds", "900"]
-        return lambda rest: train_main(defaults(rest) + rest)  # later options override the defaults
+        return lambda rest: train_main(distill_args(rest))
     return None
+
+
+def distill_args(rest: list[str]) -> list[str]:
+    """``osd distill``'s command line for ``osd train-draft``: the general starting draft's defaults
+    (all domains of train.jsonl, never the benchmark's prompts, cached where ``"default"`` finds
+    the draft of that ``--kind``), then ``rest``, whose options override them."""
+    from drafts.build import default_draft_path
+
+    kind_arg = argparse.ArgumentParser(add_help=False)
+    kind_arg.add_argument("--kind", default="truncated")
+    kind = kind_arg.parse_known_args(rest)[0].kind
+    return ["--workload", str(DEFAULT_WORKLOAD.parent / "train.jsonl"), "--exclude", str(DEFAULT_WORKLOAD),
+            "--out", str(default_draft_path(kind)), "--n-prompts", "400", "--holdout", "0.05", "--max-tokens", "48",
+            "--head-vocab", "8192", "--seconds", "900"] + list(rest)
 
 
 def _run(argv: list[str]) -> int:

@@ -209,6 +209,31 @@ def test_default_checkpoint_resolves_to_the_distilled_draft(target, tok, prompts
     torch.testing.assert_close(_logits(loaded, prompts[0]), _logits(draft, prompts[0]), rtol=0, atol=0)
 
 
+def test_the_default_feature_draft_is_its_own(target, tok, tmp_path, monkeypatch):
+    """``osd distill --kind feature`` writes where ``checkpoint: default`` of a feature draft looks,
+    apart from the token draft's default; each kind refuses the other's checkpoint."""
+    from config import DraftConfig
+    from drafts.build import build_draft_model, default_draft_path
+    from osd.cli import distill_args
+    from speculative.feature import FeatureDraft
+
+    monkeypatch.setenv("OSD_CACHE_DIR", str(tmp_path))
+    args = distill_args(["--kind", "feature", "--seconds", "5"])
+    out = args[args.index("--out") + 1]
+    assert out == str(default_draft_path("feature")) != str(default_draft_path())
+    assert args[-4:] == ["--kind", "feature", "--seconds", "5"]  # later options override the defaults
+    token_args = distill_args([])
+    assert token_args[token_args.index("--out") + 1] == str(default_draft_path())
+    with pytest.raises(ModelLoadError, match="osd distill --kind feature"):
+        build_draft_model(DraftConfig(kind="feature", checkpoint="default"), target, tok)
+    feature, _ = build_draft_model(DraftConfig(kind="feature"), target, tok)
+    save_draft(feature, out)
+    loaded, _ = build_draft_model(DraftConfig(kind="feature", checkpoint="default"), target, tok)
+    assert isinstance(loaded, FeatureDraft)
+    save_draft(truncated_draft(target, 1), default_draft_path())
+    assert not isinstance(build_draft_model(DraftConfig(checkpoint="default"), target, tok)[0], FeatureDraft)
+
+
 def test_load_draft_refuses_other_folders(tmp_path):
     with pytest.raises(ModelLoadError, match=str(tmp_path)):
         load_draft(tmp_path)

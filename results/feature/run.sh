@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The measurements of docs/proposers.md's "Starting distilled" (this machine: 2 cores, int4 target),
+# run alone. Both drafts are distilled on the same 200 prompts of bench/data/train.jsonl for 420 s
+# (never on bench/data/workload.jsonl, whose prompts the streams below use), then learn online.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export HF_HUB_OFFLINE=1
+X=".venv/bin/osd experiment online --workload bench/data/workload.jsonl --n 80 --max-tokens 48 --k 4 --methods static,online --window 10 --eval-every 2"
+case "${1:-all}" in
+  distill|all)  # the two starting drafts (cached under ~/.cache/osd-serve/drafts/default and default-feature);
+    # the token draft measured in docs/proposers.md was this command's, run earlier: its saved meta
+    # is token_default_meta.json (held-out agreement 0.439 after 283 steps)
+    .venv/bin/osd distill --n-prompts 200 --seconds 420 --json results/feature/distill_token.json
+    .venv/bin/osd distill --kind feature --n-prompts 200 --seconds 420 --json results/feature/distill_feature.json ;;&
+  online|all)  # each starting draft on 80 unseen prompts (20 a domain), fixed k = 4, static and learning online
+    $X --draft-kind feature --draft-checkpoint default --json results/feature/feature_distilled.json --png results/feature/feature_distilled.png
+    $X --draft-kind truncated --draft-checkpoint default --json results/feature/token_distilled.json --png results/feature/token_distilled.png ;;
+esac
