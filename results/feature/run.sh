@@ -12,6 +12,11 @@ case "${1:-all}" in
     # is token_default_meta.json (held-out agreement 0.439 after 283 steps)
     .venv/bin/osd distill --n-prompts 200 --seconds 420 --json results/feature/distill_token.json
     .venv/bin/osd distill --kind feature --n-prompts 200 --seconds 420 --json results/feature/distill_feature.json ;;&
+  more|all)  # the feature draft on twice the prompts, its input embeddings frozen (EAGLE's practice), then online
+    .venv/bin/osd distill --kind feature --n-prompts 400 --seconds 600 --freeze-embeddings \
+      --out "${OSD_CACHE_DIR:-$HOME/.cache/osd-serve}/drafts/feature-400-frozen" --json results/feature/distill_feature_400_frozen.json
+    $X --draft-kind feature --draft-checkpoint "${OSD_CACHE_DIR:-$HOME/.cache/osd-serve}/drafts/feature-400-frozen" \
+      --json results/feature/feature_400_frozen.json ;;&
   online|all)  # each starting draft on 80 unseen prompts (20 a domain), fixed k = 4, static and learning online
     $X --draft-kind feature --draft-checkpoint default --json results/feature/feature_distilled.json --png results/feature/feature_distilled.png
     $X --draft-kind truncated --draft-checkpoint default --json results/feature/token_distilled.json --png results/feature/token_distilled.png ;;
