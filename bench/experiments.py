@@ -45,7 +45,7 @@ from learner.replay import LEARNED_SOURCES, ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
 from speculative.stats import SpecStats
 
-from .harness import ANY_SOURCE, _alpha, _draft_of, _f, _force_k, real_engine_factory, serve_recorded
+from .harness import ANY_SOURCE, _alpha, _draft_of, _f, _force_k, real_engine_factory, rows_alpha, serve_recorded
 
 __all__ = ["run_online", "run_shift", "plot", "main", "order_blocks", "stream", "format_table", "serve_recorded"]
 
@@ -200,9 +200,7 @@ def token_acceptance(rows: Sequence[dict]) -> float | None:
 
 def _summary(res: dict, window: int) -> dict:
     rows = res["rows"]
-
-    def a(rs):
-        return _alpha(sum(r["accepted"] for r in rs), sum(r["proposed"] for r in rs))
+    a = rows_alpha
 
     def tps(rs):
         s = sum(r.get("seconds", 0.0) for r in rs)
@@ -557,8 +555,8 @@ def report(result: dict, segment: int = 20) -> str:
         lines.append(f"{m}: alpha {alpha(rows)} (second half {alpha(half)}), drafted "
                      f"{sum(r['accepted'] for r in rows) / tokens:.1%} of {tokens} tokens, "
                      f"rounds {e.get('accepted_rounds', 0)}/{e.get('rounds', 0)} published")
-        if token_acceptance(rows) is not None:
-            lines.append(f"  per-token acceptance {_f(token_acceptance(rows))} (second half {_f(token_acceptance(half))}): "
+        if (whole := token_acceptance(rows)) is not None:
+            lines.append(f"  per-token acceptance {_f(whole)} (second half {_f(token_acceptance(half))}): "
                          + ", ".join(f"{d} {_f(token_acceptance(by(rows, d)))}" for d in doms))
         lines.append("  alpha by domain: " + ", ".join(f"{d} {alpha(by(rows, d))} (2nd half {alpha(by(half, d))})" for d in doms))
         segs = [rows[i:i + segment] for i in range(0, len(rows), segment)]

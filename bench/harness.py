@@ -37,6 +37,11 @@ def _alpha(acc: int, prop: int) -> float | None:
     return acc / prop if prop else None
 
 
+def rows_alpha(rows) -> float | None:
+    """Summed accepted over summed proposed of per-request result rows (None: nothing proposed)."""
+    return _alpha(sum(r["accepted"] for r in rows), sum(r["proposed"] for r in rows))
+
+
 def _f(v) -> str:
     """A figure for a report: three decimals, "-" for none."""
     return f"{v:.3f}" if isinstance(v, (int, float)) else "-"

@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from bench.harness import ANY_SOURCE, _alpha, _draft_of, _f, _force_k, real_engine_factory, serve_recorded
+from bench.harness import ANY_SOURCE, _alpha, _draft_of, _f, _force_k, real_engine_factory, rows_alpha, serve_recorded
 from config import RouterConfig, SamplingParams
 from learner.replay import ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
@@ -197,9 +197,14 @@ class _DraftPath:
         self.runner.release(_CF_SEQ)
 
 
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Greedy decoding that ends only at EOS or max_tokens: what the counterfactual can replay."""
+    return params.greedy and not params.stop and not params.ignore_eos
+
+
 def counterfactual_skip_reason(engine, controller: bool = False, params: SamplingParams | None = None) -> str | None:
     """Why drafts served by ``engine`` (with ``params``) cannot be scored in hindsight (None: they can)."""
-    if params is not None and (not params.greedy or params.stop or params.ignore_eos):
+    if params is not None and not _plain_greedy(params):
         return "not greedy decoding (or stop strings, or ignore_eos)"
     if controller:
         return "--controller: other proposers draft some steps"
@@ -220,7 +225,7 @@ def alpha_by_draft(engines: dict[str, Any], prompt: Sequence[int], output: Seque
     request (prompt and output token ids, as served) at its engine's fixed k, without serving it:
     no engine, learner or router state changes (the drafts' and the target's scratch caches are
     released). Every engine must share the target and pass :func:`counterfactual_skip_reason`."""
-    if not params.greedy or params.stop or params.ignore_eos:
+    if not _plain_greedy(params):
         raise ValueError("counterfactual acceptance needs greedy decoding without stop strings or ignore_eos")
     eos_ended = finish_reason == "stop"
     if not engines:
@@ -289,7 +294,7 @@ def mode_oracle(rows: Sequence[dict]) -> dict:
         best[lb] = max(totals, key=lambda d: (totals[d][0], -totals[d][1], d))
         a, p = totals[best[lb]]
         acc, prop = acc + a, prop + p
-    routed = _alpha(sum(r["accepted"] for r in rows), sum(r["proposed"] for r in rows))
+    routed = rows_alpha(rows)
     alpha = _alpha(acc, prop)
     return {"mode_oracle_alpha": alpha, "routed_vs_mode_oracle": _ratio(routed, alpha), "mode_oracle_drafts": best}
 
@@ -355,9 +360,7 @@ def _run_method(method, engine_factory, stream, learner_cfg, router, *, max_toke
     labels = list(dict.fromkeys(r["label"] for r in rows))
     half = len(rows) // 2
 
-    def a(rs):
-        return _alpha(sum(r["accepted"] for r in rs), sum(r["proposed"] for r in rs))
-
+    a = rows_alpha
     out = {
         "final_alpha_label": {lb: a([r for r in rows if r["label"] == lb][-window:]) for lb in labels},
         "second_half_alpha_label": {lb: a([r for r in rows[half:] if r["label"] == lb]) for lb in labels},

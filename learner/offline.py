@@ -559,8 +559,8 @@ def train_draft(
     ``holdout`` and a training part, of which the first ``n_prompts`` are used. The target is
     :class:`config.ModelConfig` (or ``model_cfg``), the draft ``draft_cfg`` (default: truncated,
     2 layers; ``kind="feature"``: a feature draft, and the teacher data then carries the target's
-    features, on which it trains with its two passes); a restricted head keeps the frequent ids of the training prompts and the target's
-    outputs on them. ``teacher_cache``: a file to reuse (or write) the collected teacher data.
+    features, on which it trains with its two passes); a restricted head keeps the frequent ids of
+    the training prompts and the target's outputs on them. ``teacher_cache``: a file to reuse (or write) the collected teacher data.
     ``exclude``: a workload file whose texts must not be trained on (e.g. the benchmark's prompts).
     Returns a JSON-serialisable report; the same summary goes into the saved draft's meta.
     """

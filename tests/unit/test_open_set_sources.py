@@ -115,7 +115,7 @@ def test_router_train_takes_named_sources_and_never_an_excluded_text(tmp_path, m
     monkeypatch.setattr(os_, "BUILTIN", {"spider-dev": lambda cache: pool,
                                          "sharegpt": lambda cache: [WorkloadRecord("any", "chat", "en", "sharegpt:1")]})
     monkeypatch.setattr(os_, "SOURCES", {"x": ("pkg", lambda p: [WorkloadRecord("joke", "jokes", "en", "pyjokes:1")])})
-    monkeypatch.setattr(os_, "_wheel", lambda package, cache: tmp_path)
+    monkeypatch.setattr(os_, "fetch_wheel", lambda package, cache: tmp_path)
     wl.save_workload(pool[:3], tmp_path / "eval.jsonl")
     out = os_.build_router_train(tmp_path / "rt.jsonl", per_source=5, cache_dir=tmp_path, exclude=[tmp_path / "eval.jsonl"])
     assert len(out) == 5 and {r.domain for r in out} == {"sql"}  # no general source, no unnamed kind
