@@ -291,7 +291,8 @@ def _run_methods(
         if m in ("online", "controller"):
             dp = _draft_of(engine)
             budget = _RoundBudget(seconds_per_round)
-            trainer = DraftTrainer(DRAFT_ID, dp.runner.model, learner_cfg, keep_ids=dp.runner.vocab_map)
+            trainer = DraftTrainer(DRAFT_ID, dp.runner.model, learner_cfg, keep_ids=dp.runner.vocab_map,
+                                   target_head=engine.target.model.get_output_embeddings())  # read with prompt_positions
             learner = OnlineLearner(learner_cfg, ShardConfig(), [trainer], should_yield=budget)
         elif m in PROPOSER_METHODS:
             pass
@@ -610,6 +611,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--positions", choices=["wrong", "all"], default="all")
         p.add_argument("--no-resample", action="store_true", help="repeat one batch for all steps of a round")
         p.add_argument("--freeze-embeddings", action="store_true", help="do not train the draft's input embeddings")
+        p.add_argument("--prompt-positions", action="store_true",
+                       help="a feature draft learns the records' prompt positions too (the target's head over their features)")
         p.add_argument("--include-trained", action="store_true",
                        help="keep prompts the starting draft was distilled on (default: dropped from the stream)")
         p.add_argument("--offline-seconds", type=float, default=120.0)
@@ -753,7 +756,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lcfg = LearnerConfig(train_every=args.train_every, batch_records=args.batch_records, steps_per_round=args.steps_per_round,
                          lr=args.lr, gate_margin=args.gate_margin, gate_z=args.gate_z, holdout_fraction=args.holdout_fraction,
                          positions=args.positions, checkpoint_dir=args.checkpoint_dir, resample=not args.no_resample,
-                         train_embeddings=not args.freeze_embeddings)
+                         train_embeddings=not args.freeze_embeddings, prompt_positions=args.prompt_positions)
     dcfg = DistillConfig(max_tokens=args.max_tokens, seconds=args.offline_seconds, epochs=args.offline_epochs,
                          lr=args.offline_lr, warmup_steps=0, log_every=1000)
     factory = real_engine_factory(args, texts=[r.text for r in all_recs])

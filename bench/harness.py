@@ -55,19 +55,17 @@ def serve_recorded(engine, prompt, params: SamplingParams, *, domain: str | None
     steps that ``sources`` drafted (default: the learned draft's); ``stats``, when given, observes
     those same steps (rejections too)."""
     b = RecordBuilder(probs_dtype=probs_dtype)
-    acc = prop = 0
+    counted = stats if stats is not None else SpecStats()
+    before = (counted.accepted, counted.proposed)
 
     def on_step(res):
-        nonlocal acc, prop
         b.add(res)
         if res.source in sources:
-            acc += res.accepted
-            prop += res.proposed
-            if stats is not None:
-                stats.observe(res.proposed, res.accepted, len(res.emitted), res.draft_s, res.target_s)
+            counted.observe(res.proposed, res.accepted, len(res.emitted), res.draft_s, res.target_s)
 
     tokens = engine.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
     gen = engine.generate(list(tokens), params, on_step=on_step, scope=domain)
+    acc, prop = counted.accepted - before[0], counted.proposed - before[1]
     return b.finish(list(tokens) + gen.token_ids, len(tokens), domain=domain, draft_id=draft_id), acc, prop, gen
 
 

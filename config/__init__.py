@@ -403,6 +403,10 @@ class DraftPoolConfig(_Strict):
     #: a request whose target replica died waits this long for a replacement (its sequence is
     #: then sent whole, the output unchanged); past it the client gets a retryable 503
     target_wait_s: float = Field(default=60.0, ge=0.0)
+    #: seconds between a replica's broadcasts of the outputs it finished to the pool's other replicas,
+    #: whose suffix trees learn them too (every replica's trees then see the whole pool's traffic,
+    #: isolated tenants' drafts still only their own); 0: each replica learns from its traffic alone
+    share_outputs_s: float = Field(default=1.0, ge=0.0)
 
 
 class IngressConfig(_Strict):

@@ -11,6 +11,11 @@ replica through ``DeploymentHandle.broadcast`` and are installed between steps.
 Transport only: one step is the engine's ``propose`` (local draft), the target's ``verify``
 (another deployment, batched there; or this replica's own target when co-located) and the
 engine's ``accept``.
+
+Suffix trees see the whole pool's traffic: each replica broadcasts the outputs it finished (every
+``drafts.share_outputs_s``) to the others, whose engines of the same draft id take them in
+(``SpeculativeEngine.add_served``); each replica also keeps the recent outputs of each draft id, so
+that a draft loaded later (after an unload, or on a new replica) starts with them.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ import copy
 import logging
 import time
 import weakref
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -132,6 +139,11 @@ class DraftPool:
         self.published: dict[str, tuple[dict, int]] = {}  # draft id -> (state dict, version)
         # drafts loaded in this replica; whoever loads them holds them (multiplexing's LRU cache)
         self.engines: weakref.WeakValueDictionary[str, SpeculativeEngine] = weakref.WeakValueDictionary()
+        # recent finished outputs by draft id, this replica's and the others': (request id, scope, int32 ids)
+        self.served: OrderedDict[str, deque] = OrderedDict()
+        self.peers = None  # the pool's handle, when outputs are shared (the deployment sets it)
+        self.name = "replica"
+        self.outbox: list[tuple] = []  # (draft id, request id, scope, ids) not yet sent to the others
 
     # -- drafts ----------------------------------------------------------------------------
     async def engine_for(self, draft_id: str) -> SpeculativeEngine:
@@ -144,6 +156,9 @@ class DraftPool:
                 self.published[draft_id] = latest
         if draft_id in self.published and engine.learned_draft is not None:
             engine.swap_draft(*self.published[draft_id])
+        if engine.learns_from_traffic:  # what was served of this draft before it loaded here
+            for rid, scope, ids in self.served.get(draft_id, ()):
+                engine.add_served(rid, ids, scope)
         engine.calibrate(verify_s=self.verify_s)
         self.engines[draft_id] = engine
         return engine
@@ -162,6 +177,74 @@ class DraftPool:
             if engine is not None and engine.learned_draft is not None:
                 engine.stage_draft(state, version)
         return self.published[draft_id][1] if draft_id in self.published else 0
+
+    # -- outputs shared between replicas (suffix trees) -----------------------------------------
+    def _remember(self, draft_id: str, item: tuple) -> None:
+        """Keep a finished output of ``draft_id`` (bounded like a scope's tree: the oldest go first)."""
+        bounds = self.cfg.engine.draft.suffix
+        q = self.served.get(draft_id)
+        if q is None:
+            q = self.served[draft_id] = deque(maxlen=bounds.max_requests)
+            while len(self.served) > bounds.max_scopes:
+                self.served.popitem(last=False)
+        self.served.move_to_end(draft_id)
+        q.append(item)
+
+    def _finished(self, draft_id: str, rid: str, scope: str, output: list[int]) -> None:
+        item = (rid, scope, np.asarray(output, dtype=np.int32))
+        self._remember(draft_id, item)
+        if self.peers is not None:
+            self.outbox.append((draft_id, *item))
+            del self.outbox[: -self.cfg.engine.draft.suffix.max_requests]  # peers unreachable for long: the newest
+
+    async def add_served(self, origin: str, items: list) -> int:
+        """Outputs another replica finished, ``(draft id, request id, scope, ids)``: into this
+        replica's loaded engines of those drafts, and kept for drafts loaded later. A replica's own
+        broadcast comes back to it and is ignored."""
+        if origin == self.name:
+            return 0
+        for draft_id, rid, scope, ids in items:
+            self._remember(draft_id, (rid, scope, ids))
+            engine = self.engines.get(draft_id)
+            if engine is not None:
+                engine.add_served(rid, ids, scope)
+        self.meter.inc("osd_draft_pool_outputs_shared_total", len(items), direction="received")
+        return len(items)
+
+    async def served_ids(self, draft_id: str) -> dict:
+        """Request ids of the outputs this replica keeps for ``draft_id`` (its own and the others')
+        and of those in its loaded engine's suffix trees (None when not loaded here); async: read
+        on the loop that appends to them."""
+        engine = self.engines.get(draft_id)
+        return {"kept": [rid for rid, _, _ in self.served.get(draft_id, ())],
+                "trees": None if engine is None else sorted(engine.served_ids())}
+
+    async def kept(self) -> list[tuple]:
+        """Every output this replica keeps, ``(draft id, request id, scope, ids)``, oldest draft first."""
+        return [(d, *item) for d, q in self.served.items() for item in q]
+
+    async def catch_up(self) -> int:
+        """A replica just started (scaling out, or replacing one that died) takes in what the
+        running replicas keep, so that its suffix trees do not start empty; returns how many."""
+        if self.peers is None:
+            return 0
+        seen = {(d, rid) for d, q in self.served.items() for rid, _, _ in q}
+        fresh = []
+        for answer in await self.peers.broadcast("kept").results_async():
+            for item in answer:
+                if (item[0], item[1]) not in seen:
+                    seen.add((item[0], item[1]))
+                    fresh.append(item)
+        return await self.add_served("peers", fresh) if fresh else 0
+
+    async def share_served(self) -> int:
+        """Send the outputs finished here since the last call to every replica of the pool."""
+        if self.peers is None or not self.outbox:
+            return 0
+        batch, self.outbox = self.outbox, []
+        await self.peers.broadcast("add_served", self.name, batch).results_async()
+        self.meter.inc("osd_draft_pool_outputs_shared_total", len(batch), direction="sent")
+        return len(batch)
 
     async def ready(self, timeout_s: float = 3.0) -> bool:
         """This replica answers and so does the target it verifies with (split placement)."""
@@ -247,6 +330,8 @@ class DraftPool:
                 text = detok.finish(st.output) if st.finished else detok.update(st.output)
                 yield {"text": text, "tokens": res.emitted}
             s = st.stats
+            if engine.learns_from_traffic and st.output:  # the other replicas' suffix trees learn it too
+                self._finished(draft_id, rid, req.domain, st.output)
             if record is not None and s.drafts:  # the draft proposed: its misses are signal
                 self.learner.record.remote(record.finish(st.tokens, st.prompt_len, req.domain, req.tenant, draft_id))
             yield {
@@ -291,6 +376,25 @@ class DraftPoolDeployment(DraftPool, NodeInfo):
             return await self.engine_for(draft_id)
 
         self._load = serve.multiplexed(max_num_models_per_replica=cfg.drafts.drafts_per_replica)(load)
+        if cfg.drafts.share_outputs_s > 0:
+            ctx = serve.get_replica_context()
+            self.name = ctx.replica_tag
+            self.peers = serve.get_deployment_handle(ctx.deployment, ctx.app_name)
+            # Serve runs the constructor on the replica's event loop: the task lives there
+            self._share_task = asyncio.get_running_loop().create_task(self._share_every())
+
+    async def _share_every(self) -> None:
+        try:
+            n = await self.catch_up()
+            log.info("took in %d outputs the running replicas keep", n)
+        except Exception as e:  # noqa: BLE001 - the first replica (none running yet) has nothing to take in
+            log.info("nothing taken in from the pool at start: %s", e)
+        while True:
+            await asyncio.sleep(self.cfg.drafts.share_outputs_s)
+            try:
+                await self.share_served()
+            except Exception as e:  # noqa: BLE001 - a replica starting or gone: that batch is lost to it
+                log.warning("sharing finished outputs with the pool: %s", e)
 
     async def preload(self, draft_id: str) -> int:
         """Load a draft now (e.g. after a restart, before traffic); returns the version it runs."""

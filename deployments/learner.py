@@ -10,6 +10,7 @@ checkpoints and the draft replicas pull the latest published version when they l
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import logging
 import math
@@ -48,6 +49,8 @@ class LearnerServer:
         if learned is None:
             raise ValueError(f"the learner needs a learned draft; draft kind {cfg.engine.draft.kind!r} has none")
         self.base, self.keep_ids = learned.runner.model, learned.runner.vocab_map
+        # a feature draft's prompt positions are read with the target's head: only it is kept
+        self.target_head = copy.deepcopy(target.get_output_embeddings()) if self.trainer_cfg.prompt_positions else None
         del target
         shards = ShardConfig(dir=root / "shards", max_bytes=cfg.learner.shard_max_bytes)
         self.learner = OnlineLearner(self.trainer_cfg, shards)
@@ -75,7 +78,8 @@ class LearnerServer:
         with self._lock:
             if draft_id not in self.learner.trainers:
                 self.subscribers[draft_id] = [functools.partial(self._publish, draft_id)]
-                self.learner.add_trainer(DraftTrainer(draft_id, self.base, self.trainer_cfg, keep_ids=self.keep_ids))
+                self.learner.add_trainer(DraftTrainer(draft_id, self.base, self.trainer_cfg, keep_ids=self.keep_ids,
+                                                      target_head=self.target_head))
             return self.learner.trainers[draft_id]
 
     def _count_round(self, rep: RoundReport) -> None:

@@ -7,8 +7,9 @@ A script-level trainer (the online learner, fed by live ``StepResult`` rows, is 
    output position is kept as a sparse top-K summary (ids, probs, tail mass). Full ``[T, V]``
    logits never outlive the sample they belong to.
 2. :func:`distill` - teacher-forced training of the draft on ``prompt + output`` with one of the
-   sparse losses of :mod:`learner.losses`, on output positions only (AdamW, gradient clipping,
-   stops after ``cfg.seconds`` or ``cfg.epochs``).
+   sparse losses of :mod:`learner.losses`, on output positions (AdamW, gradient clipping,
+   stops after ``cfg.seconds`` or ``cfg.epochs``); :func:`with_prompt_positions` extends a
+   sample's rows over its prompt, from the target's features (``cfg.prompt_positions``).
 3. :func:`train_draft` - workload -> split -> target + draft -> teacher data -> distil -> save.
 
 Restricted heads (``keep_ids``): the draft's logits have ``len(keep_ids)`` columns, column j
@@ -26,6 +27,7 @@ import argparse
 import json
 import random
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Callable, Sequence
@@ -46,6 +48,7 @@ __all__ = [
     "top1_agreement_on",
     "distill",
     "train_draft",
+    "with_prompt_positions",
     "save_samples",
     "load_samples",
     "main",
@@ -86,6 +89,11 @@ class DistillConfig(BaseModel):
     train_head: bool = True
     #: train the input embeddings; a tied embedding/head matrix trains only if both flags are set
     train_embeddings: bool = True
+    #: train on the prompt's positions as well (those after the chat template's shared prefix), with the
+    #: target's distributions there read from its features: several times the positions per
+    #: generated token (prompts are longer than outputs) at no extra generation; held-out agreement
+    #: is still measured on output positions only
+    prompt_positions: bool = False
     log_every: int = Field(default=10, ge=1)
 
 
@@ -240,6 +248,47 @@ def collect_teacher_data(
     finally:
         model.train(was_training)
     return samples
+
+
+@torch.inference_mode()
+def with_prompt_positions(samples: Sequence[Sample], head: torch.nn.Module, start: int) -> list[Sample]:
+    """``samples`` that teach their prompts too: rows for positions ``start .. prompt_len - 1`` are
+    prepended to the output rows, and ``prompt_len`` becomes ``start`` (the rows stay those of
+    every position from ``prompt_len`` on, so every trainer reads them unchanged).
+
+    Row t is the target's distribution of ``tokens[t]``: ``head`` (the target's output layer) over
+    its feature at t - 1, which the samples carry (``collect_teacher_data(features=True)``); the
+    output rows are kept as collected. ``start >= 1``; samples with a shorter prompt, or whose
+    features stop before its end, are kept as they are."""
+    if start < 1:
+        raise ValueError(f"start must be >= 1 (row t reads the feature at t - 1), got {start}")
+    out = []
+    for s in samples:
+        if s.features is None:
+            raise ValueError("prompt positions are read from the target's features: collect with features=True")
+        p0 = int(s.prompt_len)
+        if p0 <= start or s.features.shape[0] < p0 - 1:
+            out.append(s)
+            continue
+        logits = head(s.features[start - 1 : p0 - 1].to(head.weight.dtype))  # [p0 - start, V]
+        sd = sparse_from_logits(logits.float().cpu(), int(s.ids.shape[1]))
+        out.append(Sample(tokens=s.tokens, prompt_len=start, ids=torch.cat([sd.ids.to(s.ids.dtype), s.ids]),
+                          probs=torch.cat([sd.probs.float(), s.probs]), tail=torch.cat([sd.tail.float(), s.tail]),
+                          prompt=s.prompt, features=s.features))
+    return out
+
+
+def shared_prefix_len(sequences: Sequence[torch.Tensor]) -> int:
+    """Length of the token prefix every sequence starts with (a chat template's fixed system turn)."""
+    if not sequences:
+        return 0
+    n = min(int(x.shape[0]) for x in sequences)
+    first = sequences[0][:n]
+    for x in sequences[1:]:
+        diff = (x[:n] != first).nonzero()
+        n = int(diff[0, 0]) if diff.numel() else n
+        first = first[:n]
+    return n
 
 
 def save_samples(samples: list[Sample], path: str | Path) -> None:
@@ -590,7 +639,8 @@ def train_draft(
     load_s = time.perf_counter() - t0
 
     cache = Path(teacher_cache) if teacher_cache else None
-    features = draft_cfg.kind == "feature"  # a feature draft trains on the target's features as well
+    # a feature draft trains on the target's features; prompt positions are read from them
+    features = draft_cfg.kind == "feature" or cfg.prompt_positions
     t0 = time.perf_counter()
     if cache is not None and cache.exists():
         data = load_samples(cache)
@@ -617,6 +667,11 @@ def train_draft(
 
     texts = train_prompts + [tok.decode(s.output, skip_special_tokens=True) for s in train_s]
     draft, keep = build_draft_model(draft_cfg, target, tok, texts)
+    if cfg.prompt_positions:  # after the shared prefix (and >= 2: a feature draft's first pair predicts position 2)
+        start = max(2, shared_prefix_len([s.tokens[: s.prompt_len] for s in train_s]))
+        train_s = with_prompt_positions(train_s, target.get_output_embeddings(), start)
+        if draft_cfg.kind != "feature":
+            train_s = [dataclasses.replace(s, features=None) for s in train_s]  # a token draft does not read them
     del target  # the teacher is no longer needed; free its memory before training
     coverage = None
     if keep is not None:
@@ -634,6 +689,7 @@ def train_draft(
         "agreement_on": hist["agreement_on"],
         "seconds": hist["seconds"],
         "n_train_prompts": len(train_s),
+        "n_train_positions": hist["n_train_positions"],
         "trained_prompts": [prompt_digest(p) for p in train_prompts],  # lets experiments keep to unseen prompts
         "n_heldout_prompts": len(held_s),
         "draft": draft_cfg.model_dump(),
@@ -662,10 +718,8 @@ def train_draft(
     return json.loads(json.dumps(report, default=str))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``osd train-draft --domain code --out DIR`` (= ``python -m learner.offline``); prints the JSON report."""
-    from config import DraftConfig
-
+def parser() -> argparse.ArgumentParser:
+    """``osd train-draft``'s options."""
     ap = argparse.ArgumentParser(prog="osd train-draft", description="Distil a draft offline from the target's greedy generations.")
     ap.add_argument("--workload", default=str(Path(__file__).resolve().parent.parent / "bench" / "data" / "workload.jsonl"))
     ap.add_argument("--domain", default=None)
@@ -690,10 +744,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--freeze-embeddings", action="store_true", help="keep the input embeddings as they start (EAGLE's practice)")
     ap.add_argument("--freeze-head", action="store_true", help="keep the output head as it starts")
+    ap.add_argument("--prompt-positions", action=argparse.BooleanOptionalAction, default=False,
+                    help="train on the prompts' positions too (the target's distributions there, read from its features)")
     ap.add_argument("--target", default=None, help="target model (default: the embedded one)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``osd train-draft --domain code --out DIR`` (= ``python -m learner.offline``); prints the JSON report."""
+    from config import DraftConfig
+
+    a = parser().parse_args(argv)
     from config import ModelConfig
 
     model_cfg = ModelConfig(device=a.device, dtype=a.dtype, **({"name": a.target} if a.target else {}))
@@ -705,7 +768,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         DistillConfig(
             loss=a.loss, top_k=a.top_k, lr=a.lr, max_tokens=a.max_tokens, batch_positions=a.batch_positions,
             seconds=a.seconds, epochs=a.epochs, seed=a.seed,
-            train_embeddings=not a.freeze_embeddings, train_head=not a.freeze_head,
+            train_embeddings=not a.freeze_embeddings, train_head=not a.freeze_head, prompt_positions=a.prompt_positions,
         ),
         n_prompts=a.n_prompts,
         holdout=a.holdout,

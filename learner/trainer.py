@@ -45,7 +45,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from drafts.build import load_draft, save_draft
 from learner.losses import check_loss_name, SparseDist, get_loss
-from learner.offline import Sample, passes_loss, set_trainable, student_logits_for, to_student_space, top1_hits_on
+from learner.offline import (Sample, passes_loss, set_trainable, student_logits_for, to_student_space, top1_hits_on,
+                             with_prompt_positions)
 from learner.replay import ReplayRecord, ShardConfig, ShardSet
 
 __all__ = ["LearnerConfig", "RoundReport", "DraftTrainer", "OnlineLearner", "records_to_batch"]
@@ -79,6 +80,10 @@ class LearnerConfig(BaseModel):
     loss_options: dict[str, float] = Field(default_factory=dict)
     #: train only where the draft was wrong (``draft_wrong`` rows) or on all rows
     positions: Literal["wrong", "all"] = "wrong"
+    #: records with the target's features (a feature draft's): also train on their prompt positions
+    #: (from position 2), the target's distribution there being its head over the recorded feature
+    #: (the trainer then needs ``target_head``); the gate's held-out agreement stays on output rows
+    prompt_positions: bool = False
     #: train the output head / the input embeddings (with a tied head: trained only when both
     #: are); the transformer layers and norms are always trained
     train_head: bool = True
@@ -131,11 +136,14 @@ class RoundReport:
 # ---------------------------------------------------------------------------------------------
 
 
-def records_to_batch(records: Iterable[ReplayRecord], positions: str = "all") -> tuple[list[Sample], torch.Tensor]:
+def records_to_batch(records: Iterable[ReplayRecord], positions: str = "all",
+                     prompt_head: torch.nn.Module | None = None) -> tuple[list[Sample], torch.Tensor]:
     """Samples (``to_sample()``) and the row mask over their concatenated output rows.
 
     ``positions="wrong"`` keeps the rows where ``draft_wrong``; ``"all"`` every row. Records that
     cannot become a Sample (no row inside the sequence, non-contiguous rows) are skipped.
+    ``prompt_head`` (the target's head): records with features get rows for their prompt
+    positions from 2 on too (:func:`learner.offline.with_prompt_positions`), all of them kept.
     """
     samples, masks = [], []
     for rec in records:
@@ -149,6 +157,10 @@ def records_to_batch(records: Iterable[ReplayRecord], positions: str = "all") ->
             m = rec.draft_wrong[rec.positions < rec.tokens.shape[0]]
         else:
             m = torch.ones(s.n_out, dtype=torch.bool)
+        if prompt_head is not None and s.features is not None:
+            n_out = s.n_out
+            (s,) = with_prompt_positions([s], prompt_head, 2)
+            m = torch.cat([torch.ones(s.n_out - n_out, dtype=torch.bool), m])  # the prompt's rows first
         samples.append(s)
         masks.append(m)
     mask = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
@@ -234,9 +246,14 @@ class DraftTrainer:
         cfg: LearnerConfig = LearnerConfig(),
         keep_ids: torch.Tensor | None = None,
         version: int = 0,
+        target_head: torch.nn.Module | None = None,
     ):
         self.draft_id = draft_id
         self.cfg = cfg
+        if cfg.prompt_positions and target_head is None:
+            raise ValueError("prompt_positions: the trainer needs the target's head (target_head)")
+        # what prompt rows are read with (only for records that carry features)
+        self.prompt_head = target_head if cfg.prompt_positions else None
         self.model = copy.deepcopy(draft).eval()  # the training copy; the serving model is never touched
         self.params = set_trainable(self.model, cfg)
         self.keep_ids = keep_ids.to(torch.long).cpu() if keep_ids is not None else None
@@ -347,7 +364,7 @@ class DraftTrainer:
         cfg = self.cfg
         rep = RoundReport(draft_id=self.draft_id, records=len(records))
         t0 = time.perf_counter()
-        samples, mask = records_to_batch(records, cfg.positions)
+        samples, mask = records_to_batch(records, cfg.positions, self.prompt_head)
         rep.positions = int(mask.sum())
         if rep.positions == 0:
             rep.reason = "no trainable rows"
@@ -369,7 +386,7 @@ class DraftTrainer:
                     break
                 ts = time.perf_counter()
                 self.opt.zero_grad(set_to_none=True)
-                step_samples, step_mask = (samples, mask) if i == 0 or next_batch is None else records_to_batch(next_batch(), cfg.positions)
+                step_samples, step_mask = (samples, mask) if i == 0 or next_batch is None else records_to_batch(next_batch(), cfg.positions, self.prompt_head)
                 total = int(step_mask.sum())
                 if total == 0:
                     continue

@@ -217,8 +217,9 @@ def _subcommand(argv: list[str]):
 
 def distill_args(rest: list[str]) -> list[str]:
     """``osd distill``'s command line for ``osd train-draft``: the general starting draft's defaults
-    (all domains of train.jsonl, never the benchmark's prompts, cached where ``"default"`` finds
-    the draft of that ``--kind``), then ``rest``, whose options override them."""
+    (all domains of train.jsonl, never the benchmark's prompts, the prompts' positions trained on
+    too, cached where ``"default"`` finds the draft of that ``--kind``), then ``rest``, whose
+    options override them (``--no-prompt-positions``: output positions only)."""
     from drafts.build import default_draft_path
 
     kind_arg = argparse.ArgumentParser(add_help=False)
@@ -226,7 +227,7 @@ def distill_args(rest: list[str]) -> list[str]:
     kind = kind_arg.parse_known_args(rest)[0].kind
     return ["--workload", str(DEFAULT_WORKLOAD.parent / "train.jsonl"), "--exclude", str(DEFAULT_WORKLOAD),
             "--out", str(default_draft_path(kind)), "--n-prompts", "400", "--holdout", "0.05", "--max-tokens", "48",
-            "--head-vocab", "8192", "--seconds", "900"] + list(rest)
+            "--head-vocab", "8192", "--seconds", "900", "--prompt-positions"] + list(rest)
 
 
 def _run(argv: list[str]) -> int:

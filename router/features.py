@@ -174,14 +174,6 @@ def _session(path: Path, threads: int):
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
-def _run(session, tokenizer, texts: Sequence[str], max_tokens: int) -> np.ndarray:
-    """[n, 384] float32 embeddings of non-empty texts, one padded batch."""
-    enc = tokenizer(list(texts), padding=True, truncation=True, max_length=max_tokens, return_tensors="np")
-    feeds = {"input_ids": enc["input_ids"].astype(np.int64, copy=False),
-             "attention_mask": enc["attention_mask"].astype(np.int64, copy=False)}
-    return np.asarray(session.run(None, feeds)[0], dtype=np.float32)
-
-
 def _export_onnx(model_path: Path, dest: Path, threads: int) -> None:
     """Export BERT + mean pooling + L2 normalisation (the sentence-transformers pipeline of
     ``model_path``) to ``dest``, with dynamic batch and sequence axes; checked against torch on
@@ -227,8 +219,8 @@ def _export_onnx(model_path: Path, dest: Path, threads: int) -> None:
                 opset_version=ONNX_OPSET, dynamo=False,
             )
         sess = _session(tmp, threads)
-        batch = _run(sess, tok, _PROBES, 128)
-        single = np.concatenate([_run(sess, tok, [t], 128) for t in _PROBES])
+        batch = OnnxEmbedder(sess, tok, 128, one_at_a_time=False).encode(_PROBES)  # padded batches
+        single = OnnxEmbedder(sess, tok, 128, one_at_a_time=True).encode(_PROBES)
         worst = min(float((batch * want).sum(1).min()), float((single * want).sum(1).min()))
         if batch.shape != want.shape or not worst > 0.9999:
             raise RuntimeError(f"onnx export of {model_path} disagrees with torch (cosine {worst:.4f})")
@@ -263,7 +255,7 @@ def _quantize_onnx(src: Path, dest: Path, threads: int, model_path: Path) -> Non
             warnings.simplefilter("ignore")
             quantize_dynamic(str(src), str(tmp), weight_type=QuantType.QInt8, per_channel=True,
                              op_types_to_quantize=["MatMul"])
-        out = _run(_session(tmp, threads), _tokenizer(str(model_path)), ["a quick check"], 32)
+        out = OnnxEmbedder(_session(tmp, threads), _tokenizer(str(model_path)), 32, one_at_a_time=True).encode(["a quick check"])
         if out.shape != (1, EMBED_DIM) or not np.isfinite(out).all():
             raise RuntimeError(f"int8 quantization of {src} gave {out.shape}")
 

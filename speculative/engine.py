@@ -438,6 +438,25 @@ class SpeculativeEngine:
     def draft_version(self) -> int:
         return self.learned_draft.version if self.learned_draft is not None else 0
 
+    def _learners_of_traffic(self) -> list:
+        parts = getattr(self.proposer, "proposers", (self.proposer,)) if self.proposer is not None else ()
+        return [p for p in parts if hasattr(p, "add_served")]
+
+    @property
+    def learns_from_traffic(self) -> bool:
+        """Some proposer learns from past outputs (a suffix tree): outputs served elsewhere help it."""
+        return bool(self._learners_of_traffic())
+
+    def add_served(self, seq_id: str, output, scope: str | None = None) -> None:
+        """An output that another engine (another replica of this draft) served: proposers that
+        learn from past traffic take it in as if it had been served here."""
+        for p in self._learners_of_traffic():
+            p.add_served(seq_id, output, scope)
+
+    def served_ids(self) -> set[str]:
+        """Ids of the requests whose outputs the proposers that learn from traffic hold."""
+        return set().union(*(p.cached_ids() for p in self._learners_of_traffic()))
+
     @property
     def learned_draft(self) -> DraftModelProposer | None:
         """The draft-model proposer (alone or inside a chain), if any."""

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+
 from config import SuffixConfig
 
 from .proposers import Proposal, model_free_proposal
@@ -171,7 +173,24 @@ class SuffixProposer:
             sc.add(seq_id, list(tokens[a.fed :]))
         sc.stop(seq_id)
 
+    def add_served(self, seq_id: str, output, scope: str | None = None) -> None:
+        """An output served elsewhere (another replica of this draft) joins ``scope``'s tree as if
+        it had been served here (only outputs are kept across requests, so its prompt is not
+        needed). ``output``: token ids, a list or an array; an array that came through Ray's object
+        store is read-only, which the tree's binding refuses, so it is copied. A request active here
+        under the same id is left alone."""
+        if seq_id in self.active or len(output) == 0:
+            return
+        sc = self._scope(scope)
+        sc.start(seq_id, [])
+        sc.add(seq_id, np.array(output, dtype=np.int32))
+        sc.stop(seq_id)
+
     # -- introspection ------------------------------------------------------------------------------
+    def cached_ids(self) -> set[str]:
+        """Ids of the requests whose outputs the trees hold, over all scopes."""
+        return {rid for sc in self.scopes.values() for rid in sc.sizes}
+
     def stats(self) -> dict:
         """Per scope: cached outputs, their tokens and the active requests."""
         return {str(s): {"requests": len(v.sizes), "tokens": v.tokens, "active": len(v.active)} for s, v in self.scopes.items()}

@@ -17,6 +17,24 @@ case "${1:-all}" in
       --out "${OSD_CACHE_DIR:-$HOME/.cache/osd-serve}/drafts/feature-400-frozen" --json results/feature/distill_feature_400_frozen.json
     $X --draft-kind feature --draft-checkpoint "${OSD_CACHE_DIR:-$HOME/.cache/osd-serve}/drafts/feature-400-frozen" \
       --json results/feature/feature_400_frozen.json ;;&
+  positions|all)  # equal data: one teacher file (the same 400 prompts, with the target's features) for three
+    # drafts, 600 s each; --prompt-positions also trains on the prompts' positions; then each static
+    C="${OSD_CACHE_DIR:-$HOME/.cache/osd-serve}"; T="$C/data/teacher-train-400-features.pt"
+    D=".venv/bin/osd distill --n-prompts 400 --seconds 600 --teacher-cache $T"
+    $D --prompt-positions --out "$C/drafts/token-400-prompts" --json results/feature/distill_token_400_prompts.json
+    $D --out "$C/drafts/token-400" --json results/feature/distill_token_400.json
+    $D --kind feature --freeze-embeddings --prompt-positions --out "$C/drafts/feature-400-prompts" \
+      --json results/feature/distill_feature_400_prompts.json
+    for d in token-400:truncated token-400-prompts:truncated feature-400-prompts:feature; do
+      $X --methods static --draft-kind "${d#*:}" --draft-checkpoint "$C/drafts/${d%%:*}" --json "results/feature/${d%%:*}.json"
+    done ;;&
+  online-prompts|all)  # the feature draft distilled with prompts, learning online without and with the
+    # records' prompt positions (the target's head over their features)
+    C="${OSD_CACHE_DIR:-$HOME/.cache/osd-serve}"
+    $X --methods online --draft-kind feature --draft-checkpoint "$C/drafts/feature-400-prompts" \
+      --json results/feature/feature-400-prompts-online.json
+    $X --methods online --draft-kind feature --draft-checkpoint "$C/drafts/feature-400-prompts" --prompt-positions \
+      --json results/feature/feature-400-prompts-online-prompts.json ;;&
   online|all)  # each starting draft on 80 unseen prompts (20 a domain), fixed k = 4, static and learning online
     $X --draft-kind feature --draft-checkpoint default --json results/feature/feature_distilled.json --png results/feature/feature_distilled.png
     $X --draft-kind truncated --draft-checkpoint default --json results/feature/token_distilled.json --png results/feature/token_distilled.png ;;

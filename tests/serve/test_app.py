@@ -154,7 +154,8 @@ def test_learner_publishes_to_every_replica_while_output_stays_lossless(server, 
 
 
 def test_a_restarted_draft_replica_comes_back_at_the_latest_version(server):
-    """Kill a draft replica: Serve starts a new one, which loads the learner's latest weights."""
+    """Kill a draft replica: Serve starts a new one, which loads the learner's latest weights and
+    the outputs the surviving replica keeps (the new one's suffix trees start with them)."""
     import time
 
     import ray
@@ -163,18 +164,62 @@ def test_a_restarted_draft_replica_comes_back_at_the_latest_version(server):
     latest = _call(f"{server}/admin/learner", key=ADMIN_KEY)[1]["drafts"]["general"]["version"]
     assert latest >= 1
     pool = serve.get_deployment_handle("DraftPool", "osd")
+
+    def names():
+        return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "osd#DraftPool#" in a["name"]}
+
+    before = names()
     victim = next(a for a in ray.util.list_named_actors(all_namespaces=True) if "osd#DraftPool#" in a["name"])
     ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
-    deadline, versions = time.monotonic() + 180, []
+    deadline, versions, errors = time.monotonic() + 180, [], []
+    while victim["name"] in names():  # gone before anything is asked of the pool
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
     while time.monotonic() < deadline:
         try:
             versions = pool.broadcast("preload", "general").results()
-            if len(versions) == 2 and min(versions) >= latest:
+            if len(versions) == 2 and min(versions) >= latest and len(names() - before) == 1:
                 break
-        except Exception:  # noqa: BLE001 - the dead replica answers with an error until it is replaced
-            pass
+        except Exception as e:  # noqa: BLE001 - the dead replica answers with an error until it is replaced
+            errors.append(repr(e)[:300])
         time.sleep(2)
-    assert len(versions) == 2 and min(versions) >= latest, (versions, latest)
+    assert len(versions) == 2 and min(versions) >= latest, (versions, latest, errors[-3:])
+    assert len(names() - before) == 1, (before, names())
+    kept = pool.broadcast("served_ids", "general").results()
+    assert all(k["kept"] and set(k["kept"]) <= set(k["trees"]) for k in kept), kept
+
+
+def test_a_finished_output_reaches_every_draft_replicas_suffix_trees(server, client):
+    """The shipped config drafts with suffix trees: an output one of the two draft replicas
+    finished is broadcast to the other, and both keep it under its draft id and hold it in that
+    draft's suffix trees (an isolated tenant's under its own draft id only); the counter counts
+    what was sent and received."""
+    import time
+
+    from ray import serve
+
+    from .conftest import ISO_KEY, scrape
+
+    pool = serve.get_deployment_handle("DraftPool", "osd")
+    assert pool.broadcast("preload", "general").results()  # loaded on both replicas: the trees are there
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0)
+    iso = _call(f"{server}/v1/completions", {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0},
+                key=ISO_KEY)[1]
+    draft, iso_draft = r.usage.model_extra["speculative"]["draft_id"], iso["usage"]["speculative"]["draft_id"]
+    assert draft == "general" and iso_draft == f"{draft}@iso"
+    deadline = time.monotonic() + 30
+    while True:
+        held, held_iso = pool.broadcast("served_ids", draft).results(), pool.broadcast("served_ids", iso_draft).results()
+        if (len(held) == 2 and all(r.id in h["kept"] and r.id in h["trees"] for h in held)
+                and all(iso["id"] in h["kept"] for h in held_iso)):
+            break
+        assert time.monotonic() < deadline, (r.id, held, iso["id"], held_iso)
+        time.sleep(0.5)
+    assert not any(iso["id"] in h["kept"] + h["trees"] for h in held)
+    assert not any(r.id in h["kept"] for h in held_iso)
+    shared = {dict(labels)["direction"]: v for (name, labels), v in scrape(server).items()
+              if name == "osd_draft_pool_outputs_shared_total"}
+    assert shared.get("sent", 0) >= 2 and shared.get("received", 0) >= 2, shared
 
 
 def test_published_update_reaches_every_replica(server, client, reference):

@@ -224,6 +224,11 @@ def test_the_default_feature_draft_is_its_own(target, tok, tmp_path, monkeypatch
     assert args[-4:] == ["--kind", "feature", "--seconds", "5"]  # later options override the defaults
     token_args = distill_args([])
     assert token_args[token_args.index("--out") + 1] == str(default_draft_path())
+    from learner.offline import parser
+
+    assert parser().parse_args(token_args).prompt_positions  # the starting drafts learn the prompts too ...
+    assert not parser().parse_args(distill_args(["--no-prompt-positions"])).prompt_positions  # ... unless told
+    assert not parser().parse_args(["--out", "x"]).prompt_positions  # osd train-draft: outputs only
     with pytest.raises(ModelLoadError, match="osd distill --kind feature"):
         build_draft_model(DraftConfig(kind="feature", checkpoint="default"), target, tok)
     feature, _ = build_draft_model(DraftConfig(kind="feature"), target, tok)

@@ -131,13 +131,21 @@ def trained_target(tok):
     return model.eval()
 
 
+def recording_engine(target, tok) -> SpeculativeEngine:
+    """``target`` with a fresh feature draft at k = 3, recording top-8 rows (what the learner reads)."""
+    return SpeculativeEngine(ModelRunner(target, name="t"), tok, build_proposer(DraftConfig(kind="feature"), target, tok),
+                             EngineConfig(chat_template=False, k=KPolicyConfig(fixed_k=3), record_top_k=8))
+
+
+def served_records(engine, rng: random.Random, n: int, n_digits: int, max_tokens: int) -> list:
+    """Replay records of ``n`` greedy requests of toy-language prompts of ``n_digits`` digits."""
+    return [serve_recorded(engine, digits(rng, n_digits), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                           sources=("feature",))[0] for _ in range(n)]
+
+
 def test_online_training_raises_held_out_agreement(trained_target, tok):
-    engine = SpeculativeEngine(ModelRunner(trained_target, name="t"), tok,
-                               build_proposer(DraftConfig(kind="feature"), trained_target, tok),
-                               EngineConfig(chat_template=False, k=KPolicyConfig(fixed_k=3), record_top_k=8))
-    rng = random.Random(1)
-    records = [serve_recorded(engine, digits(rng, 4), SamplingParams(max_tokens=24, ignore_eos=True),
-                              sources=("feature",))[0] for _ in range(60)]
+    engine = recording_engine(trained_target, tok)
+    records = served_records(engine, random.Random(1), 60, n_digits=4, max_tokens=24)
     train, held = records[:40], records[40:]  # held-out prompts: never trained on
     trainer = DraftTrainer("f", engine.proposer.runner.model,
                            LearnerConfig(lr=1e-3, steps_per_round=5, positions="all", holdout_fraction=0.0, gate_margin=1.0))
@@ -164,15 +172,43 @@ def test_online_training_raises_held_out_agreement(trained_target, tok):
     assert served_alpha() > alpha_before
 
 
+def test_online_rounds_can_learn_the_prompt_positions_of_feature_records(trained_target, tok):
+    """With ``prompt_positions`` a feature draft's round also trains on each record's prompt rows
+    (from position 2), read with the target's head from the recorded features (the target's own
+    distribution there, up to float16), all of them kept even where only wrong rows are; the
+    held-out agreement stays on output rows. Without the head the trainer refuses the setting."""
+    from learner.trainer import records_to_batch
+
+    engine = recording_engine(trained_target, tok)
+    records = served_records(engine, random.Random(3), 6, n_digits=8, max_tokens=12)
+    head = trained_target.get_output_embeddings()
+    plain, plain_mask = records_to_batch(records, "wrong")
+    wide, mask = records_to_batch(records, "wrong", prompt_head=head)
+    n_prompt = [r.prompt_len - 2 for r in records]
+    assert [w.n_out - s.n_out for w, s in zip(wide, plain)] == n_prompt and all(n > 0 for n in n_prompt)
+    assert int(mask.sum()) == int(plain_mask.sum()) + sum(n_prompt)
+    for w, r in zip(wide, records):
+        with torch.no_grad():
+            want = trained_target(input_ids=r.tokens[None, : r.prompt_len].long()).logits[0, 1 : r.prompt_len - 1].argmax(-1)
+        assert (w.ids[: r.prompt_len - 2, 0].long() == want).float().mean() >= 0.9
+    cfg = LearnerConfig(lr=1e-3, steps_per_round=1, holdout_fraction=0.0, gate_margin=1.0, prompt_positions=True)
+    with pytest.raises(ValueError, match="target_head"):
+        DraftTrainer("f", engine.proposer.runner.model, cfg)
+    trainer = DraftTrainer("f", engine.proposer.runner.model, cfg, target_head=head)
+    for r in records[:2]:
+        trainer.add_holdout(r)
+    rep = trainer.train_round(records[2:])
+    assert rep.accepted and rep.positions == int(records_to_batch(records[2:], "wrong", head)[1].sum())
+    assert trainer.holdout_hits().numel() == sum(r.tokens.shape[0] - r.prompt_len for r in records[:2])
+
+
 def test_the_feature_draft_trains_on_its_own_predictions_too(trained_target, tok):
     """In training mode a batch gives two passes of logits: on the target's features, and with each
     pair reading the feature the draft predicted from the target's one before it (as its second
     drafted token does when serving); they differ, and eval mode gives the first only."""
     from learner.offline import student_logits_for
 
-    engine = SpeculativeEngine(ModelRunner(trained_target, name="t"), tok,
-                               build_proposer(DraftConfig(kind="feature"), trained_target, tok),
-                               EngineConfig(chat_template=False, k=KPolicyConfig(fixed_k=3), record_top_k=8))
+    engine = recording_engine(trained_target, tok)
     rec, *_ = serve_recorded(engine, "3141", SamplingParams(max_tokens=16, ignore_eos=True), sources=("feature",))
     model = copy.deepcopy(engine.proposer.runner.model)
     with torch.no_grad():  # a draft that reads the features (the starting one ignores them)
@@ -227,9 +263,7 @@ def test_teacher_data_carries_the_features_serving_records(trained_target, tok):
     plain, = collect_teacher_data(trained_target, tok, [prompt], max_tokens=16, top_k=8)
     assert plain.features is None and torch.equal(plain.ids, s.ids) and torch.equal(plain.tokens, s.tokens)
 
-    engine = SpeculativeEngine(ModelRunner(trained_target, name="t"), tok,
-                               build_proposer(DraftConfig(kind="feature"), trained_target, tok),
-                               EngineConfig(chat_template=False, k=KPolicyConfig(fixed_k=3), record_top_k=8))
+    engine = recording_engine(trained_target, tok)
     rec, *_ = serve_recorded(engine, list(prompt), SamplingParams(max_tokens=16, ignore_eos=True), sources=("feature",))
     assert torch.equal(rec.tokens, s.tokens)
     n = rec.features.shape[0]

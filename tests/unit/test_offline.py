@@ -20,9 +20,11 @@ from learner.offline import (
     load_samples,
     pad_placeholders,
     save_samples,
+    shared_prefix_len,
     student_logits_for,
     to_student_space,
     top1_agreement_on,
+    with_prompt_positions,
 )
 
 VOCAB, EOS, TOP_K, MAX_TOKENS = 96, 2, 16, 12
@@ -153,6 +155,49 @@ def test_restricted_loss_equals_loss_on_kept_bins():
         q_bins.append(1 - sum(q_bins))
         ref = sum(p * torch.log(torch.tensor(p / qq)).item() for p, qq in zip(p_bins, q_bins) if p > 0)
         assert got[r].item() == pytest.approx(ref, rel=1e-4, abs=1e-6)
+
+
+def test_prompt_positions_are_the_targets_distributions_there():
+    """Widened samples: rows for the prompt's positions from ``start`` on are the target's top-k there
+    (as an uncached forward gives them, up to the features' float16), the output rows are untouched,
+    and a shorter prompt is kept as it is."""
+    target = tiny_target(layers=2)
+    prompts = [[5, 6, 7] + p for p in random_prompts(6, seed=3)]  # a shared 3-token prefix, like a chat template's
+    samples = collect_teacher_data(target, None, prompts, max_tokens=6, top_k=TOP_K, features=True)
+    start = shared_prefix_len([s.tokens[: s.prompt_len] for s in samples])
+    assert start == 3
+    wide = with_prompt_positions(samples, target.get_output_embeddings(), start)
+    for s, w in zip(samples, wide):
+        L = int(s.tokens.shape[0])
+        assert w.prompt_len == start and w.ids.shape == (L - start, TOP_K) and torch.equal(w.tokens, s.tokens)
+        n = s.prompt_len - start
+        assert torch.equal(w.ids[n:], s.ids) and torch.equal(w.probs[n:], s.probs)  # output rows as collected
+        with torch.no_grad():
+            probs = torch.softmax(target(input_ids=s.tokens[None]).logits[0, start - 1 : s.prompt_len - 1].float(), -1)
+        top = torch.topk(probs, TOP_K, dim=-1)
+        assert (w.ids[:n].long() == top.indices).float().mean() > 0.95  # fp16 features may swap near-ties
+        assert torch.allclose(w.probs[:n], top.values, atol=2e-3)
+        assert torch.allclose(w.tail[:n], 1 - top.values.sum(-1), atol=2e-3)
+    short = with_prompt_positions(samples, target.get_output_embeddings(), 64)
+    assert all(a is b for a, b in zip(short, samples))
+    with pytest.raises(ValueError, match="features"):
+        with_prompt_positions(collect_teacher_data(target, None, prompts[:1], max_tokens=4, top_k=TOP_K),
+                              target.get_output_embeddings(), start)
+
+
+def test_training_on_prompt_positions_reaches_more_positions_and_trains(data):
+    """The token draft trains on widened samples (each trains on its prompt as well), and held-out
+    agreement is still measured on output positions."""
+    target, _, held = data
+    prompts = random_prompts(44)
+    train = collect_teacher_data(target, None, prompts, max_tokens=MAX_TOKENS, top_k=TOP_K, features=True)
+    wide = with_prompt_positions(train, target.get_output_embeddings(), 2)
+    draft = truncated_draft(target, 1)
+    hist = distill(draft, wide, fast_cfg(), log=None, heldout=held)
+    assert hist["n_train_positions"] == sum(int(s.tokens.shape[0]) - 2 for s in train)
+    assert hist["n_train_positions"] > sum(s.n_out for s in train) + 100
+    assert hist["n_eval_positions"] == sum(s.n_out for s in held)
+    assert hist["agreement_after"] > hist["agreement_before"] + 0.05
 
 
 # --- training ---------------------------------------------------------------------------------

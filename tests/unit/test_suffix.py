@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import sys
 
+import numpy as np
 import pytest
 
 from config import ControllerConfig, DraftConfig, KPolicyConfig, NgramConfig, SamplingParams, SuffixConfig
@@ -117,6 +118,51 @@ def test_a_copy_starts_empty_so_each_engine_learns_its_own_traffic():
     other = copy.deepcopy(p)
     assert other.stats() == {} and proposal(other, "q", [70, 71], scope="sql") == []
     assert proposal(p, "q", [70, 71], scope="sql") == [72, 73]
+
+
+def test_an_output_served_elsewhere_is_proposed_here_in_its_scope_and_bounds():
+    """Another replica's finished output (ids only, as the draft pool shares them) joins this
+    proposer's tree of its scope: proposed here, not in another scope, evicted like a local one;
+    an id active here is left alone."""
+    here = SuffixProposer(SuffixConfig(spec_factor=2.0, max_requests=3))
+    shipped = np.array([40, 41, 42, 43], dtype=np.int32)
+    shipped.setflags(write=False)  # as Ray's object store hands it to the receiving replica
+    here.add_served("a", shipped, scope="sql")
+    assert here.stats()["sql"] == {"requests": 1, "tokens": 4, "active": 0}
+    assert proposal(here, "q1", [40, 41], scope="sql") == [42, 43]
+    here.release("q1")
+    assert proposal(here, "q2", [40, 41], scope="chat") == []
+    here.add_served("b", [50, 51, 52, 53], scope="sql")
+    here.add_served("c", [60, 61, 62, 63], scope="sql")  # max_requests 3: "a", the oldest, goes
+    assert here.stats()["sql"]["requests"] == 3
+    assert {"b", "c"} <= here.cached_ids() and "a" not in here.cached_ids()
+    assert proposal(here, "q3", [50, 51], scope="sql") == [52, 53]
+    assert proposal(here, "q4", [40, 41], scope="sql") == []
+    here.begin("live", [1], "sql")
+    here.add_served("live", [70, 71, 72, 73], scope="sql")  # the same id active here: ignored
+    assert proposal(here, "q5", [70, 71], scope="sql") == []
+
+
+def test_an_engine_takes_outputs_served_elsewhere_into_its_suffix_tree(make_engine, draft_proposer, trunc_draft,
+                                                                      prompts, greedy_reference):
+    """Two engines (two replicas of one draft): outputs the first served, handed to the second with
+    add_served, are drafted there in full on the same prompts; an engine without a suffix tree
+    learns nothing from traffic."""
+    def controller():
+        return ControllerProposer(SuffixProposer(SuffixConfig(spec_factor=4.0)), NgramProposer(NgramConfig(max_n=2)),
+                                  draft_proposer(trunc_draft), probe_every=4)
+
+    a, b = make_engine(controller(), k=KPolicyConfig(k_max=6)), make_engine(controller(), k=KPolicyConfig(k_max=6))
+    assert a.learns_from_traffic and not make_engine(draft_proposer(trunc_draft)).learns_from_traffic
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for i, p in enumerate(prompts[:3]):
+        b.add_served(f"a{i}", a.generate(list(p), params, scope="s").token_ids, scope="s")
+    assert b.served_ids() == {"a0", "a1", "a2"}
+    steps = []
+    for p in prompts[:3]:
+        assert b.generate(list(p), params, scope="s", on_step=steps.append).token_ids == greedy_reference(p, 24, ignore_eos=True)
+    by_suffix = [s for s in steps if s.source == "suffix"]
+    assert sum(s.accepted for s in by_suffix) >= 0.5 * 3 * 24  # most of it drafted from the other engine's outputs
 
 
 def test_a_missing_backend_is_a_clear_message(monkeypatch):
