@@ -87,7 +87,7 @@ def _load_embedder(max_tokens: int, threads: int, quantize: bool):
 # -- the onnx backend ----------------------------------------------------------------------------
 
 #: Bump when the exported graph or the quantization recipe changes: old exports are then ignored.
-ONNX_FORMAT = 1
+ONNX_FORMAT = 2
 ONNX_OPSET = 17
 ONNX_FILE = "model.onnx"  # float32: BERT + mean pooling + L2 normalisation
 ONNX_INT8_FILE = "model.int8.onnx"  # its MatMul weights int8 per output channel, activations dynamic
@@ -247,13 +247,16 @@ def _quiet_root_logger():
 
 def _quantize_onnx(src: Path, dest: Path, threads: int, model_path: Path) -> None:
     """int8 weights (per output channel) for every MatMul with a constant operand; activations are
-    quantized per tensor at run time, so a text's result depends on its batch: run one at a time."""
+    quantized per tensor at run time, so a text's result depends on its batch: run one at a time.
+    Weights use 7 bits (``reduce_range``): on x86 CPUs without VNNI (AVX2 only) onnxruntime's
+    u8 x s8 kernel saturates its int16 sums with full-range weights (measured on an AVX2 EPYC: cosine
+    to float32 0.963 at worst over the test texts, 0.986 with 7 bits)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     def write(tmp: Path) -> None:
         with warnings.catch_warnings(), _quiet_root_logger():
             warnings.simplefilter("ignore")
-            quantize_dynamic(str(src), str(tmp), weight_type=QuantType.QInt8, per_channel=True,
+            quantize_dynamic(str(src), str(tmp), weight_type=QuantType.QInt8, per_channel=True, reduce_range=True,
                              op_types_to_quantize=["MatMul"])
         out = OnnxEmbedder(_session(tmp, threads), _tokenizer(str(model_path)), 32, one_at_a_time=True).encode(["a quick check"])
         if out.shape != (1, EMBED_DIM) or not np.isfinite(out).all():
