@@ -9,7 +9,11 @@
   (no proposer: the speed reference), ``lookup`` (prompt lookup), ``suffix`` (suffix trees over
   the stream served so far, learned online by construction) and ``controller`` (suffix tree,
   prompt lookup and the online-learned draft, chosen per step); their alpha counts every drafted
-  step, whichever proposer drafted it.
+  step, whichever proposer drafted it. ``suffix@R`` runs the suffix tree as R draft replicas hold
+  it: R trees, request i served by tree i mod R (round-robin, as Serve spreads requests), each
+  finished output handed to the other trees (``add_served``, as the draft pool shares it);
+  ``suffix-split@R`` the same without sharing (``drafts.share_outputs_s: 0``): each tree learns
+  from its 1/R of the traffic.
 * :func:`run_shift` - the same, with the stream ordered in domain blocks; offline drafts trained
   on the first 30/50/70/100% of the stream; block boundaries are reported.
 * :func:`plot` - alpha vs records processed, one line per method (block boundaries for shift).
@@ -108,11 +112,12 @@ def stream(
     label: str = "",
     sources: tuple[str, ...] = ("draft",),
     turns: int = 1,
+    replicas: _Replicas | None = None,
 ) -> dict:
     """Stream ``items`` through ``engine`` (greedy); with a learner, observe each request's record and
     train (subscriber: ``engine.swap_draft``). Alpha counts the steps ``sources`` drafted. With
-    ``turns`` > 1 every item is a conversation of that many requests. Returns per-request rows
-    and the window curves."""
+    ``turns`` > 1 every item is a conversation of that many requests; with ``replicas`` each
+    request is drafted by one replica's proposer. Returns per-request rows and the window curves."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
     subs = [engine.swap_draft] if engine.learned_draft is not None else []
     win: deque[tuple[int, int]] = deque(maxlen=window)
@@ -123,9 +128,13 @@ def stream(
     total = len(items) * turns  # requests
     for i, (prompt, domain, turn) in enumerate(requests, start=1):
         counted = SpecStats()
+        if replicas is not None:
+            replicas.route(i)
         rec, acc, prop, gen = serve_recorded(engine, prompt, params, domain=domain, draft_id=DRAFT_ID, sources=sources,
                                              stats=counted)
         requests.send(gen.text)  # the next turn of a conversation answers it
+        if replicas is not None:
+            replicas.finished(i, gen.token_ids, domain)
         draft = engine.learned_draft
         row = {"i": i, "domain": domain, "accepted": acc, "proposed": prop, "rejected": counted.rejected,
                "alpha": _alpha(acc, prop),
@@ -152,6 +161,35 @@ def stream(
                 log(f"[{label}] {i}/{total} {domain}: alpha {row['alpha'] if row['alpha'] is None else round(row['alpha'], 3)}"
                     f" window {a if a is None else round(a, 3)} (draft v{v}, {time.perf_counter() - t_start:.1f}s)")
     return {"rows": rows, "curve": curve, "domain_curves": dcurve}
+
+
+class _Replicas:
+    """R copies of a proposer that learns from traffic, as R draft replicas hold them: request i
+    is drafted by copy i mod R (round-robin), and with ``share`` its finished output reaches the
+    other copies before the next request (the draft pool broadcasts within ``drafts.share_outputs_s``)."""
+
+    def __init__(self, engine, proposers: list, share: bool):
+        self.engine, self.proposers, self.share = engine, proposers, share
+        engine.proposer = proposers[0]
+
+    def route(self, i: int) -> None:
+        self.engine.proposer = self.proposers[i % len(self.proposers)]
+
+    def finished(self, i: int, output: Sequence[int], scope: str) -> None:
+        if self.share:
+            for j, p in enumerate(self.proposers):
+                if j != i % len(self.proposers):
+                    p.add_served(f"request-{i}", output, scope)
+
+
+def _replicas_of(method: str) -> tuple[int, bool] | None:
+    """``suffix@R`` -> (R, shared), ``suffix-split@R`` -> (R, not shared); None for other methods."""
+    name, at, r = method.partition("@")
+    if name not in ("suffix", "suffix-split") or not at:
+        return None
+    if not r.isdigit() or int(r) < 1:
+        raise ValueError(f"unknown method {method!r} ({name}@<replicas >= 1>)")
+    return int(r), name == "suffix"
 
 
 #: follow-ups of a conversation's later turns (``turns`` > 1): what users and agent loops send next
@@ -281,10 +319,14 @@ def _run_methods(
             _force_k(engine, k)
         entry: dict[str, Any] = {"training_seconds": 0.0, "rounds": 0, "accepted_rounds": 0, "rejected_rounds": 0,
                                  "versions_published": 0}
-        learner = budget = None
+        learner = budget = replicas = None
         sources = LEARNED_SOURCES  # the learned draft's steps
         if m in PROPOSER_METHODS:
             engine.proposer = _method_proposer(m, engine)
+            sources = ANY_SOURCE
+        elif (rep := _replicas_of(m)) is not None:
+            replicas = _Replicas(engine, [_method_proposer("suffix", engine) for _ in range(rep[0])], share=rep[1])
+            entry["replicas"], entry["shared"] = rep
             sources = ANY_SOURCE
         if adaptive and engine.proposer is not None:
             engine.calibrate()
@@ -294,7 +336,7 @@ def _run_methods(
             trainer = DraftTrainer(DRAFT_ID, dp.runner.model, learner_cfg, keep_ids=dp.runner.vocab_map,
                                    target_head=engine.target.model.get_output_embeddings())  # read with prompt_positions
             learner = OnlineLearner(learner_cfg, ShardConfig(), [trainer], should_yield=budget)
-        elif m in PROPOSER_METHODS:
+        elif m in PROPOSER_METHODS or replicas is not None:
             pass
         elif m in offline_prompts:
             if getattr(_draft_of(engine).runner.model, "uses_features", False):
@@ -308,7 +350,8 @@ def _run_methods(
         elif m != "static":
             raise ValueError(f"unknown method {m!r}")
         res = stream(engine, items, max_tokens=max_tokens, learner=learner, budget=budget, eval_every=eval_every,
-                     window=window, ignore_eos=ignore_eos, log=log, label=m, sources=sources, turns=turns)
+                     window=window, ignore_eos=ignore_eos, log=log, label=m, sources=sources, turns=turns,
+                     replicas=replicas)
         if learner is not None:
             reps = learner.reports
             entry["training_seconds"] = sum(r.seconds for r in reps)
@@ -599,7 +642,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--eval-every", type=int, default=1)
         p.add_argument("--window", type=int, default=10, help="moving-window size (records)")
         p.add_argument("--methods", default=None,
-                       help="comma list (online default static,online,offline); also target, lookup, suffix, controller")
+                       help="comma list (online default static,online,offline); also target, lookup, suffix, controller, "
+                            "suffix@R (R replicas' trees sharing outputs), suffix-split@R (not sharing)")
         p.add_argument("--train-every", type=int, default=4)
         p.add_argument("--batch-records", type=int, default=16)
         p.add_argument("--steps-per-round", type=int, default=2)

@@ -164,6 +164,28 @@ def test_paired_gain_by_hand():
         paired_gain(res, "online")
 
 
+def test_suffix_trees_on_replicas_draft_what_another_replica_served_only_when_shared(factory):
+    """suffix@2: two replicas' trees, requests round-robin, each output handed to the other tree;
+    suffix-split@2: the same trees learning only their own requests. Each record comes twice in a
+    row, so its repeat lands on the other replica: only shared trees draft the first answer there."""
+    recs = [r for r in RECORDS[:3] for _ in range(2)]
+    res = run_online(factory, recs, LCFG, methods=("suffix@2", "suffix-split@2", "suffix"), max_tokens=12, k=4,
+                     window=3, ignore_eos=True, log=None)
+    ms = res["methods"]
+    assert (ms["suffix@2"]["replicas"], ms["suffix@2"]["shared"]) == (2, True)
+    assert (ms["suffix-split@2"]["replicas"], ms["suffix-split@2"]["shared"]) == (2, False)
+
+    def accepted(m):  # (first time, repeat) per record
+        rows = ms[m]["rows"]
+        return [(a["accepted"], b["accepted"]) for a, b in zip(rows[0::2], rows[1::2])]
+
+    assert all(rep <= first for first, rep in accepted("suffix-split@2"))  # its tree never saw the first answer
+    assert sum(rep for _, rep in accepted("suffix@2")) >= 0.5 * 3 * 12  # shared: drafted from it
+    assert accepted("suffix") == accepted("suffix@2")  # one tree over all traffic drafts the same
+    with pytest.raises(ValueError, match="suffix@<replicas"):
+        run_online(factory, recs, LCFG, methods=("suffix@x",), max_tokens=12, log=None)
+
+
 def test_other_proposers_as_methods_with_speed_and_conversations(factory):
     """target / lookup / suffix / controller run on the same stream; tokens/s and the speedup over
     target are reported; with turns = 2 each record is two requests, the second re-sending the
