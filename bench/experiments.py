@@ -10,8 +10,8 @@
   the stream served so far, learned online by construction) and ``controller`` (suffix tree,
   prompt lookup and the online-learned draft, chosen per step); their alpha counts every drafted
   step, whichever proposer drafted it. ``suffix@R`` runs the suffix tree as R draft replicas hold
-  it: R trees, request i served by tree i mod R (round-robin, as Serve spreads requests), each
-  finished output handed to the other trees (``add_served``, as the draft pool shares it);
+  it: R trees, each request drafted by one drawn at random (seeded), each finished output handed
+  to the other trees (``add_served``, as the draft pool shares it);
   ``suffix-split@R`` the same without sharing (``drafts.share_outputs_s: 0``): each tree learns
   from its 1/R of the traffic.
 * :func:`run_shift` - the same, with the stream ordered in domain blocks; offline drafts trained
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import statistics
 import sys
 import time
@@ -128,8 +129,7 @@ def stream(
     total = len(items) * turns  # requests
     for i, (prompt, domain, turn) in enumerate(requests, start=1):
         counted = SpecStats()
-        if replicas is not None:
-            replicas.route(i)
+        replica = replicas.route() if replicas is not None else None
         rec, acc, prop, gen = serve_recorded(engine, prompt, params, domain=domain, draft_id=DRAFT_ID, sources=sources,
                                              stats=counted)
         requests.send(gen.text)  # the next turn of a conversation answers it
@@ -140,6 +140,8 @@ def stream(
                "alpha": _alpha(acc, prop),
                "tokens": len(gen.token_ids), "seconds": gen.seconds, "turn": turn,
                "draft_version": int(draft.version) if draft is not None else 0}
+        if replica is not None:
+            row["replica"] = replica
         if learner is not None:
             learner.observe(rec)
             if budget is not None:
@@ -164,21 +166,26 @@ def stream(
 
 
 class _Replicas:
-    """R copies of a proposer that learns from traffic, as R draft replicas hold them: request i
-    is drafted by copy i mod R (round-robin), and with ``share`` its finished output reaches the
-    other copies before the next request (the draft pool broadcasts within ``drafts.share_outputs_s``)."""
+    """R copies of a proposer that learns from traffic, as R draft replicas hold them: each request
+    is drafted by a copy drawn at random (seeded, so shared and split runs draw the same), as
+    Serve's router spreads requests (round-robin would hand each replica whole domains of a stream
+    whose domains interleave); with ``share`` its finished output reaches the other copies before
+    the next request (the draft pool broadcasts within ``drafts.share_outputs_s``)."""
 
-    def __init__(self, engine, proposers: list, share: bool):
+    def __init__(self, engine, proposers: list, share: bool, seed: int = 0):
         self.engine, self.proposers, self.share = engine, proposers, share
+        self.rng, self.current = random.Random(seed), 0
         engine.proposer = proposers[0]
 
-    def route(self, i: int) -> None:
-        self.engine.proposer = self.proposers[i % len(self.proposers)]
+    def route(self) -> int:
+        self.current = self.rng.randrange(len(self.proposers))
+        self.engine.proposer = self.proposers[self.current]
+        return self.current
 
     def finished(self, i: int, output: Sequence[int], scope: str) -> None:
         if self.share:
             for j, p in enumerate(self.proposers):
-                if j != i % len(self.proposers):
+                if j != self.current:
                     p.add_served(f"request-{i}", output, scope)
 
 

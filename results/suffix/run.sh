@@ -24,9 +24,9 @@ case "${1:-all}" in
   feature-sql|all)  # E. the feature draft learning online on one domain: the 60 SQL prompts
     $X --domains sql --n 60 --max-tokens 48 --k 4 --methods online --draft-kind feature --window 10 --eval-every 2 \
        --json results/suffix/feature_sql.json ;;&
-  replicas|all)  # F. suffix trees on 2 and 4 draft replicas (requests round-robin), sharing outputs or not:
-    # A's 120 single-turn prompts, then B's conversations (consecutive turns land on different replicas)
-    $X --n 120 --max-tokens 48 --k 6 --methods suffix,suffix-split@2,suffix@2,suffix-split@4,suffix@4 --window 10 \
+  replicas|all)  # F. suffix trees on 2 and 4 draft replicas (each request to one drawn at random, seeded),
+    # sharing outputs or not: A's 120 single-turn prompts, then B's conversations
+    $X --n 120 --max-tokens 48 --k 6 --methods suffix,suffix-split@2,suffix@2,suffix-split@4 --window 10 \
        --eval-every 2 --json results/suffix/replicas.json
     $X --n 40 --turns 3 --max-tokens 48 --k 6 --methods suffix-split@2,suffix@2 --window 10 \
        --eval-every 2 --json results/suffix/replicas_turns.json ;;
