@@ -337,6 +337,15 @@ class RouterConfig(_Strict):
     #: new source of a topical domain (code, SQL, math) is best recognised by the classifier's
     #: direction, not by distance: measured by ``osd route --open`` (docs/routing.md). "*": all.
     open_domains: tuple[str, ...] = ("chat",)
+    #: the classifier also reads a TF-IDF of the character n-grams of the whole text beside the
+    #: embedding (a domain's symbols hold across its sources: docs/routing.md)
+    lexical: bool = True
+    #: records of general sources in the examples (``workloads.GENERAL_SOURCES``: ShareGPT's first
+    #: turns) train a background class, "none of the named domains", routed to clusters; False: left out
+    background: bool = True
+    #: background examples that a classifier of the named examples gives to a topical (not open)
+    #: domain with at least this probability are dropped (general traffic holds code, SQL, math)
+    background_filter: float = Field(default=0.5, gt=0.0, le=1.0)
     typical_k: int = Field(default=1, ge=1)  # typicality: mean similarity to this many nearest examples
     #: held-out in-domain queries called atypical (the threshold is this quantile of held-out scores)
     typical_quantile: float = Field(default=0.2, ge=0.0, lt=1.0)

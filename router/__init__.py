@@ -8,11 +8,11 @@ discovered by online clustering, and the choice of draft by observed acceptance.
 """
 
 from router.bandit import AcceptanceBandit
-from router.domains import Cluster, ClusterEvent, DomainClassifier, OnlineClusters
+from router.domains import BACKGROUND, Cluster, ClusterEvent, DomainClassifier, OnlineClusters
 from router.features import EMBED_DIM, UND, FeatureExtractor, QueryFeatures
 from router.router import GENERAL, UNKNOWN, DraftEvent, Route, Router
 
 __all__ = [
-    "AcceptanceBandit", "Cluster", "ClusterEvent", "DomainClassifier", "DraftEvent", "EMBED_DIM",
+    "AcceptanceBandit", "BACKGROUND", "Cluster", "ClusterEvent", "DomainClassifier", "DraftEvent", "EMBED_DIM",
     "FeatureExtractor", "GENERAL", "OnlineClusters", "QueryFeatures", "Route", "Router", "UND", "UNKNOWN",
 ]

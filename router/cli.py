@@ -74,6 +74,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="also train on the general sources (workloads.GENERAL_SOURCES: ShareGPT as 'chat'), as "
                         "routers did before; for comparison")
     p.add_argument("--typical-k", type=int, default=None, help="RouterConfig.typical_k")
+    p.add_argument("--lexical", action=argparse.BooleanOptionalAction, default=None,
+                   help="character n-gram features beside the embedding (RouterConfig.lexical)")
+    p.add_argument("--background", action=argparse.BooleanOptionalAction, default=None,
+                   help="the training file's general traffic as a background class (RouterConfig.background)")
+    p.add_argument("--background-filter", type=float, default=None, help="RouterConfig.background_filter")
     p.add_argument("--no-lang-prior", dest="lang_prior", action="store_false",
                    help="language id without the prior learned from the training file's lang labels")
     return p
@@ -130,20 +135,25 @@ def evaluate(args: argparse.Namespace) -> dict:
         overrides = {"mode": args.mode}
         if args.quantize is not None:
             overrides["quantize"] = args.quantize
-        for key in ("confidence_threshold", "max_tokens", "typical_quantile", "typical_k", "backend", "embed_cache"):
+        for key in ("confidence_threshold", "max_tokens", "typical_quantile", "typical_k", "backend", "embed_cache",
+                    "lexical", "background", "background_filter"):
             if getattr(args, key) is not None:
                 overrides[key] = getattr(args, key)
         if args.open_domains is not None:
             overrides["open_domains"] = tuple(d for d in args.open_domains.split(",") if d)
+        if args.keep_general:
+            overrides["background"] = False
         router = Router(RouterConfig(**overrides))
         banned = {r.text for f in [args.workload, *args.exclude] for r in load_workload(f)}
-        pool = named_for_routing(train_file, keep_general=args.keep_general)
+        pool = named_for_routing(train_file, keep_general=args.keep_general or router.cfg.background)
         train = [r for r in pool if r.text not in banned]
         t0 = time.perf_counter()
-        router.fit([r.text for r in train], [r.domain for r in train],
+        router.fit([r.text for r in train], [_label(r, args.keep_general) for r in train],
                    [r.lang for r in train] if args.lang_prior else None)
         report["train"] = {"file": args.train, "n": len(train), "excluded_as_in_workload": len(pool) - len(train),
-                           "domains": dict(Counter(r.domain for r in train)), "fit_s": time.perf_counter() - t0}
+                           "domains": dict(Counter(_label(r, args.keep_general) for r in train)),
+                           "background_dropped": router.classifier.background_dropped,
+                           "fit_s": time.perf_counter() - t0}
     cfg = router.cfg
     report["config"] = cfg.model_dump(mode="json")
 
@@ -174,7 +184,7 @@ def evaluate(args: argparse.Namespace) -> dict:
             "n": len(truth), "accuracy": float(accuracy_score(truth, pred)),
             "below_threshold": sum(x.confidence < cfg.confidence_threshold for x in routes if x.topic) / len(truth),
             "routed_to_domain": {d: sum(_outcome(x) == d for r, x in named if r.domain == d)
-                                 / max(1, sum(r.domain == d for r, _ in named)) for d in labels},
+                                 / max(1, sum(r.domain == d for r, _ in named)) for d in sorted(set(truth))},
             "general_to_clusters": (sum(_outcome(x) == "cluster" for r, x in zip(records, routes) if is_general(r))
                                     / max(1, sum(map(is_general, records)))),
             "per_label": {k: v for k, v in classification_report(truth, pred, labels=labels, output_dict=True,
@@ -212,6 +222,15 @@ def evaluate(args: argparse.Namespace) -> dict:
     return report
 
 
+def _label(record, keep_general: bool = False) -> str:
+    """The classifier's label of a training record: its domain, or the background for a record of
+    a general source (unless ``keep_general``: then its domain, as routers were trained before)."""
+    from router.domains import BACKGROUND
+    from workloads import is_general
+
+    return BACKGROUND if is_general(record) and not keep_general else record.domain
+
+
 def _outcome(route) -> str:
     """Where a route went: "cluster", "fallback", or the named domain (language variant dropped)."""
     if route.cluster is not None:
@@ -228,25 +247,34 @@ def open_set_report(cfg: RouterConfig, extractor, train: Sequence, workload: Seq
 
     from workloads import GENERAL_SOURCES, WorkloadRecord, is_general, named_for_routing
 
+    from router.domains import BACKGROUND
+
     named = sorted({r.domain for r in named_for_routing(train)})
     pool, seen = [], set()
     for r in named_for_routing([*train, *workload, *open_records], keep_general=keep_general):
         if r.domain in named and r.text not in seen:
             seen.add(r.text)
             pool.append(r)
+    # the background class (general traffic of the training file) is in every router's training;
+    # the general traffic of the workload is never trained on and judged like an unnamed kind
+    background = [] if keep_general or not cfg.background else [r for r in train if is_general(r)]
+    trained = {r.text for r in background}
     general = {} if keep_general else {r.text: WorkloadRecord(r.text, "general", r.lang, r.source)
-                                       for r in [*train, *workload] if is_general(r)}
+                                       for r in [*train, *workload] if is_general(r) and r.text not in trained}
     unnamed = [r for r in open_records if r.domain not in named and r.domain != "unknown"] + list(general.values())
-    feats = extractor.extract([r.text for r in pool + unnamed])
-    pf, uf = feats[: len(pool)], feats[len(pool):]
-    X = np.stack([f.embedding for f in pf])  # [pool, 384]
-    src = np.array([r.source.split(":")[0] for r in pool])
-    dom = np.array([r.domain for r in pool])
+    feats = extractor.extract([r.text for r in pool + unnamed + background])
+    pf, uf, bf = feats[: len(pool)], feats[len(pool): len(pool) + len(unnamed)], feats[len(pool) + len(unnamed):]
+    X = np.stack([f.embedding for f in pf + bf])  # [pool + background, 384]
+    src = np.array([r.source.split(":")[0] for r in pool] + ["background"] * len(bf))
+    dom = np.array([r.domain for r in pool] + [BACKGROUND] * len(bf))
+    texts = [f.text for f in pf + bf]
+    langs = [r.lang for r in pool + background]
 
     def routes_of(train_mask: np.ndarray, test: Sequence):
         router = Router(cfg, extractor)
         router.fit_embeddings(X[train_mask], dom[train_mask],
-                              [r.lang for r, m in zip(pool, train_mask) if m] if lang_prior else None)
+                              [lg for lg, m in zip(langs, train_mask) if m] if lang_prior else None,
+                              [t for t, m in zip(texts, train_mask) if m])
         return [_outcome(x) for x in router.route_features(test)]
 
     def share(outs: list[str], want: str) -> float:
@@ -264,13 +292,14 @@ def open_set_report(cfg: RouterConfig, extractor, train: Sequence, workload: Seq
     for d in named:
         outs = routes_of(dom != d, [f for f, m in zip(pf, dom == d) if m])
         lodo[d] = {"n": len(outs), "to_clusters": share(outs, "cluster"), "went": dict(Counter(outs))}
-    outs = routes_of(np.ones(len(pool), bool), uf)
+    outs = routes_of(np.ones(len(dom), bool), uf)
     kinds = sorted({r.domain for r in unnamed})
     per_kind = {k: {"n": sum(r.domain == k for r in unnamed),
                     "to_clusters": share([o for o, r in zip(outs, unnamed) if r.domain == k], "cluster"),
                     "went": dict(Counter(o for o, r in zip(outs, unnamed) if r.domain == k))} for k in kinds}
     return {
-        "pool": {"n": len(pool), "sources": {d: sorted(set(src[dom == d])) for d in named}},
+        "pool": {"n": len(pool), "sources": {d: sorted(set(src[dom == d])) for d in named},
+                 "background": len(background)},
         "loso": loso,
         "loso_min_recall": {d: min((v["recall"] for v in loso.values() if v["domain"] == d), default=None) for d in named},
         "lodo": lodo,

@@ -51,6 +51,7 @@ class QueryFeatures:
     lang: str  # ISO 639-1 code, or "und"
     lang_conf: float  # py3langid probability over the allowed languages; 0 for "und"
     empty: bool = False  # nothing left after stripping white space
+    text: str = ""  # the cleaned text (``clean_text``): the classifier's lexical features read it
 
 
 def clean_text(text: str, max_chars: int) -> str:
@@ -430,7 +431,7 @@ class FeatureExtractor:
     def extract(self, texts: Sequence[str]) -> list[QueryFeatures]:
         """Features of several queries (embeddings in batches)."""
         cleaned = [clean_text(t, self.cfg.max_chars) for t in texts]
-        return [QueryFeatures(emb, *self._language(t), empty=not t) for t, emb in zip(cleaned, self._embed(cleaned))]
+        return [QueryFeatures(emb, *self._language(t), empty=not t, text=t) for t, emb in zip(cleaned, self._embed(cleaned))]
 
     def __call__(self, text: str) -> QueryFeatures:
         return self.extract([text])[0]

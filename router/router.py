@@ -40,15 +40,15 @@ import numpy as np
 
 from config import RouterConfig
 from router.bandit import AcceptanceBandit
-from router.domains import DomainClassifier, OnlineClusters
-from router.features import UND, FeatureExtractor, QueryFeatures
+from router.domains import BACKGROUND, DomainClassifier, OnlineClusters
+from router.features import UND, FeatureExtractor, QueryFeatures, clean_text
 
 GENERAL = "general"  # the draft every query can fall back to; never retired
 #: RouterConfig fields that change how fast the router runs, not where it routes: a save made
 #: under other values of these loads (load_state)
 RUNTIME_FIELDS = {"threads", "embed_cache", "batch_size"}
 UNKNOWN = "unknown"  # domain of queries routed by a fallback
-_FORMAT = 2  # 2: the classifier keeps its examples and typicality thresholds
+_FORMAT = 3  # 2: the classifier keeps its examples and typicality thresholds; 3: lexical features, background
 log = logging.getLogger(__name__)
 
 
@@ -86,7 +86,8 @@ class Router:
     def __init__(self, cfg: RouterConfig = RouterConfig(), extractor: FeatureExtractor | None = None):
         self.cfg = cfg
         self.extractor = extractor if extractor is not None else FeatureExtractor(cfg)
-        self.classifier = DomainClassifier(cfg.classifier_c, cfg.seed, cfg.typical_k, cfg.typical_quantile)
+        self.classifier = DomainClassifier(cfg.classifier_c, cfg.seed, cfg.typical_k, cfg.typical_quantile,
+                                           lexical=cfg.lexical, background_filter=cfg.background_filter)
         self.clusters = OnlineClusters(cfg)
         self.bandit = AcceptanceBandit(cfg)
         self.drafts: dict[str, str | None] = {GENERAL: None}  # draft -> domain it serves (None: any)
@@ -97,14 +98,19 @@ class Router:
     # ------------------------------------------------------------------ training
 
     def fit(self, texts: Sequence[str], domains: Sequence[str], langs: Sequence[str] | None = None) -> "Router":
-        """Train the domain classifier on labelled examples; with ``langs``, also the language prior."""
-        return self.fit_embeddings(self.extractor.embed(texts), domains, langs)
+        """Train the domain classifier on labelled examples (``BACKGROUND`` for general traffic);
+        with ``langs``, also the language prior (on the named examples)."""
+        return self.fit_embeddings(self.extractor.embed(texts), domains, langs,
+                                   [clean_text(t, self.cfg.max_chars) for t in texts])
 
-    def fit_embeddings(self, X: np.ndarray, domains: Sequence[str], langs: Sequence[str] | None = None) -> "Router":
-        """``fit`` on embeddings X [n, 384] already computed."""
-        self.classifier.fit(X, domains)
+    def fit_embeddings(self, X: np.ndarray, domains: Sequence[str], langs: Sequence[str] | None = None,
+                       texts: Sequence[str] | None = None) -> "Router":
+        """``fit`` on embeddings X [n, 384] already computed (and the cleaned texts, for the lexical
+        features; without them the classifier reads embeddings only)."""
+        topical = sorted({d for d in domains if d != BACKGROUND and not self._open(d)})
+        self.classifier.fit(X, domains, texts, topical)
         if langs is not None:
-            self.extractor.fit_lang_prior(langs)
+            self.extractor.fit_lang_prior([lang for lang, d in zip(langs, domains) if d != BACKGROUND])
         return self
 
     # ------------------------------------------------------------------ routing
@@ -134,9 +140,9 @@ class Router:
         if self.cfg.mode == "clusters" or not self.classifier.fitted or not feats:
             return none, [0.0] * len(feats), none
         X = np.stack([f.embedding for f in feats])  # [n, 384]
-        labels, probs = self.classifier.predict(X)
+        labels, probs = self.classifier.predict(X, [f.text for f in feats])
         typ: list[float | None] = list(none)
-        rows = [i for i, lb in enumerate(labels) if self._open(lb)]
+        rows = [i for i, lb in enumerate(labels) if lb != BACKGROUND and self._open(lb)]
         if rows:
             for i, v in zip(rows, self.classifier.typicality(X[rows], [labels[i] for i in rows])):
                 typ[i] = float(v)
@@ -151,12 +157,14 @@ class Router:
         if f.lang == UND:
             return self._fallback(f, "fallback: empty text" if f.empty else "fallback: no letters")
         cluster, hint = None, None
-        confident = topic is not None and prob >= cfg.confidence_threshold
+        confident = topic is not None and topic != BACKGROUND and prob >= cfg.confidence_threshold
         if confident and (typ is None or self.classifier.typical(topic, typ)):
             domain, confidence, source = self.domain_key(topic, f.lang), prob, "classifier"
         elif cfg.mode == "supervised":
             if topic is None:
                 why = "no classifier"
+            elif topic == BACKGROUND:
+                why = "general traffic"
             elif not confident:
                 why = f"confidence {prob:.2f} < {cfg.confidence_threshold}"
             else:
@@ -165,7 +173,7 @@ class Router:
         else:
             c, confidence = self.clusters.assign(f.embedding, f.lang, self.t)
             domain, cluster, source = c.key, c.id, "cluster"
-            if topic is not None:
+            if topic is not None and topic != BACKGROUND:
                 hint = self.own_draft(self.domain_key(topic, f.lang))
         candidates = self.candidates(domain)
         if hint is not None and hint not in candidates:
@@ -341,11 +349,13 @@ class Router:
 
 def fit_examples(router: Router, path: str | os.PathLike) -> Router:
     """Fit ``router``'s classifier (and language prior) on the named-domain records of a workload
-    file (general sources left out: ``workloads.named_for_routing``)."""
-    from workloads import load_workload, named_for_routing
+    file; its records of general sources (``workloads.GENERAL_SOURCES``) are the background class
+    when ``RouterConfig.background``, else left out."""
+    from workloads import is_general, load_workload, named_for_routing
 
-    recs = named_for_routing(load_workload(path))
-    return router.fit([r.text for r in recs], [r.domain for r in recs], [r.lang for r in recs])
+    recs = named_for_routing(load_workload(path), keep_general=router.cfg.background)
+    domains = [BACKGROUND if is_general(r) else r.domain for r in recs]
+    return router.fit([r.text for r in recs], domains, [r.lang for r in recs])
 
 
 # ---------------------------------------------------------------------- state across restarts

