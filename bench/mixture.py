@@ -464,10 +464,13 @@ def run_mixture(
     stream = mixed_stream(records, n_per_label, seed)
     if not stream:
         raise ValueError("empty stream")
-    from workloads import named_for_routing
+    from router.domains import BACKGROUND
+    from workloads import is_general, named_for_routing
 
     in_stream = {r.text for r in stream}
-    train = [r for r in named_for_routing(train_records) if r.text not in in_stream]
+    # as a served router fits its examples (router.router.fit_examples): general traffic is the
+    # classifier's background class when the config says so, else left out
+    train = [r for r in named_for_routing(train_records, keep_general=router_cfg.background) if r.text not in in_stream]
     extractor = extractor if extractor is not None else FeatureExtractor(router_cfg)
     counts: dict[str, int] = {}
     for r in stream:
@@ -481,7 +484,7 @@ def run_mixture(
         if m != "single":
             router = Router(router_cfg.model_copy(update={"mode": m, "seed": seed}), extractor)
             if m == "supervised":
-                router.fit([r.text for r in train], [r.domain for r in train])
+                router.fit([r.text for r in train], [BACKGROUND if is_general(r) else r.domain for r in train])
         res[m] = _run_method(m, engine_factory, stream, learner_cfg, router, max_tokens=max_tokens, k=k,
                              window=window, log=log, controller=controller)
         if on_method is not None:  # e.g. write the JSON so far: a long run keeps what it measured

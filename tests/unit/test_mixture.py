@@ -44,12 +44,13 @@ def test_mixture_forks_per_domain_drafts_and_serves_every_record(target, make_en
     # chat in Spanish is its own mode, apart from chat in English
     stream = _recs(SQL[:6], "sql", "en", "") + _recs(EN[:6], "chat", "en", "") + _recs(ES[:6], "chat", "es", "")
     train = (_recs(SQL, "sql", "en", " (train)") + _recs(EN, "chat", "en", " (train)") + _recs(ES, "chat", "es", " (train)")
-             + stream[:2])  # overlap is dropped
+             + stream[:2]  # overlap is dropped
+             + [WorkloadRecord("Write an essay on the history of print.", "chat", "en", "sharegpt:1")])  # background
     lcfg = LearnerConfig(train_every=3, batch_records=4, steps_per_round=2, lr=1e-3, holdout_fraction=0.0, positions="all")
     rcfg = RouterConfig(spawn_min_records=3, spawn_window=20, spawn_alpha=1.0, spawn_min_tokens=1, min_cluster_size=2)
     res = run_mixture(factory, stream, train, lcfg, rcfg, n_per_label=6, max_tokens=6, k=3, window=4,
                       extractor=extractor, log=None)
-    assert res["labels"] == {"sql": 6, "chat/en": 6, "chat/es": 6} and res["train_records"] == 24
+    assert res["labels"] == {"sql": 6, "chat/en": 6, "chat/es": 6} and res["train_records"] == 25
     m = res["methods"]
     for e in m.values():
         assert [r["label"] for r in e["rows"]] == [label_of(r) for r in mixed_stream(stream, 6, 0)]
