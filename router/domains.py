@@ -177,11 +177,21 @@ class DomainClassifier:
     def predict(self, X: np.ndarray, texts: Sequence[str] | None = None) -> tuple[list[str], np.ndarray]:
         """Labels [n] (``BACKGROUND`` among them, if it was trained) and their probabilities [n] for
         embeddings X [n, d] and their texts (needed when fitted lexical)."""
+        return self.classify(X, texts)[:2]
+
+    def classify(self, X: np.ndarray, texts: Sequence[str] | None = None) -> tuple[list[str], np.ndarray, list[str]]:
+        """``predict``'s labels and probabilities, and the most probable *named* label of each
+        query [n] (the label itself where it is not the background)."""
         if self.model is None:
             raise RuntimeError("DomainClassifier.predict before fit")
         proba = self._proba(np.asarray(X, dtype=np.float32), texts)  # [n, n_classes]
+        classes = [str(c) for c in self.model.classes_]
         best = proba.argmax(axis=1)
-        return [str(self.model.classes_[i]) for i in best], proba[np.arange(len(best)), best]
+        named_proba = proba.copy()
+        if BACKGROUND in classes:
+            named_proba[:, classes.index(BACKGROUND)] = -1.0
+        return ([classes[i] for i in best], proba[np.arange(len(best)), best],
+                [classes[i] for i in named_proba.argmax(axis=1)])
 
     def save(self, path: str | Path) -> None:
         joblib.dump({"C": self.C, "seed": self.seed, "model": self.model, "typical_k": self.typical_k,

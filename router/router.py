@@ -2,9 +2,11 @@
 
 One ``route`` reads top to bottom:
 
-1. **features**: MiniLM embedding + language (``FeatureExtractor``); a text without letters
+1. **features**: MiniLM embedding + language (``FeatureExtractor``), and the cleaned text, whose
+   character n-grams the classifier reads beside the embedding; a text without letters
    (empty, emoji, digits) goes to the general draft.
-2. **domain**: the classifier's label when it is confident and, for an open-ended domain
+2. **domain**: the classifier's label when it is confident, is not the background class of
+   general traffic (``BACKGROUND``) and, for an open-ended domain
    (``open_domains``), the query is typical of the label's examples (``supervised`` / ``both``);
    else the query's online cluster (``clusters`` / ``both``); in ``supervised`` mode an unsure
    label falls back to the general draft. Named domains listed in ``lang_split_domains`` are split by
@@ -13,8 +15,9 @@ One ``route`` reads top to bottom:
 3. **draft**: among the general draft, the drafts bound to that domain and the unbound drafts,
    the ``AcceptanceBandit`` picks the best observed acceptance (Thompson sampling, a little
    exploration); a domain seen for the first time gets its own draft if it has one, else the
-   general draft. A query sent to a cluster although the classifier named a domain keeps that
-   domain's draft among its candidates: a discovered domain starts from the best named draft.
+   general draft. A query sent to a cluster keeps the draft of the named domain the classifier
+   found likeliest among its candidates (the label itself, or, for a query labelled general
+   traffic, the likeliest named label): a discovered domain starts from the best named draft.
 
 ``observe(route, accepted, proposed)`` feeds the engine's step results back. ``maintenance``
 (run after every routed query) expires noise and idle clusters and gives a draft to a busy
@@ -127,31 +130,33 @@ class Router:
 
     def route_features(self, feats: Sequence[QueryFeatures]) -> list[Route]:
         """``route_batch`` on features already extracted (evaluations embed a corpus once)."""
-        labels, probs, typ = self._classify(list(feats))
+        labels, probs, typ, named = self._classify(list(feats))
         routes = []
-        for f, topic, prob, t in zip(feats, labels, probs, typ):
-            routes.append(self._route_one(f, topic, prob, t))
+        for f, topic, prob, t, nearest in zip(feats, labels, probs, typ, named):
+            routes.append(self._route_one(f, topic, prob, t, nearest))
             self.maintenance()
         return routes
 
-    def _classify(self, feats: list[QueryFeatures]) -> tuple[list[str | None], list[float], list[float | None]]:
-        """Label, probability and typicality (None where not needed) of each query."""
+    def _classify(self, feats: list[QueryFeatures]) -> tuple[list, list[float], list[float | None], list]:
+        """Label, probability, typicality (None where not needed) and most probable named label
+        of each query."""
         none = [None] * len(feats)
         if self.cfg.mode == "clusters" or not self.classifier.fitted or not feats:
-            return none, [0.0] * len(feats), none
+            return none, [0.0] * len(feats), none, none
         X = np.stack([f.embedding for f in feats])  # [n, 384]
-        labels, probs = self.classifier.predict(X, [f.text for f in feats])
+        labels, probs, named = self.classifier.classify(X, [f.text for f in feats])
         typ: list[float | None] = list(none)
         rows = [i for i, lb in enumerate(labels) if lb != BACKGROUND and self._open(lb)]
         if rows:
             for i, v in zip(rows, self.classifier.typicality(X[rows], [labels[i] for i in rows])):
                 typ[i] = float(v)
-        return list(labels), [float(p) for p in probs], typ
+        return list(labels), [float(p) for p in probs], typ, named
 
     def _open(self, topic: str) -> bool:
         return "*" in self.cfg.open_domains or topic in self.cfg.open_domains
 
-    def _route_one(self, f: QueryFeatures, topic: str | None, prob: float, typ: float | None = None) -> Route:
+    def _route_one(self, f: QueryFeatures, topic: str | None, prob: float, typ: float | None = None,
+                   named: str | None = None) -> Route:
         self.t += 1
         cfg = self.cfg
         if f.lang == UND:
@@ -173,8 +178,8 @@ class Router:
         else:
             c, confidence = self.clusters.assign(f.embedding, f.lang, self.t)
             domain, cluster, source = c.key, c.id, "cluster"
-            if topic is not None and topic != BACKGROUND:
-                hint = self.own_draft(self.domain_key(topic, f.lang))
+            if named is not None:  # the classifier's label, or its likeliest named one for general traffic
+                hint = self.own_draft(self.domain_key(named, f.lang))
         candidates = self.candidates(domain)
         if hint is not None and hint not in candidates:
             candidates.append(hint)

@@ -85,6 +85,18 @@ def test_in_domain_chat_still_named(extractor, train):
     assert went["chat"] >= 0.7 * len(chat), went
 
 
+def test_general_traffic_goes_to_a_cluster_served_first_by_the_likeliest_named_draft(extractor):
+    """A query the classifier calls general traffic goes to its cluster, and the draft of the
+    named domain it is likeliest to be (here code) is its first candidate, as for an atypical
+    query: a code request that reads like a general one still starts from the code draft."""
+    router = Router(RouterConfig(), extractor)
+    router.register_draft("d:code", "code")
+    f = extractor.extract(["Write a function that reverses a string."])[0]
+    route = router._route_one(f, BACKGROUND, 0.9, None, "code")
+    assert route.cluster is not None and route.reason == "cluster" and route.draft_id == "d:code"
+    assert router._route_one(f, BACKGROUND, 0.9, None, "chat").draft_id == GENERAL  # chat has no draft here
+
+
 def test_a_cluster_keeps_the_named_draft_among_its_candidates(extractor, train, held_out):
     """A query the classifier calls chat but finds atypical goes to a cluster, served first by the
     chat draft (the bandit then compares it with the general draft by acceptance)."""
@@ -207,6 +219,8 @@ def test_background_examples_like_a_topical_domain_are_dropped():
     assert set(clf.thresholds) == {"chat", "code"}  # no typicality for the background
     labels, _ = clf.predict(np.concatenate([_cloud(rng, a, 50, 0.1), _cloud(rng, c, 50, 0.1)]))
     assert labels == ["code"] * 50 + [BACKGROUND] * 50
+    labels, _, named = clf.classify(_cloud(rng, c, 20, 0.1))
+    assert labels == [BACKGROUND] * 20 and named == ["chat"] * 20  # general requests nearest small talk
     kept_all = DomainClassifier().fit(X, y)  # nothing topical: every background example stays
     assert kept_all.background_dropped == 0
     assert np.mean(np.array(kept_all.predict(_cloud(rng, a, 50, 0.1))[0]) == "code") < 0.9
