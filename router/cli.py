@@ -310,11 +310,16 @@ def open_set_report(cfg: RouterConfig, extractor, train: Sequence, workload: Seq
 
 
 def _print(report: dict) -> None:
+    from router.domains import BACKGROUND
+
     lat = report["latency_ms"]
     if "train" in report:
         tr = report["train"]
+        n_bg = tr["domains"].get(BACKGROUND, 0)
         print(f"trained on {tr['n']} records of {tr['file']} ({tr['excluded_as_in_workload']} left out: "
-              f"in the evaluated workload) in {tr['fit_s']:.1f} s")
+              f"in the evaluated workload) in {tr['fit_s']:.1f} s"
+              + (f"; {n_bg} of general traffic as the background, {tr['background_dropped']} of them dropped "
+                 f"as code, SQL or math requests" if n_bg else ""))
     if "topic" in report:
         t = report["topic"]
         print(f"\ntopic accuracy {t['accuracy']:.3f} on {t['n']} records "

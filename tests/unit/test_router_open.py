@@ -7,6 +7,7 @@ is tested on synthetic embeddings, where the held-out rates are known."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -285,3 +286,27 @@ def test_the_router_deployment_fits_its_examples_at_start(train, held_out, tmp_p
     examples.write_text("")  # a saved router is reloaded, the examples not read again
     again = RouterServer(RouterConfig(mode="both", examples=str(examples)), state_dir=str(tmp_path / "state"))
     assert again.router.t == server.router.t and again.router.classifier.classes == ["chat", "code", "math", "sql"]
+
+
+def test_osd_route_trains_the_background_and_reports_it(extractor, train, tmp_path, capsys):
+    """``osd route`` end to end on small files: the training file's general traffic is the
+    background (never a text of the evaluated workload), and the report says how much of it was
+    kept; with --keep-general it is chat instead, as routers were trained before."""
+    from router.cli import main
+    from workloads import save_workload
+
+    wl = [r for r in load_workload(DATA / "workload.jsonl") if not r.source.startswith("sharegpt")][::12]
+    general = [r for r in load_workload(DATA / "router_train.jsonl") if r.source.startswith("sharegpt:")][:40]
+    save_workload(train[::4] + general + wl[:2], tmp_path / "train.jsonl")  # 2 workload texts: left out
+    save_workload(wl, tmp_path / "wl.jsonl")
+    args = ["--workload", str(tmp_path / "wl.jsonl"), "--train", str(tmp_path / "train.jsonl"), "--open", "none",
+            "--lang-corpus", "none", "--warmup", "2", "--json", str(tmp_path / "r.json")]
+    assert main(args) == 0
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["train"]["excluded_as_in_workload"] == 2 and rep["train"]["domains"][BACKGROUND] == 40
+    assert f"40 of general traffic as the background, {rep['train']['background_dropped']} of them dropped" in capsys.readouterr().out
+    assert set(rep["topic"]["routed_to_domain"]) == {r.domain for r in wl}  # the background is not a domain
+    assert main([*args, "--keep-general"]) == 0
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert BACKGROUND not in rep["train"]["domains"] and rep["train"]["domains"]["chat"] == sum(
+        r.domain == "chat" for r in train[::4] + general)
