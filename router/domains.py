@@ -122,6 +122,7 @@ class DomainClassifier:
         if len(set(y[named])) < 2:
             raise ValueError(f"a classifier needs at least two domains, got {sorted(set(y[named]))}")
         keep = np.ones(len(y), bool)
+        self.background_dropped = 0
         if (~named).any() and topical:
             first = self._logreg().fit(X[named], y[named])
             proba = first.predict_proba(X[~named])  # [n_background, n_named]
@@ -135,7 +136,10 @@ class DomainClassifier:
             texts = [t for t, k in zip(texts, keep) if k]
             self.vectorizer = TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 4), min_df=2, sublinear_tf=True,
                                               max_features=self.max_lexical_features, dtype=np.float32)
-            self.vectorizer.fit(texts)
+            try:
+                self.vectorizer.fit(texts)
+            except ValueError:  # no n-gram in two examples (a handful of tiny texts): embeddings only
+                self.vectorizer = None
         self.model = self._logreg().fit(self._features(X, texts), y)
         self.examples = {str(c): X[y == c] for c in self.model.classes_ if c != BACKGROUND}
         self.thresholds = {c: self._calibrate(ex) for c, ex in self.examples.items()}

@@ -184,6 +184,9 @@ def test_lexical_features_name_what_the_embedding_cannot_see():
     assert 0.2 < np.mean(np.array(plain.predict(Xf)[0]) == np.array(fresh)) < 0.8
     with pytest.raises(ValueError, match="texts"):
         lexical.predict(Xf)
+    # texts with no n-gram in two of them: the embeddings alone, no error
+    tiny = DomainClassifier(lexical=True).fit(X[:2], ["code", "math"], ["x", "y"])
+    assert tiny.vectorizer is None and tiny.predict(Xf[:1])[0][0] in ("code", "math")
     # the logits summed block by block are sklearn's own probabilities, with two classes and more
     three = DomainClassifier(lexical=True).fit(X, [k if i % 3 else "sql" for i, k in enumerate(kinds)], texts)
     for clf in (lexical, three):
