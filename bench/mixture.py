@@ -464,8 +464,8 @@ def run_mixture(
     stream = mixed_stream(records, n_per_label, seed)
     if not stream:
         raise ValueError("empty stream")
-    from router.domains import BACKGROUND
-    from workloads import is_general, named_for_routing
+    from router.router import training_label
+    from workloads import named_for_routing
 
     in_stream = {r.text for r in stream}
     # as a served router fits its examples (router.router.fit_examples): general traffic is the
@@ -484,7 +484,7 @@ def run_mixture(
         if m != "single":
             router = Router(router_cfg.model_copy(update={"mode": m, "seed": seed}), extractor)
             if m == "supervised":
-                router.fit([r.text for r in train], [BACKGROUND if is_general(r) else r.domain for r in train])
+                router.fit([r.text for r in train], [training_label(r) for r in train])
         res[m] = _run_method(m, engine_factory, stream, learner_cfg, router, max_tokens=max_tokens, k=k,
                              window=window, log=log, controller=controller)
         if on_method is not None:  # e.g. write the JSON so far: a long run keeps what it measured

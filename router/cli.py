@@ -123,7 +123,7 @@ def _chatterbot_corpus():
 
 
 def evaluate(args: argparse.Namespace) -> dict:
-    from router.router import Router
+    from router.router import Router, training_label
     from workloads import is_general, load_workload, named_for_routing
 
     records = load_workload(args.workload)
@@ -148,10 +148,10 @@ def evaluate(args: argparse.Namespace) -> dict:
         pool = named_for_routing(train_file, keep_general=args.keep_general or router.cfg.background)
         train = [r for r in pool if r.text not in banned]
         t0 = time.perf_counter()
-        router.fit([r.text for r in train], [_label(r, args.keep_general) for r in train],
+        router.fit([r.text for r in train], [training_label(r, args.keep_general) for r in train],
                    [r.lang for r in train] if args.lang_prior else None)
         report["train"] = {"file": args.train, "n": len(train), "excluded_as_in_workload": len(pool) - len(train),
-                           "domains": dict(Counter(_label(r, args.keep_general) for r in train)),
+                           "domains": dict(Counter(training_label(r, args.keep_general) for r in train)),
                            "background_dropped": router.classifier.background_dropped,
                            "fit_s": time.perf_counter() - t0}
     cfg = router.cfg
@@ -220,15 +220,6 @@ def evaluate(args: argparse.Namespace) -> dict:
     if args.save:
         router.save(args.save)
     return report
-
-
-def _label(record, keep_general: bool = False) -> str:
-    """The classifier's label of a training record: its domain, or the background for a record of
-    a general source (unless ``keep_general``: then its domain, as routers were trained before)."""
-    from router.domains import BACKGROUND
-    from workloads import is_general
-
-    return BACKGROUND if is_general(record) and not keep_general else record.domain
 
 
 def _outcome(route) -> str:

@@ -86,12 +86,16 @@ class DomainClassifier:
     def _logreg(self) -> LogisticRegression:
         return LogisticRegression(C=self.C, max_iter=2000, class_weight="balanced", random_state=self.seed)
 
+    @staticmethod
+    def _check_texts(X: np.ndarray, texts: Sequence[str] | None) -> None:
+        if texts is None or len(texts) != len(X):
+            raise ValueError("this classifier reads the texts too (lexical): pass one text per embedding")
+
     def _features(self, X: np.ndarray, texts: Sequence[str] | None):
         """[n, d] embeddings, with the TF-IDF of ``texts`` beside them when fitted lexical."""
         if self.vectorizer is None:
             return X
-        if texts is None or len(texts) != len(X):
-            raise ValueError("this classifier reads the texts too (lexical): pass one text per embedding")
+        self._check_texts(X, texts)
         return sparse.hstack([sparse.csr_matrix(X), self.vectorizer.transform(texts)]).tocsr()
 
     def _proba(self, X: np.ndarray, texts: Sequence[str] | None) -> np.ndarray:
@@ -101,8 +105,7 @@ class DomainClassifier:
         of the time on one query."""
         if self.vectorizer is None:
             return self.model.predict_proba(X)
-        if texts is None or len(texts) != len(X):
-            raise ValueError("this classifier reads the texts too (lexical): pass one text per embedding")
+        self._check_texts(X, texts)
         d, W = X.shape[1], self.model.coef_  # [n_classes or 1, d + vocabulary]
         z = X @ W[:, :d].T + np.asarray(self.vectorizer.transform(texts) @ W[:, d:].T) + self.model.intercept_
         if W.shape[0] == 1:  # two classes: one logit, for classes_[1]

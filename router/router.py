@@ -352,15 +352,23 @@ class Router:
         return self
 
 
+def training_label(record, keep_general: bool = False) -> str:
+    """The classifier's label of a labelled record: its domain, or ``BACKGROUND`` for a record of
+    a general source (``workloads.GENERAL_SOURCES``; with ``keep_general``, its domain, as routers
+    were trained before the background class)."""
+    from workloads import is_general
+
+    return BACKGROUND if is_general(record) and not keep_general else record.domain
+
+
 def fit_examples(router: Router, path: str | os.PathLike) -> Router:
     """Fit ``router``'s classifier (and language prior) on the named-domain records of a workload
     file; its records of general sources (``workloads.GENERAL_SOURCES``) are the background class
     when ``RouterConfig.background``, else left out."""
-    from workloads import is_general, load_workload, named_for_routing
+    from workloads import load_workload, named_for_routing
 
     recs = named_for_routing(load_workload(path), keep_general=router.cfg.background)
-    domains = [BACKGROUND if is_general(r) else r.domain for r in recs]
-    return router.fit([r.text for r in recs], domains, [r.lang for r in recs])
+    return router.fit([r.text for r in recs], [training_label(r) for r in recs], [r.lang for r in recs])
 
 
 # ---------------------------------------------------------------------- state across restarts
