@@ -346,6 +346,11 @@ class RouterConfig(_Strict):
     #: background examples that a classifier of the named examples gives to a topical (not open)
     #: domain with at least this probability are dropped (general traffic holds code, SQL, math)
     background_filter: float = Field(default=0.5, gt=0.0, le=1.0)
+    #: n-grams first: a second logistic regression reads the character n-grams alone (about 1 ms),
+    #: and a query it gives to a topical (not open) domain with at least this probability is routed
+    #: there without being embedded (the embedding is ~90% of a query's time); None: every query is
+    #: embedded. Measured by ``osd route`` (docs/routing.md): the same routes on the held-out sets.
+    lexical_gate: float | None = Field(default=0.9, gt=0.5, le=1.0)
     typical_k: int = Field(default=1, ge=1)  # typicality: mean similarity to this many nearest examples
     #: held-out in-domain queries called atypical (the threshold is this quantile of held-out scores)
     typical_quantile: float = Field(default=0.2, ge=0.0, lt=1.0)

@@ -79,6 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--background", action=argparse.BooleanOptionalAction, default=None,
                    help="the training file's general traffic as a background class (RouterConfig.background)")
     p.add_argument("--background-filter", type=float, default=None, help="RouterConfig.background_filter")
+    p.add_argument("--lexical-gate", type=float, default=None,
+                   help="RouterConfig.lexical_gate: route without embedding a query whose n-grams alone give a "
+                        "topical domain this probability; 0: embed every query")
     p.add_argument("--no-lang-prior", dest="lang_prior", action="store_false",
                    help="language id without the prior learned from the training file's lang labels")
     return p
@@ -143,6 +146,8 @@ def evaluate(args: argparse.Namespace) -> dict:
             overrides["open_domains"] = tuple(d for d in args.open_domains.split(",") if d)
         if args.keep_general:
             overrides["background"] = False
+        if args.lexical_gate is not None:
+            overrides["lexical_gate"] = args.lexical_gate or None
         router = Router(RouterConfig(**overrides))
         banned = {r.text for f in [args.workload, *args.exclude] for r in load_workload(f)}
         pool = named_for_routing(train_file, keep_general=args.keep_general or router.cfg.background)
@@ -170,8 +175,12 @@ def evaluate(args: argparse.Namespace) -> dict:
     router.extractor.clear_cache()
     t0 = time.perf_counter()
     router.extractor.extract([r.text for r in records])
+    gated = [x.reason == "classifier: n-grams" for x in routes]  # routed on their n-grams, not embedded
     report["latency_ms"] = {**_percentiles(ms),
-                            "batched_features_per_query": (time.perf_counter() - t0) * 1e3 / max(len(records), 1)}
+                            "batched_features_per_query": (time.perf_counter() - t0) * 1e3 / max(len(records), 1),
+                            "not_embedded": sum(gated) / max(len(routes), 1),
+                            "embedded": _percentiles([m for m, g in zip(ms, gated) if not g]),
+                            "on_ngrams": _percentiles([m for m, g in zip(ms, gated) if g])}
 
     # topic: the classifier's label (also where it was unsure) against `domain`
     named = [(r, x) for r, x in zip(records, routes) if r.domain != "unknown" and not is_general(r)]
@@ -327,6 +336,9 @@ def _print(report: dict) -> None:
                 print("  most common errors: " + ", ".join(f"{k} x{v}" for k, v in list(s["errors"].items())[:8]))
     print(f"\nrouter latency per query: p50 {lat['p50']:.1f} ms, p90 {lat['p90']:.1f} ms, p99 {lat['p99']:.1f} ms "
           f"(n={lat['n']}); batched features {lat['batched_features_per_query']:.1f} ms per query")
+    for name, part in (("embedded", lat.get("embedded")), ("routed on their n-grams, not embedded", lat.get("on_ngrams"))):
+        if part and part["n"]:
+            print(f"  {name}: {part['n']} queries, p50 {part['p50']:.1f} ms, p90 {part['p90']:.1f} ms")
     cfg, cache = report["config"], report["embed_cache"]
     print(f"embedder: backend {cfg['backend']}, quantize {cfg['quantize']}, {cfg['threads']} thread(s); embedding "
           f"cache {cache['max']} entries: {cache['hits']} hits, {cache['misses']} misses while routing")

@@ -52,6 +52,7 @@ class QueryFeatures:
     lang_conf: float  # py3langid probability over the allowed languages; 0 for "und"
     empty: bool = False  # nothing left after stripping white space
     text: str = ""  # the cleaned text (``clean_text``): the classifier's lexical features read it
+    embedded: bool = True  # False: not embedded (``extract(embed=...)``), ``embedding`` is zeros
 
 
 def clean_text(text: str, max_chars: int) -> str:
@@ -428,10 +429,23 @@ class FeatureExtractor:
         computed once."""
         return self._embed([clean_text(t, self.cfg.max_chars) for t in texts])
 
-    def extract(self, texts: Sequence[str]) -> list[QueryFeatures]:
-        """Features of several queries (embeddings in batches)."""
-        cleaned = [clean_text(t, self.cfg.max_chars) for t in texts]
-        return [QueryFeatures(emb, *self._language(t), empty=not t, text=t) for t, emb in zip(cleaned, self._embed(cleaned))]
+    def clean(self, text: str) -> str:
+        """The text as the features see it (``clean_text`` at ``max_chars``)."""
+        return clean_text(text, self.cfg.max_chars)
+
+    def extract(self, texts: Sequence[str], embed: Sequence[bool] | None = None) -> list[QueryFeatures]:
+        """Features of several queries (embeddings in batches); with ``embed`` [n], only the
+        texts marked True are embedded (the others get zeros and ``embedded=False``)."""
+        cleaned = [self.clean(t) for t in texts]
+        want = [True] * len(cleaned) if embed is None else [bool(e) for e in embed]
+        if len(want) != len(cleaned):
+            raise ValueError(f"embed has {len(want)} flags for {len(cleaned)} texts")
+        vecs = np.zeros((len(cleaned), EMBED_DIM), dtype=np.float32)  # [n, 384]
+        rows = [i for i, w in enumerate(want) if w]
+        if rows:
+            vecs[rows] = self._embed([cleaned[i] for i in rows])
+        return [QueryFeatures(emb, *self._language(t), empty=not t, text=t, embedded=w)
+                for t, emb, w in zip(cleaned, vecs, want)]
 
     def __call__(self, text: str) -> QueryFeatures:
         return self.extract([text])[0]

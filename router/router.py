@@ -4,7 +4,9 @@ One ``route`` reads top to bottom:
 
 1. **features**: MiniLM embedding + language (``FeatureExtractor``), and the cleaned text, whose
    character n-grams the classifier reads beside the embedding; a text without letters
-   (empty, emoji, digits) goes to the general draft.
+   (empty, emoji, digits) goes to the general draft. A query whose n-grams alone name a topical
+   domain with probability >= ``lexical_gate`` is not embedded: it goes to that domain (reason
+   ``classifier: n-grams``).
 2. **domain**: the classifier's label when it is confident, is not the background class of
    general traffic (``BACKGROUND``) and, for an open-ended domain
    (``open_domains``), the query is typical of the label's examples (``supervised`` / ``both``);
@@ -63,7 +65,7 @@ class Route:
     lang: str  # ISO 639-1 code or "und"
     draft_id: str
     confidence: float  # classifier probability, or cosine similarity to the cluster (0: new cluster)
-    reason: str  # "classifier" | "cluster" | "bandit-explore" | "fallback: ..."
+    reason: str  # "classifier" | "classifier: n-grams" | "cluster" | "bandit-explore" | "fallback: ..."
     topic: str | None = None  # the classifier's label, when it ran (even if unsure)
     cluster: int | None = None
     lang_conf: float = 0.0
@@ -124,39 +126,65 @@ class Router:
     def route_batch(self, texts: Sequence[str]) -> list[Route]:
         """Route several queries with one batched embedding pass; in order, as ``route`` would."""
         start = time.perf_counter()
-        routes = self.route_features(self.extractor.extract(texts))
+        sure = self._sure([self.extractor.clean(t) for t in texts])
+        feats = self.extractor.extract(texts, embed=[s is None for s in sure[0]])  # the gated ones are not embedded
+        routes = self._route_all(feats, sure)
         per_query_ms = (time.perf_counter() - start) * 1e3 / max(len(texts), 1)
         return [replace(r, latency_ms=per_query_ms) for r in routes]
 
     def route_features(self, feats: Sequence[QueryFeatures]) -> list[Route]:
-        """``route_batch`` on features already extracted (evaluations embed a corpus once)."""
-        labels, probs, typ, named = self._classify(list(feats))
+        """``route_batch`` on features already extracted (evaluations embed a corpus once): the
+        same routes, the gated queries' embeddings unused."""
+        feats = list(feats)
+        return self._route_all(feats, self._sure([f.text for f in feats]))
+
+    def _sure(self, texts: Sequence[str]) -> tuple[list[str | None], np.ndarray]:
+        """The n-gram gate: for each cleaned text [n], the topical (not open) label the n-grams
+        alone give it with probability >= ``lexical_gate`` (and >= ``confidence_threshold``: a gated
+        query is always routed by its label, never needs its embedding), else None; and that
+        probability [n]."""
+        cfg = self.cfg
+        if cfg.lexical_gate is None or cfg.mode == "clusters" or not self.classifier.fitted:
+            return [None] * len(texts), np.zeros(len(texts))
+        topical = [c for c in self.classifier.classes if not self._open(c)]
+        return self.classifier.sure(texts, max(cfg.lexical_gate, cfg.confidence_threshold), topical)
+
+    def _route_all(self, feats: list[QueryFeatures], sure: tuple[list[str | None], np.ndarray]) -> list[Route]:
+        labels, probs, typ, named = self._classify(feats, sure)
         routes = []
-        for f, topic, prob, t, nearest in zip(feats, labels, probs, typ, named):
-            routes.append(self._route_one(f, topic, prob, t, nearest))
+        for f, topic, prob, t, nearest, g in zip(feats, labels, probs, typ, named, sure[0]):
+            routes.append(self._route_one(f, topic, prob, t, nearest, gated=g is not None))
             self.maintenance()
         return routes
 
-    def _classify(self, feats: list[QueryFeatures]) -> tuple[list, list[float], list[float | None], list]:
+    def _classify(self, feats: list[QueryFeatures], sure: tuple[list[str | None], np.ndarray]
+                  ) -> tuple[list, list[float], list[float | None], list]:
         """Label, probability, typicality (None where not needed) and most probable named label
-        of each query."""
-        none = [None] * len(feats)
+        of each query: the n-gram gate's (``sure``) where it named one, else the classifier's."""
+        n = len(feats)
         if self.cfg.mode == "clusters" or not self.classifier.fitted or not feats:
-            return none, [0.0] * len(feats), none, none
-        X = np.stack([f.embedding for f in feats])  # [n, 384]
-        labels, probs, named = self.classifier.classify(X, [f.text for f in feats])
-        typ: list[float | None] = list(none)
-        rows = [i for i, lb in enumerate(labels) if lb != BACKGROUND and self._open(lb)]
-        if rows:
-            for i, v in zip(rows, self.classifier.typicality(X[rows], [labels[i] for i in rows])):
-                typ[i] = float(v)
-        return list(labels), [float(p) for p in probs], typ, named
+            return [None] * n, [0.0] * n, [None] * n, [None] * n
+        gated, gated_p = sure
+        labels, named = list(gated), list(gated)
+        probs = [float(p) if g is not None else 0.0 for g, p in zip(gated, gated_p)]
+        typ: list[float | None] = [None] * n
+        rest = [i for i in range(n) if gated[i] is None]
+        if rest:
+            X = np.stack([feats[i].embedding for i in rest])  # [len(rest), 384]
+            lab, prob, near = self.classifier.classify(X, [feats[i].text for i in rest])
+            for j, i in enumerate(rest):
+                labels[i], probs[i], named[i] = lab[j], float(prob[j]), near[j]
+            rows = [j for j, lb in enumerate(lab) if lb != BACKGROUND and self._open(lb)]
+            if rows:
+                for j, v in zip(rows, self.classifier.typicality(X[rows], [lab[j] for j in rows])):
+                    typ[rest[j]] = float(v)
+        return labels, probs, typ, named
 
     def _open(self, topic: str) -> bool:
         return "*" in self.cfg.open_domains or topic in self.cfg.open_domains
 
     def _route_one(self, f: QueryFeatures, topic: str | None, prob: float, typ: float | None = None,
-                   named: str | None = None) -> Route:
+                   named: str | None = None, gated: bool = False) -> Route:
         self.t += 1
         cfg = self.cfg
         if f.lang == UND:
@@ -164,7 +192,7 @@ class Router:
         cluster, hint = None, None
         confident = topic is not None and topic != BACKGROUND and prob >= cfg.confidence_threshold
         if confident and (typ is None or self.classifier.typical(topic, typ)):
-            domain, confidence, source = self.domain_key(topic, f.lang), prob, "classifier"
+            domain, confidence, source = self.domain_key(topic, f.lang), prob, "classifier: n-grams" if gated else "classifier"
         elif cfg.mode == "supervised":
             if topic is None:
                 why = "no classifier"

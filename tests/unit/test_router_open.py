@@ -124,6 +124,7 @@ def test_classifier_state_round_trips(extractor, train, tmp_path):
     router.save(tmp_path / "r")
     loaded = Router.load(tmp_path / "r", extractor)
     assert loaded.classifier.thresholds == router.classifier.thresholds
+    assert loaded.classifier.lexical_model is not None  # the n-gram gate comes back with it
     texts = ["What did Einstein mean by this?", "SELECT name FROM singer", "Hello, how are you?"]
     assert [x.domain for x in loaded.route_batch(texts)] == [x.domain for x in router.route_batch(texts)]
 
@@ -206,6 +207,47 @@ def test_the_router_classifies_the_text_it_routes(extractor, train, held_out):
     blank = router.route_features([replace(f, text="") for f in feats])
     assert all(x.topic == "sql" for x in with_text)
     assert all(abs(x.confidence - b.confidence) > 1e-3 for x, b in zip(with_text, blank))
+
+
+def test_the_ngram_model_is_sure_only_of_the_labels_asked_for_above_the_threshold():
+    """``sure``: the n-gram model's label where it is one of ``labels`` at >= ``threshold``, else None."""
+    rng = np.random.default_rng(2)
+    kinds = ["code", "math", "chat"] * 60
+    texts = [{"code": "def f(x): return x[::-1]  # reverse", "math": "Let $x = \\frac{1}{2}$, find $x^2$",
+              "chat": "hello there, how are you doing today"}[k] + f" {rng.integers(1000)}" for k in kinds]
+    X = _cloud(rng, np.eye(16)[0], len(kinds), 0.5)
+    clf = DomainClassifier(lexical=True).fit(X, kinds, texts)
+    probe = ["def g(y): return y[::-1]", "Let $y = \\frac{3}{4}$, find $y^2$", "hello, how are you today", "zzzz"]
+    labels, p = clf.sure(probe, 0.9, ["code", "math"])
+    assert labels[:3] == ["code", "math", None] and p[2] >= 0.9  # chat is sure, but not asked for
+    assert clf.sure(probe, 0.999999, ["code", "math"])[0] == [None] * 4
+    assert DomainClassifier(lexical=False).fit(X, kinds, texts).sure(probe, 0.9, ["code"])[0] == [None] * 4
+
+
+def test_the_ngram_gate_routes_clear_topical_queries_without_embedding_them(extractor, train, held_out):
+    """Unseen code, SQL and math queries, and unnamed kinds and chat: the queries whose n-grams alone are sure of
+    a topical domain are routed there unembedded (the embedder is asked for the others only), to the
+    same domain the router without the gate gives them; nothing unnamed, and no chat, is gated;
+    ``route_features`` on the full features takes the same decisions as ``route_batch``."""
+    topical = held_out["codeio"] + held_out["gsm-symbolic"] + held_out["dbgpt-example"] + held_out["humaneval"]
+    other = held_out["quotes"] + held_out["verne-2889"] + held_out["alice"]
+    texts = [r.text for r in topical + other]
+    gate = _router(extractor, train)
+    assert gate.cfg.lexical_gate == 0.9
+    before = extractor.cache_info()
+    routes = gate.route_batch(texts)
+    after = extractor.cache_info()
+    gated = [x.reason == "classifier: n-grams" for x in routes]
+    asked = after["hits"] + after["misses"] - before["hits"] - before["misses"]
+    assert asked == len(texts) - sum(gated)
+    assert sum(gated[: len(topical)]) >= 12 and not any(gated[len(topical):]), gated
+    assert all(x.confidence >= 0.9 and x.domain in ("code", "sql", "math") for x, g in zip(routes, gated) if g)
+    plain = _router(extractor, train, lexical_gate=None)
+    ungated = plain.route_batch(texts)
+    assert all(x.reason != "classifier: n-grams" for x in ungated)
+    assert [x.domain for x, g in zip(routes, gated) if g] == [x.domain for x, g in zip(ungated, gated) if g]
+    again = _router(extractor, train).route_features(extractor.extract(texts))
+    assert [(x.domain, x.reason) for x in again] == [(x.domain, x.reason) for x in routes]
 
 
 def test_background_examples_like_a_topical_domain_are_dropped():

@@ -32,14 +32,18 @@ def synthetic(mode: str, i: int) -> np.ndarray:
 class StubExtractor:
     """``"<lang> <mode> <i>"`` -> synthetic features; ``""`` -> empty."""
 
-    def extract(self, texts):
+    def clean(self, text):
+        return text.strip()
+
+    def extract(self, texts, embed=None):
         out = []
-        for t in texts:
+        for t, e in zip(texts, embed if embed is not None else [True] * len(texts)):
             if not t.strip():
                 out.append(QueryFeatures(np.zeros(D, np.float32), "und", 0.0, empty=True))
                 continue
             lang, mode, i = t.split()
-            out.append(QueryFeatures(synthetic(mode, int(i)), lang, 0.99))
+            out.append(QueryFeatures(synthetic(mode, int(i)) if e else np.zeros(D, np.float32), lang, 0.99,
+                                     text=t.strip(), embedded=e))
         return out
 
     def embed(self, texts):
