@@ -349,7 +349,8 @@ class RouterConfig(_Strict):
     #: n-grams first: a second logistic regression reads the character n-grams alone (about 1 ms),
     #: and a query it gives to a topical (not open) domain with at least this probability is routed
     #: there without being embedded (the embedding is ~90% of a query's time); None: every query is
-    #: embedded. Measured by ``osd route`` (docs/routing.md): the same routes on the held-out sets.
+    #: embedded. ``osd route`` (docs/routing.md): p50 12.9 -> 2.4 ms on the workload (68% not
+    #: embedded); on the held-out sets only CodeI/O 0.59 -> 0.67 and left-out chat to clusters 0.86 -> 0.84 move.
     lexical_gate: float | None = Field(default=0.9, gt=0.5, le=1.0)
     typical_k: int = Field(default=1, ge=1)  # typicality: mean similarity to this many nearest examples
     #: held-out in-domain queries called atypical (the threshold is this quantile of held-out scores)
