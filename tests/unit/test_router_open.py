@@ -245,9 +245,18 @@ def test_the_ngram_gate_routes_clear_topical_queries_without_embedding_them(extr
     plain = _router(extractor, train, lexical_gate=None)
     ungated = plain.route_batch(texts)
     assert all(x.reason != "classifier: n-grams" for x in ungated)
-    assert [x.domain for x, g in zip(routes, gated) if g] == [x.domain for x, g in zip(ungated, gated) if g]
+    assert [_outcome(x) for x in routes] == [_outcome(x) for x in ungated]  # gated or not, every query
     again = _router(extractor, train).route_features(extractor.extract(texts))
     assert [(x.domain, x.reason) for x in again] == [(x.domain, x.reason) for x in routes]
+    # a gated query is routed by its label, so the gate is never below the confidence threshold
+    strict_router = _router(extractor, train, confidence_threshold=0.99)
+    before = extractor.cache_info()
+    strict = strict_router.route_batch(texts)
+    after = extractor.cache_info()
+    strict_gated = sum(x.reason == "classifier: n-grams" for x in strict)
+    assert after["hits"] + after["misses"] - before["hits"] - before["misses"] == len(texts) - strict_gated
+    assert all(x.confidence >= 0.99 for x in strict if x.reason == "classifier: n-grams")
+    assert strict_gated < sum(gated)
 
 
 def test_background_examples_like_a_topical_domain_are_dropped():
