@@ -3,10 +3,10 @@
 One ``route`` reads top to bottom:
 
 1. **features**: MiniLM embedding + language (``FeatureExtractor``), and the cleaned text, whose
-   character n-grams the classifier reads beside the embedding; a text without letters
-   (empty, emoji, digits) goes to the general draft. A query whose n-grams alone name a topical
-   domain with probability >= ``lexical_gate`` is not embedded: it goes to that domain (reason
-   ``classifier: n-grams``).
+   character n-grams the classifier reads beside the embedding. A query whose n-grams alone name a
+   topical domain with probability >= ``lexical_gate`` is not embedded: it goes to that domain
+   (reason ``classifier: n-grams``), letters or not (``$54-30=$`` is math); any other text without
+   letters (empty, emoji, digits) goes to the general draft.
 2. **domain**: the classifier's label when it is confident, is not the background class of
    general traffic (``BACKGROUND``) and, for an open-ended domain
    (``open_domains``), the query is typical of the label's examples (``supervised`` / ``both``);
@@ -187,7 +187,7 @@ class Router:
                    named: str | None = None, gated: bool = False) -> Route:
         self.t += 1
         cfg = self.cfg
-        if f.lang == UND:
+        if f.lang == UND and not gated:  # a gated one is routed by its n-grams, which it has
             return self._fallback(f, "fallback: empty text" if f.empty else "fallback: no letters")
         cluster, hint = None, None
         confident = topic is not None and topic != BACKGROUND and prob >= cfg.confidence_threshold

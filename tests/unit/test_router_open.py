@@ -259,6 +259,22 @@ def test_the_ngram_gate_routes_clear_topical_queries_without_embedding_them(extr
     assert strict_gated < sum(gated)
 
 
+def test_arithmetic_without_letters_goes_to_math_when_its_ngrams_are_sure(extractor, train):
+    """A text without letters falls back to the general draft, unless the n-gram gate is sure of a
+    topical domain: LaTeX arithmetic drills (mathgenerator, trained on; the routed ones unseen) are
+    math, digits or emoji alone are not."""
+    mathgen = [r for r in load_workload(DATA / "router_train.jsonl") if r.source.startswith("mathgenerator")]
+    drills = [r for r in mathgen if not any(c.isalpha() for c in r.text)]
+    assert len(drills) >= 5
+    router = _router(extractor, train + mathgen[:PER_SOURCE] + drills)
+    fresh = [r.text for r in load_workload(DATA / "open.jsonl") if not any(c.isalpha() for c in r.text)]
+    routes = router.route_batch(fresh)
+    assert sum(x.domain == "math" and x.reason == "classifier: n-grams" and x.lang == "und" for x in routes) >= 3, routes
+    others = router.route_batch(["12345", "\U0001f642\U0001f642", "", "!!!"])
+    assert [x.reason for x in others] == ["fallback: no letters"] * 2 + ["fallback: empty text", "fallback: no letters"]
+    assert all(x.draft_id == GENERAL for x in others)
+
+
 def test_background_examples_like_a_topical_domain_are_dropped():
     """General traffic holds requests of the named topical domains: those background examples a
     classifier of the named examples gives to a topical label are dropped, the others kept; a
