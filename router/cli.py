@@ -126,7 +126,7 @@ def _chatterbot_corpus():
 
 
 def evaluate(args: argparse.Namespace) -> dict:
-    from router.router import Router, training_label
+    from router.router import ON_NGRAMS, Router, training_label
     from workloads import is_general, load_workload, named_for_routing
 
     records = load_workload(args.workload)
@@ -175,7 +175,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     router.extractor.clear_cache()
     t0 = time.perf_counter()
     router.extractor.extract([r.text for r in records])
-    gated = [x.reason == "classifier: n-grams" for x in routes]  # routed on their n-grams, not embedded
+    gated = [x.reason == ON_NGRAMS for x in routes]  # routed on their n-grams, not embedded
     report["latency_ms"] = {**_percentiles(ms),
                             "batched_features_per_query": (time.perf_counter() - t0) * 1e3 / max(len(records), 1),
                             "not_embedded": sum(gated) / max(len(routes), 1),

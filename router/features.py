@@ -52,7 +52,6 @@ class QueryFeatures:
     lang_conf: float  # py3langid probability over the allowed languages; 0 for "und"
     empty: bool = False  # nothing left after stripping white space
     text: str = ""  # the cleaned text (``clean_text``): the classifier's lexical features read it
-    embedded: bool = True  # False: not embedded (``extract(embed=...)``), ``embedding`` is zeros
 
 
 def clean_text(text: str, max_chars: int) -> str:
@@ -435,7 +434,7 @@ class FeatureExtractor:
 
     def extract(self, texts: Sequence[str], embed: Sequence[bool] | None = None) -> list[QueryFeatures]:
         """Features of several queries (embeddings in batches); with ``embed`` [n], only the
-        texts marked True are embedded (the others get zeros and ``embedded=False``)."""
+        texts marked True are embedded (the others get zeros)."""
         cleaned = [self.clean(t) for t in texts]
         want = [True] * len(cleaned) if embed is None else [bool(e) for e in embed]
         if len(want) != len(cleaned):
@@ -444,8 +443,7 @@ class FeatureExtractor:
         rows = [i for i, w in enumerate(want) if w]
         if rows:
             vecs[rows] = self._embed([cleaned[i] for i in rows])
-        return [QueryFeatures(emb, *self._language(t), empty=not t, text=t, embedded=w)
-                for t, emb, w in zip(cleaned, vecs, want)]
+        return [QueryFeatures(emb, *self._language(t), empty=not t, text=t) for t, emb in zip(cleaned, vecs)]
 
     def __call__(self, text: str) -> QueryFeatures:
         return self.extract([text])[0]

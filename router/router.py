@@ -53,6 +53,7 @@ GENERAL = "general"  # the draft every query can fall back to; never retired
 #: under other values of these loads (load_state)
 RUNTIME_FIELDS = {"threads", "embed_cache", "batch_size"}
 UNKNOWN = "unknown"  # domain of queries routed by a fallback
+ON_NGRAMS = "classifier: n-grams"  # reason of a query the n-gram gate routed (not embedded)
 _FORMAT = 3  # 2: the classifier keeps its examples and typicality thresholds; 3: lexical features, background
 log = logging.getLogger(__name__)
 
@@ -192,7 +193,7 @@ class Router:
         cluster, hint = None, None
         confident = topic is not None and topic != BACKGROUND and prob >= cfg.confidence_threshold
         if confident and (typ is None or self.classifier.typical(topic, typ)):
-            domain, confidence, source = self.domain_key(topic, f.lang), prob, "classifier: n-grams" if gated else "classifier"
+            domain, confidence, source = self.domain_key(topic, f.lang), prob, ON_NGRAMS if gated else "classifier"
         elif cfg.mode == "supervised":
             if topic is None:
                 why = "no classifier"

@@ -43,7 +43,7 @@ class StubExtractor:
                 continue
             lang, mode, i = t.split()
             out.append(QueryFeatures(synthetic(mode, int(i)) if e else np.zeros(D, np.float32), lang, 0.99,
-                                     text=t.strip(), embedded=e))
+                                     text=t.strip()))
         return out
 
     def embed(self, texts):
