@@ -35,6 +35,14 @@ case "${1:-all}" in
       --json results/feature/feature-400-prompts-online.json
     $X --methods online --draft-kind feature --draft-checkpoint "$C/drafts/feature-400-prompts" --prompt-positions \
       --json results/feature/feature-400-prompts-online-prompts.json ;;&
+  long)  # a longer stream: all 240 prompts of the workload (60 a domain, never trained on), both drafts
+    # distilled on the same 200 prompts (prompt positions on, the default), static and learning online;
+    # the two streams run side by side, one thread each (alpha only: their tokens/s are not used)
+    .venv/bin/osd distill --kind feature --n-prompts 200 --seconds 420 --threads 2 --json results/feature/distill_feature_240run.json
+    L=".venv/bin/osd experiment online --workload bench/data/workload.jsonl --n 240 --max-tokens 48 --k 4 --methods static,online --window 20 --eval-every 4 --threads 1 --draft-checkpoint default"
+    $L --draft-kind feature --json results/feature/long_feature.json --png results/feature/long_feature.png &
+    $L --draft-kind truncated --json results/feature/long_token.json --png results/feature/long_token.png
+    wait ;;
   online|all)  # each starting draft on 80 unseen prompts (20 a domain), fixed k = 4, static and learning online
     $X --draft-kind feature --draft-checkpoint default --json results/feature/feature_distilled.json --png results/feature/feature_distilled.png
     $X --draft-kind truncated --draft-checkpoint default --json results/feature/token_distilled.json --png results/feature/token_distilled.png ;;
