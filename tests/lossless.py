@@ -110,15 +110,16 @@ def next_logits(model: torch.nn.Module, prefixes: np.ndarray) -> np.ndarray:
 # -- the reference law ------------------------------------------------------------------------------------
 def reference_warp(logits: np.ndarray, temperature: float, top_p: float, top_k: int) -> tuple[np.ndarray, float]:
     """OpenAI / Hugging Face sampling semantics, written out: divide by the temperature, keep the
-    top_k largest logits (0 = all), renormalise, keep the smallest set of most likely tokens whose
-    mass reaches top_p, renormalise. logits [B, V] -> (probs [B, V], the largest probability of a
-    token whose keep/drop decision is within 1e-5 of the top_p boundary: a float32 implementation
-    may decide it either way)."""
+    top_k largest logits (0 = all) and every logit tied with the k-th (Hugging Face's and vLLM's
+    top-k: a threshold at the k-th value; the int4 runtime's logits are bfloat16-rounded, so ties
+    happen), renormalise, keep the smallest set of most likely tokens whose mass reaches top_p,
+    renormalise. logits [B, V] -> (probs [B, V], the largest probability of a token whose keep/drop
+    decision is within 1e-5 of the top_p boundary: a float32 implementation may decide it either way)."""
     z = logits / temperature
     order = np.argsort(-z, axis=1, kind="stable")  # [B, V] most likely first
     zs = np.take_along_axis(z, order, 1)
-    ranks = np.arange(z.shape[1])[None]
-    kept = np.broadcast_to(ranks < (top_k if top_k else z.shape[1]), z.shape).copy()  # [B, V] sorted order
+    kth = zs[:, min(top_k, z.shape[1]) - 1 : min(top_k, z.shape[1])] if top_k else zs[:, -1:]  # [B, 1]
+    kept = zs >= kth  # [B, V] sorted order
     ps = np.where(kept, np.exp(zs - zs[:, :1]), 0.0)
     ps /= ps.sum(1, keepdims=True)
     ambiguous = 0.0

@@ -102,11 +102,13 @@ STREAM_PROMPTS = ["用一句话介绍一下长城。", "日本の首都につい
 
 
 @pytest.mark.parametrize("prompt", STREAM_PROMPTS, ids=["zh", "ja", "emoji"])
-def test_stream_equals_final_text_on_the_real_tokenizer(engine, prompt):
-    """Sampled (seeded) and greedy outputs, streamed step by step (1..k+1 tokens a step): the
-    concatenated stream equals the final text, and no delta carries a half character."""
+def test_stream_equals_final_text_on_the_real_tokenizer(int4_engines, prompt):
+    """Sampled (seeded) and greedy outputs of the served default (int4), streamed step by step
+    (1..k+1 tokens a step): the concatenated stream equals the final text, and no delta carries a
+    half character."""
     from speculative.detokenize import REPLACEMENT, Detokenizer
 
+    engine = int4_engines[1]
     for params in (SamplingParams(max_tokens=40), SamplingParams(max_tokens=40, temperature=1.0, seed=5)):
         detok = Detokenizer(engine.tokenizer, params.stop)
         deltas = []
@@ -163,7 +165,9 @@ def test_int4_speculative_sampling_is_the_runtime_law(int4_engines):
     import lossless as L
 
     alone, spec = int4_engines
-    prompt = list(spec.tokenizer("The colour of the sky on a clear day is")["input_ids"])
+    # two prompt tokens: the law is spread over its 9 outcomes (the likeliest at 0.22), and the
+    # ~780 requests' prefills stay short (the sampling, not the prompt, is what is under test)
+    prompt = list(spec.tokenizer("Water is")["input_ids"])
     m, temperature, top_k = 2, 0.8, 3
     law = L.exact_law(spec.target, prompt, m, temperature, 1.0, top_k)
     n = L.choose_n(law, m, n0=600)[0]

@@ -52,6 +52,12 @@ def test_reference_warp_by_hand():
     np.testing.assert_allclose(p[0], [0, 0.5 / 0.7, 0, 0.2 / 0.7, 0])
     p, _ = L.reference_warp(logits, 0.5, 1.0, 0)
     np.testing.assert_allclose(p[0], probs[0] ** 2 / (probs[0] ** 2).sum())
+    # a tie at the k-th logit keeps both tied tokens (Hugging Face / vLLM top-k, and warp_logits)
+    tied = np.log(np.array([[0.4, 0.2, 0.1, 0.2, 0.1]]))
+    p, _ = L.reference_warp(tied, 1.0, 1.0, 2)
+    np.testing.assert_allclose(p[0], [0.5, 0.25, 0, 0.25, 0])
+    p, _ = L.reference_warp(tied, 1.0, 1.0, 4)
+    np.testing.assert_allclose(p[0], [0.4, 0.2, 0.1, 0.2, 0.1])
 
 
 def test_exact_law_sums_to_one_and_matches_the_model(markov):

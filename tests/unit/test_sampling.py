@@ -126,6 +126,16 @@ def test_warp_top_k_keeps_exactly_k():
     torch.testing.assert_close(out[0, [1, 3, 5]], logits[0, [1, 3, 5]].softmax(-1))
 
 
+def test_warp_top_k_keeps_every_logit_tied_with_the_kth():
+    """Hugging Face's and vLLM's top-k is a threshold at the k-th largest logit: ties with it stay.
+    The int4 runtime's logits are bfloat16-rounded (multiples of 1/8 near 20), where such ties occur."""
+    logits = torch.tensor([[22.25, 21.625, 21.5, 21.5, 21.0], [3.0, 1.0, 1.0, 1.0, 0.0]])
+    out = warp_logits(logits, SamplingParams(temperature=0.8, top_k=3))
+    assert out[0].nonzero().flatten().tolist() == [0, 1, 2, 3]
+    assert out[1].nonzero().flatten().tolist() == [0, 1, 2, 3]
+    torch.testing.assert_close(out[0, :4], (logits[0, :4] / 0.8).softmax(-1))
+
+
 @pytest.mark.parametrize("top_p, kept", [(0.4, 1), (0.6, 2), (0.8, 3), (0.9, 4), (0.99, 5), (1.0, 5)])
 def test_warp_top_p_keeps_smallest_prefix_reaching_p(top_p, kept):
     probs = torch.tensor([0.15, 0.5, 0.05, 0.2, 0.1])  # sorted: 0.5 .2 .15 .1 .05 -> cum .5 .7 .85 .95 1
