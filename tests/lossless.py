@@ -96,9 +96,16 @@ def next_logits(model: torch.nn.Module, prefixes: np.ndarray) -> np.ndarray:
     """The target's raw logits for the token after each prefix: [B, L] -> [B, V] float64 (no cache)."""
     ids = torch.as_tensor(prefixes, dtype=torch.long)
     with torch.inference_mode():
-        if hasattr(model, "forward_batch"):  # a runner (the int4 fast path): each prefix whole, uncached
-            rows = [model.forward("__law__", 0, row.tolist(), 1)[0] for row in ids]
-            model.release("__law__")
+        if hasattr(model, "forward_batch"):  # a runner (the int4 fast path): each prefix whole, uncached,
+            # 256 at a time in one batched pass (its rows are bitwise the same as alone: tests/unit/test_fast.py)
+            from speculative.runner import ForwardCall
+
+            rows = []
+            for lo in range(0, len(ids), 256):
+                calls = [ForwardCall(f"__law__{i}", 0, row.tolist(), 1) for i, row in enumerate(ids[lo : lo + 256])]
+                rows += [r[0] for r in model.forward_batch(calls)]
+                for c in calls:
+                    model.release(c.seq_id)
             out = torch.stack(rows)
         elif isinstance(model, MarkovLM):
             out = model.context_logits(ids)[:, -1]
@@ -252,6 +259,9 @@ class Case:
     restricted: bool = False  # draft head restricted to part of the vocabulary (vocab_map)
     model: str = "markov"  # "markov" | "llama" | "llama-int4" (target and draft on the int4 fast path)
     seeded: bool = False  # requests with a seed: the exponential race instead of rejection sampling
+    #: requests sampled at a time: 1 = one request alone (generate), > 1 = that many with their
+    #: verifications batched into one target forward (step_many: a co-located server's loop)
+    batch: int = 1
 
     @property
     def m(self) -> int:
@@ -262,8 +272,9 @@ class Case:
         mode = "adaptive" if self.adaptive else "fixed"
         head = "+head" if self.restricted else ""
         seeded = " seeded" if self.seeded else ""
+        batch = f" x{self.batch}" if self.batch > 1 else ""
         return (f"{self.model}:{self.draft}{head} T={self.temperature} top_p={self.top_p} top_k={self.top_k} "
-                f"k={self.k} {mode}{seeded}")
+                f"k={self.k} {mode}{seeded}{batch}")
 
 
 FACTORS = {
@@ -305,13 +316,14 @@ PROPOSER_CASES = [
     Case(1.0, 0.8, 0, 4, False, "suffix"),
     Case(0.7, 1.0, 3, 3, True, "controller", restricted=True),
 ]
-#: The transformer path: the tiny random Llama target and a 1-layer Llama draft (k = 2).
-LLAMA_CASES = [Case(1.0, 0.8, 0, 3, False, "feature", model="llama"),
+#: The transformer path: the tiny random Llama target and a 1-layer Llama draft (k = 2), batched
+#: 16 requests at a time (the seeded Llama cases below run them one at a time).
+LLAMA_CASES = [Case(1.0, 0.8, 0, 3, False, "feature", model="llama", batch=16),
                Case(0.7, 1.0, 2, 2, True, "feature", model="llama-int4", restricted=True),
-               Case(1.0, 0.8, 0, 2, False, "far", model="llama"),
+               Case(1.0, 0.8, 0, 2, False, "far", model="llama", batch=16),
                # the int4 fast path (speculative.fast): the law is that runtime's own, as served
-               Case(0.7, 1.0, 0, 3, False, "far", model="llama-int4"),
-               Case(1.0, 0.8, 2, 2, True, "far", model="llama-int4")]
+               Case(0.7, 1.0, 0, 3, False, "far", model="llama-int4", batch=16),
+               Case(1.0, 0.8, 2, 2, True, "far", model="llama-int4", batch=16)]
 #: Target-only decoding (no proposer): the warp itself, over every (temperature, top_p, top_k).
 TARGET_ONLY_CASES = [
     Case(t, p, tk, 0, False, "none")
@@ -447,15 +459,23 @@ def sample(engine, case: Case, n: int, seed: int = 0) -> tuple[list[tuple], dict
     full = rejected = 0
     out = []
     gen = torch.Generator().manual_seed(seed)
-    for i in range(n):
-        params = SamplingParams(max_tokens=case.m, temperature=case.temperature, top_p=case.top_p, top_k=case.top_k,
-                                seed=seed * 1_000_003 + i if case.seeded else None, ignore_eos=True)
-        steps = []
-        out.append(tuple(engine.generate(list(PROMPT), params, on_step=steps.append, generator=gen).token_ids))
-        for s in steps:
-            ks[s.proposed] = ks.get(s.proposed, 0) + 1
-            full += s.proposed > 0 and s.accepted == s.proposed
-            rejected += s.accepted < s.proposed
+    width = case.batch
+    for lo in range(0, n, width):
+        rids = []
+        for i in range(lo, min(lo + width, n)):
+            params = SamplingParams(max_tokens=case.m, temperature=case.temperature, top_p=case.top_p, top_k=case.top_k,
+                                    seed=seed * 1_000_003 + i if case.seeded else None, ignore_eos=True)
+            rids.append(engine.add_request(list(PROMPT), params, generator=gen))
+        live = rids
+        while live:
+            for s in engine.step_many(live) if width > 1 else [engine.step(live[0])]:
+                ks[s.proposed] = ks.get(s.proposed, 0) + 1
+                full += s.proposed > 0 and s.accepted == s.proposed
+                rejected += s.accepted < s.proposed
+            live = [r for r in live if not engine.requests[r].finished]
+        for r in rids:
+            out.append(tuple(engine.requests[r].output))
+            engine.release(r)
     return out, ks, full, rejected
 
 
