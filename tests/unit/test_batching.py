@@ -107,6 +107,32 @@ def test_verify_sends_full_rows_only_when_sampling_and_batches_short_calls():
     torch.testing.assert_close(out[1].top_probs.sum(-1) + out[1].tail, torch.ones(1))
 
 
+def test_verify_batches_calls_of_up_to_max_batch_tokens_and_times_them():
+    """A call of exactly max_batch_tokens tokens still shares the forward, one token more runs
+    alone; each row carries its forward's wall time (what the cost model learns from)."""
+    import time
+
+    r = ModelRunner(tiny_llama())
+    r.forward("a", 0, [5, 6, 7])
+    t0 = time.perf_counter()
+    out = r.verify([VerifyCall("a", 3, [10], 1), VerifyCall("b", 0, list(range(2, 18)), 1)], max_batch_tokens=16)
+    wall = time.perf_counter() - t0
+    assert out[0].batch == out[1].batch == 2
+    assert all(0 < row.seconds <= wall for row in out)
+    out = r.verify([VerifyCall("a", 4, [11], 1), VerifyCall("c", 0, list(range(2, 19)), 1)], max_batch_tokens=16)
+    assert out[0].batch == out[1].batch == 1
+
+
+def test_a_sequence_cannot_start_past_its_cache_and_weights_must_match():
+    r = ModelRunner(tiny_llama())
+    with pytest.raises(ValueError, match="has 0 cached positions, cannot start at 1"):
+        r.forward("new", 1, [5])
+    state = {k: v.clone() for k, v in r.model.state_dict().items()}
+    state.pop(next(iter(state)))
+    with pytest.raises(RuntimeError, match="Missing key"):
+        r.load_state_dict(state)
+
+
 def _engine(draft_layers=1):
     target = tiny_llama(num_layers=3, seed=0)
     draft = tiny_llama(num_layers=draft_layers, seed=1)

@@ -153,6 +153,18 @@ def test_cut_at_stop_takes_the_earliest():
     assert cut_at_stop("abcXdefYg", ["Y", "X"]) == "abc"
     assert cut_at_stop("abc", ["z"]) == "abc"
     assert cut_at_stop("abc", []) == "abc"
+    assert cut_at_stop("Xabc", ["X"]) == ""  # a stop at the very start leaves nothing
+
+
+def test_text_that_no_longer_extends_what_was_streamed_adds_nothing(tok):
+    """Once streamed, text is never taken back: a final text that does not begin with what was
+    sent (a decode that changed earlier characters) adds no delta rather than a garbled one."""
+    detok = Detokenizer(tok)
+    ids = tok("hello world")["input_ids"]
+    shown = "".join(detok.update(ids[:n]) for n in range(1, len(ids) + 1))
+    assert shown == "hello worl"  # the newest character waits until it is settled
+    assert detok.finish(tok("jello world!")["input_ids"]) == ""
+    assert detok.finish(tok("hello world!")["input_ids"]) == "d!"
 
 
 def test_held_back_stop_prefix_is_released_when_the_stop_does_not_complete(tok):

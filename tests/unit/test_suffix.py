@@ -273,3 +273,46 @@ def test_build_proposer_composes_suffix_lookup_and_draft(target, tok):
     assert isinstance(ctl, ControllerProposer) and ctl.sources == ("suffix", "draft") and ctl.probe_every == 5
     assert isinstance(ctl.draft, DraftModelProposer)
     assert isinstance(build_proposer(DraftConfig(kind="suffix"), target, tok), SuffixProposer)
+
+
+def test_bounds_are_inclusive_exactly_max_tokens_and_max_scopes_are_kept():
+    """The bounds are maxima: outputs adding up to exactly max_tokens all stay, and exactly
+    max_scopes scopes all stay (one more is what evicts)."""
+    p = SuffixProposer(SuffixConfig(spec_factor=2.0, max_tokens=16))
+    for i in range(4):
+        serve(p, f"r{i}", [0], [100 + 10 * i + j for j in range(4)], scope="s")  # 4 tokens each: 16 in all
+    assert p.stats()["s"] == {"requests": 4, "tokens": 16, "active": 0}
+    assert proposal(p, "q", [100, 101], scope="s") == [102, 103]  # the oldest is still there
+    s = SuffixProposer(SuffixConfig(spec_factor=2.0, max_scopes=2))
+    serve(s, "a1", [0], [5, 6, 7, 8], scope="a")
+    serve(s, "b1", [0], [5, 6, 7, 8], scope="b")
+    assert set(s.stats()) == {"a", "b"}
+
+
+def test_a_request_nobody_announced_is_begun_from_its_tokens():
+    """propose() for an id without begin() (a resumed request): its tokens so far are its prompt,
+    matched like any request's own context."""
+    p = SuffixProposer(SuffixConfig(spec_factor=2.0))
+    assert p.propose("x", [7, 8, 9, 1, 7, 8], k_of(4), GREEDY, None).tokens == [9, 1, 7, 8]
+    assert "x" in p.active
+
+
+def test_an_id_begun_again_ends_its_earlier_request_first():
+    """A request id reused while still active (a client retrying with the same id): the earlier
+    request is ended and, the trees keeping outputs by id, its output gives way to the new one's."""
+    p = SuffixProposer(SuffixConfig(spec_factor=2.0))
+    p.begin("a", [1, 2], "s")
+    p.propose("a", [1, 2, 30, 31, 32, 33], k_of(4), GREEDY, None)
+    p.begin("a", [5, 6], "s")
+    assert p.stats()["s"] == {"requests": 1, "tokens": 0, "active": 1}
+    assert p.propose("a", [5, 6], k_of(4), GREEDY, None).tokens == []
+    p.release("a", [5, 6, 40, 41, 42])
+    assert p.stats()["s"] == {"requests": 1, "tokens": 3, "active": 0}
+    assert proposal(p, "q", [40, 41], scope="s") == [42] and proposal(p, "q2", [30, 31], scope="s") == []
+
+
+def test_a_one_token_output_served_elsewhere_is_kept():
+    p = SuffixProposer(SuffixConfig(spec_factor=2.0))
+    p.add_served("one", [42], scope="s")
+    p.add_served("none", [], scope="s")
+    assert p.cached_ids() == {"one"} and p.stats()["s"]["tokens"] == 1
