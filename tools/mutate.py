@@ -49,6 +49,7 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "speculative/runner.py": ("speculative.runner", None,
                               ["tests/unit/test_batching.py", "tests/unit/test_fast.py", "tests/unit/test_engine.py",
                                "tests/unit/test_feature.py"]),
+    "speculative/fast.py": ("speculative.fast", None, ["tests/unit/test_fast.py", "tests/unit/test_feature.py"]),
     "speculative/suffix.py": ("speculative.suffix", None, ["tests/unit/test_suffix.py"]),
     "speculative/detokenize.py": ("speculative.detokenize", None, ["tests/unit/test_detokenize.py"]),
 }

@@ -195,3 +195,58 @@ def test_choice_of_runtime_and_clear_refusals():
     assert ModelConfig().quantize == "auto"
     with pytest.raises(ValueError):
         ModelConfig(quantize="int3")
+
+
+def test_int8_holds_weights_on_its_grid_exactly():
+    """Symmetric int8, one scale per row = max |w| / 127: a row whose largest weight is 127 steps
+    of a power-of-two step (exact in bfloat16) is held without loss, the extremes +-127 included,
+    so the columns come back exactly (one-hot inputs, outputs of 8 significant bits)."""
+    g = torch.Generator().manual_seed(0)
+    steps = torch.randint(-127, 128, (32, 64), generator=g).float()
+    steps[:, 0], steps[::2, 1] = 127, -127  # every row reaches the grid's extremes
+    lin = torch.nn.Linear(64, 32, bias=False)
+    lin.weight.data = steps * 2.0**-7
+    assert torch.equal(Int8Linear(lin)(torch.eye(64)), lin.weight.data.t())
+
+
+def test_a_model_without_a_head_or_with_windowed_attention_is_refused():
+    headless = _model()
+    del headless.lm_head
+    with pytest.raises(FastPathError, match="not a Llama-style decoder"):
+        FastRunner(headless)
+    windowed = _model()
+    windowed.config.sliding_window = 16
+    with pytest.raises(FastPathError, match="sliding-window"):
+        FastRunner(windowed)
+
+
+def test_the_cache_doubles_when_it_grows_and_keeps_what_it_holds():
+    """Amortised growth: a cache that runs out takes max(needed, twice its capacity) positions, so a
+    long generation reallocates O(log n) times; a call that exactly fills it does not grow it."""
+    r = FastRunner(_model(), bits=4, initial_capacity=4)
+    r.forward("x", 0, [5, 6, 7, 8])
+    assert r._caches["x"].kv.shape[3] == 4
+    r.forward("x", 4, [9])
+    assert r._caches["x"].kv.shape[3] == 8
+    r.forward("x", 5, list(range(10, 30)))
+    assert r._caches["x"].kv.shape[3] == 25
+    assert torch.equal(r.forward("x", 25, [3]), r.forward("fresh", 0, [5, 6, 7, 8, 9, *range(10, 30), 3]))
+
+
+@pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])
+def test_a_bias_is_added_to_the_packed_product(cls):
+    torch.manual_seed(0)
+    a = torch.nn.Linear(64, 32, bias=True)
+    plain = torch.nn.Linear(64, 32, bias=False)
+    plain.weight.data = a.weight.data.clone()
+    x = torch.randn(3, 64)
+    assert torch.equal(cls(a)(x), cls(plain)(x) + a.bias.detach())
+
+
+def test_a_draft_head_may_take_four_bits_and_nothing_else():
+    model = _model()
+    assert isinstance(FastRunner(model, head_bits=4).head, Int4Linear)
+    assert isinstance(FastRunner(model).head, Int8Linear)  # a target's head stays in 8 bits
+    for bad in (3, 5):
+        with pytest.raises(FastPathError, match="4 and int8"):
+            FastRunner(model, head_bits=bad)
