@@ -250,3 +250,16 @@ def test_a_draft_head_may_take_four_bits_and_nothing_else():
     for bad in (3, 5):
         with pytest.raises(FastPathError, match="4 and int8"):
             FastRunner(model, head_bits=bad)
+
+
+def test_int4_packs_every_layer_whose_width_allows_groups_of_32():
+    """bits=4: every decoder linear whose input width is a multiple of 32 in 4 bits, others in 8;
+    bits=8: all in 8. tiny_llama's widths are 64 (hidden) and 128 (MLP): all int4."""
+    kinds = lambda r: {type(m) for layer in r.layers for m in layer if isinstance(m, (Int4Linear, Int8Linear))}
+    model = _model()
+    assert kinds(FastRunner(model, bits=4)) == {Int4Linear}
+    assert kinds(FastRunner(model, bits=8)) == {Int8Linear}
+    odd = tiny_llama(1, seed=0, hidden_size=48, intermediate_size=96, num_attention_heads=2, num_key_value_heads=1)
+    packed = FastRunner(odd, bits=4).layers[0]
+    # qkv, o_proj and gate/up read 48 inputs (8 bits), down_proj reads 96 (4 bits)
+    assert [type(m) for m in packed if isinstance(m, (Int4Linear, Int8Linear))] == [Int8Linear] * 3 + [Int4Linear]
