@@ -125,8 +125,8 @@ def reference_warp(logits: np.ndarray, temperature: float, top_p: float, top_k: 
     z = logits / temperature
     order = np.argsort(-z, axis=1, kind="stable")  # [B, V] most likely first
     zs = np.take_along_axis(z, order, 1)
-    kth = zs[:, min(top_k, z.shape[1]) - 1 : min(top_k, z.shape[1])] if top_k else zs[:, -1:]  # [B, 1]
-    kept = zs >= kth  # [B, V] sorted order
+    k = min(top_k, z.shape[1]) if top_k else z.shape[1]
+    kept = zs >= zs[:, k - 1 : k]  # [B, V] sorted order: every logit at least the k-th
     ps = np.where(kept, np.exp(zs - zs[:, :1]), 0.0)
     ps /= ps.sum(1, keepdims=True)
     ambiguous = 0.0
@@ -459,16 +459,15 @@ def sample(engine, case: Case, n: int, seed: int = 0) -> tuple[list[tuple], dict
     full = rejected = 0
     out = []
     gen = torch.Generator().manual_seed(seed)
-    width = case.batch
-    for lo in range(0, n, width):
+    for lo in range(0, n, case.batch):
         rids = []
-        for i in range(lo, min(lo + width, n)):
+        for i in range(lo, min(lo + case.batch, n)):
             params = SamplingParams(max_tokens=case.m, temperature=case.temperature, top_p=case.top_p, top_k=case.top_k,
                                     seed=seed * 1_000_003 + i if case.seeded else None, ignore_eos=True)
             rids.append(engine.add_request(list(PROMPT), params, generator=gen))
         live = rids
         while live:
-            for s in engine.step_many(live) if width > 1 else [engine.step(live[0])]:
+            for s in engine.step_many(live):  # one request: exactly step()
                 ks[s.proposed] = ks.get(s.proposed, 0) + 1
                 full += s.proposed > 0 and s.accepted == s.proposed
                 rejected += s.accepted < s.proposed
