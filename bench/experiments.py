@@ -672,6 +672,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--target", default=None, help="target model (default: the embedded one)")
         p.add_argument("--draft-kind", choices=["truncated", "feature"], default="truncated",
                        help="the learned draft: the truncated target (tokens only) or the feature-conditioned one")
+        p.add_argument("--feature-layers", type=lambda v: [int(x) for x in v.split(",") if x.strip()], default=[],
+                       help="a feature draft without a checkpoint: target layers (comma-separated) fused with the final feature")
         p.add_argument("--draft-layers", type=int, default=2)
         p.add_argument("--head-vocab", type=int, default=None)
         p.add_argument("--draft-checkpoint", default=None, help="starting draft (a saved draft folder)")

@@ -85,8 +85,9 @@ def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
         from drafts.build import resolve_checkpoint  # "default" -> the cached general draft of that kind
 
         ckpt = str(resolve_checkpoint(ckpt, kind))
-    cfg = EngineConfig(model=model, draft=DraftConfig(kind=kind, num_layers=args.draft_layers,
-                                                      head_vocab=args.head_vocab, checkpoint=ckpt),
+    layers = getattr(args, "feature_layers", []) if kind == "feature" else []
+    cfg = EngineConfig(model=model, draft=DraftConfig(kind=kind, num_layers=args.draft_layers, head_vocab=args.head_vocab,
+                                                      checkpoint=ckpt, feature_layers=layers),
                        k=KPolicyConfig(k_max=max(args.k, 1), fixed_k=args.k))
     base = build_engine(cfg, texts=texts, calibrate=False)
     dp = _draft_of(base)

@@ -190,6 +190,9 @@ class DraftConfig(_Strict):
     best expected tokens per unit of cost (see :class:`ControllerConfig`); None: the fixed order.
     ``checkpoint``: a saved draft (``osd train-draft`` output) to load instead of building one;
     ``"default"`` is the general starting draft that ``osd distill`` builds and caches.
+    ``feature_layers`` (kind ``feature``): target decoder layers (0-based, before the last) whose
+    outputs the draft fuses with the final feature (EAGLE-3 takes a low, a middle and a high one);
+    empty: the final feature alone. A checkpoint keeps the layers it was trained with.
     """
 
     kind: Literal["truncated", "fresh", "path", "feature", "ngram", "suffix", "none"] = "truncated"
@@ -202,11 +205,16 @@ class DraftConfig(_Strict):
     suffix: SuffixConfig = SuffixConfig()
     controller: ControllerConfig | None = None
     checkpoint: str | None = None
+    feature_layers: list[int] = []
 
     @model_validator(mode="after")
     def _path_needed(self) -> "DraftConfig":
         if self.kind == "path" and not self.path:
             raise ValueError("draft.kind='path' needs draft.path (a model folder or HF id)")
+        if self.feature_layers and self.kind != "feature":
+            raise ValueError(f"draft.feature_layers is for draft.kind='feature', not {self.kind!r}")
+        if len(set(self.feature_layers)) != len(self.feature_layers) or any(i < 0 for i in self.feature_layers):
+            raise ValueError(f"draft.feature_layers must be distinct layer indices >= 0, got {self.feature_layers}")
         return self
 
 

@@ -209,6 +209,9 @@ def build_draft_model(
         if getattr(draft, "uses_features", False) != (cfg.kind == "feature"):
             raise ValueError(f"draft checkpoint {cfg.checkpoint} is {'a' if cfg.kind != 'feature' else 'not a'} "
                              f"feature draft, but draft.kind is {cfg.kind!r}")
+        if cfg.feature_layers and list(draft.feature_layers) != list(cfg.feature_layers):
+            raise ValueError(f"draft checkpoint {cfg.checkpoint} reads the target's layers {list(draft.feature_layers)}, "
+                             f"draft.feature_layers asks for {list(cfg.feature_layers)}")
         if draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(
                 f"draft checkpoint {cfg.checkpoint} has vocab {draft.config.vocab_size}, target "
@@ -223,7 +226,7 @@ def build_draft_model(
         from speculative.feature import feature_draft
 
         keep = frequent_token_ids(target_tok, cfg.head_vocab, texts) if cfg.head_vocab else None
-        return feature_draft(target, keep).to(target.device), keep
+        return feature_draft(target, keep, cfg.feature_layers).to(target.device), keep
     elif cfg.kind == "path":
         check_same_vocab(target_tok, load_tokenizer(cfg.path))  # refused before any weights load
         draft = load_weights(ModelConfig(name=cfg.path, dtype=str(target.dtype).removeprefix("torch.")))

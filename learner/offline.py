@@ -169,16 +169,20 @@ def _greedy_outputs(model: PreTrainedModel, prompts: list[list[int]], max_tokens
 
 @torch.inference_mode()
 def _teacher_rows(model: PreTrainedModel, tokens: list[int], prompt_len: int, top_k: int,
-                  features: bool = False) -> tuple[SparseDist, torch.Tensor | None]:
+                  features: bool = False, feature_layers: Sequence[int] = ()) -> tuple[SparseDist, torch.Tensor | None]:
     """One teacher-forced forward over ``tokens[:-1]``: the sparse top-k at the T output positions
     and, with ``features``, the target's features (its last hidden state after the final norm,
-    what its head reads) at every input position, [L-1, H] float16, as verification returns them."""
+    what its head reads) at every input position, [L-1, H] float16, as verification returns them;
+    with ``feature_layers``, those layers' outputs first, [L-1, (len(feature_layers) + 1) H]."""
+    from speculative.feature import fused_features, layer_outputs
+
     device = next(model.parameters()).device
     n_out = len(tokens) - prompt_len
     ids = torch.tensor([tokens[:-1]], dtype=torch.long, device=device)  # [1, L-1]
-    hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0]  # [L-1, H]
+    with layer_outputs(model, feature_layers if features else ()) as seen:
+        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0]  # [L-1, H]
     logits = model.get_output_embeddings()(hidden[-n_out:])  # [T, V]
-    feats = hidden.to(torch.float16).cpu() if features else None
+    feats = fused_features({i: x[0] for i, x in seen.items()}, hidden, feature_layers).to(torch.float16).cpu() if features else None
     return sparse_from_logits(logits.float().cpu(), min(top_k, logits.shape[-1])), feats
 
 
@@ -192,6 +196,7 @@ def collect_teacher_data(
     batch_size: int = 1,
     log: Callable[[str], None] | None = None,
     features: bool = False,
+    feature_layers: Sequence[int] = (),
 ) -> list[Sample]:
     """One target greedy generation per prompt, then its sparse top-``top_k`` distribution at each output position
     (and, with ``features``, the target's features at every input position: what a feature draft trains on).
@@ -230,7 +235,7 @@ def collect_teacher_data(
                 if not out:
                     continue
                 tokens = ids + out
-                sd, feats = _teacher_rows(model, tokens, len(ids), top_k, features)
+                sd, feats = _teacher_rows(model, tokens, len(ids), top_k, features, feature_layers)
                 samples.append(
                     Sample(
                         tokens=torch.tensor(tokens, dtype=torch.long),
@@ -257,7 +262,7 @@ def with_prompt_positions(samples: Sequence[Sample], head: torch.nn.Module, star
     every position from ``prompt_len`` on, so every trainer reads them unchanged).
 
     Row t is the target's distribution of ``tokens[t]``: ``head`` (the target's output layer) over
-    its feature at t - 1, which the samples carry (``collect_teacher_data(features=True)``); the
+    its final feature at t - 1 (the last H columns of a fused feature), which the samples carry (``collect_teacher_data(features=True)``); the
     output rows are kept as collected. ``start >= 1``; samples with a shorter prompt, or whose
     features stop before its end, are kept as they are."""
     if start < 1:
@@ -270,7 +275,8 @@ def with_prompt_positions(samples: Sequence[Sample], head: torch.nn.Module, star
         if p0 <= start or s.features.shape[0] < p0 - 1:
             out.append(s)
             continue
-        logits = head(s.features[start - 1 : p0 - 1].to(head.weight.dtype))  # [p0 - start, V]
+        final = s.features[start - 1 : p0 - 1, -head.weight.shape[1] :]  # the final features (after any fused layers')
+        logits = head(final.to(head.weight.dtype))  # [p0 - start, V]
         sd = sparse_from_logits(logits.float().cpu(), int(s.ids.shape[1]))
         out.append(Sample(tokens=s.tokens, prompt_len=start, ids=torch.cat([sd.ids.to(s.ids.dtype), s.ids]),
                           probs=torch.cat([sd.probs.float(), s.probs]), tail=torch.cat([sd.tail.float(), s.tail]),
@@ -650,11 +656,19 @@ def train_draft(
             raise ValueError(f"teacher cache {cache} was collected for other prompts or top_k")
         if features and any(s.features is None for s in data):
             raise ValueError(f"teacher cache {cache} holds no target features (a feature draft needs them)")
+        H = target.config.hidden_size
+        need = H * (len(draft_cfg.feature_layers) + 1) if draft_cfg.kind == "feature" else H
+        if features and need == H:  # the final feature is the last H columns of any cache's (a fused one's too)
+            data = [dataclasses.replace(s, features=s.features[:, -H:]) for s in data]
+            train_s, held_s = data[: len(train_prompts)], data[len(train_prompts) :]
+        elif features and any(s.features.shape[-1] != need for s in data):
+            raise ValueError(f"teacher cache {cache} holds features of another width than feature_layers "
+                             f"{draft_cfg.feature_layers} need ({need})")
         say(f"teacher data: loaded {len(data)} samples from {cache}")
     else:
         everything = collect_teacher_data(
             target, tok, train_prompts + held_prompts, cfg.max_tokens, cfg.top_k, batch_size=cfg.gen_batch_size, log=say,
-            features=features,
+            features=features, feature_layers=draft_cfg.feature_layers,
         )
         if len(everything) != len(train_prompts) + len(held_prompts):
             raise RuntimeError("some prompts produced no output")  # keeps the train/held-out boundary simple
@@ -727,6 +741,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kind", default="truncated", choices=["truncated", "fresh", "feature"],
                     help="feature: one decoder layer over the target's features (EAGLE-style), trained on them")
     ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--feature-layers", type=lambda v: [int(x) for x in v.split(",") if x.strip()], default=[],
+                    help="--kind feature: target layers (0-based, comma-separated) fused with the final feature (EAGLE-3)")
     ap.add_argument("--head-vocab", type=int, default=None)
     ap.add_argument("--n-prompts", type=int, default=60)
     ap.add_argument("--holdout", type=float, default=0.2)
@@ -764,7 +780,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.workload,
         a.domain,
         a.out,
-        DraftConfig(kind=a.kind, num_layers=a.num_layers, head_vocab=a.head_vocab),
+        DraftConfig(kind=a.kind, num_layers=a.num_layers, head_vocab=a.head_vocab, feature_layers=a.feature_layers),
         DistillConfig(
             loss=a.loss, top_k=a.top_k, lr=a.lr, max_tokens=a.max_tokens, batch_positions=a.batch_positions,
             seconds=a.seconds, epochs=a.epochs, seed=a.seed,

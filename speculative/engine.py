@@ -242,6 +242,11 @@ class SpeculativeEngine:
         return bool(getattr(self.proposer, "wants_features", False))
 
     @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose outputs the proposer reads besides the final feature (a fusing draft)."""
+        return tuple(getattr(self.proposer, "feature_layers", ()))
+
+    @property
     def busy(self) -> bool:
         """Whether any request is live (a background learner yields while this is True)."""
         return bool(self.requests)
@@ -277,7 +282,7 @@ class SpeculativeEngine:
             prop = self.proposer.propose(request_id, st.tokens, StepChoice(st.policy, budget), st.params, st.generator)
         feed = st.tokens[st.target_len :] + prop.tokens  # the uncached suffix + d_1..d_k
         call = VerifyCall(request_id, st.target_len, feed, prop.k + 1, not st.params.greedy, self.cfg.record_top_k,
-                          features=self.wants_features)
+                          features=self.wants_features, feature_layers=self.feature_layers)
         return PendingStep(request_id, len(st.tokens), prop, call)
 
     def accept(self, pending: "PendingStep", rows: TargetRows) -> StepResult:
@@ -302,7 +307,7 @@ class SpeculativeEngine:
         # commit: the target cache keeps tokens + d_1..d_n; the new token is pending
         st.target_len = start + n
         feats, f_start = None, 0
-        if rows.features is not None:  # [fed, H], the last fed position is start + k - 1 (a resent call feeds more)
+        if rows.features is not None:  # [fed, W], the last fed position is start + k - 1 (a resent call feeds more)
             f_start = start + k - rows.features.shape[0]
             feats = rows.features[: start + n - f_start]  # the final positions f_start..start+n-1
         if self.proposer is not None:

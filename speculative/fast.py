@@ -198,12 +198,15 @@ class FastRunner(ModelRunner):
         as alone. Returns each call's last ``keep_last`` rows ([keep_last, V_model])."""
         return self._batch(calls, False)[0]
 
-    def forward_batch_features(self, calls: list[ForwardCall]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """:meth:`forward_batch`, plus each call's features after the final norm, [len(tokens), H] float32."""
-        return self._batch(calls, True)
+    def forward_batch_features(self, calls: list[ForwardCall], layers: tuple[int, ...] = ()
+                               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`forward_batch`, plus each call's features after the final norm, [len(tokens), H]
+        float32; with ``layers``, those decoder layers' outputs first, [len(tokens), (len(layers) + 1) H]."""
+        return self._batch(calls, True, layers)
 
     @torch.inference_mode()
-    def _batch(self, calls: list[ForwardCall], features: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    def _batch(self, calls: list[ForwardCall], features: bool, layers: tuple[int, ...] = ()
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         if len({c.seq_id for c in calls}) != len(calls):
             raise ValueError(f"{self.name}: a batch holds two calls for one sequence")
         caches = [self._open(c) for c in calls]
@@ -215,6 +218,7 @@ class FastRunner(ModelRunner):
         cos, sin = inner.rotary_emb(h[None], pos[None])  # [1, R, D] each
         cos, sin = cos[0][:, None], sin[0][:, None]  # [R, 1, D]
         Hq, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        outs: dict[int, torch.Tensor] = {}  # the layer outputs the features ask for
         for li, (norm1, qkv, o_proj, norm2, gate_up, down) in enumerate(self.layers):
             heads = qkv(_rms(norm1, h)).view(-1, Hq + 2 * Hkv, D)  # [R, Hq + 2 Hkv, D]: q, k, v heads
             qk = _rope(heads[:, : Hq + Hkv], cos, sin)  # [R, Hq + Hkv, D] (one rotation for q and k)
@@ -229,12 +233,17 @@ class FastRunner(ModelRunner):
             h = h + o_proj(torch.cat(out) if len(out) > 1 else out[0])
             g, u = gate_up(_rms(norm2, h)).split(gate_up.splits, dim=-1)  # [R, I] each
             h = h + down(nn.functional.silu(g) * u)
+            if features and li in layers:
+                outs[li] = h
         for c, cache, n in zip(calls, caches, lens):
             cache.length = c.start + n
         ends = torch.cumsum(torch.tensor(lens), 0).tolist()
         rows = torch.cat([torch.arange(e - c.keep_last, e) for c, e in zip(calls, ends)])  # the rows asked for
         logits = self.head(_rms(inner.norm, h[rows]))  # [sum keep_last, V_model]
-        feats = list(_rms(inner.norm, h).split(lens)) if features else None  # every row after the final norm
+        if features:  # every row: the asked layers' outputs, then the final feature (after the final norm)
+            feats = list(torch.cat([outs[i] for i in layers] + [_rms(inner.norm, h)], dim=-1).split(lens))
+        else:
+            feats = None
         return list(logits.split([c.keep_last for c in calls])), feats
 
     def _open(self, c: ForwardCall) -> _Cache:

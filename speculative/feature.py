@@ -25,6 +25,7 @@ token). Lossless by the engine's verification, as every proposer.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from typing import Sequence
@@ -41,17 +42,27 @@ class FeatureDraft(nn.Module):
 
     uses_features = True
 
-    def __init__(self, config, head_rows: int):
+    def __init__(self, config, head_rows: int, feature_layers: Sequence[int] | None = None):
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
         cfg = copy.deepcopy(config)
+        layers = list(getattr(config, "feature_layers", None) or []) if feature_layers is None else list(feature_layers)
+        n_target = getattr(config, "target_layers", None) or config.num_hidden_layers
+        if any(not 0 <= i < n_target - 1 for i in layers) or len(set(layers)) != len(layers):
+            raise ValueError(f"feature_layers must be distinct layers of the target before its last (0..{n_target - 2}), got {layers}")
+        cfg.feature_layers, cfg.target_layers = layers, n_target  # saved with the draft's config
         cfg.num_hidden_layers = 1
         if getattr(cfg, "layer_types", None):
             cfg.layer_types = cfg.layer_types[:1]
         cfg._attn_implementation = "sdpa"
         self.config = cfg
+        self.feature_layers = tuple(layers)
         H = cfg.hidden_size
+        self.feature_width = H * (len(layers) + 1)  # what the target returns: [layer outputs ... ; final feature]
+        if layers:  # EAGLE-3's fusion: earlier layers' outputs (each normalised) and the final feature -> one feature
+            self.layer_norms = nn.ModuleList(LlamaRMSNorm(H, eps=cfg.rms_norm_eps) for _ in layers)
+            self.fuse = nn.Linear(self.feature_width, H, bias=False)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
         self.feature_norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)  # features to the embeddings' scale
         self.fc = nn.Linear(2 * H, H, bias=False)
@@ -67,9 +78,21 @@ class FeatureDraft(nn.Module):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features as the draft reads them: [..., feature_width] -> [..., H]. Without
+        ``feature_layers`` they are the final features themselves; with them, a learned map of the
+        normalised layer outputs and the final feature (it starts as the final feature alone)."""
+        if not self.feature_layers:
+            return features
+        H = self.config.hidden_size
+        x = features.to(self.fuse.weight.dtype)
+        parts = [norm(x[..., i * H : (i + 1) * H]) for i, norm in enumerate(self.layer_norms)]
+        return self.fuse(torch.cat(parts + [x[..., -H:]], dim=-1))
+
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 past_key_values: DynamicCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Predicted features (after the draft's norm) for the pairs (features[b, t], input_ids[b, t]):
+        [B, T, H]. ``features`` are fused ones (:meth:`fuse_features`) or the draft's own predictions,
         [B, T, H]. ``attention_mask``: [B, 1, T, S] additive (None: causal over the cache + T)."""
         f = self.feature_norm(features.to(self.fc.weight.dtype))
         x = self.fc(torch.cat([f, self.embed_tokens(input_ids)], dim=-1))  # [B, T, H]
@@ -98,26 +121,55 @@ class FeatureDraft(nn.Module):
             L, p0 = int(s.tokens.shape[0]), int(s.prompt_len)
             if s.features is None or p0 < 2 or s.features.shape[0] < L - 2:
                 raise ValueError("a feature draft trains on records with the target's features (prompt_len >= 2)")
+            if s.features.shape[-1] != self.feature_width:
+                raise ValueError(f"the draft reads features of width {self.feature_width} (feature_layers "
+                                 f"{list(self.feature_layers)}), a record has {s.features.shape[-1]}")
             n = L - 2  # pairs j = 0..L-3
             feats.append(s.features[:n].float())
             ids.append(s.tokens[1 : n + 1].long())
             lens.append(n)
             rows_b.append(torch.full((L - p0,), b))
             rows_t.append(torch.arange(p0 - 2, L - 2))
-        W, H = max(lens), self.config.hidden_size
-        F = torch.zeros(len(batch), W, H, device=dev)
+        W = max(lens)
+        F = torch.zeros(len(batch), W, self.feature_width, device=dev)
         X = torch.zeros(len(batch), W, dtype=torch.long, device=dev)
         for b, (f, x) in enumerate(zip(feats, ids)):
             F[b, : len(x)], X[b, : len(x)] = f.to(dev), x.to(dev)
         pos = torch.arange(W, device=dev).expand(len(batch), W)
         mask = _causal(W, 0, F.dtype, dev)[None, None].expand(len(batch), 1, W, W)  # padding sits after: harmless
         rb, rt = torch.cat(rows_b).to(dev), torch.cat(rows_t).to(dev)
-        first = self(F, X, pos, attention_mask=mask)  # [B, W, H] predicted f_{j+1}
+        G = self.fuse_features(F)  # [B, W, H]
+        first = self(G, X, pos, attention_mask=mask)  # [B, W, H] predicted f_{j+1}
         if not self.training:
             return self.lm_head(first[rb, rt])
-        own = torch.cat([F[:, :1], first[:, :-1].detach()], dim=1)  # pair j reads the draft's own f^_j (j >= 1)
+        own = torch.cat([G[:, :1], first[:, :-1].detach()], dim=1)  # pair j reads the draft's own f^_j (j >= 1)
         second = self(own, X, pos, attention_mask=mask)
         return torch.stack([self.lm_head(first[rb, rt]), self.lm_head(second[rb, rt])])
+
+
+@contextlib.contextmanager
+def layer_outputs(model: PreTrainedModel, layers: Sequence[int]):
+    """While open, each forward of ``model`` records the outputs of its decoder ``layers``
+    (0-based) in the yielded dict, layer -> [B, T, H] (the latest forward's): what a fusing feature
+    draft reads besides the final feature."""
+    seen: dict[int, torch.Tensor] = {}
+    blocks = model.get_decoder().layers
+
+    def keep(i):
+        return lambda _m, _i, out: seen.__setitem__(i, (out[0] if isinstance(out, tuple) else out).detach())
+
+    hooks = [blocks[i].register_forward_hook(keep(i)) for i in layers]
+    try:
+        yield seen
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def fused_features(layer_out: dict[int, torch.Tensor], final: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
+    """The features a call asked for: the outputs of ``layers`` in that order, then the final
+    feature, concatenated on the last dimension ([..., (len(layers) + 1) H])."""
+    return torch.cat([layer_out[i] for i in layers] + [final], dim=-1) if layers else final
 
 
 def _causal(T: int, past: int, dtype: torch.dtype, device=None) -> torch.Tensor:
@@ -126,17 +178,24 @@ def _causal(T: int, past: int, dtype: torch.dtype, device=None) -> torch.Tensor:
     return m.triu(past + 1)
 
 
-def feature_draft(target: PreTrainedModel, keep_ids: torch.Tensor | None = None) -> FeatureDraft:
+def feature_draft(target: PreTrainedModel, keep_ids: torch.Tensor | None = None,
+                  feature_layers: Sequence[int] = ()) -> FeatureDraft:
     """A feature draft initialised from ``target`` (see the module docstring); ``keep_ids``
-    restricts the head to those target tokens (then map proposals back with ``vocab_map=keep_ids``)."""
+    restricts the head to those target tokens (then map proposals back with ``vocab_map=keep_ids``).
+    ``feature_layers``: target layers (0-based, before the last) whose outputs it reads besides the
+    final feature (EAGLE-3 fuses a low, a middle and a high one); the fusion starts as the final
+    feature alone."""
     head = target.get_output_embeddings().weight.detach()
     head = head[keep_ids] if keep_ids is not None else head
-    draft = FeatureDraft(target.config, head.shape[0])
+    draft = FeatureDraft(target.config, head.shape[0], feature_layers)
     H = target.config.hidden_size
     with torch.no_grad():
         emb = target.get_input_embeddings().weight
         draft.embed_tokens.weight.copy_(emb)
         draft.feature_norm.weight.fill_(float(emb.float().pow(2).mean().sqrt()))  # an embedding's RMS
+        if draft.feature_layers:
+            n = len(draft.feature_layers)
+            draft.fuse.weight.copy_(torch.cat([torch.zeros(H, n * H), torch.eye(H)], dim=1))
         draft.fc.weight.copy_(torch.cat([torch.zeros(H, H), torch.eye(H)], dim=1))  # e: the feature is learned in
         draft.layer.load_state_dict(target.get_decoder().layers[0].state_dict())
         draft.norm.load_state_dict(target.get_decoder().norm.state_dict())
@@ -167,9 +226,10 @@ class FeatureRunner:
         return Int4Linear(self.model.lm_head) if self.head_bits == 4 else Int8Linear(self.model.lm_head)
 
     @torch.inference_mode()
-    def step(self, seq_id: str, start: int, features: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    def step(self, seq_id: str, start: int, features: torch.Tensor, tokens: list[int], own: bool = False) -> torch.Tensor:
         """Feed pairs (features[i], tokens[i]) at pair positions start..; returns the predicted
-        features [T, H] (the cache past ``start`` is dropped first)."""
+        features [T, H] (the cache past ``start`` is dropped first). ``features``: the target's
+        ([T, feature_width]), or with ``own`` the draft's own predictions ([T, H])."""
         cache = self._caches.get(seq_id)
         if cache is None or start == 0:
             cache = self._caches[seq_id] = DynamicCache(config=self.model.config)
@@ -180,7 +240,8 @@ class FeatureRunner:
             cache.crop(start - have)  # negative: drop the (have - start) pairs past start
         ids = torch.tensor([tokens], dtype=torch.long)  # [1, T]
         pos = torch.arange(start, start + len(tokens))[None]  # [1, T]
-        return self.model(features[None], ids, pos, past_key_values=cache)[0]  # [T, H]
+        fused = features if own else self.model.fuse_features(features)  # [T, H]
+        return self.model(fused[None], ids, pos, past_key_values=cache)[0]  # [T, H]
 
     @torch.inference_mode()
     def head(self, h: torch.Tensor) -> torch.Tensor:
@@ -204,7 +265,12 @@ class FeatureDraftProposer(DraftModelProposer):
 
     def __init__(self, runner: FeatureRunner, target_vocab: int):
         super().__init__(runner, target_vocab)
-        self._feats: dict[str, torch.Tensor] = {}  # seq -> [m, H] float32 final target features, positions 0..m-1
+        self._feats: dict[str, torch.Tensor] = {}  # seq -> [m, W] float32 target features, positions 0..m-1
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose outputs verification returns besides the final feature."""
+        return self.runner.model.feature_layers
 
     def observe_features(self, seq_id: str, start: int, features: torch.Tensor) -> None:
         have = self._feats.get(seq_id)
@@ -233,7 +299,7 @@ class FeatureDraftProposer(DraftModelProposer):
             if q is not None:
                 rows.append(q)
             if i < k - 1:  # the draft's own feature and token: pair m + i
-                h = self.runner.step(seq_id, m + i, h, [tok])
+                h = self.runner.step(seq_id, m + i, h, [tok], own=True)
         self._valid[seq_id] = m  # pairs past m were built on the draft's own features: dropped next time
         probs = torch.stack(rows) if rows else None
         return Proposal(draft_tokens, probs, "feature", time.perf_counter() - t0, m - start + k - 1)

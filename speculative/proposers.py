@@ -228,6 +228,10 @@ class ChainedProposer:
     def wants_features(self) -> bool:
         return any(getattr(p, "wants_features", False) for p in self.proposers)
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return next((tuple(p.feature_layers) for p in self.proposers if getattr(p, "wants_features", False)), ())
+
     def observe_features(self, seq_id: str, start: int, features: torch.Tensor) -> None:
         for p in self.proposers:
             p.observe_features(seq_id, start, features)

@@ -44,6 +44,9 @@ class VerifyCall:
     full_rows: bool = False
     top_k: int = 16
     features: bool = False  # also return the target's features at every fed position (feature drafts)
+    #: with ``features``: decoder layers (0-based) whose outputs come first, then the final feature
+    #: (a draft that fuses several of the target's layers, EAGLE-3)
+    feature_layers: tuple[int, ...] = ()
 
 
 @dataclass
@@ -61,7 +64,8 @@ class TargetRows:
     seconds: float = 0.0  # the target's compute time for the forward this call was part of
     batch: int = 1  # calls in that forward
     #: [len(tokens), H] float16 when the call asked: the hidden state the target's head reads (after
-    #: the final norm) at each fed position, what a feature-conditioned draft proposes from
+    #: the final norm) at each fed position, what a feature-conditioned draft proposes from; with
+    #: ``feature_layers``, those layers' outputs first: [len(tokens), (len(feature_layers) + 1) H]
     features: torch.Tensor | None = None
 
 
@@ -71,6 +75,15 @@ def target_rows(logits: torch.Tensor, call: VerifyCall, seconds: float = 0.0, ba
     ids, probs, tail = sparse_top_k(logits, call.top_k)
     feats = features.to(torch.float16) if call.features and features is not None else None
     return TargetRows(logits.argmax(-1), ids, probs, tail, logits if call.full_rows else None, seconds, batch, feats)
+
+
+def _select(features: torch.Tensor, have: list[int], want: tuple[int, ...]) -> torch.Tensor:
+    """From features over the layers ``have`` (then the final one), those of ``want`` in its order,
+    then the final one: [T, (len(have) + 1) H] -> [T, (len(want) + 1) H]."""
+    if list(want) == have:
+        return features
+    chunks = features.chunk(len(have) + 1, dim=-1)
+    return torch.cat([chunks[have.index(i)] for i in want] + [chunks[-1]], dim=-1)
 
 
 class ModelRunner:
@@ -111,20 +124,26 @@ class ModelRunner:
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep_last)
         return out.logits[0, -keep_last:].float().cpu()  # [keep_last, V_model], on the CPU (acceptance runs there)
 
-    def forward_batch_features(self, calls: list[ForwardCall]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def forward_batch_features(self, calls: list[ForwardCall], layers: tuple[int, ...] = ()
+                               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """:meth:`forward_batch`, plus each call's features: the hidden state after the final norm
-        (what the head reads) at every one of its tokens, [len(tokens), H] float32."""
+        (what the head reads) at every one of its tokens, [len(tokens), H] float32; with ``layers``,
+        those decoder layers' outputs first, [len(tokens), (len(layers) + 1) H]."""
+        from .feature import fused_features, layer_outputs
+
         norm = self.model.get_decoder().norm
         seen: list[torch.Tensor] = []
         hook = norm.register_forward_hook(lambda _m, _i, out: seen.append(out.detach()))
         try:
-            if len(calls) == 1:
-                return [self.forward(calls[0].seq_id, calls[0].start, calls[0].tokens, calls[0].keep_last)], \
-                       [seen[-1][0].float().cpu()]
-            logits = self.forward_batch(calls)
+            with layer_outputs(self.model, layers) as inner:
+                if len(calls) == 1:
+                    logits = [self.forward(calls[0].seq_id, calls[0].start, calls[0].tokens, calls[0].keep_last)]
+                else:
+                    logits = self.forward_batch(calls)
         finally:
             hook.remove()
-        return logits, [seen[-1][b, : len(c.tokens)].float().cpu() for b, c in enumerate(calls)]  # right-padded rows
+        feats = fused_features(inner, seen[-1], layers)  # [B, T, (len(layers) + 1) H], right-padded rows
+        return logits, [feats[b, : len(c.tokens)].float().cpu() for b, c in enumerate(calls)]
 
     @torch.inference_mode()
     def forward_batch(self, calls: list[ForwardCall]) -> list[torch.Tensor]:
@@ -206,7 +225,9 @@ class ModelRunner:
             t0 = time.perf_counter()
             fwd = [ForwardCall(calls[i].seq_id, calls[i].start, calls[i].tokens, calls[i].rows) for i in group]
             if any(calls[i].features for i in group):
-                logits, feats = self.forward_batch_features(fwd)
+                layers = sorted({j for i in group if calls[i].features for j in calls[i].feature_layers})
+                logits, feats = self.forward_batch_features(fwd, tuple(layers))
+                feats = [_select(f, layers, calls[i].feature_layers) for i, f in zip(group, feats)]
             else:
                 logits, feats = self.forward_batch(fwd), [None] * len(group)
             seconds = time.perf_counter() - t0

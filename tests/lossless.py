@@ -254,7 +254,8 @@ class Case:
     adaptive: bool
     #: "close" | "far" | "ngram" | "chain" (prompt lookup, then the close draft) | "suffix" (a suffix tree
     #: over the case's earlier samples) | "controller" (suffix tree, lookup, close draft: chosen per step) |
-    #: "feature" (a feature-conditioned draft reading the target's hidden states; llama models) | "none"
+    #: "feature" (a feature-conditioned draft reading the target's hidden states; llama models) |
+    #: "feature-fused" (one that fuses layer 0's output with the final feature, both read) | "none"
     draft: str
     restricted: bool = False  # draft head restricted to part of the vocabulary (vocab_map)
     model: str = "markov"  # "markov" | "llama" | "llama-int4" (target and draft on the int4 fast path)
@@ -320,6 +321,7 @@ PROPOSER_CASES = [
 #: 16 requests at a time (the seeded Llama cases below run them one at a time).
 LLAMA_CASES = [Case(1.0, 0.8, 0, 3, False, "feature", model="llama", batch=16),
                Case(0.7, 1.0, 2, 2, True, "feature", model="llama-int4", restricted=True),
+               Case(1.0, 0.8, 0, 3, False, "feature-fused", model="llama-int4", batch=16),
                Case(1.0, 0.8, 0, 2, False, "far", model="llama", batch=16),
                # the int4 fast path (speculative.fast): the law is that runtime's own, as served
                Case(0.7, 1.0, 0, 3, False, "far", model="llama-int4", batch=16),
@@ -396,15 +398,21 @@ def build_engine(case: Case, models: Models):
     ngram = NgramProposer(NgramConfig(max_n=2, min_n=1))
     # the suffix tree learns from every sample before: its proposals depend on the case's history
     suffix = SuffixProposer(SuffixConfig(max_depth=8, spec_factor=2.0, min_token_prob=0.05))
-    def feature():
+    def feature(layers=()):
         from speculative.feature import FeatureDraftProposer, FeatureRunner, feature_draft
 
         base = models.target.model if isinstance(models.target, ModelRunner) else models.target
         keep = torch.tensor(RESTRICTED) if case.restricted else None
-        return FeatureDraftProposer(FeatureRunner(feature_draft(base, keep), keep), V)
+        model = feature_draft(base, keep, layers)
+        if layers:  # a fusion that reads the layer and an fc that reads the feature: proposals depend on both
+            g, H = torch.Generator().manual_seed(11), base.config.hidden_size
+            with torch.no_grad():
+                model.fuse.weight.normal_(0, H**-0.5, generator=g)
+                model.fc.weight[:, :H].normal_(0, H**-0.5, generator=g)
+        return FeatureDraftProposer(FeatureRunner(model, keep), V)
 
     proposer = {"none": lambda: None, "ngram": lambda: ngram, "chain": lambda: ChainedProposer(ngram, draft("close")),
-                "suffix": lambda: suffix, "feature": feature,
+                "suffix": lambda: suffix, "feature": feature, "feature-fused": lambda: feature((0,)),
                 "controller": lambda: ControllerProposer(suffix, ngram, draft("close"), probe_every=3)}.get(
         case.draft, lambda: draft(case.draft))()
     # adaptive: costs seeded below and frozen (ema ~ 0: the microsecond timings of these tiny models

@@ -43,6 +43,17 @@ case "${1:-all}" in
     $L --draft-kind feature --json results/feature/long_feature.json --png results/feature/long_feature.png &
     $L --draft-kind truncated --json results/feature/long_token.json --png results/feature/long_token.png
     wait ;;
+  fused|all)  # EAGLE-3's fusion at equal data: one teacher file (200 prompts of train.jsonl, the target's
+    # layers 2 and 15 and its final feature) for three drafts, 420 s each: fusing the three, the final
+    # feature alone (its last 576 columns), the 2-layer token draft; then each static on D's 80 unseen prompts
+    C="${OSD_CACHE_DIR:-$HOME/.cache/osd-serve}"; T="$C/data/teacher-200-fused-2-15.pt"
+    D=".venv/bin/osd distill --n-prompts 200 --seconds 420 --teacher-cache $T"
+    $D --kind feature --feature-layers 2,15 --out "$C/drafts/feature-fused-200" --json results/feature/distill_fused_200.json
+    $D --kind feature --out "$C/drafts/feature-final-200" --json results/feature/distill_final_200.json
+    $D --out "$C/drafts/token-200" --json results/feature/distill_token_200.json
+    for d in feature-fused-200:feature feature-final-200:feature token-200:truncated; do
+      $X --methods static --draft-kind "${d#*:}" --draft-checkpoint "$C/drafts/${d%%:*}" --json "results/feature/${d%%:*}.json"
+    done ;;&
   online|all)  # each starting draft on 80 unseen prompts (20 a domain), fixed k = 4, static and learning online
     $X --draft-kind feature --draft-checkpoint default --json results/feature/feature_distilled.json --png results/feature/feature_distilled.png
     $X --draft-kind truncated --draft-checkpoint default --json results/feature/token_distilled.json --png results/feature/token_distilled.png ;;

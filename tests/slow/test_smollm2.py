@@ -98,6 +98,33 @@ def test_train_draft_lists_its_training_prompts_and_streams_skip_them(tmp_path):
     assert len(left) == 2 and not {prompt_digest(r.text) for r in left} & seen
 
 
+def test_one_fused_teacher_cache_serves_every_draft_of_equal_data(tmp_path):
+    """A teacher cache collected for a draft fusing layers 2 and 15 holds [L - 1, 3 H] features
+    whose last H columns are the final feature: a final-feature draft and a token draft distil
+    from the same file (equal data), a draft of other layers is refused."""
+    import json
+
+    from learner.offline import DistillConfig, load_samples, train_draft
+    from drafts.build import load_draft
+
+    wl = tmp_path / "w.jsonl"
+    wl.write_text("".join(json.dumps({"text": p, "domain": "chat"}) + "\n" for p in PROMPTS))
+    cfg = DistillConfig(max_tokens=4, top_k=8, max_steps=1, warmup_steps=0, seconds=30, prompt_positions=True)
+    cache = tmp_path / "teacher.pt"
+    run = lambda out, **kw: train_draft(wl, None, tmp_path / out, DraftConfig(**kw), cfg=cfg, n_prompts=2, holdout=0.25,
+                                        log=None, teacher_cache=cache)
+    run("fused", kind="feature", feature_layers=[2, 15])
+    data = load_samples(cache)
+    H = 576
+    assert {s.features.shape[-1] for s in data} == {3 * H}
+    assert load_draft(tmp_path / "fused")[0].feature_layers == (2, 15)
+    run("final", kind="feature")
+    run("token", kind="truncated", num_layers=1)
+    assert load_draft(tmp_path / "final")[0].feature_layers == ()
+    with pytest.raises(ValueError, match="another width"):
+        run("other", kind="feature", feature_layers=[5])
+
+
 STREAM_PROMPTS = ["用一句话介绍一下长城。", "日本の首都について一文で説明してください。", "Reply with three emoji that describe the sea."]
 
 

@@ -312,3 +312,147 @@ def test_offline_distillation_raises_held_out_agreement_and_serves_from_its_chec
         return acc / drafted
 
     assert serve(str(tmp_path / "f")) > serve(untrained) + 0.1
+
+
+# -- fusing several of the target's layers (EAGLE-3) --------------------------------------------------
+def layer_features(model, ids: list[int], layers) -> torch.Tensor:
+    """The outputs of decoder ``layers`` (0-based, in that order) then the final feature, by one
+    uncached forward with every hidden state: [len(ids), (len(layers) + 1) H]."""
+    with torch.no_grad():
+        hs = model.get_decoder()(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    return torch.cat([hs[i + 1][0] for i in layers] + [hs[-1][0]], dim=-1).float()  # hs[i + 1]: layer i's output
+
+
+@pytest.mark.parametrize("runtime", ["hf", "int8", "int4"])
+def test_verification_returns_the_layers_each_call_asks_for(target, runtime):
+    """Calls of one batch asking for different layers (or none, or in another order) each get
+    theirs: the asked layers' outputs in the asked order, then the final feature."""
+    bits = {"int8": 8, "int4": 4}.get(runtime)
+    make = (lambda n: ModelRunner(target, name=n)) if bits is None else (lambda n: FastRunner(target, name=n, bits=bits))
+    runner, H = make("t"), target.config.hidden_size
+    a, b, c = [5, 9, 14, 3, 7], [30, 31, 32], [11, 12]
+    got = runner.verify([VerifyCall("a", 0, a, 1, features=True, feature_layers=(1, 0)),
+                         VerifyCall("b", 0, b, 1, features=True),
+                         VerifyCall("c", 0, c, 1, features=True, feature_layers=(0,))])
+    assert [g.features.shape for g in got] == [(5, 3 * H), (3, H), (2, 2 * H)]
+    for g, ids, layers in zip(got, (a, b, c), ((1, 0), (), (0,))):
+        ref = layer_features(target, ids, layers)  # the float model, uncached
+        if bits is None:
+            torch.testing.assert_close(g.features.float(), ref, atol=2e-3, rtol=2e-3)
+        else:  # quantised layers stay close to the float ones, chunk by chunk
+            sim = torch.nn.functional.cosine_similarity(g.features.float().view(len(ids), -1, H), ref.view(len(ids), -1, H), dim=-1)
+            assert sim.min() > (0.99 if bits == 8 else 0.85), sim
+    if bits is not None:  # the fast path's own numbers: the same call alone, layers in the other order, same bits
+        alone = make("t2").verify([VerifyCall("a", 0, a, 1, features=True, feature_layers=(0, 1))])[0].features
+        assert torch.equal(got[0].features, torch.cat([alone[:, H : 2 * H], alone[:, :H], alone[:, 2 * H :]], dim=-1))
+
+
+def test_a_fusing_draft_starts_as_the_final_feature_draft_and_is_lossless(target, tok):
+    """A draft over layers 0 and 1 besides the final feature proposes, untrained, exactly what the
+    final-feature draft proposes (its fusion starts as the final feature alone); with a fusion that
+    reads the layers, it proposes otherwise and the output is still the target's alone."""
+    def engine(layers, runtime="hf", fuse=None):
+        prop = build_proposer(DraftConfig(kind="feature", feature_layers=layers), target, tok)
+        if fuse is not None:
+            with torch.no_grad():
+                prop.runner.model.fuse.weight.copy_(fuse)
+        runner = ModelRunner(target, name="t") if runtime == "hf" else FastRunner(target, name="t", bits=4)
+        return SpeculativeEngine(runner, tok, prop, EngineConfig(chat_template=False, k=KPolicyConfig(fixed_k=3)))
+
+    prompt = [5, 9, 14, 3, 7, 21, 8]
+    plain_steps, fused_steps = [], []
+    engine([]).generate(list(prompt), GREEDY, on_step=plain_steps.append)
+    engine([0, 1]).generate(list(prompt), GREEDY, on_step=fused_steps.append)
+    assert [s.draft_tokens for s in fused_steps] == [s.draft_tokens for s in plain_steps]
+    assert engine([0, 1]).proposer.feature_layers == (0, 1)
+
+    H = target.config.hidden_size
+    mixing = torch.randn(H, 3 * H, generator=torch.Generator().manual_seed(0)) * 0.3
+    alone = SpeculativeEngine(ModelRunner(target, name="t"), tok, None, EngineConfig(chat_template=False))
+    for runtime in ("hf", "int4"):
+        steps = []
+        e = engine([0, 1], runtime, fuse=mixing)
+        for p in ([5, 9, 14, 3, 7, 21, 8], [40, 41, 2, 2, 2, 2]):
+            out = e.generate(list(p), GREEDY, on_step=steps.append).token_ids
+            assert out == (alone.generate(list(p), GREEDY).token_ids if runtime == "hf" else
+                           SpeculativeEngine(e.target, tok, None, EngineConfig(chat_template=False)).generate(list(p), GREEDY).token_ids)
+        assert any(s.proposed for s in steps)
+    assert [s.draft_tokens for s in steps] != [s.draft_tokens for s in plain_steps]
+
+
+def test_fused_records_and_teacher_data_carry_every_layer(target, tok):
+    """A served record of a fusing draft holds [len - 1, 3H] features that survive encoding, the
+    teacher data of the same request the same numbers (the learner and the offline start train on
+    the same thing), and the prompt positions read the final chunk."""
+    from learner.offline import collect_teacher_data, with_prompt_positions
+
+    prop = build_proposer(DraftConfig(kind="feature", feature_layers=[1, 0]), target, tok)
+    engine = SpeculativeEngine(ModelRunner(target, name="t"), tok, prop,
+                               EngineConfig(chat_template=False, k=KPolicyConfig(fixed_k=3), record_top_k=8))
+    prompt = [5, 9, 14, 3, 7, 21, 8]
+    rec, *_ = serve_recorded(engine, prompt, SamplingParams(max_tokens=12, ignore_eos=True), sources=("feature",))
+    L, H = rec.tokens.shape[0], target.config.hidden_size
+    assert rec.features.shape == (L - 1, 3 * H)
+    torch.testing.assert_close(rec.features.float(), layer_features(target, rec.tokens[: L - 1].tolist(), (1, 0)), atol=2e-2, rtol=2e-2)
+    back = decode_record(encode_record(rec))
+    assert torch.equal(back.features, rec.features)
+
+    s, = collect_teacher_data(target, tok, [prompt], max_tokens=12, top_k=8, features=True, feature_layers=(1, 0))
+    assert torch.equal(s.tokens, rec.tokens) and s.features.shape == (L - 1, 3 * H)
+    torch.testing.assert_close(s.features.float(), rec.features.float(), atol=2e-3, rtol=2e-3)
+    plain, = collect_teacher_data(target, tok, [prompt], max_tokens=12, top_k=8, features=True)
+    wide, = with_prompt_positions([s], target.get_output_embeddings(), 2)
+    narrow, = with_prompt_positions([plain], target.get_output_embeddings(), 2)
+    assert torch.equal(wide.ids, narrow.ids)  # the head reads the final feature, not the layers'
+
+
+def test_a_fusing_draft_learns_online_and_keeps_its_layers_through_a_checkpoint(trained_target, tok, tmp_path):
+    from drafts.build import build_draft_model, load_draft, save_draft
+
+    prop = build_proposer(DraftConfig(kind="feature", feature_layers=[0]), trained_target, tok)
+    engine = SpeculativeEngine(ModelRunner(trained_target, name="t"), tok, prop,
+                               EngineConfig(chat_template=False, k=KPolicyConfig(fixed_k=3), record_top_k=8))
+    records = served_records(engine, random.Random(1), 60, n_digits=4, max_tokens=24)
+    train, held = records[:40], records[40:]
+    trainer = DraftTrainer("f", engine.proposer.runner.model,
+                           LearnerConfig(lr=1e-3, steps_per_round=5, positions="all", holdout_fraction=0.0, gate_margin=1.0))
+    model = trainer.model  # the training copy
+    start_fuse = model.fuse.weight.detach().clone()
+    for r in held:
+        trainer.add_holdout(r)
+    before = trainer.agreement()
+    for _ in range(10):
+        assert trainer.train_round(train).accepted
+    assert trainer.agreement() >= before + 0.02
+    H = trained_target.config.hidden_size
+    assert model.fuse.weight[:, :H].abs().max() > 0  # it learned to read layer 0 too
+    engine.swap_draft(*trainer.publish()[::-1])  # the published weights serve, losslessly
+    alone = SpeculativeEngine(engine.target, tok, None, EngineConfig(chat_template=False))
+    for r in held[:3]:
+        p = r.tokens[: r.prompt_len].tolist()
+        gp = SamplingParams(max_tokens=24, ignore_eos=True)
+        assert engine.generate(list(p), gp).token_ids == alone.generate(list(p), gp).token_ids
+
+    save_draft(model, tmp_path / "f", None)
+    loaded, _, _ = load_draft(tmp_path / "f")
+    assert loaded.feature_layers == (0,) and loaded.feature_width == 2 * trained_target.config.hidden_size
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
+    again, _ = build_draft_model(DraftConfig(kind="feature", checkpoint=str(tmp_path / "f")), trained_target, tok)
+    assert again.feature_layers == (0,)
+    with pytest.raises(ValueError, match="reads the target's layers"):
+        build_draft_model(DraftConfig(kind="feature", checkpoint=str(tmp_path / "f"), feature_layers=[1]), trained_target, tok)
+
+
+def test_feature_layers_are_checked():
+    from speculative.feature import FeatureDraft
+    from conftest import tiny_llama
+
+    with pytest.raises(ValueError, match="feature_layers"):
+        DraftConfig(kind="truncated", feature_layers=[0])
+    with pytest.raises(ValueError, match="distinct"):
+        DraftConfig(kind="feature", feature_layers=[1, 1])
+    cfg = tiny_llama(3, seed=0).config
+    for bad in ([2], [3], [-1]):  # the last layer's output is the final feature already; out of range
+        with pytest.raises(ValueError, match="before its last"):
+            FeatureDraft(cfg, 10, bad)
+    assert FeatureDraft(cfg, 10, [1, 0]).feature_width == 3 * cfg.hidden_size
