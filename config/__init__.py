@@ -354,6 +354,10 @@ class RouterConfig(_Strict):
     #: background examples that a classifier of the named examples gives to a topical (not open)
     #: domain with at least this probability are dropped (general traffic holds code, SQL, math)
     background_filter: float = Field(default=0.5, gt=0.0, le=1.0)
+    #: of those, the ones given to their domain with at least this probability become examples of
+    #: it instead of being dropped (general traffic's code, SQL and math requests widen those
+    #: domains' examples); None: all are dropped
+    background_relabel: float | None = Field(default=None, gt=0.0, le=1.0)
     #: n-grams first: a second logistic regression reads the character n-grams alone (about 1 ms),
     #: and a query it gives to a topical (not open) domain with at least this probability is routed
     #: there without being embedded (the embedding is ~90% of a query's time); None: every query is

@@ -79,6 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--background", action=argparse.BooleanOptionalAction, default=None,
                    help="the training file's general traffic as a background class (RouterConfig.background)")
     p.add_argument("--background-filter", type=float, default=None, help="RouterConfig.background_filter")
+    p.add_argument("--background-relabel", type=float, default=None,
+                   help="RouterConfig.background_relabel: filtered background examples given their domain with at least "
+                        "this probability join it")
     p.add_argument("--lexical-gate", type=float, default=None,
                    help="RouterConfig.lexical_gate: route without embedding a query whose n-grams alone give a "
                         "topical domain this probability; 0: embed every query")
@@ -139,7 +142,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         if args.quantize is not None:
             overrides["quantize"] = args.quantize
         for key in ("confidence_threshold", "max_tokens", "typical_quantile", "typical_k", "backend", "embed_cache",
-                    "lexical", "background", "background_filter"):
+                    "lexical", "background", "background_filter", "background_relabel"):
             if getattr(args, key) is not None:
                 overrides[key] = getattr(args, key)
         if args.open_domains is not None:

@@ -69,8 +69,9 @@ class DomainClassifier:
 
     def __init__(self, C: float = 10.0, seed: int = 0, typical_k: int = 1, typical_quantile: float = 0.1,
                  folds: int = 5, lexical: bool = False, background_filter: float = 0.5,
-                 max_lexical_features: int = 20_000):
+                 max_lexical_features: int = 20_000, background_relabel: float | None = None):
         self.C, self.seed = C, seed
+        self.background_relabel = background_relabel
         self.typical_k, self.typical_quantile, self.folds = typical_k, typical_quantile, folds
         self.lexical, self.background_filter, self.max_lexical_features = lexical, background_filter, max_lexical_features
         self.model: LogisticRegression | None = None
@@ -125,7 +126,8 @@ class DomainClassifier:
         """X: [n, d] embeddings; labels: [n] domain names (at least two distinct), ``BACKGROUND`` for
         examples of general traffic; texts: [n] (used when ``lexical``). Background examples that an
         embedding classifier of the named examples alone gives to a ``topical`` label with
-        probability >= ``background_filter`` are dropped."""
+        probability >= ``background_filter`` are dropped (those given it with probability >=
+        ``background_relabel``, when set, become examples of that label instead)."""
         X, y = np.asarray(X, dtype=np.float32), np.asarray(labels)
         named = y != BACKGROUND
         if len(set(y[named])) < 2:
@@ -137,7 +139,10 @@ class DomainClassifier:
             proba = first.predict_proba(X[~named])  # [n_background, n_named]
             best = first.classes_[proba.argmax(axis=1)]
             drop = np.isin(best, list(topical)) & (proba.max(axis=1) >= self.background_filter)
-            keep[np.flatnonzero(~named)[drop]] = False
+            relabel = drop & (proba.max(axis=1) >= (self.background_relabel or np.inf))  # None: none
+            y = y.copy()
+            y[np.flatnonzero(~named)[relabel]] = best[relabel]
+            keep[np.flatnonzero(~named)[drop & ~relabel]] = False
             self.background_dropped = int(drop.sum())
         X, y = X[keep], y[keep]
         self.vectorizer = None
@@ -223,7 +228,7 @@ class DomainClassifier:
                      "typical_quantile": self.typical_quantile, "folds": self.folds, "lexical": self.lexical,
                      "background_filter": self.background_filter, "max_lexical_features": self.max_lexical_features,
                      "vectorizer": self.vectorizer, "lexical_model": self.lexical_model,
-                     "background_dropped": self.background_dropped,
+                     "background_dropped": self.background_dropped, "background_relabel": self.background_relabel,
                      "examples": self.examples, "thresholds": self.thresholds}, path)
 
     @classmethod
@@ -234,6 +239,7 @@ class DomainClassifier:
         clf.model, clf.examples, clf.thresholds = state["model"], state["examples"], state["thresholds"]
         clf.vectorizer, clf.background_dropped = state["vectorizer"], state["background_dropped"]
         clf.lexical_model = state.get("lexical_model")  # absent from saves before it: no gate
+        clf.background_relabel = state.get("background_relabel")
         return clf
 
 

@@ -93,7 +93,8 @@ class Router:
         self.cfg = cfg
         self.extractor = extractor if extractor is not None else FeatureExtractor(cfg)
         self.classifier = DomainClassifier(cfg.classifier_c, cfg.seed, cfg.typical_k, cfg.typical_quantile,
-                                           lexical=cfg.lexical, background_filter=cfg.background_filter)
+                                           lexical=cfg.lexical, background_filter=cfg.background_filter,
+                                           background_relabel=cfg.background_relabel)
         self.clusters = OnlineClusters(cfg)
         self.bandit = AcceptanceBandit(cfg)
         self.drafts: dict[str, str | None] = {GENERAL: None}  # draft -> domain it serves (None: any)

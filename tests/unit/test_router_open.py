@@ -297,6 +297,32 @@ def test_background_examples_like_a_topical_domain_are_dropped():
     assert np.mean(np.array(kept_all.predict(_cloud(rng, a, 50, 0.1))[0]) == "code") < 0.9
 
 
+def test_background_examples_sure_to_be_topical_can_join_their_domain_instead():
+    """With ``background_relabel`` the filtered background examples given their topical domain with
+    at least that probability become its examples (the rest of the filtered ones are dropped as
+    before): a domain whose own examples are narrow then also names what general traffic asks of it."""
+    rng = np.random.default_rng(2)
+    a, b, e, w = (np.eye(32)[i] for i in range(4))
+    near = 0.8 * a + 0.6 * w  # general traffic's code requests: code-like, in a direction code's examples lack
+    X = np.concatenate([_cloud(rng, a, 200, 0.05), _cloud(rng, b, 200, 0.05), _cloud(rng, near, 100, 0.05),
+                        _cloud(rng, 0.6 * b + 0.8 * e, 100, 0.05)])  # the rest: nearer small talk, kept
+    y = ["code"] * 200 + ["chat"] * 200 + [BACKGROUND] * 200
+    dropped = DomainClassifier().fit(X, y, topical=["code"])
+    joined = DomainClassifier(background_relabel=0.5).fit(X, y, topical=["code"])
+    assert dropped.background_dropped == joined.background_dropped == 100
+    assert len(dropped.examples["code"]) == 200 and len(joined.examples["code"]) == 300
+    assert len(joined.examples["chat"]) == 200  # only topical labels take background examples
+    strict = DomainClassifier(background_relabel=1.0).fit(X, y, topical=["code"])  # none that sure: all dropped
+    assert len(strict.examples["code"]) == 200
+    asks = _cloud(rng, near, 50, 0.05)  # new code requests like general traffic's: named code, and surer of it
+    (lj, pj), (ld, pd) = joined.predict(asks), dropped.predict(asks)
+    assert lj == ld == ["code"] * 50 and pj.mean() > pd.mean(), (pj.mean(), pd.mean())
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        joined.save(f"{d}/c.joblib")
+        assert DomainClassifier.load(f"{d}/c.joblib").background_relabel == 0.5
+
+
 def test_a_router_with_the_background_class_sends_a_domain_it_was_not_told_of_to_clusters(extractor, train, held_out):
     """Leave math out of the named domains: with general traffic as a background class, math word
     problems are not forced into code, SQL or chat but go to clusters; without it they are named."""
