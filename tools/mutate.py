@@ -125,6 +125,42 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("speculative/kpolicy.py", "CostModel.relative_verify", "if not one or j <= 1:"):
         "'and' instead of 'or': without a measurement the table is empty and the code below returns 1.0 too; "
         "for j <= 1 it computes verify_s[1] / verify_s[1] = 1.0",
+    ("speculative/fast.py", "Int8Linear.__init__",
+     'scale = w.abs().amax(1).clamp_min(1e-12) / 127  # [N]'):
+        "the floor only acts on an all-zero row, whose weights are 0 / scale = 0 whatever the floor",
+    ("speculative/fast.py", "Int8Linear.__init__",
+     'self.register_buffer("weight", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous())'):
+        "scale is each row's largest magnitude / 127, so w / scale lies in [-127, 127] and neither bound of the clamp (nor a bound one wider) ever binds",
+    ("speculative/fast.py", "Int4Linear.__init__",
+     'scale = ((hi - lo) / 15).clamp_min(1e-12)'):
+        "the floor only acts on a constant group (hi == lo), whose values are all lo: (w - lo) / scale = 0 whatever the floor",
+    ("speculative/fast.py", "Int4Linear.__init__",
+     'q = ((groups - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(w.shape)'):
+        "(w - lo) / scale lies in [0, 15] by the choice of lo and scale, so the upper bound (15 or 16) never binds",
+    ("speculative/fast.py", "Int4Linear.__init__",
+     'self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))'):
+        "inner_k_tiles: the CPU packing ignores it (the same packed bytes for 0, 1 and 2); it is a CUDA tiling parameter",
+    ("speculative/fast.py", "_Cache.__init__",
+     'self.length = 0'):
+        "FastRunner._open sets cache.length = c.start before every use of a cache, so its initial value is never read",
+    ("speculative/fast.py", "FastRunner.__init__",
+     'self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads'):
+        "the fallback is for configs without head_dim; LlamaConfig always sets it (the head-dim case of test_int8_is_close_to_the_float_model kills the `and` mutant), so a change to the fallback cannot be reached",
+    ("speculative/fast.py", "FastRunner.forward_batch",
+     'return self._batch(calls, False)[0]'):
+        "asking _batch for features only computes them beside the logits; forward_batch returns the logits alone",
+    ("speculative/fast.py", "FastRunner._batch",
+     'if features and li in layers:'):
+        "`or`: with features off the asked layers are () and nothing is kept; with features on, every layer's output is kept but only the asked ones are concatenated: the same features, more memory held briefly",
+    ("speculative/fast.py", "FastRunner._batch",
+     'h = h + o_proj(torch.cat(out) if len(out) > 1 else out[0])'):
+        "torch.cat of a one-element list is that element: the shortcut for one call changes nothing",
+    ("speculative/fast.py", "_rms",
+     'eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)'):
+        "the last default (1e-6) is only read for a norm with neither attribute; Llama norms have variance_epsilon (the eps case of test_int8_is_close_to_the_float_model kills the `and` mutant)",
+    ("speculative/fast.py", "_attend",
+     'if n > 1:'):
+        "one new query at position start attends to the L = start + 1 cached positions, none of which is after it: the mask for n = 1 (or n >= 0) masks nothing",
 }
 
 SWAP_BIN = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult,

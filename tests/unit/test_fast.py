@@ -106,8 +106,14 @@ def test_verify_matches_forward_and_batches_across_sequences(bits):
     assert torch.equal(rows[1].argmax, alone.forward("q", 0, [9, 10, 11], 1).argmax(-1))
 
 
-def test_int8_is_close_to_the_float_model():
-    model = tiny_llama(3, seed=0, initializer_range=0.1)  # the default 1.0 is chaotic: rounding errors grow per layer
+@pytest.mark.parametrize("shape", [{}, {"num_key_value_heads": 1}, {"num_key_value_heads": 4}, {"rms_norm_eps": 1e-2},
+                                   {"head_dim": 16}], ids=["gqa-2", "mqa", "mha", "eps", "head-dim"])
+def test_int8_is_close_to_the_float_model(shape):
+    """Also with one or as many key/value heads as query heads (grouped-query attention's extremes),
+    a norm epsilon that matters and heads wider than hidden / heads (the runtime's own attention and
+    norms must follow the config, not the defaults)."""
+    # initializer_range: the default 1.0 is chaotic (rounding errors grow per layer)
+    model = tiny_llama(3, seed=0, initializer_range=0.1, **shape)
     fast, ref = FastRunner(model, bits=8), ModelRunner(model)
     ids = list(range(2, 40))
     a, b = fast.forward("a", 0, ids, len(ids)), ref.forward("a", 0, ids, len(ids))
@@ -188,6 +194,9 @@ def test_choice_of_runtime_and_clear_refusals():
             self.w = torch.nn.Linear(2, 2)
     odd = NotLlama()
     assert resolve_quantize("auto", odd) == "none"  # auto falls back to the eager runtime
+    assert resolve_quantize("none", odd) == "none"  # asked for: no refusal
+    with pytest.raises(FastPathError, match="use quantize: none"):
+        resolve_quantize("int4", odd)
     with pytest.raises(FastPathError, match="not a Llama-style decoder"):
         make_runner(odd, "int4")
     with pytest.raises(FastPathError, match="4 and int8"):
