@@ -16,6 +16,11 @@ learner, with the existing losses) runs two passes per batch: on the target's fe
 the draft's own predicted features, as it meets them beyond the first drafted token (EAGLE-3's
 "training-time test"), so drafting k steps ahead does not drift.
 
+With ``feature_layers`` (EAGLE-3's fusion of a low, a middle and a high layer) the target also
+returns those decoder layers' outputs, and the draft first maps them with the final feature to one
+feature, g_t = fuse([n_1(l_t) ; ... ; f_t]), which takes f_t's place above; ``fuse`` starts as the
+final feature alone, and the draft's own predictions stand in for g when it drafts ahead.
+
 Initialisation (our choice, for learning online from few records): fc maps [f ; e] -> e and the
 layer, norm and head are the target's first layer, final norm and head, so the draft starts as the
 one-layer truncated token draft and learns to read the features (normalised to the embeddings'
@@ -92,8 +97,8 @@ class FeatureDraft(nn.Module):
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 past_key_values: DynamicCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Predicted features (after the draft's norm) for the pairs (features[b, t], input_ids[b, t]):
-        [B, T, H]. ``features`` are fused ones (:meth:`fuse_features`) or the draft's own predictions,
-        [B, T, H]. ``attention_mask``: [B, 1, T, S] additive (None: causal over the cache + T)."""
+        [B, T, H]. ``features`` [B, T, H] are the target's, fused (:meth:`fuse_features`), or the
+        draft's own predictions. ``attention_mask``: [B, 1, T, S] additive (None: causal over the cache + T)."""
         f = self.feature_norm(features.to(self.fc.weight.dtype))
         x = self.fc(torch.cat([f, self.embed_tokens(input_ids)], dim=-1))  # [B, T, H]
         B, T, _ = x.shape
