@@ -39,9 +39,11 @@ system-tools:
 run: $(STAMP)
 	$(BIN)/osd serve
 
-# The whole test suite: fast unit tests and the slow ones on the real SmolLM2.
+# The whole test suite: fast unit tests, the slow ones on the real SmolLM2, and the live app on Ray, on
+# two pytest-xdist workers: one runs every Ray test in order while the other takes the in-process ones
+# (tests/conftest.py: pytest_xdist_make_scheduler).
 test: $(STAMP) system-tools
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=25 tests
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --durations=25 tests
 
 # Mutation testing of the sampling path, engine, proposers, k policy and the learner's gate (not in CI:
 # about an hour on 2 cores). Prints every surviving mutant and the score; the JSON keeps them all.

@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from config import QUANTIZE_CHOICES, KPolicyConfig, SamplingParams
+from config import QUANTIZE_CHOICES, KPolicyConfig, SamplingParams, layer_list
 from learner.offline import DistillConfig, collect_teacher_data, distill
 from learner.replay import LEARNED_SOURCES, ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
@@ -672,7 +672,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--target", default=None, help="target model (default: the embedded one)")
         p.add_argument("--draft-kind", choices=["truncated", "feature"], default="truncated",
                        help="the learned draft: the truncated target (tokens only) or the feature-conditioned one")
-        p.add_argument("--feature-layers", type=lambda v: [int(x) for x in v.split(",") if x.strip()], default=[],
+        p.add_argument("--feature-layers", type=layer_list, default=[],
                        help="a feature draft without a checkpoint: target layers (comma-separated) fused with the final feature")
         p.add_argument("--draft-layers", type=int, default=2)
         p.add_argument("--head-vocab", type=int, default=None)

@@ -23,6 +23,7 @@ __all__ = [
     "SuffixConfig",
     "ControllerConfig",
     "DraftConfig",
+    "layer_list",
     "NgramConfig",
     "KPolicyConfig",
     "SamplingParams",
@@ -166,6 +167,11 @@ class ControllerConfig(_Strict):
     better (a draft that learned, a tree that filled) is noticed."""
 
     probe_every: int = Field(default=8, ge=1)
+
+
+def layer_list(text: str) -> list[int]:
+    """``"2,15"`` -> ``[2, 15]``: the command-line form of ``DraftConfig.feature_layers``."""
+    return [int(x) for x in text.split(",") if x.strip()]
 
 
 class DraftConfig(_Strict):

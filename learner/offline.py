@@ -36,6 +36,7 @@ import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from config import layer_list
 from learner.losses import check_loss_name, SparseDist, get_loss, sparse_from_logits
 from speculative.models import encode_prompt, eos_token_ids
 
@@ -741,7 +742,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kind", default="truncated", choices=["truncated", "fresh", "feature"],
                     help="feature: one decoder layer over the target's features (EAGLE-style), trained on them")
     ap.add_argument("--num-layers", type=int, default=2)
-    ap.add_argument("--feature-layers", type=lambda v: [int(x) for x in v.split(",") if x.strip()], default=[],
+    ap.add_argument("--feature-layers", type=layer_list, default=[],
                     help="--kind feature: target layers (0-based, comma-separated) fused with the final feature (EAGLE-3)")
     ap.add_argument("--head-vocab", type=int, default=None)
     ap.add_argument("--n-prompts", type=int, default=60)

@@ -6,6 +6,7 @@ about a millisecond, so the speculative engine can be exercised end to end in un
 
 from __future__ import annotations
 
+import os
 import string
 
 import pytest
@@ -14,6 +15,12 @@ import torch
 # The test machine has 2 shared cores: with 2 OpenMP threads, small matmuls stall (1000x slower)
 # whenever the other core is busy. One thread is also the fastest setting for these tiny models.
 torch.set_num_threads(1)
+
+# Under pytest-xdist (`make test`: `-n 2`) the Ray tests share the cores with the other worker's
+# in-process tests: Ray starts its workers (the app's replicas) at nice 15 by default, which would
+# starve the live app behind them; the same priority for both.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("RAY_worker_niceness", "0")
 
 #: 2 specials + 95 printable ASCII + 31 Greek letters = 128 tokens, one character each, so that
 #: character offsets in decoded text equal token offsets (stop-string tests rely on this).
@@ -187,9 +194,39 @@ def hf_greedy(target):
     return gen
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Every test starts and ends on one torch thread: code under test that sets its own (the CLIs'
+    ``--threads 2``, a built engine's ``num_threads``) must not leave two threads spinning in this
+    process while the other core runs the other xdist worker (both would stall)."""
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Ray tests last: the unit tests run first (fast feedback), then the module that starts Ray."""
+    """Ray tests last: the unit tests run first (fast feedback), then the modules that start Ray."""
     items.sort(key=lambda item: item.get_closest_marker("serve") is not None)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (``make test`` runs ``-n 2``): every Ray test goes to one worker, in order
+    (they share the package's live app and start one Ray at a time), and the real SmolLM2 tests to
+    one worker (their module loads the model once); each other test is a unit of its own. The
+    largest unit, the Ray tests, is handed out first; the other worker takes the in-process tests
+    meanwhile, on one thread each, while the live app spends much of its time waiting on replicas
+    and learner rounds. (xdist's own ``loadgroup`` renames node ids, which pytest 9 ignores.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.startswith(("tests/serve/", "tests/cluster/")):
+                return "ray"
+            if nodeid.startswith("tests/slow/"):
+                return "smollm2"
+            return nodeid
+
+    return Groups(config, log)
 
 
 def free_port() -> int:

@@ -51,6 +51,11 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
                                "tests/unit/test_feature.py"]),
     "speculative/fast.py": ("speculative.fast", None, ["tests/unit/test_fast.py", "tests/unit/test_feature.py"]),
     "speculative/suffix.py": ("speculative.suffix", None, ["tests/unit/test_suffix.py"]),
+    # the feature-conditioned draft (its fusion, its cache of features, its proposer) and the losses
+    # every draft is distilled with
+    "speculative/feature.py": ("speculative.feature", None, ["tests/unit/test_feature.py"]),
+    "learner/losses.py": ("learner.losses", None,
+                          ["tests/unit/test_losses.py", "tests/unit/test_offline.py", "tests/unit/test_trainer.py"]),
     "speculative/detokenize.py": ("speculative.detokenize", None, ["tests/unit/test_detokenize.py"]),
 }
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import urllib.request
 
 import pytest
@@ -20,7 +22,10 @@ pytestmark = pytest.mark.serve
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     os.environ.update(RAY_ENV)
-    os.environ["RAY_TMPDIR"] = str(tmp_path_factory.mktemp("raytmp"))
+    # short: Ray's socket paths under it must stay below AF_UNIX's 107 bytes (pytest's tmp_path under
+    # xdist, /tmp/pytest-of-<user>/pytest-N/popen-gwN/..., leaves too little room)
+    tmp = tempfile.mkdtemp(prefix="osdray")
+    os.environ["RAY_TMPDIR"] = tmp
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -37,6 +42,7 @@ def cluster(tmp_path_factory):
     serve.shutdown()
     ray.shutdown()
     c.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_two_nodes_requests_and_broadcast(cluster, tmp_path):

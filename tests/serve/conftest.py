@@ -5,6 +5,7 @@ a second application under /colo. Helpers to call it over plain HTTP."""
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
 
@@ -47,6 +48,10 @@ def server(tmp_path_factory):
     # here is the path (records -> rounds -> object store -> every replica), not the gate
     app["args"]["learner"]["trainer"].update(train_every=8, gate_margin=1.0, holdout_fraction=0.2)
     app["args"]["router_save_s"] = 5.0
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # the other core runs the in-process tests meanwhile: two OpenMP threads would stall
+        # whenever it is busy (../shared measurements: 40x slower), so the target takes one
+        app["args"]["target"]["num_threads"] = 1
     app["args"]["auth"] = {"keys": [
         {"tenant": "alice", "key_sha256": digest(KEY), "limits": {"requests_per_minute": 10_000, "max_concurrent": 16}},
         {"tenant": "tiny", "key_sha256": digest(TINY_KEY), "limits": {"requests_per_minute": 1}},
