@@ -166,6 +166,25 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("speculative/fast.py", "_attend",
      'if n > 1:'):
         "one new query at position start attends to the L = start + 1 cached positions, none of which is after it: the mask for n = 1 (or n >= 0) masks nothing",
+    # the feature-conditioned draft
+    ("speculative/feature.py", "FeatureDraft.__init__", "cfg.layer_types = cfg.layer_types[:1]"):
+        "runs only for configs with layer_types; the Llama configs the draft is built from carry none in this "
+        "transformers (getattr(cfg, 'layer_types', None) is None), so the branch is never taken",
+    ("speculative/feature.py", "FeatureDraft.forward", "if attention_mask is None and T > 1:"):
+        "`or`, `T >= 1`, `T > 0`: the causal mask is built in more cases, where it changes nothing: for one new "
+        "pair it is all zeros (the pair sees the cache and itself), and the only caller passing a mask "
+        "(teacher forcing) passes the same causal mask with no cache (test_pairs_fed_at_once_... kills the rest)",
+    ("speculative/feature.py", "FeatureDraft.forward",
+     "use_cache=past_key_values is not None, cache_position=cache_position, position_embeddings=pos_emb)"):
+        "the decoder layer of this transformers updates the cache it is given whatever use_cache says (the "
+        "flag is read by the model, not the layer); without a cache there is nothing to update",
+    ("speculative/feature.py", "FeatureDraft.forward", "h = h[0]"):
+        "the decoder layer of this transformers returns a tensor, not a tuple: the branch for older versions "
+        "is never taken",
+    ("speculative/feature.py", "layer_outputs",
+     "return lambda _m, _i, out: seen.__setitem__(i, (out[0] if isinstance(out, tuple) else out).detach())"):
+        "the hooked decoder layers return a tensor in this transformers, never a tuple: out[0] is never read",
+
 }
 
 SWAP_BIN = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult,

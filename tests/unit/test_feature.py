@@ -455,3 +455,79 @@ def test_feature_layers_are_checked():
         with pytest.raises(ValueError, match="before its last"):
             FeatureDraft(cfg, 10, bad)
     assert FeatureDraft(cfg, 10, [1, 0]).feature_width == 3 * cfg.hidden_size
+
+
+# -- the draft's parts, held to what they promise ---------------------------------------------------------
+def test_an_untrained_fusion_is_the_final_feature_and_the_head_the_targets_rows(target):
+    """The fusion starts as the final feature alone, exactly (no bias: the untrained fusing draft is
+    the final-feature draft); the head is the target's (its kept rows); the stored config describes
+    the one decoder layer the draft has, and the runner's cache holds one layer."""
+    from transformers import DynamicCache
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    H = target.config.hidden_size
+    fused = feature_draft(target, feature_layers=[0, 1])
+    x = torch.randn(5, 3 * H, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(fused.fuse_features(x), x[:, 2 * H:], atol=0, rtol=0)
+        keep = torch.tensor([3, 7, 40, 41, 100])
+        h = torch.randn(4, H, generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(feature_draft(target, keep).lm_head(h), target.get_output_embeddings()(h)[:, keep])
+        torch.testing.assert_close(fused.lm_head(h), target.get_output_embeddings()(h))
+    layers = [m for m in fused.modules() if isinstance(m, LlamaDecoderLayer)]
+    assert fused.config.num_hidden_layers == len(layers) == 1
+    assert len(DynamicCache(config=fused.config).layers) == 1
+
+
+def test_pairs_fed_at_once_predict_what_pairs_fed_one_by_one_do(target):
+    """FeatureRunner.step over T pairs returns one predicted feature per pair, each seeing only the
+    pairs up to it (causal, also when continuing a cache): the same rows as T steps of one pair. The
+    draft's forward without a cache or mask is that causal one (teacher forcing)."""
+    H = target.config.hidden_size
+    draft = feature_draft(target, feature_layers=[1])
+    with torch.no_grad():
+        draft.fuse.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(2))
+    feats = torch.randn(6, 2 * H, generator=torch.Generator().manual_seed(3))
+    toks = [5, 9, 14, 3, 7, 21]
+    runner = FeatureRunner(draft)
+    with torch.no_grad():
+        one = torch.cat([runner.step("one", i, feats[i : i + 1], toks[i : i + 1]) for i in range(6)])  # [6, H]
+        torch.testing.assert_close(runner.step("all", 0, feats, toks), one, atol=1e-5, rtol=1e-4)
+        for a, b in ((0, 3), (3, 5), (5, 6)):  # two pairs on a cache of three: the mask must see the cache
+            torch.testing.assert_close(runner.step("split", a, feats[a:b], toks[a:b]), one[a:b], atol=1e-5, rtol=1e-4)
+        plain = draft(draft.fuse_features(feats)[None], torch.tensor([toks]), torch.arange(6)[None])[0]
+        torch.testing.assert_close(plain, one, atol=1e-5, rtol=1e-4)
+
+
+def _sample(L: int, prompt_len: int, H: int, rows: int | None, seed: int):
+    from learner.offline import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    T = L - prompt_len
+    return Sample(tokens=torch.randint(2, 100, (L,), generator=g), prompt_len=prompt_len,
+                  ids=torch.zeros(T, 2, dtype=torch.int32), probs=torch.full((T, 2), 0.5), tail=torch.zeros(T),
+                  features=None if rows is None else torch.randn(rows, H, generator=g))
+
+
+def test_teacher_forcing_reads_the_pairs_it_needs_and_refuses_records_without_them(target):
+    """The pair (f_j, x_{j+1}) predicts token j + 2, so a record of L tokens needs the features of
+    positions 0..L-3 and a prompt of >= 2 tokens. With L - 2 rows it trains exactly as with the L - 1
+    a served record carries (the last is never read); fewer rows, no features or a one-token prompt
+    are refused. Records of different lengths batched give each record's rows as it gives them alone."""
+    import dataclasses
+
+    H = target.config.hidden_size
+    draft = feature_draft(target)
+    full = _sample(12, 4, H, rows=11, seed=0)
+    with torch.no_grad():
+        alone = draft.teacher_forced_logits([full])
+        assert alone.shape == (8, target.config.vocab_size)  # one row per output position
+        torch.testing.assert_close(draft.teacher_forced_logits([dataclasses.replace(full, features=full.features[:10])]),
+                                   alone, atol=0, rtol=0)
+        other = _sample(7, 2, H, rows=6, seed=1)
+        both = draft.teacher_forced_logits([other, full])
+        torch.testing.assert_close(both, torch.cat([draft.teacher_forced_logits([other]), alone]), atol=1e-5, rtol=1e-4)
+    for bad in (dataclasses.replace(full, features=None), dataclasses.replace(full, features=full.features[:9]),
+                dataclasses.replace(full, prompt_len=1)):
+        with pytest.raises(ValueError, match="features"):
+            draft.teacher_forced_logits([bad])
