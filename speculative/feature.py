@@ -109,8 +109,6 @@ class FeatureDraft(nn.Module):
         pos_emb = self.rotary_emb(x, position_ids)
         h = self.layer(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
                        use_cache=past_key_values is not None, cache_position=cache_position, position_embeddings=pos_emb)
-        if isinstance(h, tuple):
-            h = h[0]
         return self.norm(h)
 
     def teacher_forced_logits(self, batch: Sequence) -> torch.Tensor:
@@ -161,7 +159,7 @@ def layer_outputs(model: PreTrainedModel, layers: Sequence[int]):
     blocks = model.get_decoder().layers
 
     def keep(i):
-        return lambda _m, _i, out: seen.__setitem__(i, (out[0] if isinstance(out, tuple) else out).detach())
+        return lambda _m, _i, out: seen.__setitem__(i, out.detach())
 
     hooks = [blocks[i].register_forward_hook(keep(i)) for i in layers]
     try:

@@ -178,13 +178,6 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      "use_cache=past_key_values is not None, cache_position=cache_position, position_embeddings=pos_emb)"):
         "the decoder layer of this transformers updates the cache it is given whatever use_cache says (the "
         "flag is read by the model, not the layer); without a cache there is nothing to update",
-    ("speculative/feature.py", "FeatureDraft.forward", "h = h[0]"):
-        "the decoder layer of this transformers returns a tensor, not a tuple: the branch for older versions "
-        "is never taken",
-    ("speculative/feature.py", "layer_outputs",
-     "return lambda _m, _i, out: seen.__setitem__(i, (out[0] if isinstance(out, tuple) else out).detach())"):
-        "the hooked decoder layers return a tensor in this transformers, never a tuple: out[0] is never read",
-
 }
 
 SWAP_BIN = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult,

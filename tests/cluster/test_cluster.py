@@ -20,7 +20,7 @@ pytestmark = pytest.mark.serve
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     os.environ.update(RAY_ENV)
     # short: Ray's socket paths under it must stay below AF_UNIX's 107 bytes (pytest's tmp_path under
     # xdist, /tmp/pytest-of-<user>/pytest-N/popen-gwN/..., leaves too little room)

@@ -50,7 +50,7 @@ def server(tmp_path_factory):
     app["args"]["router_save_s"] = 5.0
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # the other core runs the in-process tests meanwhile: two OpenMP threads would stall
-        # whenever it is busy (../shared measurements: 40x slower), so the target takes one
+        # whenever it is busy (as the module-level note in tests/conftest.py says), so the target takes one
         app["args"]["target"]["num_threads"] = 1
     app["args"]["auth"] = {"keys": [
         {"tenant": "alice", "key_sha256": digest(KEY), "limits": {"requests_per_minute": 10_000, "max_concurrent": 16}},
