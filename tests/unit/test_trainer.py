@@ -178,9 +178,29 @@ def test_should_yield_stops_round(setup):
 
 def test_max_cpu_share_sleeps(setup, monkeypatch):
     """Share 0.25: after each step but the last, a pause of 3x that step's training time, and the
-    pauses really pass (the round's wall time holds them)."""
+    pauses pass on the round's clock. The trainer reads a fake clock that only the optimiser's steps
+    (0.1 s, 0.2 s, 0.3 s) and the pauses' sleeps advance, so the figures are exact whatever else
+    the machine is doing; that the real pause sleeps and frees the CPU is the next test's."""
+    import types
+
+    import learner.trainer as trainer_mod
+
     draft, recs = setup
     tr = DraftTrainer("d", draft, _cfg(steps_per_round=3, max_cpu_share=0.25))
+    clock = types.SimpleNamespace(now=100.0)
+
+    def sleep(seconds):
+        clock.now += seconds
+
+    monkeypatch.setattr(trainer_mod, "time", types.SimpleNamespace(perf_counter=lambda: clock.now, sleep=sleep))
+    step_costs = iter([0.1, 0.2, 0.3])
+    real_step = tr.opt.step
+
+    def costly_step(*a, **kw):
+        clock.now += next(step_costs)
+        return real_step(*a, **kw)
+
+    monkeypatch.setattr(tr.opt, "step", costly_step)
     asked = []
     real_pause = DraftTrainer._pause
 
@@ -190,9 +210,10 @@ def test_max_cpu_share_sleeps(setup, monkeypatch):
 
     monkeypatch.setattr(DraftTrainer, "_pause", staticmethod(spy))
     rep = tr.train_round(recs[:2])
-    assert rep.steps == 3 and len(asked) == 2
-    assert sum(asked) == pytest.approx(3.0 * rep.train_seconds * 2 / 3, rel=0.5)  # 2 of 3 steps, x (1/0.25 - 1)
-    assert rep.seconds >= rep.train_seconds + sum(asked)
+    assert rep.steps == 3
+    assert asked == pytest.approx([0.3, 0.6])  # 3x the 1st and 2nd steps; none after the last
+    assert rep.train_seconds == pytest.approx(0.6)
+    assert rep.seconds == pytest.approx(0.6 + 0.9)  # the pauses pass on the round's clock
 
 
 def test_pause_sleeps_and_yields():
