@@ -361,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write every mutant and its outcome here")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds before a mutant's test run counts as a hang")
     ap.add_argument("--limit", type=int, default=None, help="at most this many mutants per file (a quick look)")
+    ap.add_argument("--functions", nargs="*", default=None,
+                    help="mutate only these functions (qualified names; a class name takes its methods)")
     ap.add_argument("--exclude-tests", nargs="*", default=[], help="test files left out (to score an older suite)")
     ap.add_argument("--survivors-of", default=None,
                     help="a JSON of an earlier run: test again only its survivors (tests added since), keep the rest")
@@ -397,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and file not in args.only:
             continue
         module = importlib.import_module(modname)
-        mutants = enumerate_mutants(file, only, root)[: args.limit]
+        mutants = [(m, t) for m, t in enumerate_mutants(file, only, root) if not args.functions or any(
+            m.function == f or m.function.startswith(f + ".") for f in args.functions)][: args.limit]
         print(f"{file}: {len(mutants)} mutants", flush=True)
         for m, tree in mutants:
             before = earlier.get((m.file, m.function, m.line, m.kind, m.after))

@@ -106,9 +106,9 @@ def test_past_capacity_the_server_sheds_load_with_503_and_retry_after(server):
 
 
 def test_a_bounded_load_then_a_burst_no_server_error_every_answer_complete_and_the_excess_shed(server):
-    """The load test of ``osd bench-serve --load``, short: 6 clients for 12 s (chat and
+    """The load test of ``osd bench-serve --load``, short: 6 clients for 8 s (chat and
     completions, streamed and not, the mixed workload) get no 5xx and only complete answers;
-    then 30 requests at once (past the fixture's max_in_flight of 12) are served complete or
+    then 20 requests at once (past the fixture's max_in_flight of 12) are served complete or
     refused at once with 503/429 and Retry-After, nothing else."""
     from bench.load import run_load
     from workloads import load_workload
@@ -120,7 +120,7 @@ def test_a_bounded_load_then_a_burst_no_server_error_every_answer_complete_and_t
     import bench
 
     texts = [r.text for r in load_workload(Path(bench.__file__).parent / "data" / "mixture.jsonl")][:200]
-    res = run_load(server, KEY, MODEL, texts, clients=6, seconds=12, max_tokens=8, burst=30, sample_s=2)
+    res = run_load(server, KEY, MODEL, texts, clients=6, seconds=8, max_tokens=8, burst=20, sample_s=2)
     assert res["requests"] >= 6 and res["server_errors"] == 0, res["by_status"]
     assert set(res["by_status"]) <= {"200", "429"} and res["complete"] == res["served"] > 0, res["by_status"]
     assert res["streamed"] > 0 and res["memory_mib"]["peak"] > 100  # the replicas' memory is seen
