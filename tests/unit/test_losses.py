@@ -253,8 +253,31 @@ def test_sparse_from_logits():
     assert torch.allclose(sd.tail, torch.tensor([0.3]))
     full = sparse_from_logits(logits, 4)
     assert full.tail.tolist() == [0.0]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="k must be"):
         sparse_from_logits(logits, 5)
+    with pytest.raises(ValueError, match="k must be"):
+        sparse_from_logits(logits, 0)  # no named id: nothing to distil towards
+    one = sparse_from_logits(torch.tensor([[2.0], [-1.0]]), 1)  # a one-token vocabulary: k = V = 1
+    assert one.ids.tolist() == [[0], [0]] and one.probs.tolist() == [[1.0], [1.0]] and one.tail.tolist() == [0.0, 0.0]
+
+
+def test_malformed_targets_and_options_are_refused():
+    """A SparseDist whose probabilities do not match its ids (ids 2-D, probs another shape), a
+    temperature of 0 and a reverse-KL floor of 0 are errors, not silent infs or NaNs."""
+    ids = torch.tensor([[0, 1], [2, 3]])
+    with pytest.raises(ValueError, match=r"\[N, K\]"):
+        SparseDist(ids=ids, probs=torch.full((2, 3), 0.2), tail=torch.zeros(2))
+    with pytest.raises(ValueError, match=r"\[N, K\]"):
+        SparseDist(ids=ids[0], probs=torch.full((2,), 0.2), tail=torch.zeros(2))
+    with pytest.raises(ValueError, match="tail"):
+        SparseDist(ids=ids, probs=torch.full((2, 2), 0.2), tail=torch.zeros(3))
+    for fn in (forward_kl, reverse_kl, jsd, tvd):
+        with pytest.raises(ValueError, match="temperature"):
+            fn(SPARSE_LOGITS, SPARSE_TARGET, temperature=0.0)
+    with pytest.raises(ValueError, match="min_target_prob"):
+        reverse_kl(SPARSE_LOGITS, SPARSE_TARGET, min_target_prob=0.0)
+    with pytest.raises(ValueError, match="min_target_prob"):
+        jsd(SPARSE_LOGITS, SPARSE_TARGET, beta=1.0, min_target_prob=0.0)
 
 
 def test_top1_agreement():
@@ -277,5 +300,5 @@ def test_get_loss():
         get_loss("kl_forward")
     for name in ("forward_kl", "reverse_kl", "jsd", "tvd"):
         assert name in str(exc.value)
-    with pytest.raises(ValueError, match="beta"):
-        get_loss("tvd", beta=0.5)
+    with pytest.raises(ValueError, match=r"unexpected options \['beta'\]; accepts \['temperature'\]"):
+        get_loss("tvd", beta=0.5)  # the message names what the loss does accept
