@@ -92,6 +92,8 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("speculative/runner.py", "ModelRunner.forward", "if cache is None or start == 0:"):
         "'and': a cached sequence called again at start 0 then has its whole cache cropped (crop(-have)) "
         "instead of replaced: the same empty cache either way",
+    ("speculative/feature.py", "FeatureRunner.step", "if start < have:"):
+        "'<=': at start == have the mutant calls crop(0), which transformers' DynamicCache treats as a no-op",
     ("speculative/runner.py", "ModelRunner.forward", "elif start < have:"):
         "'<=': at start == have the mutant calls crop(0), which transformers' DynamicCache treats as a no-op",
     ("speculative/runner.py", "ModelRunner.forward",

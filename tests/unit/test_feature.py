@@ -479,6 +479,53 @@ def test_an_untrained_fusion_is_the_final_feature_and_the_head_the_targets_rows(
     assert len(DynamicCache(config=fused.config).layers) == 1
 
 
+def test_an_untrained_feature_draft_is_the_one_layer_truncated_token_draft(target):
+    """Initialised as the module says: before any training it reads the token alone (fc maps
+    [feature ; embedding] to the embedding) through the target's first layer, final norm and head,
+    so over the pairs (f_j, x_(j+1)) its logits are those of the target truncated to its first
+    layer over x_1, x_2, ..., whatever the features are."""
+    from drafts.build import truncated_draft
+
+    H = target.config.hidden_size
+    toks = [5, 9, 14, 3, 7, 21, 2]
+    feats = torch.randn(1, len(toks), H, generator=torch.Generator().manual_seed(4)) * 3.0
+    draft, token_draft = feature_draft(target), truncated_draft(target, 1)
+    with torch.no_grad():
+        got = draft.lm_head(draft(feats, torch.tensor([toks]), torch.arange(len(toks))[None]))[0]  # [T, V]
+        want = token_draft(torch.tensor([toks])).logits[0]  # [T, V]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_features_are_read_at_the_embeddings_scale(target):
+    """The feature norm starts at the embeddings' RMS: a target feature of any size reaches fc at
+    the scale of the token's embedding (unscaled, it would drown the token in the first updates)."""
+    draft = feature_draft(target)
+    emb_rms = target.get_input_embeddings().weight.detach().float().pow(2).mean().sqrt()
+    for scale in (0.5, 5.0, 40.0):  # (far smaller, the norm's epsilon starts to count)
+        f = torch.randn(6, target.config.hidden_size, generator=torch.Generator().manual_seed(5)) * scale
+        with torch.no_grad():
+            rms = draft.feature_norm(f).pow(2).mean(-1).sqrt()  # [6]
+        torch.testing.assert_close(rms, emb_rms.expand(6), rtol=1e-3, atol=0)
+
+
+def test_the_runners_head_is_float_unless_packed_bits_are_asked_for(target):
+    """head_bits None: the draft's own float head, exactly; 8 and 4: that packed copy's kernel (the
+    tiny target's width, 32, is one int4 group), close to the float head but rounded."""
+    from speculative.fast import Int4Linear, Int8Linear
+
+    draft = feature_draft(target)
+    h = torch.randn(5, target.config.hidden_size, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = draft.lm_head(h)
+    torch.testing.assert_close(FeatureRunner(draft).head(h), want, atol=0, rtol=0)
+    for b, packed in {8: Int8Linear, 4: Int4Linear}.items():
+        got = FeatureRunner(draft, head_bits=b).head(h)
+        with torch.no_grad():
+            torch.testing.assert_close(got, packed(draft.lm_head)(h).float(), atol=0, rtol=0)  # that packing's kernel
+        assert not torch.equal(got, want)  # rounded: not the float head
+        assert (got - want).abs().max() < 0.1 * want.abs().max(), b
+
+
 def test_pairs_fed_at_once_predict_what_pairs_fed_one_by_one_do(target):
     """FeatureRunner.step over T pairs returns one predicted feature per pair, each seeing only the
     pairs up to it (causal, also when continuing a cache): the same rows as T steps of one pair. The
@@ -497,6 +544,14 @@ def test_pairs_fed_at_once_predict_what_pairs_fed_one_by_one_do(target):
             torch.testing.assert_close(runner.step("split", a, feats[a:b], toks[a:b]), one[a:b], atol=1e-5, rtol=1e-4)
         plain = draft(draft.fuse_features(feats)[None], torch.tensor([toks]), torch.arange(6)[None])[0]
         torch.testing.assert_close(plain, one, atol=1e-5, rtol=1e-4)
+        # a sequence begun again at pair 0 (a new request under a reused id) forgets its old pairs;
+        # a start past the cached pairs is refused, also for a sequence never seen
+        again = runner.step("all", 0, feats[3:], toks[3:])
+        torch.testing.assert_close(again, runner.step("fresh", 0, feats[3:], toks[3:]), atol=0, rtol=0)
+        with pytest.raises(ValueError, match="has 3 cached pairs, cannot start at 5"):
+            runner.step("all", 5, feats[:1], toks[:1])
+        with pytest.raises(ValueError, match="has 0 cached pairs, cannot start at 2"):
+            runner.step("never-seen", 2, feats[:1], toks[:1])
 
 
 def _sample(L: int, prompt_len: int, H: int, rows: int | None, seed: int):
