@@ -92,6 +92,18 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("speculative/runner.py", "ModelRunner.forward", "if cache is None or start == 0:"):
         "'and': a cached sequence called again at start 0 then has its whole cache cropped (crop(-have)) "
         "instead of replaced: the same empty cache either way",
+    ("speculative/feature.py", "FeatureDraftProposer.observe_features",
+     "self._valid[seq_id] = min(self._valid.get(seq_id, 0), start)  # pairs from here on used other features"):
+        "the default (0 -> 1) is read only when no pair count is kept for the sequence, which after the "
+        "gap check above means its first features, at start 0: min(default, 0) is 0 either way",
+    ("speculative/feature.py", "FeatureDraftProposer.propose",
+     "start = min(self._valid.get(seq_id, 0), m - 1)  # pairs (f_j, x_{j+1}) cached and still valid"):
+        "the default (0 -> 1) is never read: a sequence with features got its pair count when they were "
+        "observed, and release drops both (the other mutants of this line are killed)",
+    ("speculative/feature.py", "FeatureDraftProposer.propose",
+     "h = self.runner.step(seq_id, start, feats[start:m], tokens[start + 1 : m + 1])[-1:]  # [1, H] f^_m"):
+        "the slice's end m + 1 -> m + 2: the check above returns early unless len(tokens) == m + 1, so both "
+        "ends take the tokens to the end (the line's other mutants are killed)",
     ("speculative/feature.py", "FeatureRunner.step", "if start < have:"):
         "'<=': at start == have the mutant calls crop(0), which transformers' DynamicCache treats as a no-op",
     ("speculative/runner.py", "ModelRunner.forward", "elif start < have:"):

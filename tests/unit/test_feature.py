@@ -91,6 +91,109 @@ def test_the_drafts_cache_survives_rejections(target, tok):
         engine.accept(pending, engine.target.verify([pending.call])[0])
 
 
+def test_the_proposer_drafts_from_features_as_verification_delivers_them(target):
+    """Features arrive in pieces, as verifications return them. The proposer drafts once it holds the
+    features of every position before the pending token (after a one-token prompt: one position),
+    exactly as if they had come at once. Before any features, with tokens past them, after a gap or
+    at k = 0 it drafts nothing and runs no forward. Weights are loaded strictly."""
+    from speculative.proposers import EMPTY
+
+    toks = [5, 9, 14, 3, 7, 21, 8]
+    feats = full_features(target, toks[:-1])  # [6, H]: positions 0..5; toks[6] is pending
+    model = feature_draft(target)
+
+    def proposer():
+        return FeatureDraftProposer(FeatureRunner(model), target.config.vocab_size)
+
+    def k3(_source):
+        return 3
+
+    whole = proposer()
+    whole.observe_features("s", 0, feats)
+    want = whole.propose("s", toks, k3, GREEDY, None)
+    assert want.k == 3 and want.source == "feature"
+    assert whole.propose("s", toks, lambda _s: 0, GREEDY, None) == EMPTY  # k = 0: no forward, no cost
+    assert whole.propose("s", toks, k3, GREEDY, None).tokens == want.tokens  # asked again, no new features
+
+    pieces = proposer()
+    assert pieces.propose("s", toks[:2], k3, GREEDY, None) == EMPTY  # nothing verified yet
+    pieces.observe_features("s", 0, feats[:1])
+    one = pieces.propose("s", toks[:2], k3, GREEDY, None)  # a one-token prompt, verified
+    first = proposer()
+    first.observe_features("s", 0, feats[:1])
+    assert one.k == 3 and one.tokens == first.propose("s", toks[:2], k3, GREEDY, None).tokens
+    pieces.observe_features("s", 1, feats[1:4])
+    pieces.observe_features("s", 4, feats[4:])
+    assert pieces.propose("s", toks, k3, GREEDY, None).tokens == want.tokens
+    assert pieces.propose("s", toks + [2, 4], k3, GREEDY, None) == EMPTY  # tokens whose features never came
+
+    gap = proposer()
+    gap.observe_features("s", 0, feats[:2])
+    gap.observe_features("s", 4, feats[4:])  # positions 2 and 3 never came: start over when they do
+    assert gap.propose("s", toks, k3, GREEDY, None) == EMPTY
+
+    state = model.state_dict()
+    with pytest.raises(RuntimeError, match="Missing key"):
+        FeatureRunner(model).load_state_dict({k: v for k, v in state.items() if not k.startswith("fc.")})
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        FeatureRunner(model).load_state_dict({**state, "extra.weight": torch.zeros(1)})
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_the_proposal_is_the_drafts_own_autoregression(target, seeded):
+    """k drafted tokens, by hand: the last pair (f_(m-1), x_m) gives f^_m and d_1 from the head;
+    then (f^_(m+i-1), d_i) gives f^_(m+i) and d_(i+1), k forwards in all. Seeded sampling draws d_i
+    with the race noise of its output position, len(tokens) + i - 1, and q is the head's softmax.
+    The proposal counts the pairs it fed: all of them first; after the next verification only the
+    new pair, in place of the draft's own at that position, then its own again."""
+    import time
+
+    from speculative.sampling import race_noise, race_sample
+
+    toks = [5, 9, 14, 3, 7, 21, 8]
+    m, k, V = len(toks) - 1, 4, target.config.vocab_size
+    feats = full_features(target, toks[:-1])  # [m, H]
+    model = feature_draft(target)
+    with torch.no_grad():  # away from the initialisation, so that the features matter
+        model.fc.weight.add_(torch.randn(model.fc.weight.shape, generator=torch.Generator().manual_seed(8)) * 0.05)
+    params = SamplingParams(temperature=1.0, seed=11) if seeded else GREEDY
+
+    ref = FeatureRunner(model)
+    h = ref.step("r", 0, feats, toks[1:])[-1:]  # [1, H]
+    want, rows = [], []
+    for i in range(k):
+        logits = ref.head(h)[0]  # [V]
+        if seeded:
+            q = logits.softmax(-1)
+            tok = int(race_sample(q[None], race_noise(11, [len(toks) + i], V))[0])
+            rows.append(q)
+        else:
+            tok = int(logits.argmax())
+        want.append(tok)
+        if i < k - 1:
+            h = ref.step("r", m + i, h, [tok], own=True)
+
+    runner = FeatureRunner(model)
+    calls = []
+    real_step = runner.step
+    runner.step = lambda *a, **kw: calls.append(a[1]) or real_step(*a, **kw)
+    prop = FeatureDraftProposer(runner, V)
+    prop.observe_features("s", 0, feats)
+    t0 = time.perf_counter()
+    got = prop.propose("s", toks, lambda _s: k, params, None)
+    assert 0 < got.seconds <= time.perf_counter() - t0  # the draft's time, for the cost model
+    assert got.tokens == want and calls == [0, m, m + 1, m + 2]  # k forwards: the pairs, then its own
+    assert got.input_tokens == m + k - 1
+    if seeded:
+        torch.testing.assert_close(got.probs, torch.stack(rows), atol=1e-6, rtol=1e-5)
+    else:
+        assert got.probs is None
+    calls.clear()
+    prop.observe_features("s", m, full_features(target, toks)[m:])  # verification: x_m's feature, final
+    again = prop.propose("s", toks + [want[0]], lambda _s: k, params, None)
+    assert calls[0] == m and again.input_tokens == 1 + k - 1  # only pair m is new; the draft's own there is replaced
+
+
 def test_records_carry_the_features_and_survive_encoding(feature_engine, prompts, target):
     engine = feature_engine(3)
     rec, *_ = serve_recorded(engine, list(prompts[1]), GREEDY, sources=("feature",))
