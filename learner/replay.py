@@ -509,7 +509,8 @@ class ShardConfig(BaseModel):
 
     ``max_bytes``: bound on the live records' :attr:`ReplayRecord.nbytes`. ``eviction``: ``fifo``
     (oldest out), ``reservoir`` (a uniform sample of everything ever appended, Vitter's algorithm R
-    over a seen-counter) or ``high_loss`` (lowest loss out first; unscored = +inf, ties: oldest
+    over a seen-counter, deciding only when the shard is full: one with room, after a refused
+    oversize record or a tenant's deletion, keeps what comes) or ``high_loss`` (lowest loss out first; unscored = +inf, ties: oldest
     out). ``dir``: where the shard logs live (None: in memory only). ``fsync``: fsync after each
     write (survives power loss, slower). ``seed``: the reservoir's random choices.
     ``compact_factor``: rewrite the log when it exceeds this many times ``max_bytes``.
@@ -652,7 +653,7 @@ class ReplayShard:
                 log.warning("replay shard %r: record of %d bytes exceeds max_bytes=%d; dropped", self.draft_id, size, self.cfg.max_bytes)
             victims: list[int] = []
             full = self._bytes + size > self.cfg.max_bytes or (self.cfg.max_records is not None and len(self._live) >= self.cfg.max_records)
-            if not refuse and self.cfg.eviction == "reservoir" and (self.evicted > 0 or full):
+            if not refuse and self.cfg.eviction == "reservoir" and full:
                 # algorithm R: the seq-th item (0-based) replaces a uniform slot with probability len/(seq+1)
                 j = self._rng.randrange(seq + 1)
                 if j >= len(self._keys):

@@ -57,6 +57,9 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "learner/losses.py": ("learner.losses", None,
                           ["tests/unit/test_losses.py", "tests/unit/test_offline.py", "tests/unit/test_trainer.py"]),
     "speculative/detokenize.py": ("speculative.detokenize", None, ["tests/unit/test_detokenize.py"]),
+    # the replay records the learner trains on: built from verification, encoded, sharded, sampled
+    "learner/replay.py": ("learner.replay", None, ["tests/unit/test_replay.py", "tests/unit/test_trainer.py"]),
+
 }
 
 #: Survivors that cannot change behaviour: (file, function, mutated line) -> why.
@@ -104,6 +107,25 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      "h = self.runner.step(seq_id, start, feats[start:m], tokens[start + 1 : m + 1])[-1:]  # [1, H] f^_m"):
         "the slice's end m + 1 -> m + 2: the check above returns early unless len(tokens) == m + 1, so both "
         "ends take the tokens to the end (the line's other mutants are killed)",
+    ("learner/replay.py", "encode_record", "blobs.append(t.numpy().astype(dt, copy=False).tobytes())"):
+        "copy=True: a copy of the array is made before its bytes are taken; the bytes are the same",
+    ("learner/replay.py", "ReplayShard.__init__", "if self._log_bytes > self._compact_at or self._rewrite_after_replay:"):
+        "'>=': a log of exactly the threshold's size is compacted on opening too; compaction rewrites the "
+        "same live records, so only the file's size differs",
+    ("learner/replay.py", "ReplayShard._maybe_compact", "if self._fh is not None and self._log_bytes > self._compact_at:"):
+        "'>=': as in __init__, compacting at exactly the threshold keeps the same live records",
+    ("learner/replay.py", "ReplayShard.update_loss",
+     "self._write(b\"L\" + _LOSS.pack(seq, math.nan if loss is None else loss), sync=False)"):
+        "sync=True: the loss frame is also fsynced when the shard is configured to fsync; what is written "
+        "is the same (durability against power loss, not content)",
+    ("learner/replay.py", "ReplayShard._write", "if sync and self.cfg.fsync:"):
+        "'or': frames are fsynced although fsync is off; the same bytes reach the file (durability only)",
+    ("learner/replay.py", "ReplayShard._prune_heap", "if len(self._heap) > 2 * len(self._live) + 64:"):
+        "when the lazy heap is rebuilt: it is rebuilt from the live records, and stale entries are skipped "
+        "either way, so the size bound changes memory and time, not which record is evicted",
+    ("learner/replay.py", "ReplayShard._victim", "if s != protect or len(self._keys) == 1:"):
+        "'== 0' for '== 1': the loop never meets the protected newcomer alone (a record over max_bytes is "
+        "refused before it is inserted, and max_records >= 1); the line's other mutants are killed",
     ("speculative/feature.py", "FeatureRunner.step", "if start < have:"):
         "'<=': at start == have the mutant calls crop(0), which transformers' DynamicCache treats as a no-op",
     ("speculative/runner.py", "ModelRunner.forward", "elif start < have:"):

@@ -476,3 +476,190 @@ def test_deleting_a_tenant_removes_its_records_from_memory_and_disk(tmp_path, ev
     assert [r.seq for r in again["a"].records()] == kept["a"] + [new]
     assert len(again["a"].sample(3, rng=0)) == 3
     again.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Edges the mutation run of learner/replay.py found untested
+# ---------------------------------------------------------------------------------------------
+def test_a_record_without_rows_and_one_with_features():
+    """A request that produced no rows may be given as plain empty lists: it is a [0, 0] record that
+    survives encoding; one given [0, K] keeps its K. Features are [F, H] with F < len(tokens), any H;
+    another rank, or F reaching len(tokens), is refused."""
+    empty = ReplayRecord(tokens=[1, 2, 3], prompt_len=3, positions=[], top_ids=[], top_probs=[], tail=[],
+                         draft_wrong=[], draft_id="d")
+    assert empty.n_rows == 0 and empty.k == 0 and empty.top_ids.shape == empty.top_probs.shape == (0, 0)
+    assert decode_record(encode_record(empty)).same_as(empty)
+    wide = ReplayRecord(tokens=[1, 2, 3], prompt_len=3, positions=[], top_ids=torch.zeros(0, K), top_probs=torch.zeros(0, K),
+                        tail=[], draft_wrong=[], draft_id="d")
+    assert wide.k == K and wide.top_ids.shape == (0, K)
+
+    base = make_record(0)  # 24 tokens
+    L = base.tokens.shape[0]
+    for F, H in ((L - 1, 16), (L - 1, 64), (1, 3)):  # any width, also wider than the record is long
+        rec = ReplayRecord(**{**_fields(base), "features": torch.randn(F, H)})
+        assert rec.features.shape == (F, H) and rec.features.dtype == torch.float16
+        assert decode_record(encode_record(rec)).same_as(rec)
+    for bad in (torch.randn(L), torch.randn(2, L - 1, 8), torch.randn(L, 8), torch.randn(L + 1, 8)):
+        with pytest.raises(ValueError, match="features must be"):
+            ReplayRecord(**{**_fields(base), "features": bad})
+
+
+def _fields(rec: ReplayRecord) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(rec, f.name) for f in dataclasses.fields(rec)}
+
+
+def test_a_fresh_shard_counts_from_zero_and_keeps_a_record_of_exactly_max_bytes(tmp_path):
+    mem = ReplayShard(ShardConfig(max_bytes=REC_BYTES), "d")
+    assert mem.stats() == {"records": 0, "bytes": 0, "appended": 0, "evicted": 0, "log_bytes": 0, "compactions": 0}
+    assert mem.append(make_record(0)) == 0 and len(mem) == 1  # nbytes == max_bytes: it fits
+    assert mem.append(make_record(1)) == 1 and [r.seq for r in mem.records()] == [1]
+    assert mem.appended == len(mem) + mem.evicted == 2
+    nested = tmp_path / "a" / "b"  # folders made as needed
+    with ReplayShard.open(ShardConfig(max_bytes=4 * REC_BYTES, dir=nested), "d") as disk:
+        for i in range(3):
+            disk.append(make_record(i))
+        assert disk.compactions == 0  # a log under compact_factor x max_bytes is not rewritten
+    size = shard_path(nested, "d").stat().st_size
+    with ReplayShard.open(ShardConfig(max_bytes=4 * REC_BYTES, dir=nested), "d") as again:  # a clean log
+        assert again.compactions == 0 and again.log_bytes == size and len(again) == 3
+    assert shard_path(nested, "d").stat().st_size == size  # reopened, not rewritten
+    assert again._fh is None  # closed on leaving the block (its file handle released)
+    again.close()  # closing twice is harmless
+
+
+@pytest.mark.parametrize("bound", ["bytes", "records"])
+def test_a_reservoir_of_one_keeps_either_of_two_records_half_the_time(bound):
+    """Algorithm R from its first overflow on, whichever bound is reached (bytes, or max_records):
+    of records 0 and 1, a reservoir of one keeps each with probability 1/2 (over 400 seeds:
+    200 +- 3 standard deviations of 10)."""
+    cfg = dict(max_bytes=REC_BYTES) if bound == "bytes" else dict(max_bytes=100 * REC_BYTES, max_records=1)
+    kept_first = 0
+    for seed in range(400):
+        shard = ReplayShard(ShardConfig(eviction="reservoir", seed=seed, **cfg), "d")
+        shard.append(make_record(0))
+        shard.append(make_record(1))
+        assert len(shard) == 1 and shard.evicted == 1
+        kept_first += shard.records()[0].seq == 0
+    assert 170 <= kept_first <= 230, kept_first
+
+
+def test_sampling_with_a_numpy_generator_draws_distinct_records():
+    shard = ReplayShard(ShardConfig(max_bytes=100 * REC_BYTES), "d")
+    for i in range(30):
+        shard.append(make_record(i))
+    for seed in range(5):
+        picked = [r.seq for r in shard.sample(20, np.random.default_rng(seed))]
+        assert len(picked) == len(set(picked)) == 20
+
+
+def test_a_reservoir_newcomer_it_kept_is_not_evicted_to_make_room_for_itself():
+    """When algorithm R keeps a newcomer larger than the record it replaces, the further evictions
+    that restore the byte bound take other records, never the newcomer whose seq was returned."""
+    small, big = make_record(0, rows=4), make_record(1, rows=14)
+    assert 2 * small.nbytes > big.nbytes > small.nbytes
+    kept = 0
+    for seed in range(100):
+        shard = ReplayShard(ShardConfig(max_bytes=2 * small.nbytes, eviction="reservoir", seed=seed), "d")
+        shard.append(small)
+        shard.append(small)
+        seq = shard.append(big)
+        if seq is not None:
+            kept += 1
+            assert [r.seq for r in shard.records()] == [seq], seed
+        assert shard.nbytes <= 2 * small.nbytes and shard.appended == len(shard) + shard.evicted
+    assert 40 <= kept <= 95  # kept with probability 2/3
+
+
+def test_loss_updates_say_whether_the_record_was_live_and_compaction_is_counted(tmp_path):
+    shard = ReplayShard.open(ShardConfig(max_bytes=2 * REC_BYTES, dir=tmp_path, eviction="high_loss"), "d")
+    first = shard.append(make_record(0, loss=1.0))
+    for i in range(1, 4):
+        shard.append(make_record(i, loss=5.0 + i))
+    assert first not in shard and shard.update_loss(first, 9.0) is False  # evicted: nothing to update
+    assert shard.update_loss(99, 9.0) is False
+    live = shard.records()[0].seq
+    assert shard.update_loss(live, 0.5) is True and shard.get(live).loss == 0.5
+    handle, before = shard._fh, shard.compactions
+    shard.compact()
+    assert shard.compactions == before + 1 and handle.closed  # the old file's handle is not leaked
+    shard.close()
+
+
+def test_records_are_validated_field_by_field():
+    """Every malformed shape or range is refused (each check on its own); prompt_len 0 with rows from
+    position 1, and a row predicting past the last token, are valid; k is the stored top-K."""
+    base = _fields(make_record(0))  # 24 tokens, prompt 16, rows at 16..23, K = 4
+    assert ReplayRecord(**base).k == K
+    ok = [dict(prompt_len=0, positions=torch.arange(1, 9)), dict(positions=torch.arange(17, 25))]
+    for change in ok:
+        ReplayRecord(**{**base, **change})
+    bad = [
+        dict(top_ids=torch.zeros(8 * K, dtype=torch.int32)),  # rows not [P, K]
+        dict(top_ids=torch.zeros(7, K, dtype=torch.int32)),  # P rows of positions, 7 of ids
+        dict(top_probs=torch.full((8, K + 1), 0.1)),  # probs not the ids' shape
+        dict(prompt_len=-1), dict(prompt_len=25),
+        dict(prompt_len=0, positions=torch.arange(0, 8)),  # no row predicts position 0
+        dict(positions=torch.arange(15, 23)),  # a row inside the prompt
+        dict(positions=torch.arange(18, 26)),  # a row past len(tokens)
+    ]
+    for change in bad:
+        with pytest.raises(ValueError):
+            ReplayRecord(**{**base, **change})
+
+
+def test_same_as_tells_records_apart_by_any_field_and_any_tensor_difference():
+    a = make_record(0)
+    assert a.same_as(make_record(0))
+    for change in (dict(tokens=a.tokens.clone().index_fill_(0, torch.tensor([3]), 99)),  # a value
+                   dict(top_probs=a.top_probs.half(), tail=a.tail.half()),  # a dtype
+                   dict(request_id="other"), dict(loss=0.5),  # a plain field
+                   dict(features=torch.zeros(3, 8))):  # a tensor against None
+        b = ReplayRecord(**{**_fields(a), **change})
+        assert not a.same_as(b) and not b.same_as(a), change
+
+
+def test_decoding_refuses_an_unknown_array_name_or_dtype():
+    import json as _json
+
+    def frame(arrays, payload: bytes) -> bytes:
+        meta = _json.dumps({"v": 1, "prompt_len": 0, "arrays": arrays}).encode()
+        return struct.pack("<I", len(meta)) + meta + payload
+
+    with pytest.raises(ValueError, match="unknown array 'bogus'"):
+        decode_record(frame([["bogus", "<i4", [1]]], b"\0" * 4))
+    with pytest.raises(ValueError, match="unknown array 'tokens' of dtype '<c8'"):
+        decode_record(frame([["tokens", "<c8", [1]]], b"\0" * 8))
+
+
+def test_a_reservoir_with_room_keeps_what_comes():
+    """Algorithm R decides only when the shard is full: a reservoir that refused an oversize record,
+    or lost records to a tenant's deletion, fills again (it used to decide on every append after any
+    eviction, and an empty one then refused everything)."""
+    shard = ReplayShard(ShardConfig(max_bytes=3 * REC_BYTES, eviction="reservoir"), "d")
+    assert shard.append(make_record(0, rows=40, length=60)) is None  # larger than the whole shard
+    assert [shard.append(make_record(i)) for i in range(1, 4)] == [1, 2, 3] and len(shard) == 3
+    assert shard.delete_where(lambda r: r.seq in (1, 2)) == 2
+    assert shard.append(make_record(4)) == 4 and shard.append(make_record(5)) == 5 and len(shard) == 3
+    assert shard.appended == len(shard) + shard.evicted
+
+
+def test_builder_refuses_inconsistent_steps():
+    """Target rows of another shape than [k + 1, K], or an accepted count or match list that does
+    not fit k, are refused, each on its own."""
+    good = make_step(3, draft=[10, 11], accepted=1, emitted=[10, 20])
+    RecordBuilder().add(good)
+    import dataclasses
+
+    bad = [
+        dict(target_top_ids=good.target_top_ids[:2]),  # k rows, not k + 1
+        dict(target_top_ids=good.target_top_ids.reshape(-1)),  # not 2-D
+        dict(target_top_probs=good.target_top_probs[:, :2]),  # probs not the ids' shape
+        dict(target_tail=good.target_tail[:2]),  # tail not [k + 1]
+        dict(accepted=3), dict(accepted=-1),  # more than k, or negative
+        dict(draft_matches_target=[True]),  # one match for two draft tokens
+    ]
+    for change in bad:
+        with pytest.raises(ValueError):
+            RecordBuilder().add(dataclasses.replace(good, **change))
