@@ -510,8 +510,8 @@ class ShardConfig(BaseModel):
     ``max_bytes``: bound on the live records' :attr:`ReplayRecord.nbytes`. ``eviction``: ``fifo``
     (oldest out), ``reservoir`` (a uniform sample of everything ever appended, Vitter's algorithm R
     over a seen-counter, deciding only when the shard is full: one with room, after a refused
-    oversize record or a tenant's deletion, keeps what comes) or ``high_loss`` (lowest loss out first; unscored = +inf, ties: oldest
-    out). ``dir``: where the shard logs live (None: in memory only). ``fsync``: fsync after each
+    oversize record or a tenant's deletion, keeps what comes) or ``high_loss`` (lowest loss out
+    first; unscored = +inf, ties: oldest out). ``dir``: where the shard logs live (None: in memory only). ``fsync``: fsync after each
     write (survives power loss, slower). ``seed``: the reservoir's random choices.
     ``compact_factor``: rewrite the log when it exceeds this many times ``max_bytes``.
     ``max_records``: an optional bound on the number of live records as well (the trainers'

@@ -59,8 +59,9 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "speculative/detokenize.py": ("speculative.detokenize", None, ["tests/unit/test_detokenize.py"]),
     # the replay records the learner trains on: built from verification, encoded, sharded, sampled
     "learner/replay.py": ("learner.replay", None, ["tests/unit/test_replay.py", "tests/unit/test_trainer.py"]),
-
 }
+
+_CROP0 = "'<=': at start == have the mutant calls crop(0), which transformers' DynamicCache treats as a no-op"
 
 #: Survivors that cannot change behaviour: (file, function, mutated line) -> why.
 EQUIVALENT: dict[tuple[str, str, str], str] = {
@@ -126,10 +127,8 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("learner/replay.py", "ReplayShard._victim", "if s != protect or len(self._keys) == 1:"):
         "'== 0' for '== 1': the loop never meets the protected newcomer alone (a record over max_bytes is "
         "refused before it is inserted, and max_records >= 1); the line's other mutants are killed",
-    ("speculative/feature.py", "FeatureRunner.step", "if start < have:"):
-        "'<=': at start == have the mutant calls crop(0), which transformers' DynamicCache treats as a no-op",
-    ("speculative/runner.py", "ModelRunner.forward", "elif start < have:"):
-        "'<=': at start == have the mutant calls crop(0), which transformers' DynamicCache treats as a no-op",
+    ("speculative/feature.py", "FeatureRunner.step", "if start < have:"): _CROP0,
+    ("speculative/runner.py", "ModelRunner.forward", "elif start < have:"): _CROP0,
     ("speculative/runner.py", "ModelRunner.forward",
      "out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep_last)"):
         "use_cache=False: transformers' Llama still reads and extends a cache that is passed in",
@@ -435,8 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and file not in args.only:
             continue
         module = importlib.import_module(modname)
-        mutants = [(m, t) for m, t in enumerate_mutants(file, only, root) if not args.functions or any(
-            m.function == f or m.function.startswith(f + ".") for f in args.functions)][: args.limit]
+        mutants = [(m, t) for m, t in enumerate_mutants(file, only, root)
+                   if not args.functions or _named(m.function, args.functions)][: args.limit]
         print(f"{file}: {len(mutants)} mutants", flush=True)
         for m, tree in mutants:
             before = earlier.get((m.file, m.function, m.line, m.kind, m.after))
@@ -468,6 +467,11 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps({"partial": True, "mutants": [asdict(m) for m in results]}, indent=1))
     report(results, time.perf_counter() - t_all, args.json)
     return 0
+
+
+def _named(function: str, names: list[str]) -> bool:
+    """``function`` (a qualified name) is one of ``names``, or a method of a class among them."""
+    return any(function == n or function.startswith(n + ".") for n in names)
 
 
 def report(results: list[Mutant], seconds: float, json_out: str | None) -> None:

@@ -5,6 +5,7 @@ No model anywhere: steps and records are built from small tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import statistics
@@ -496,18 +497,12 @@ def test_a_record_without_rows_and_one_with_features():
     base = make_record(0)  # 24 tokens
     L = base.tokens.shape[0]
     for F, H in ((L - 1, 16), (L - 1, 64), (1, 3)):  # any width, also wider than the record is long
-        rec = ReplayRecord(**{**_fields(base), "features": torch.randn(F, H)})
+        rec = dataclasses.replace(base, features=torch.randn(F, H))
         assert rec.features.shape == (F, H) and rec.features.dtype == torch.float16
         assert decode_record(encode_record(rec)).same_as(rec)
     for bad in (torch.randn(L), torch.randn(2, L - 1, 8), torch.randn(L, 8), torch.randn(L + 1, 8)):
         with pytest.raises(ValueError, match="features must be"):
-            ReplayRecord(**{**_fields(base), "features": bad})
-
-
-def _fields(rec: ReplayRecord) -> dict:
-    import dataclasses
-
-    return {f.name: getattr(rec, f.name) for f in dataclasses.fields(rec)}
+            dataclasses.replace(base, features=bad)
 
 
 def test_a_fresh_shard_counts_from_zero_and_keeps_a_record_of_exactly_max_bytes(tmp_path):
@@ -590,11 +585,11 @@ def test_loss_updates_say_whether_the_record_was_live_and_compaction_is_counted(
 def test_records_are_validated_field_by_field():
     """Every malformed shape or range is refused (each check on its own); prompt_len 0 with rows from
     position 1, and a row predicting past the last token, are valid; k is the stored top-K."""
-    base = _fields(make_record(0))  # 24 tokens, prompt 16, rows at 16..23, K = 4
-    assert ReplayRecord(**base).k == K
+    base = make_record(0)  # 24 tokens, prompt 16, rows at 16..23, K = 4
+    assert base.k == K
     ok = [dict(prompt_len=0, positions=torch.arange(1, 9)), dict(positions=torch.arange(17, 25))]
     for change in ok:
-        ReplayRecord(**{**base, **change})
+        dataclasses.replace(base, **change)
     bad = [
         dict(top_ids=torch.zeros(8 * K, dtype=torch.int32)),  # rows not [P, K]
         dict(top_ids=torch.zeros(7, K, dtype=torch.int32)),  # P rows of positions, 7 of ids
@@ -606,7 +601,7 @@ def test_records_are_validated_field_by_field():
     ]
     for change in bad:
         with pytest.raises(ValueError):
-            ReplayRecord(**{**base, **change})
+            dataclasses.replace(base, **change)
 
 
 def test_same_as_tells_records_apart_by_any_field_and_any_tensor_difference():
@@ -616,7 +611,7 @@ def test_same_as_tells_records_apart_by_any_field_and_any_tensor_difference():
                    dict(top_probs=a.top_probs.half(), tail=a.tail.half()),  # a dtype
                    dict(request_id="other"), dict(loss=0.5),  # a plain field
                    dict(features=torch.zeros(3, 8))):  # a tensor against None
-        b = ReplayRecord(**{**_fields(a), **change})
+        b = dataclasses.replace(a, **change)
         assert not a.same_as(b) and not b.same_as(a), change
 
 
@@ -650,8 +645,6 @@ def test_builder_refuses_inconsistent_steps():
     not fit k, are refused, each on its own."""
     good = make_step(3, draft=[10, 11], accepted=1, emitted=[10, 20])
     RecordBuilder().add(good)
-    import dataclasses
-
     bad = [
         dict(target_top_ids=good.target_top_ids[:2]),  # k rows, not k + 1
         dict(target_top_ids=good.target_top_ids.reshape(-1)),  # not 2-D
