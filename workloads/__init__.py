@@ -61,6 +61,7 @@ PINNED_PACKAGES: dict[str, str] = {
     "quotes": "0.0.3",
     "aiml": "0.9.2",
     "mathgenerator": "1.5.0",
+    "chitchat-dataset": "0.9.0",
 }
 
 DOMAINS: tuple[str, ...] = ("code", "sql", "chat", "math")

@@ -15,7 +15,9 @@ Two kinds of records, all read from pinned wheels on the package index (``pip do
     and short exercises from ``mathgenerator``'s 126 generators (arithmetic, algebra, geometry,
     number bases, in LaTeX: "Find the number of combinations from $19$ objects picked $3$ ...");
   - ``chat``: the user side of the A.L.I.C.E. chatbot (``aiml``: AIML patterns without wildcards
-    from its conversational files, upper case in the source, written as sentences here).
+    from its conversational files, upper case in the source, written as sentences here), and the
+    openers of casual conversations between people (``chitchat-dataset``, BYU's Chit-Chat
+    Challenge: "hi whats good", "My best friend doesn't know that I ...").
 
 * **domains no label names** (``domain`` is the kind: a router trained on the named domains has
   never seen them): ``jokes`` (``pyjokes``, 14 languages), ``quotes`` (``quotes``: sayings of
@@ -190,6 +192,25 @@ ALICE_FILES = ("ai", "biography", "bot", "client", "computers", "emotion", "psyc
 _QUESTION = re.compile(r"^(WHAT|WHO|WHY|HOW|WHEN|WHERE|WHICH|DO|DOES|DID|ARE|IS|CAN|COULD|WILL|WOULD|SHOULD|HAVE)\b")
 
 
+def parse_chitchat(path: str | Path, min_words: int = 3) -> list[WorkloadRecord]:
+    """Openers of the BYU Chit-Chat Challenge conversations (``chitchat-dataset``: 7,168 casual
+    conversations between people): each conversation's first message (its utterances joined by
+    spaces) of at least ``min_words`` words, once per text."""
+    with zipfile.ZipFile(path) as zf:
+        data = json.loads(zf.read(_find_member(zf, "chitchat_dataset/dataset.json")))
+    out, seen = [], set()
+    for key in sorted(data):
+        messages = data[key].get("messages") or []
+        if not messages:
+            continue
+        text = _clean(" ".join(u["text"].strip() for u in messages[0] if u.get("text", "").strip()))
+        if len(text.split()) < min_words or len(text) > MAX_TEXT_CHARS or text.lower() in seen:
+            continue
+        seen.add(text.lower())
+        out.append(WorkloadRecord(text, "chat", "en", f"chitchat:{key}"))
+    return out
+
+
 def parse_alice(path: str | Path) -> list[WorkloadRecord]:
     """User utterances of the A.L.I.C.E. bot: AIML ``<pattern>``s of at least three words without
     wildcards, from ``ALICE_FILES``; "WHAT IS AI" becomes "What is ai?"."""
@@ -298,6 +319,7 @@ SOURCES: dict[str, tuple[str, Callable[[Path], list[WorkloadRecord]]]] = {
     "gsm-symbolic": ("reasoning-gym", parse_gsm_symbolic),
     "mathgenerator": ("mathgenerator", parse_mathgenerator),
     "alice": ("aiml", parse_alice),
+    "chitchat": ("chitchat-dataset", parse_chitchat),
     "pyjokes": ("pyjokes", parse_jokes),
     "quotes": ("quotes", parse_quotes),
     "verne-2889": ("reasoning-gym", parse_fiction),

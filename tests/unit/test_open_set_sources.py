@@ -45,6 +45,24 @@ def test_alice_patterns_without_wildcards_become_sentences(tmp_path):
     assert all(r.domain == "chat" and r.source.startswith("alice:bot:") for r in recs)
 
 
+def test_chitchat_openers_are_first_messages_of_three_words_or_more(tmp_path):
+    def conv(*messages):
+        return {"messages": [[{"text": t, "sender": "a"} for t in m] for m in messages]}
+
+    data = {"c": conv(["hi", "whats good"], ["not much"]),  # the opener, its utterances joined
+            "a": conv(["Hello there friend"]),
+            "b": conv(["hello"], ["a reply of many words"]),  # an opener under three words: skipped
+            "d": conv(["HELLO THERE FRIEND"]),  # the same text again (any case): once
+            "e": {"messages": []},
+            "f": conv([" ", "What would you  do with a flying car?"])}
+    w = _zip(tmp_path / "cc.whl", {"chitchat_dataset/dataset.json": json.dumps(data)})
+    recs = os_.parse_chitchat(w)
+    assert recs == [WorkloadRecord("Hello there friend", "chat", "en", "chitchat:a"),
+                    WorkloadRecord("hi whats good", "chat", "en", "chitchat:c"),
+                    WorkloadRecord("What would you  do with a flying car?", "chat", "en", "chitchat:f")]
+    assert [r.text for r in os_.parse_chitchat(w, min_words=4)] == ["What would you  do with a flying car?"]
+
+
 def test_jokes_quotes_and_words_are_wrapped_in_requests(tmp_path):
     jokes = _zip(tmp_path / "pyjokes.whl", {
         "pyjokes/jokes_en.py": 'neutral = [\n    "A SQL query walks into a bar and joins two tables.",\n    "short"]\n',
