@@ -32,6 +32,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+_ROUTER_TESTS = ["tests/unit/test_router_policy.py", "tests/unit/test_router.py", "tests/unit/test_router_open.py",
+                 "tests/unit/test_mixture.py"]
+
 #: file -> (module, functions to mutate (None: all), tests that cover it, fast first)
 TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "speculative/sampling.py": ("speculative.sampling", None,
@@ -59,12 +62,18 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "speculative/detokenize.py": ("speculative.detokenize", None, ["tests/unit/test_detokenize.py"]),
     # the replay records the learner trains on: built from verification, encoded, sharded, sampled
     "learner/replay.py": ("learner.replay", None, ["tests/unit/test_replay.py", "tests/unit/test_trainer.py"]),
+    # the router: named domains (classifier, background, typicality), discovered ones (online
+    # clusters), and the acceptance bandit that picks a draft among a domain's candidates
+    "router/domains.py": ("router.domains", None, _ROUTER_TESTS),
+    "router/bandit.py": ("router.bandit", None, _ROUTER_TESTS),
+    "router/router.py": ("router.router", None, _ROUTER_TESTS),
 }
 
 _CROP0 = "'<=': at start == have the mutant calls crop(0), which transformers' DynamicCache treats as a no-op"
 
-#: Survivors that cannot change behaviour: (file, function, mutated line) -> why.
-EQUIVALENT: dict[tuple[str, str, str], str] = {
+#: Survivors that cannot change behaviour: (file, function, mutated line) -> why, or (file, function,
+#: mutated line, mutated form) -> why where other mutants of the line do change it.
+EQUIVALENT: dict[tuple[str, ...], str] = {
     ("speculative/sampling.py", "warp_logits", "if params.top_k and params.top_k < logits.shape[-1]:"):
         "top_k <= V instead of < V: with top_k = V the k-th largest logit is the smallest, and masking the "
         "logits below it removes nothing",
@@ -213,6 +222,21 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      "use_cache=past_key_values is not None, cache_position=cache_position, position_embeddings=pos_emb)"):
         "the decoder layer of this transformers updates the cache it is given whatever use_cache says (the "
         "flag is read by the model, not the layer); without a cache there is nothing to update",
+    ("router/domains.py", "DomainClassifier._logreg",
+     'return LogisticRegression(C=self.C, max_iter=2000, class_weight="balanced", random_state=self.seed)'):
+        "max_iter 1999 or 2001: lbfgs stops at convergence long before (18, 42 and 48 iterations for the "
+        "three fits on the shipped examples, fewer on the tests' clouds)",
+    ("router/domains.py", "DomainClassifier._calibrate", "return -1.0"):
+        "-2.0: a cosine similarity is never below -1, so a threshold of -1 or -2 calls every query typical",
+    ("router/domains.py", "DomainClassifier.typical", "return score >= self.thresholds.get(label, -1.0)",
+     "1.0 -> 2.0"):
+        "a label without a threshold (none calibrated) defaults to -2 instead of -1: a cosine similarity is "
+        "never below -1, so both call every score typical ('>' on this line is killed)",
+    ("router/domains.py", "DomainClassifier.classify", "named_proba[:, classes.index(BACKGROUND)] = -1.0", "1.0 -> 2.0"):
+        "the background's probability is set below every probability (>= 0) so that argmax skips it: -1 or -2",
+    ("router/bandit.py", "AcceptanceBandit.choose", "if self.rng.random() < self.cfg.explore_rate:"):
+        "'<=': numpy's random() draws doubles in [0, 1), equal to the rate with probability about 2^-53 (a "
+        "rate of 0 or 1 picks the same either way but for that draw)",
 }
 
 SWAP_BIN = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult,
@@ -457,8 +481,7 @@ def main(argv: list[str] | None = None) -> int:
                 live.__code__ = original
             m.seconds = time.perf_counter() - t0
             m.killer = killer
-            key = (m.file, m.function, m.before)
-            m.status = ("equivalent" if key in EQUIVALENT else "survived") if passed else (
+            m.status = ("equivalent" if _equivalent(m) else "survived") if passed else (
                 "timeout" if killer == "timeout" else "killed")
             results.append(m)
             if m.status != "killed":
@@ -467,6 +490,11 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps({"partial": True, "mutants": [asdict(m) for m in results]}, indent=1))
     report(results, time.perf_counter() - t_all, args.json)
     return 0
+
+
+def _equivalent(m: "Mutant") -> bool:
+    """In ``EQUIVALENT``: by its line (every mutant of it), or by its line and mutated form (that one)."""
+    return (m.file, m.function, m.before) in EQUIVALENT or (m.file, m.function, m.before, m.after) in EQUIVALENT
 
 
 def _named(function: str, names: list[str]) -> bool:
@@ -478,7 +506,7 @@ def report(results: list[Mutant], seconds: float, json_out: str | None) -> None:
     """Print the score (killed / (mutants - equivalent)) and per-file counts; write the JSON."""
     for m in results:  # equivalence is decided by the current table, also for merged runs
         if m.status in ("survived", "equivalent"):
-            m.status = "equivalent" if (m.file, m.function, m.before) in EQUIVALENT else "survived"
+            m.status = "equivalent" if _equivalent(m) else "survived"
     killed = sum(m.status in ("killed", "timeout") for m in results)
     equivalent = sum(m.status == "equivalent" for m in results)
     survived = [m for m in results if m.status == "survived"]

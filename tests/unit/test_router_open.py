@@ -165,6 +165,23 @@ def test_typicality_is_the_mean_of_the_k_nearest():
     assert clf.typicality(q, ["n"])[0] == pytest.approx(0.0)  # its nearest two "n" are at 0
 
 
+def test_a_label_of_one_example_has_no_threshold_and_two_calibrate_on_each_other():
+    """One example: nothing held out to calibrate on, every query is typical (-1 is the lowest
+    cosine). Two: each is scored against the other (two folds), so the threshold is their cosine,
+    and a score at exactly the threshold is typical."""
+    u = np.array([1.0, 0.0, 0.0], dtype=np.float32)
+    v = np.array([0.6, 0.8, 0.0], dtype=np.float32)  # cos(u, v) = 0.6
+    X = np.stack([u, v, -u])
+    clf = DomainClassifier(typical_quantile=0.2).fit(X, ["pair", "pair", "single"])
+    assert clf.thresholds["single"] == -1.0
+    assert clf.thresholds["pair"] == pytest.approx(0.6, abs=1e-6)
+    assert clf.typical("pair", clf.thresholds["pair"]) and not clf.typical("pair", clf.thresholds["pair"] - 1e-6)
+    assert clf.typical("single", -1.0)  # even the farthest query
+    w = np.array([[0.0, 0.0, 1.0]], dtype=np.float32)  # cosine 0 to both pair examples: atypical of it
+    assert not clf.typical("pair", float(clf.typicality(w, ["pair"])[0]))
+    assert clf.typical("single", float(clf.typicality(w, ["single"])[0]))
+
+
 def test_lexical_features_name_what_the_embedding_cannot_see():
     """Embeddings that carry nothing (the same random cloud for both labels) and texts that differ
     in their symbols: with the character n-grams the classifier names fresh texts right; without
@@ -193,6 +210,26 @@ def test_lexical_features_name_what_the_embedding_cannot_see():
     for clf in (lexical, three):
         want = clf.model.predict_proba(clf._features(Xf, tf))
         np.testing.assert_allclose(clf._proba(Xf, tf), want, rtol=1e-4, atol=1e-6)
+
+
+def test_the_ngrams_are_2_to_4_characters_within_words_seen_in_two_examples():
+    """The lexical features: character n-grams of 2-4 characters inside word boundaries, kept when
+    at least two examples have them; the gate names a text whose n-gram probability is exactly its
+    threshold."""
+    rng = np.random.default_rng(7)
+    texts = ["select from where", "select rows", "lambda xs", "lambda ys", "qqqqqq zz"]
+    kinds = ["sql", "sql", "code", "code", "code"]
+    clf = DomainClassifier(lexical=True).fit(_cloud(rng, np.eye(8)[0], 5, 0.5), kinds, texts)
+    vocab = set(clf.vectorizer.get_feature_names_out())
+    assert {len(g) for g in vocab} == {2, 3, 4}
+    assert {" se", "sele", "lamb", "da "} <= vocab  # in two texts, at a word's edge too
+    assert not vocab & {"qq", "qqq", "zz", "rows", "row", " xs"}  # in one text only
+    assert not any(" " in g.strip() for g in vocab)  # never across two words
+    probe = ["select lambda", "lambda"]
+    top = clf.lexical_model.predict_proba(clf.vectorizer.transform(probe)).max(axis=1)
+    labels, got = clf.sure(probe, float(top[1]), ["sql", "code"])
+    np.testing.assert_array_equal(got, top)
+    assert labels[1] == "code"  # at exactly the threshold: sure
 
 
 def test_the_router_classifies_the_text_it_routes(extractor, train, held_out):
@@ -295,6 +332,49 @@ def test_background_examples_like_a_topical_domain_are_dropped():
     kept_all = DomainClassifier().fit(X, y)  # nothing topical: every background example stays
     assert kept_all.background_dropped == 0
     assert np.mean(np.array(kept_all.predict(_cloud(rng, a, 50, 0.1))[0]) == "code") < 0.9
+
+
+def test_a_classifier_needs_two_named_domains_and_counts_no_drop_before_fitting():
+    rng = np.random.default_rng(4)
+    assert DomainClassifier().background_dropped == 0
+    X = np.concatenate([_cloud(rng, np.eye(8)[0], 20, 0.1), _cloud(rng, np.eye(8)[1], 20, 0.1)])
+    with pytest.raises(ValueError, match="two domains"):  # the background is not a domain
+        DomainClassifier().fit(X, ["code"] * 20 + [BACKGROUND] * 20, topical=["code"])
+    assert DomainClassifier().fit(X, ["code"] * 20 + ["chat"] * 20).classes == ["chat", "code"]
+
+
+def test_the_background_filter_and_relabel_thresholds_include_their_value():
+    """A background example given a topical label with a probability exactly at ``background_filter``
+    is dropped, and exactly at ``background_relabel`` joins the label (the first-stage classifier is
+    the same seeded logistic regression, so the probability can be hit exactly)."""
+    rng = np.random.default_rng(5)
+    a, b = np.eye(16)[0], np.eye(16)[1]
+    X = np.concatenate([_cloud(rng, a, 60, 0.2), _cloud(rng, b, 60, 0.2), _cloud(rng, 0.7 * a + 0.7 * b, 40, 0.3)])
+    y = np.array(["code"] * 60 + ["chat"] * 60 + [BACKGROUND] * 40)
+    named = y != BACKGROUND
+    first = DomainClassifier()._logreg().fit(X[named], y[named])
+    proba = first.predict_proba(X[~named])  # [40, 2]
+    to_code = proba[:, list(first.classes_).index("code")]  # the topical label's probability
+    order = np.sort(to_code[to_code > 0.5])
+    p = float(order[len(order) // 2])  # a probability one example has exactly
+    assert 0.5 < p < 1.0 and (to_code == p).sum() == 1
+    clf = DomainClassifier(background_filter=p).fit(X, y, topical=["code"])
+    assert clf.background_dropped == int((to_code >= p).sum())
+    joined = DomainClassifier(background_filter=0.5, background_relabel=p).fit(X, y, topical=["code"])
+    assert len(joined.examples["code"]) == 60 + int((to_code >= p).sum())
+
+
+def test_probabilities_stay_exact_for_a_very_sure_classifier():
+    """The logits are shifted by their maximum before the softmax: logits in the thousands give
+    sklearn's probabilities, not inf / inf."""
+    rng = np.random.default_rng(6)
+    X = np.concatenate([_cloud(rng, np.eye(16)[i], 30, 0.1) for i in range(3)])
+    texts = [f"{w} example {i}" for w in ("code", "math", "chat") for i in range(30)]
+    clf = DomainClassifier(lexical=True).fit(X, ["code"] * 30 + ["math"] * 30 + ["chat"] * 30, texts)
+    clf.model.coef_ *= 2000.0
+    got = clf._proba(X, texts)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, clf.model.predict_proba(clf._features(X, texts)), atol=1e-6)
 
 
 def test_background_examples_sure_to_be_topical_can_join_their_domain_instead():

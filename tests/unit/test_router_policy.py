@@ -167,6 +167,37 @@ def test_bandit_forgets_old_observations():
     assert bandit.mean("chat", "d") < 0.05  # the recent (bad) acceptance dominates
 
 
+def test_bandit_posterior_adds_the_prior_to_the_decayed_counts():
+    bandit = AcceptanceBandit(RouterConfig(prior=(2.0, 5.0), decay=0.5))
+    assert bandit.posterior("sql", "d") == (2.0, 5.0)  # never observed: the prior alone
+    bandit.observe("sql", "d", 3, 4)
+    bandit.observe("sql", "d", 1, 4)  # counts: accepted 3 * 0.5 + 1, rejected 1 * 0.5 + 3
+    assert bandit.posterior("sql", "d") == (2.0 + 2.5, 5.0 + 3.5)
+    assert bandit.mean("sql", "d") == pytest.approx(4.5 / 13.0)
+
+
+def test_bandit_with_one_candidate_takes_it_even_in_an_unseen_domain():
+    bandit = AcceptanceBandit(RouterConfig(explore_rate=1.0))
+    assert bandit.choose("new", ["own"], default=GENERAL) == ("own", False)
+    bandit.observe("new", "other", 4, 4)
+    assert all(bandit.choose("new", ["own"], default=GENERAL) == ("own", False) for _ in range(20))
+
+
+@pytest.mark.parametrize("domain, draft_id, left", [
+    ("a", None, {("b", "x")}),  # a domain: all its drafts
+    (None, "x", {("a", "y")}),  # a draft: in every domain
+    ("a", "x", {("a", "y"), ("b", "x")}),  # both: that pair only
+    (None, None, set()),  # neither: everything
+])
+def test_bandit_forgets_a_domain_a_draft_or_the_pair(domain, draft_id, left):
+    bandit = AcceptanceBandit(RouterConfig())
+    for key in [("a", "x"), ("a", "y"), ("b", "x")]:
+        bandit.observe(*key, 2, 4)
+    bandit.forget(domain, draft_id)
+    assert set(bandit.counts) == left
+    assert all(bandit.counts[k] == [2.0, 2.0] for k in left)
+
+
 # ---------------------------------------------------------------------------- draft life cycle
 
 
