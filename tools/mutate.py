@@ -226,8 +226,6 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
      'return LogisticRegression(C=self.C, max_iter=2000, class_weight="balanced", random_state=self.seed)'):
         "max_iter 1999 or 2001: lbfgs stops at convergence long before (18, 42 and 48 iterations for the "
         "three fits on the shipped examples, fewer on the tests' clouds)",
-    ("router/domains.py", "DomainClassifier._calibrate", "return -1.0"):
-        "-2.0: a cosine similarity is never below -1, so a threshold of -1 or -2 calls every query typical",
     ("router/domains.py", "DomainClassifier.typical", "return score >= self.thresholds.get(label, -1.0)",
      "1.0 -> 2.0"):
         "a label without a threshold (none calibrated) defaults to -2 instead of -1: a cosine similarity is "

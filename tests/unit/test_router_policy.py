@@ -271,6 +271,26 @@ def test_domain_keys_candidates_and_fallbacks():
     assert router.bandit.counts == {}
 
 
+def test_a_label_exactly_at_the_confidence_threshold_is_named():
+    """The classifier's probability is compared with ``confidence_threshold`` inclusively: a query
+    given its label with exactly that probability is routed to the label, just below goes to a
+    cluster (the classifier is the same seeded fit each time, so the probability can be hit)."""
+    texts = [f"en {m} {i}" for m in "AB" for i in range(30)]
+    labels = ["code"] * 30 + ["sql"] * 30
+    def fitted(threshold: float) -> Router:
+        r = Router(cfg(mode="both", lexical=False, lexical_gate=None, confidence_threshold=threshold),
+                   extractor=StubExtractor())
+        return r.fit(texts, labels)
+    query = "en A 99"
+    (_, p, _) = fitted(0.5).classifier.classify(StubExtractor().embed([query]))
+    p = float(p[0])
+    assert 0.5 < p < 1.0
+    at = fitted(p).route(query)
+    assert (at.domain, at.reason, at.confidence) == ("code", "classifier", pytest.approx(p))
+    above = fitted(float(np.nextafter(p, 1.0))).route(query)
+    assert above.cluster is not None and above.topic == "code"
+
+
 def test_config_refuses_bad_values():
     for bad in ({"mode": "magic"}, {"max_drafts": 0}, {"prior": (0.0, 1.0)}, {"explore_rate": 2.0}, {"typo": 1}):
         with pytest.raises(ValidationError):
