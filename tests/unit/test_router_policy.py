@@ -14,6 +14,7 @@ import pytest
 
 from config import RouterConfig, ValidationError
 from router import GENERAL, UNKNOWN, AcceptanceBandit, OnlineClusters, QueryFeatures, Router
+from router.domains import BACKGROUND
 
 D = 384
 CENTRES = {m: v / np.linalg.norm(v) for m, v in
@@ -289,6 +290,79 @@ def test_a_label_exactly_at_the_confidence_threshold_is_named():
     assert (at.domain, at.reason, at.confidence) == ("code", "classifier", pytest.approx(p))
     above = fitted(float(np.nextafter(p, 1.0))).route(query)
     assert above.cluster is not None and above.topic == "code"
+
+
+def test_the_background_filter_drops_general_examples_like_topical_domains_not_like_open_ones():
+    """``fit_embeddings`` tells the classifier which labels are topical (named and not open-ended):
+    general examples like code are dropped from the background, those like chat (open) stay."""
+    a, b, c = CENTRES["A"], CENTRES["B"], CENTRES["C"]
+    def near(centre, n, seed):
+        rng = np.random.default_rng(seed)
+        v = centre + 0.02 * rng.standard_normal((n, D))
+        return (v / np.linalg.norm(v, axis=1, keepdims=True)).astype(np.float32)
+    code_like, chat_like = 0.8 * a + 0.6 * c, 0.8 * b + 0.6 * c
+    X = np.concatenate([near(a, 30, 1), near(b, 30, 2), near(code_like, 15, 3), near(chat_like, 15, 4)])
+    labels = ["code"] * 30 + ["chat"] * 30 + [BACKGROUND] * 30
+    router = Router(cfg(mode="both", lexical=False, lexical_gate=None), extractor=StubExtractor())
+    router.fit_embeddings(X, labels)
+    assert router.classifier.background_dropped == 15
+    got, _ = router.classifier.predict(np.concatenate([near(code_like, 5, 5), near(chat_like, 5, 6)]))
+    assert got == ["code"] * 5 + [BACKGROUND] * 5
+
+
+def test_route_batch_reports_its_time_per_query(monkeypatch):
+    import router.router as rr
+    clock = iter([10.0, 10.012])  # the batch's start and end: 12 ms
+    monkeypatch.setattr(rr.time, "perf_counter", lambda: next(clock))
+    router = Router(cfg(), extractor=StubExtractor())
+    routes = router.route_batch(["en A 0", "en A 1", "en B 0"])
+    assert [r.latency_ms for r in routes] == [pytest.approx(4.0)] * 3
+    clock = iter([5.0, 5.003])
+    (one,) = router.route_batch(["en A 2"])
+    assert one.latency_ms == pytest.approx(3.0)
+    clock = iter([1.0, 1.0])
+    assert router.route_batch([]) == []
+
+
+def test_draft_usage_counts_routed_queries_and_a_draft_used_as_much_as_needed_stays():
+    router = Router(cfg(max_drafts=3, spawn_window=1000), extractor=StubExtractor())
+    router.register_draft("free")
+    router._use("free")
+    assert router.value("free") == 1.0  # one routed query
+    router.register_draft("other", domain="code")
+    assert list(router.drafts) == [GENERAL, "free", "other"]  # full
+    router.register_draft("free", domain="chat")  # known: re-bound, nothing retired for it
+    assert router.drafts == {GENERAL: None, "free": "chat", "other": "code"} and router.events() == []
+    router.usage = {"free": (3.0, router.t), "other": (5.0, router.t)}
+    assert router._make_room(need=3.0, reason="test") is False  # the least used has exactly what is needed
+    assert "free" in router.drafts and router.events() == []
+    assert router._make_room(need=3.5, reason="test") is True
+    assert "free" not in router.drafts and [e.draft_id for e in router.events()] == ["free"]
+
+
+def test_making_room_and_spawning_happen_on_the_same_query():
+    router = Router(cfg(max_drafts=2, idle_retire_records=1000), extractor=StubExtractor())
+    router.register_draft("free")  # full: the general draft and an unused one
+    batches = []
+    for i in range(12):
+        stream(router, "A", 1, start=i)  # poor acceptance: A earns a draft
+        batches.append([(e.kind, e.draft_id) for e in router.events()])
+    (batch,) = [b for b in batches if b]
+    assert batch[0] == ("retire", "free") and batch[1][0] == "spawn" and len(batch) == 2
+    assert list(router.drafts) == [GENERAL, batch[1][1]]
+
+
+def test_a_retired_draft_leaves_its_cluster_and_no_other():
+    router = Router(cfg(idle_retire_records=1000), extractor=StubExtractor())
+    stream(router, "A", 8)
+    stream(router, "B", 8)
+    spawned = {e.domain: e.draft_id for e in router.events() if e.kind == "spawn"}
+    assert len(spawned) == 2
+    by_draft = {c.draft: c for c in router.clusters.clusters.values() if c.draft}
+    assert set(by_draft) == set(spawned.values())
+    gone, kept = sorted(by_draft)
+    router.retire_draft(gone)
+    assert by_draft[gone].draft is None and by_draft[kept].draft == kept
 
 
 def test_config_refuses_bad_values():
