@@ -45,8 +45,10 @@ run: $(STAMP)
 test: $(STAMP) system-tools
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --durations=25 tests
 
-# Mutation testing of the sampling path, engine, proposers, k policy and the learner's gate (not in CI:
-# about an hour on 2 cores). Prints every surviving mutant and the score; the JSON keeps them all.
+# Mutation testing of the files in tools/mutate.py's TARGETS: the sampling path, engine, proposers, k
+# policy, runner, fast path, feature draft, the learner's gate, losses and replay, and the router (not in
+# CI: hours on 2 cores; `--only FILE` for one). Prints every surviving mutant and the score; the JSON
+# keeps them all.
 mutate: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/mutate.py --json results/mutation/after.json
 

@@ -232,6 +232,18 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "never below -1, so both call every score typical ('>' on this line is killed)",
     ("router/domains.py", "DomainClassifier.classify", "named_proba[:, classes.index(BACKGROUND)] = -1.0", "1.0 -> 2.0"):
         "the background's probability is set below every probability (>= 0) so that argmax skips it: -1 or -2",
+    ("router/domains.py", "OnlineClusters.assign", "if c.count > 1:", "c.count > 1 -> c.count >= 1"):
+        "updating the centroid at the first member too: it is that member's unit embedding, so the update adds "
+        "(emb - emb) / 1 = 0 and renormalises a unit vector ('> 2' is killed)",
+    ("router/domains.py", "OnlineClusters.assign", "if c.count > 1:", "1 -> 0"):
+        "'> 0': the same as '>= 1' for a count, above",
+    ("router/domains.py", "OnlineClusters.assign",
+     "c.centroid = (centroid / max(np.linalg.norm(centroid), 1e-12)).astype(np.float32)", "1e-12 -> 2e-12"):
+        "the floor only guards a zero mean (a member exactly opposite its centroid), which stays zero either way",
+    ("router/domains.py", "OnlineClusters.state",
+     "centroids = np.stack([c.centroid for c in cs]) if cs else np.zeros((0, 0), np.float32)", "0 -> 1"):
+        "the centroids of no cluster: from_state zips them with the (empty) metadata, so an empty array of shape "
+        "(0, 0), (1, 0) or (0, 1) loads as the same empty set",
     ("router/bandit.py", "AcceptanceBandit.choose", "if self.rng.random() < self.cfg.explore_rate:"):
         "'<=': numpy's random() draws doubles in [0, 1), equal to the rate with probability about 2^-53 (a "
         "rate of 0 or 1 picks the same either way but for that draw)",

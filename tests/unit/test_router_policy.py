@@ -70,6 +70,92 @@ def stream(router: Router, mode: str, n: int, start: int = 0, accepted: int = 1,
 # ---------------------------------------------------------------------------- clustering
 
 
+def unit(*xs: float) -> np.ndarray:
+    v = np.zeros(D, np.float32)
+    v[: len(xs)] = xs
+    return v
+
+
+def test_a_cluster_is_numbered_from_0_and_joined_at_exactly_its_threshold():
+    """Leader clustering by hand: ids 0, 1, 2 in order of creation; a query at cosine distance
+    exactly ``cluster_threshold`` from a centroid joins it, farther starts a cluster; the centroid is
+    the running mean, renormalised; no cluster of a language: (None, -1)."""
+    oc = OnlineClusters(cfg(cluster_threshold=0.5))
+    assert oc.nearest(unit(1.0), "en") == (None, -1.0)
+    c0, sim = oc.assign(unit(1.0), "en", t=0)
+    assert (c0.id, sim, c0.count) == (0, 0.0, 1) and np.array_equal(c0.centroid, unit(1.0))
+    c, sim = oc.assign(unit(0.5, 0.75 ** 0.5), "en", t=1)  # cosine 0.5: distance exactly 0.5
+    assert c is c0 and sim == 0.5 and c0.count == 2
+    mean = unit(0.75, 0.75 ** 0.5 / 2)
+    np.testing.assert_allclose(c0.centroid, mean / np.linalg.norm(mean), atol=1e-6)
+    c1, _ = oc.assign(unit(0.0, 0.0, 1.0), "en", t=2)  # cosine about 0: a new cluster
+    c2, _ = oc.assign(unit(1.0), "fr", t=3)  # another language: its own clusters
+    assert (c1.id, c2.id, oc.next_id) == (1, 2, 3) and len(oc) == 3
+    assert oc.nearest(unit(1.0), "fr") == (c2, 1.0)
+
+
+def test_cluster_acceptance_decays_and_ignores_empty_steps():
+    oc = OnlineClusters(cfg(decay=0.5))
+    c, _ = oc.assign(unit(1.0), "en", t=0)
+    assert c.alpha is None  # nothing served yet
+    oc.observe(c.id, 1, 1)
+    oc.observe(c.id, 0, 2)  # accepted 1 * 0.5 + 0, proposed 1 * 0.5 + 2
+    assert (c.accepted, c.proposed) == (0.5, 2.5) and c.alpha == pytest.approx(0.2)
+    oc.observe(c.id, 0, 0)  # a k = 0 step: no decay either
+    assert (c.accepted, c.proposed) == (0.5, 2.5)
+    oc.observe(99, 1, 4)  # an expired cluster: ignored
+    c.accepted, c.proposed = 0.25, 0.5  # a decayed fraction of a token still gives a rate
+    assert c.alpha == 0.5
+
+
+def clusters_with(members: int, first_t: int = 0, **kw) -> tuple[OnlineClusters, "Cluster"]:
+    """One English cluster of ``members`` identical queries at clocks first_t, first_t + 1, ... (second 1.0)."""
+    base = dict(min_cluster_size=3, noise_ttl=10, idle_retire_records=20, idle_retire_s=100.0, spawn_min_records=3,
+                spawn_window=50, spawn_min_tokens=4, spawn_alpha=0.5)
+    oc = OnlineClusters(cfg(**{**base, **kw}))
+    for i in range(members):
+        c, _ = oc.assign(unit(1.0), "en", t=first_t + i, now_s=1.0)
+    return oc, c
+
+
+def test_cluster_life_cycle_boundaries():
+    """Noise: fewer than ``min_cluster_size`` members when ``noise_ttl`` records old, not a record
+    before; idle: ``idle_retire_records`` records or ``idle_retire_s`` seconds unseen, to the record
+    and the second; a cluster of exactly ``min_cluster_size`` members is no noise and may earn a draft."""
+    oc, c = clusters_with(2)  # born at 0, two members
+    assert oc.maintain(t=9, now_s=1.0) == [] and len(oc) == 1
+    assert [(e.kind, e.reason) for e in oc.maintain(t=10, now_s=1.0)] == [("expire", "noise")]
+    oc, c = clusters_with(3)
+    assert oc.maintain(t=10, now_s=1.0) == [] and len(oc) == 1  # exactly min_cluster_size: kept
+    oc, c = clusters_with(3, first_t=3)  # last seen at 5
+    assert oc.maintain(t=24, now_s=50.0) == []
+    assert [(e.kind, e.reason) for e in oc.maintain(t=25, now_s=50.0)] == [("expire", "idle")]
+    oc, c = clusters_with(3)  # last seen at second 1.0
+    assert oc.maintain(t=3, now_s=100.5) == []
+    assert [(e.kind, e.reason) for e in oc.maintain(t=3, now_s=101.0)] == [("expire", "idle")]
+    oc, c = clusters_with(3)  # exactly min_cluster_size (= spawn_min_records) members, served poorly
+    oc.observe(c.id, 1, 4)
+    (ev,) = oc.maintain(t=3, now_s=1.0)
+    assert (ev.kind, ev.cluster.id) == ("spawn", c.id)  # with exactly spawn_min_tokens proposed
+    oc, c = clusters_with(3, idle_retire_records=1000)  # its first recent record at 0
+    oc.observe(c.id, 1, 4)
+    assert oc.maintain(t=50, now_s=1.0) == []  # spawn_window (50) records ago: too old to count
+    assert [e.kind for e in oc.maintain(t=49, now_s=1.0)] == ["spawn"]
+    oc, c = clusters_with(3)
+    oc.observe(c.id, 2, 4)  # alpha exactly spawn_alpha: served well enough
+    assert oc.maintain(t=3, now_s=1.0) == []
+
+
+def test_a_full_set_of_clusters_evicts_the_longest_unseen_one_without_a_draft():
+    oc = OnlineClusters(cfg(max_clusters=2))
+    old, _ = oc.assign(unit(1.0), "en", t=0)
+    new, _ = oc.assign(unit(0.0, 1.0), "en", t=1)
+    old.draft = "c0-en"  # the older one has a draft of its own: the newer one goes
+    oc.assign(unit(0.0, 0.0, 1.0), "en", t=2)
+    assert set(oc.clusters) == {old.id, 2}
+    assert [(e.kind, e.cluster.id, e.reason) for e in oc.maintain(t=2)] == [("expire", new.id, "evicted (max_clusters)")]
+
+
 def test_clusters_split_two_modes_and_drop_noise():
     oc = OnlineClusters(cfg(noise_ttl=30, idle_retire_records=1000))
     order = [("A", i) for i in range(40)] + [("B", i) for i in range(40)] + [("noise", i) for i in range(10)]
