@@ -61,7 +61,9 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
                           ["tests/unit/test_losses.py", "tests/unit/test_offline.py", "tests/unit/test_trainer.py"]),
     "speculative/detokenize.py": ("speculative.detokenize", None, ["tests/unit/test_detokenize.py"]),
     # the replay records the learner trains on: built from verification, encoded, sharded, sampled
-    "learner/replay.py": ("learner.replay", None, ["tests/unit/test_replay.py", "tests/unit/test_trainer.py"]),
+    "learner/replay.py": ("learner.replay", None, ["tests/unit/test_replay.py", "tests/unit/test_trainer.py",
+                                                   "tests/unit/test_background.py", "tests/unit/test_feature.py",
+                                                   "tests/unit/test_detokenize.py"]),
     # the router: named domains (classifier, background, typicality), discovered ones (online
     # clusters), and the acceptance bandit that picks a draft among a domain's candidates
     "router/domains.py": ("router.domains", None, _ROUTER_TESTS),
@@ -244,6 +246,12 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
      "centroids = np.stack([c.centroid for c in cs]) if cs else np.zeros((0, 0), np.float32)", "0 -> 1"):
         "the centroids of no cluster: from_state zips them with the (empty) metadata, so an empty array of shape "
         "(0, 0), (1, 0) or (0, 1) loads as the same empty set",
+    ("learner/replay.py", "RecordBuilder.finish", "if got != s.emitted or s.start + s.n_teacher - 1 > length:",
+     "s.start + s.n_teacher -> s.start - s.n_teacher"):
+        "the bound is unreachable once the emitted tokens matched: n_teacher - 1 = min(accepted, emitted) <= "
+        "len(emitted), and those tokens lie inside the final ones, so start + n_teacher - 1 <= length always",
+    ("learner/replay.py", "RecordBuilder.finish", "if got != s.emitted or s.start + s.n_teacher - 1 > length:", "1 -> 2"):
+        "the same unreachable bound, one lower",
     ("router/bandit.py", "AcceptanceBandit.choose", "if self.rng.random() < self.cfg.explore_rate:"):
         "'<=': numpy's random() draws doubles in [0, 1), equal to the rate with probability about 2^-53 (a "
         "rate of 0 or 1 picks the same either way but for that draw)",

@@ -157,6 +157,68 @@ def test_builder_rejects_mismatched_tokens():
         b.add(make_step(4, draft=[], accepted=0, emitted=[9], rid="b"))
 
 
+def test_builder_finish_refuses_an_empty_prompt_overlaps_and_mixed_top_k():
+    b = RecordBuilder()
+    with pytest.raises(ValueError, match="prompt_len"):
+        b.finish([5, 6], prompt_len=0)
+    assert b.finish([5], prompt_len=1).n_rows == 0  # a one-token prompt is a prompt
+    rec = b.finish([5, 6], prompt_len=2)  # no step: a record without rows
+    assert rec.positions.shape == (0,) and rec.top_ids.shape == (0, 0) and rec.k == 0
+    assert rec.draft_version == 0 and rec.features is None
+    b.add(make_step(3, draft=[10, 11], accepted=2, emitted=[10, 11, 12]))  # rows 3, 4, 5
+    b.add(make_step(5, draft=[], accepted=0, emitted=[12], version=4))  # starts on row 5: overlaps
+    with pytest.raises(ValueError, match="overlaps"):
+        b.finish([5, 6, 7, 10, 11, 12], prompt_len=3)
+    b = RecordBuilder()
+    b.add(make_step(3, draft=[10], accepted=1, emitted=[10, 20]))
+    narrow = make_step(5, draft=[], accepted=0, emitted=[30])
+    b.add(dataclasses.replace(narrow, target_top_ids=narrow.target_top_ids[:, :3],
+                              target_top_probs=narrow.target_top_probs[:, :3]))
+    with pytest.raises(ValueError, match="top-K"):
+        b.finish([5, 6, 7, 10, 20, 30], prompt_len=3)
+
+
+def _with_features(step, start: int, rows: torch.Tensor):
+    return dataclasses.replace(step, features=rows, features_start=start)
+
+
+def test_builder_features_join_steps_without_repeats_or_gaps_up_to_the_last_predicting_position():
+    """A record's features cover positions 0..len - 2 (the last token predicts nothing), each once:
+    a step's rows that an earlier step already gave are skipped, a step starting right after the
+    covered ones is joined, and one leaving a gap voids them (a feature draft needs every position)."""
+    H = 8
+    tokens = [5, 6, 7, 10, 20, 30, 40]
+    f1 = torch.arange(4 * H, dtype=torch.float32).reshape(4, H)  # positions 0..3
+    f2 = 100 + torch.arange(4 * H, dtype=torch.float32).reshape(4, H)  # positions 3..6
+    s1 = make_step(3, draft=[10], accepted=1, emitted=[10, 20])
+    s2 = make_step(5, draft=[30], accepted=1, emitted=[30, 40])
+
+    def rec_of(*steps):
+        b = RecordBuilder()
+        for s in steps:
+            b.add(s)
+        return b.finish(tokens, prompt_len=3)
+
+    rec = rec_of(_with_features(s1, 0, f1), _with_features(s2, 3, f2))
+    want = torch.cat([f1, f2[1:]])[:6].to(torch.float16)  # positions 0..5: row 3 once, position 6 cut
+    assert rec.features.dtype == torch.float16 and torch.equal(rec.features, want)
+    rec = rec_of(_with_features(s1, 0, f1), _with_features(s2, 4, f2[1:3]))  # right after: joined
+    assert torch.equal(rec.features, torch.cat([f1, f2[1:3]]).to(torch.float16))
+    assert rec_of(_with_features(s1, 0, f1), _with_features(s2, 5, f2[2:])).features is None  # a gap
+    assert rec_of(_with_features(s1, 0, f1), s2).features is None  # a step without features
+
+
+def test_builder_student_rows_of_a_step_cut_at_its_last_draft_token():
+    """k = 2, one accepted: the teacher rows are 0..1 and the student record holds row 2 (after the
+    rejected second draft token); it carries the request's id."""
+    step = make_step(3, draft=[10, 11], accepted=1, emitted=[10, 20], matches=[True, False])
+    b = RecordBuilder(keep_student_rows=True)
+    b.add(step)
+    b.finish([5, 6, 7, 10, 20], 3, draft_id="d")
+    (stu,) = b.student_records
+    assert stu.positions.tolist() == [5] and stu.request_id == "r1"
+
+
 def test_encode_decode_round_trip():
     rec = make_record(3, loss=1.5, probs_dtype=torch.float16)
     rec.seq = 17
