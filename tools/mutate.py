@@ -252,6 +252,8 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "len(emitted), and those tokens lie inside the final ones, so start + n_teacher - 1 <= length always",
     ("learner/replay.py", "RecordBuilder.finish", "if got != s.emitted or s.start + s.n_teacher - 1 > length:", "1 -> 2"):
         "the same unreachable bound, one lower",
+    ("learner/replay.py", "ReplayShard._replay", "pos = nxt if nxt >= 0 else len(data)", "nxt >= 0 -> nxt > 0"):
+        "the search starts at pos + 1 >= 1, so a found frame is never at 0: '>= 0' and '> 0' agree",
     ("router/bandit.py", "AcceptanceBandit.choose", "if self.rng.random() < self.cfg.explore_rate:"):
         "'<=': numpy's random() draws doubles in [0, 1), equal to the rate with probability about 2^-53 (a "
         "rate of 0 or 1 picks the same either way but for that draw)",

@@ -388,6 +388,18 @@ def fill(tmp_path, n=5, **kw) -> tuple[ShardConfig, list[ReplayRecord], list[int
     return cfg, recs, ends
 
 
+def test_one_stray_byte_between_frames_loses_no_record(tmp_path):
+    """Replay resynchronises on the very next byte after a damaged one: a single stray byte before
+    a frame costs that byte, not the frame."""
+    cfg, recs, ends = fill(tmp_path, n=3)
+    path = shard_path(tmp_path, "d")
+    data = path.read_bytes()
+    path.write_bytes(data[: ends[0]] + b"\x00" + data[ends[0]:])
+    shard = ReplayShard.open(cfg, "d")
+    assert_same(shard.records(), recs)
+    shard.close()
+
+
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "header_only"])
 def test_torn_final_record(tmp_path, caplog, damage):
     cfg, recs, ends = fill(tmp_path)
