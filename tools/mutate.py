@@ -254,6 +254,8 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "the same unreachable bound, one lower",
     ("learner/replay.py", "ReplayShard._replay", "pos = nxt if nxt >= 0 else len(data)", "nxt >= 0 -> nxt > 0"):
         "the search starts at pos + 1 >= 1, so a found frame is never at 0: '>= 0' and '> 0' agree",
+    ("learner/replay.py", "ReplayShard._replay", "pos = nxt if nxt >= 0 else len(data)", "0 -> 1"):
+        "'>= 1': the same as '> 0' for a position searched from pos + 1, above",
     ("router/bandit.py", "AcceptanceBandit.choose", "if self.rng.random() < self.cfg.explore_rate:"):
         "'<=': numpy's random() draws doubles in [0, 1), equal to the rate with probability about 2^-53 (a "
         "rate of 0 or 1 picks the same either way but for that draw)",
