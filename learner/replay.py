@@ -511,8 +511,9 @@ class ShardConfig(BaseModel):
     (oldest out), ``reservoir`` (a uniform sample of everything ever appended, Vitter's algorithm R
     over a seen-counter, deciding only when the shard is full: one with room, after a refused
     oversize record or a tenant's deletion, keeps what comes) or ``high_loss`` (lowest loss out
-    first; unscored = +inf, ties: oldest out). ``dir``: where the shard logs live (None: in memory only). ``fsync``: fsync after each
-    write (survives power loss, slower). ``seed``: the reservoir's random choices.
+    first; unscored = +inf, ties: oldest out). ``dir``: where the shard logs live (None: in memory
+    only). ``fsync``: fsync after each write (survives power loss, slower). ``seed``: the reservoir's
+    random choices.
     ``compact_factor``: rewrite the log when it exceeds this many times ``max_bytes``.
     ``max_records``: an optional bound on the number of live records as well (the trainers'
     held-back records keep the newest ``holdout_max``).

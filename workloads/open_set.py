@@ -203,7 +203,7 @@ def parse_chitchat(path: str | Path, min_words: int = 3) -> list[WorkloadRecord]
         messages = data[key].get("messages") or []
         if not messages:
             continue
-        text = _clean(" ".join(u["text"].strip() for u in messages[0] if u.get("text", "").strip()))
+        text = _clean(" ".join(t for u in messages[0] if (t := u.get("text", "").strip())))
         if len(text.split()) < min_words or len(text) > MAX_TEXT_CHARS or text.lower() in seen:
             continue
         seen.add(text.lower())

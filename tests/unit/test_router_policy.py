@@ -14,7 +14,7 @@ import pytest
 
 from config import RouterConfig, ValidationError
 from router import GENERAL, UNKNOWN, AcceptanceBandit, OnlineClusters, QueryFeatures, Router
-from router.domains import BACKGROUND
+from router.domains import BACKGROUND, Cluster
 
 D = 384
 CENTRES = {m: v / np.linalg.norm(v) for m, v in
@@ -108,7 +108,7 @@ def test_cluster_acceptance_decays_and_ignores_empty_steps():
     assert c.alpha == 0.5
 
 
-def clusters_with(members: int, first_t: int = 0, **kw) -> tuple[OnlineClusters, "Cluster"]:
+def clusters_with(members: int, first_t: int = 0, **kw) -> tuple[OnlineClusters, Cluster]:
     """One English cluster of ``members`` identical queries at clocks first_t, first_t + 1, ... (second 1.0)."""
     base = dict(min_cluster_size=3, noise_ttl=10, idle_retire_records=20, idle_retire_s=100.0, spawn_min_records=3,
                 spawn_window=50, spawn_min_tokens=4, spawn_alpha=0.5)
