@@ -882,7 +882,8 @@ class ReplayShard:
             for s in meta["evict"]:
                 if s in self._live:
                     self._remove(s)
-                self.appended = max(self.appended, int(s) + 1)
+            # every eviction frame carries the counter, past each seq it names (append, _enforce_bound,
+            # delete_where and compact all write self.appended)
             self.appended = max(self.appended, int(meta["appended"]))
         elif kind == b"L":
             seq, loss = _LOSS.unpack(body)

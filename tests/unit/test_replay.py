@@ -730,3 +730,85 @@ def test_builder_refuses_inconsistent_steps():
     for change in bad:
         with pytest.raises(ValueError):
             RecordBuilder().add(dataclasses.replace(good, **change))
+
+
+def test_the_side_file_holds_exactly_the_damaged_bytes(tmp_path):
+    """What replay skips is set aside byte for byte (an operator reads it to see what was lost):
+    bytes inserted between two frames, then a torn tail, in one side file, nothing else."""
+    cfg, recs, ends = fill(tmp_path, n=4)
+    path = shard_path(tmp_path, "d")
+    data = path.read_bytes()
+    inserted, torn = b"not a frame: OSDR\x00\x01 in between", data[ends[2]: ends[3] - 9]
+    path.write_bytes(data[: ends[1]] + inserted + data[ends[1]: ends[3] - 9])
+    shard = ReplayShard.open(cfg, "d")
+    assert_same(shard.records(), recs[:3])
+    side = list(tmp_path.glob("shard-d.log.corrupt-*"))
+    assert len(side) == 1 and side[0].read_bytes() == inserted + torn
+    shard.close()
+
+
+@pytest.mark.parametrize("length, reason", [
+    (0, "bad magic or length"),  # an empty payload (crc32 of nothing is 0) is no frame
+    (1 << 30, "torn frame payload"),  # the largest length a frame may have: cut short here
+    ((1 << 30) + 1, "bad magic or length"),  # beyond it: corruption, not a record
+])
+def test_a_damaged_header_is_named_for_what_is_wrong_with_it(tmp_path, caplog, length, reason):
+    cfg, recs, _ = fill(tmp_path, n=2)
+    path = shard_path(tmp_path, "d")
+    path.write_bytes(path.read_bytes() + MAGIC + struct.pack("<II", length, 0) + b"tail")
+    with caplog.at_level(logging.WARNING, logger="learner.replay"):
+        shard = ReplayShard.open(cfg, "d")
+    assert_same(shard.records(), recs)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and f": {reason})" in messages[0], messages
+    shard.close()
+
+
+def test_replay_refuses_records_of_another_draft_and_repeated_frames(tmp_path, caplog):
+    """A log holds one draft's records, each once: another draft's log copied in its place, or a frame
+    written twice, is skipped as damage, not taken in."""
+    cfg, recs, ends = fill(tmp_path, n=3)
+    path = shard_path(tmp_path, "d")
+    data = path.read_bytes()
+    shard_path(tmp_path, "other").write_bytes(data)  # draft d's records under another draft's name
+    with caplog.at_level(logging.WARNING, logger="learner.replay"):
+        other = ReplayShard.open(cfg, "other")
+    assert len(other) == 0 and other.nbytes == 0 and any("does not belong here" in r.getMessage() for r in caplog.records)
+    other.close()
+    path.write_bytes(data + data[ends[0]: ends[1]])  # the second record's frame again at the end
+    shard = ReplayShard.open(cfg, "d")
+    assert_same(shard.records(), recs)
+    assert shard.nbytes == sum(r.nbytes for r in recs) and shard.appended == 3
+    shard.close()
+
+
+def test_losses_set_before_a_restart_still_order_high_loss_eviction(tmp_path):
+    """A loss update written to the log ranks its record after a restart as before it: a record made
+    cheapest by its update is the next one evicted."""
+    cfg = ShardConfig(max_bytes=4 * REC_BYTES, dir=tmp_path, eviction="high_loss")
+    with ReplayShard.open(cfg, "d") as shard:
+        for i in range(4):
+            shard.append(make_record(i, loss=10.0 + i))
+        assert shard.update_loss(2, 0.5) and shard.update_loss(0, 50.0)
+    again = ReplayShard.open(cfg, "d")
+    assert {r.seq: r.loss for r in again.records()} == {0: 50.0, 1: 11.0, 2: 0.5, 3: 13.0}
+    again.append(make_record(4, loss=30.0))
+    assert [r.seq for r in again.records()] == [0, 1, 3, 4]
+    again.append(make_record(5, loss=30.0))
+    assert [r.seq for r in again.records()] == [0, 3, 4, 5]
+    again.close()
+
+
+def test_dropping_a_shard_deletes_its_log_only_when_asked(tmp_path):
+    cfg = ShardConfig(max_bytes=3 * REC_BYTES, dir=tmp_path)
+    ss = ShardSet(cfg)
+    for d in ("keep", "gone", "already"):
+        ss.append(make_record(0, draft_id=d))
+    ss.drop("keep", delete=False)
+    ss.drop("gone")
+    shard_path(tmp_path, "already").unlink()  # removed by hand before the drop: no error
+    ss.drop("already")
+    ss.drop("never-there")
+    assert len(ss) == 0
+    assert shard_path(tmp_path, "keep").exists() and not shard_path(tmp_path, "gone").exists()
+    assert set(ShardSet.open(cfg)) == {"keep"}
