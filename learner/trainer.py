@@ -149,9 +149,7 @@ def records_to_batch(records: Iterable[ReplayRecord], positions: str = "all",
     for rec in records:
         try:
             s = rec.to_sample()
-        except ValueError:
-            continue
-        if s.n_out <= 0:
+        except ValueError:  # to_sample refuses a record with no row inside the sequence
             continue
         if positions == "wrong":
             m = rec.draft_wrong[rec.positions < rec.tokens.shape[0]]

@@ -46,8 +46,9 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
                                  ["tests/unit/test_engine.py", "tests/unit/test_drafts.py", "tests/unit/test_lossless.py"]),
     "speculative/kpolicy.py": ("speculative.kpolicy", None,
                                ["tests/unit/test_kpolicy.py", "tests/unit/test_engine.py", "tests/unit/test_lossless.py"]),
-    "learner/trainer.py": ("learner.trainer", {"DraftTrainer.gate", "_rate", "_all_finite"},
-                           ["tests/unit/test_trainer.py"]),
+    "learner/trainer.py": ("learner.trainer", None,
+                           ["tests/unit/test_trainer.py", "tests/unit/test_experiments.py", "tests/unit/test_background.py",
+                            "tests/unit/test_mixture.py", "tests/unit/test_feature.py"]),
     # the caches and batched forwards under every verification, suffix trees, streamed text
     "speculative/runner.py": ("speculative.runner", None,
                               ["tests/unit/test_batching.py", "tests/unit/test_fast.py", "tests/unit/test_engine.py",
@@ -69,6 +70,9 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "router/domains.py": ("router.domains", None, _ROUTER_TESTS),
     "router/bandit.py": ("router.bandit", None, _ROUTER_TESTS),
     "router/router.py": ("router.router", None, _ROUTER_TESTS),
+    # the edge: API keys, per-tenant limits, and the request shapes every client sends
+    "deployments/tenants.py": ("deployments.tenants", None, ["tests/unit/test_tenants.py"]),
+    "deployments/protocol.py": ("deployments.protocol", None, ["tests/unit/test_protocol.py"]),
 }
 
 _CROP0 = "'<=': at start == have the mutant calls crop(0), which transformers' DynamicCache treats as a no-op"
@@ -508,8 +512,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append(m)
             if m.status != "killed":
                 print(f"  {m.status:10s} {m.file}:{m.line} {m.function} [{m.kind}] {m.after}   | {m.before}", flush=True)
-        if args.json:  # after every file, so that an interrupted run keeps what it measured
-            Path(args.json).write_text(json.dumps({"partial": True, "mutants": [asdict(m) for m in results]}, indent=1))
+            if args.json:  # after every mutant, so that an interrupted run keeps what it measured
+                Path(args.json).write_text(json.dumps({"partial": True, "mutants": [asdict(m) for m in results]},
+                                                      indent=1))
     report(results, time.perf_counter() - t_all, args.json)
     return 0
 

@@ -10,7 +10,7 @@ import torch
 
 from config import SamplingParams
 from drafts.build import truncated_draft
-from learner.replay import RecordBuilder, ShardConfig, ShardSet
+from learner.replay import RecordBuilder, ReplayRecord, ShardConfig, ShardSet
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner, records_to_batch
 
 torch.set_num_threads(1)
@@ -60,6 +60,30 @@ def test_records_and_masks(setup):
     _, mask_wrong = records_to_batch(recs, "wrong")
     assert len(samples) == len(recs) and bool(mask_all.all())
     assert mask_wrong.shape == mask_all.shape and 0 < int(mask_wrong.sum()) < mask_all.numel()
+
+
+def _record(length: int, first: int, wrong: list[bool]) -> ReplayRecord:
+    """A hand-made record: rows at positions first.. (one per entry of ``wrong``) over ``length`` tokens."""
+    rows = len(wrong)
+    probs = torch.full((rows, 2), 0.4)
+    return ReplayRecord(tokens=torch.arange(length, dtype=torch.int32), prompt_len=first,
+                        positions=torch.arange(first, first + rows, dtype=torch.int32),
+                        top_ids=torch.tensor([[1, 2]] * rows, dtype=torch.int32), top_probs=probs, tail=1 - probs.sum(-1),
+                        draft_wrong=torch.tensor(wrong))
+
+
+def test_a_batch_takes_the_rows_inside_each_sequence_and_their_mask_only():
+    """A row that predicts past a record's end is not trained on and has no place in the mask; a record
+    with one row inside its sequence still counts; one with none is skipped."""
+    three = _record(8, 5, [True, False, True, False])  # rows 5, 6, 7 inside; row 8 past the end
+    one = _record(8, 7, [False, True])  # row 7 inside, row 8 past the end
+    none = _record(8, 8, [True])  # only a row past the end
+    samples, wrong = records_to_batch([three, none, one], "wrong")
+    assert [s.n_out for s in samples] == [3, 1]
+    assert wrong.tolist() == [True, False, True, False]
+    samples, everything = records_to_batch([three, none, one], "all")
+    assert [s.n_out for s in samples] == [3, 1] and everything.tolist() == [True] * 4
+    assert records_to_batch([none], "all")[1].shape == (0,)
 
 
 def test_rounds_raise_heldout_agreement_and_publish(setup, target, tok, make_engine, draft_proposer, greedy_reference):
