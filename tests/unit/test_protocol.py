@@ -1,0 +1,127 @@
+"""The OpenAI-compatible request shapes, by hand: what a client may send, what it is refused, and the
+sampling settings a request becomes. (The live app's HTTP tests check that a refusal is a 400 with
+OpenAI's error body; these check each rule on its own.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from deployments.protocol import (
+    MAX_PROMPT_IDS,
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    error_body,
+    new_id,
+)
+
+
+def completion(**kw) -> CompletionRequest:
+    return CompletionRequest(**{"prompt": "Hello", **kw})
+
+
+def test_a_bare_request_samples_as_openai_does():
+    p = completion().sampling(default_max_tokens=77)
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.stop, p.seed, p.ignore_eos) == (
+        77, 1.0, 1.0, 0, [], None, False)
+
+
+def test_every_sampling_field_is_carried_over():
+    p = completion(max_tokens=9, temperature=0.0, top_p=0.5, top_k=7, stop="\n", seed=3, ignore_eos=True).sampling(77)
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.stop, p.seed, p.ignore_eos) == (
+        9, 0.0, 0.5, 7, ["\n"], 3, True)
+    assert p.greedy  # temperature 0 is greedy, not the default 1
+    # the newer name wins over the older one; either alone is used
+    assert completion(max_tokens=9, max_completion_tokens=5).sampling(77).max_tokens == 5
+    assert completion(max_completion_tokens=5).sampling(77).max_tokens == 5
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", "5"), ("max_tokens", 5.0), ("max_tokens", True),
+    ("max_completion_tokens", 0),
+    ("temperature", -0.01), ("temperature", 2.01), ("temperature", math.nan), ("temperature", math.inf),
+    ("top_p", 0.0), ("top_p", 1.01), ("top_p", math.nan),
+    ("top_k", -1), ("top_k", "3"),
+    ("seed", "1"), ("seed", 1.5),
+    ("n", 2), ("n", 0), ("n", "1"),
+    ("stream", "yes"), ("stream", 1),
+    ("ignore_eos", "true"),
+    ("stop", ["a", "b", "c", "d", "e"]),
+])
+def test_out_of_range_or_mistyped_fields_are_refused(field, value):
+    with pytest.raises(ValidationError) as e:
+        completion(**{field: value})
+    assert e.value.errors()[0]["loc"][0] == field
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", 1), ("temperature", 0.0), ("temperature", 2.0), ("top_p", 1.0), ("top_p", 1e-6),
+    ("top_k", 0), ("n", 1), ("stop", ["a", "b", "c", "d"]), ("stop", []), ("seed", -5),
+])
+def test_the_edges_of_each_range_are_accepted(field, value):
+    completion(**{field: value})
+
+
+def test_unknown_fields_are_ignored_and_stops_are_a_list():
+    r = completion(logprobs=None, frequency_penalty=0.5, stop=None)
+    assert r.stop == [] and not hasattr(r, "frequency_penalty")
+    assert completion(stop="x").stop == ["x"] and completion(stop=["x", "y"]).stop == ["x", "y"]
+
+
+def test_usage_is_included_only_in_a_stream_that_asks_for_it():
+    assert completion(stream=True, stream_options={"include_usage": True}).include_usage
+    assert not completion(stream=True, stream_options={"include_usage": False}).include_usage
+    assert not completion(stream=True).include_usage
+    assert not completion(stream=False, stream_options={"include_usage": True}).include_usage
+
+
+def test_a_prompt_is_one_text_or_one_list_of_token_ids():
+    assert completion(prompt="Hi").prompt == "Hi" and completion(prompt="Hi").prompt_ids is None
+    assert completion(prompt=["Hi"]).prompt == "Hi"  # a batch of one
+    ids = completion(prompt=[1, 2, 3])
+    assert ids.prompt_ids == [1, 2, 3]
+    assert completion(prompt=[0] * MAX_PROMPT_IDS).prompt_ids == [0] * MAX_PROMPT_IDS
+    for bad in (["a", "b"], [], "", "  \n", [0] * (MAX_PROMPT_IDS + 1), [True, 2], [1, "a"], [["a"]], [" "]):
+        with pytest.raises(ValidationError):
+            completion(prompt=bad)
+    with pytest.raises(ValidationError):
+        CompletionRequest()  # no prompt at all
+
+
+def test_chat_messages_become_the_template_roles_and_the_last_user_text():
+    r = ChatRequest(messages=[
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "text", "text": "sec"}, {"type": "text", "text": "ond"}]},
+        {"role": "tool", "content": "42"},
+    ])
+    assert r.chat() == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "ok"}, {"role": "user", "content": "second"},
+        {"role": "tool", "content": "42"},
+    ]
+    assert r.last_user_text() == "second"
+    no_user = ChatRequest(messages=[{"role": "system", "content": "a"}, {"role": "assistant", "content": "b"}])
+    assert no_user.last_user_text() == "b"
+
+
+def test_chat_refuses_what_it_cannot_serve():
+    for bad in ([], [{"role": "robot", "content": "x"}], [{"role": "user"}]):
+        with pytest.raises(ValidationError):
+            ChatRequest(messages=bad)
+    for part in ({"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": 3}, {"text": "no type"}):
+        with pytest.raises(ValueError, match="only text content parts"):
+            ChatMessage(role="user", content=[{"type": "text", "text": "ok"}, part]).text()
+
+
+def test_error_bodies_and_ids_have_openai_shapes():
+    assert error_body("bad", param="top_p") == {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": "top_p", "code": None}}
+    assert error_body("gone", "server_error", code="x")["error"] == {
+        "message": "gone", "type": "server_error", "param": None, "code": "x"}
+    a, b = new_id("chatcmpl"), new_id("chatcmpl")
+    assert a.startswith("chatcmpl-") and len(a) == len("chatcmpl-") + 32 and a != b
