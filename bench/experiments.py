@@ -688,11 +688,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "shift":
             p.add_argument("--order", default=",".join(DEFAULT_SHIFT_ORDER), help="domain block order")
             p.add_argument("--fractions", default="0.3,0.5,0.7,1.0")
-    x = sub.add_parser("mixture", help="one shared draft vs per-domain drafts (supervised router, clusters)")
+    x = sub.add_parser("mixture", help="one shared draft vs per-domain drafts (supervised router, clusters, both)")
     x.add_argument("--workload", default=str(Path(__file__).resolve().parent / "data" / "mixture.jsonl"))
     x.add_argument("--train", default=str(Path(__file__).resolve().parent / "data" / "train.jsonl"),
                    help="labelled records for the supervised router (stream texts are dropped)")
-    x.add_argument("--methods", default="single,supervised,clusters")
+    x.add_argument("--methods", default="single,supervised,clusters",
+                   help="comma-separated, of single, supervised, clusters and both (named domains and clusters)")
     x.add_argument("--n-per-label", type=int, default=20, help="records per label (domain, chat per language)")
     x.add_argument("--seed", type=int, default=0)
     x.add_argument("--max-tokens", type=int, default=32)

@@ -12,11 +12,15 @@ traffic x lost acceptance), all drafts starting from the same weights:
 * ``clusters``: no labels; the router's online clusters (split by language) discover the modes and
   spawn a draft for a busy cluster with poor acceptance (and retire idle ones), forked from the
   general draft; everything else stays on the general draft, which keeps training.
+* ``both``: the open-set router: a named domain the classifier is sure of (and, for chat, that the
+  query is typical of) gets its own draft as in ``supervised``; every other query goes to its
+  online cluster as in ``clusters``, starting from the draft of the likeliest named domain.
 
 The bandit picks among a domain's drafts by observed acceptance. Reported per method and per label
 (``domain``, or ``chat/<lang>`` for chat): alpha over the stream (window curves), alpha over the
-last ``window`` records of the label and over the second half of the stream; route accuracy for
-the supervised router; drafts spawned and retired. Alpha of a request is accepted / proposed draft
+last ``window`` records of the label and over the second half of the stream; route accuracy of the
+named routes (``supervised``, ``both``: the share whose domain is the record's; ``routed_share``: the
+share of requests given a named domain); drafts spawned and retired. Alpha of a request is accepted / proposed draft
 tokens at a fixed k (greedy), as in :mod:`bench.experiments`.
 
 Routing is judged against an **oracle**: after each request, every draft in memory at that moment
@@ -48,7 +52,7 @@ from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
 __all__ = ["METHODS", "label_of", "mixed_stream", "run_mixture", "format_mixture", "plot_mixture", "alpha_by_draft",
            "counterfactual_counts", "oracle_summary", "mode_oracle", "recompute_oracle"]
 
-METHODS = ("single", "supervised", "clusters")
+METHODS = ("single", "supervised", "clusters", "both")
 GENERAL = "general"
 
 
@@ -314,7 +318,8 @@ def _run_method(method, engine_factory, stream, learner_cfg, router, *, max_toke
     for i, rec in enumerate(stream, start=1):
         label = label_of(rec)
         route = router.route(rec.text) if router is not None else None
-        if route is not None and method == "supervised" and route.domain != "unknown" and route.domain not in router.drafts.values():
+        named = route is not None and route.cluster is None and route.domain != "unknown"
+        if named and method in ("supervised", "both") and route.domain not in router.drafts.values():
             d_id = f"d:{route.domain}"  # a named domain (chat/es too) seen for the first time gets its own draft
             router.register_draft(d_id, route.domain)
             drafts.add(d_id, parent=GENERAL, at=i, domain=route.domain)  # used from the next query on
@@ -347,7 +352,8 @@ def _run_method(method, engine_factory, stream, learner_cfg, router, *, max_toke
         if cf_routed is not None:
             row["counterfactual_routed"] = cf_routed
         if route is not None:
-            row.update(route_domain=route.domain, reason=route.reason, confidence=round(route.confidence, 4))
+            row.update(route_domain=route.domain, reason=route.reason, confidence=round(route.confidence, 4),
+                       cluster=route.cluster)
         if rep is not None:
             row["round"] = {"draft": rep.draft_id, "accepted": rep.accepted, "steps": rep.steps, "version": rep.version}
         rows.append(row)
@@ -382,7 +388,8 @@ def _run_method(method, engine_factory, stream, learner_cfg, router, *, max_toke
             f"(ratio {_f(out['routed_vs_oracle']['all'])}; second half {_f(out['routed_vs_oracle']['second_half'])})")
     if router is not None:
         out["router"] = router.summary()
-        routed = [r for r in rows if r.get("route_domain") not in (None, "unknown")]
+        # the named routes: a cluster's key is no domain name
+        routed = [r for r in rows if r.get("route_domain") not in (None, "unknown") and r.get("cluster") is None]
         if method != "clusters" and routed:
             out["route_accuracy"] = sum(same_mode(r["route_domain"], r["label"], router.cfg.base_lang) for r in routed) / len(routed)
             out["routed_share"] = len(routed) / len(rows)
@@ -483,7 +490,7 @@ def run_mixture(
         router = None
         if m != "single":
             router = Router(router_cfg.model_copy(update={"mode": m, "seed": seed}), extractor)
-            if m == "supervised":
+            if m in ("supervised", "both"):
                 router.fit([r.text for r in train], [training_label(r) for r in train])
         res[m] = _run_method(m, engine_factory, stream, learner_cfg, router, max_tokens=max_tokens, k=k,
                              window=window, log=log, controller=controller)

@@ -88,6 +88,43 @@ def test_mixture_forks_per_domain_drafts_and_serves_every_record(target, make_en
     assert plot_mixture(res, tmp_path / "m.png").stat().st_size > 0
 
 
+PUZZLES = ["Unscramble these letters into a word: t-a-c", "Unscramble these letters into a word: g-o-d",
+           "Unscramble these letters into a word: s-i-f-h", "Unscramble these letters into a word: e-t-r-e"]
+
+
+def test_the_open_set_router_names_what_it_knows_and_clusters_the_rest(target, make_engine, draft_proposer, extractor):
+    """``both``: a query of a named domain gets that domain's own draft as in ``supervised``; a query
+    of a kind no label names goes to its online cluster as in ``clusters``; route accuracy counts the
+    named routes only."""
+    from bench.mixture import run_mixture
+
+    start = truncated_draft(target, 1)
+
+    def factory():
+        return make_engine(draft_proposer(copy.deepcopy(start)), k=3)
+
+    stream = _recs(SQL[:4], "sql", "en", "") + _recs(PUZZLES, "puzzle", "en", "")
+    general = ["Write an essay on the history of print.", "Draft a cover letter for a nursing job.",
+               "Summarize the plot of Hamlet in three sentences.", "Give me a weekly workout plan."]
+    train = (_recs(SQL, "sql", "en", " (train)") + _recs(EN, "chat", "en", " (train)")
+             + [WorkloadRecord(t, "chat", "en", f"sharegpt:{i}") for i, t in enumerate(general)])  # background
+    lcfg = LearnerConfig(train_every=4, batch_records=4, steps_per_round=1, lr=1e-3, holdout_fraction=0.0, positions="all")
+    rcfg = RouterConfig(spawn_min_records=2, spawn_window=20, spawn_alpha=1.0, spawn_min_tokens=1, min_cluster_size=2)
+    res = run_mixture(factory, stream, train, lcfg, rcfg, methods=["both"], n_per_label=4, max_tokens=6, k=3, window=4,
+                      extractor=extractor, log=None)
+    both = res["methods"]["both"]
+    named = [r for r in both["rows"] if r["cluster"] is None]
+    clustered = [r for r in both["rows"] if r["cluster"] is not None]
+    assert [r["label"] for r in named] == ["sql"] * 4 and {r["route_domain"] for r in named} == {"sql"}
+    assert [r["label"] for r in clustered] == ["puzzle"] * 4
+    assert all(r["route_domain"].startswith(f"c{r['cluster']}") for r in clustered)
+    assert [s["draft"] for s in both["spawned"] if s["domain"] == "sql"] == ["d:sql"]
+    # its own draft from its second query on (the bandit may still try the general one); never a cluster's
+    assert named[0]["draft"] == "general" and "d:sql" in {r["draft"] for r in named[1:]}
+    assert {r["draft"] for r in named} <= {"general", "d:sql"} and "d:sql" not in {r["draft"] for r in clustered}
+    assert both["route_accuracy"] == 1.0 and both["routed_share"] == 0.5
+
+
 def test_unknown_method_rejected(extractor):
     from bench.mixture import run_mixture
 
