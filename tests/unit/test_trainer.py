@@ -154,10 +154,11 @@ def test_gate_rejects_regression_and_restores(setup):
     ok, reason = tr.gate(noisy)
     assert not ok and "agreement" in reason
     # a huge learning rate: the round's candidate regresses and is discarded
+    assert (tr.rounds, tr.rejected) == (0, 0)
     rep = tr.train_round(recs[:12])
     assert rep.steps > 0 and not rep.accepted, rep
     assert _same(_weights(tr.model), w0)
-    assert tr.version == 0
+    assert tr.version == 0 and (tr.rounds, tr.rejected) == (1, 1) and tr.history == [rep]
 
 
 def test_checkpoints_latest_and_rollback(setup, tmp_path):
@@ -515,6 +516,42 @@ def test_a_checkpoint_that_does_not_load_is_skipped_and_the_previous_good_weight
     save_draft(bad, tmp_path / "d" / "v4", tr2.keep_ids)
     tr3 = DraftTrainer("d", draft, cfg)
     assert tr3.skipped == [4] and tr3.version == 5 and _same(_weights(tr3.model), snaps[1])
+
+
+def test_when_no_checkpoint_loads_the_initial_weights_are_saved_above_every_skipped_version(setup, tmp_path):
+    """Every version on disk is unreadable: the trainer starts from the draft it was given, checkpointed
+    as the initial weights under a version above each skipped one (never one a replica may hold)."""
+    from drafts.build import read_meta
+
+    draft, _ = setup
+    cfg = _cfg(tmp_path)
+    DraftTrainer("d", draft, cfg)  # v0, the initial weights
+    (tmp_path / "d" / "v0").rename(tmp_path / "d" / "v3")
+    (tmp_path / "d" / "v3" / "weights.safetensors").write_bytes(b"not weights")
+    tr = DraftTrainer("d", draft, cfg)
+    assert tr.skipped == [3] and tr.version == 4 and tr.versions() == [4] and tr.latest_version() == 4
+    assert read_meta(tmp_path / "d" / "v4")["initial"] is True and _same(_weights(tr.model), _weights(draft))
+    assert (tr.rounds, tr.rejected) == (0, 0)
+
+
+def test_checkpoint_lookups_of_a_missing_folder_or_latest_file():
+    from learner.trainer import checkpoint_versions, latest_checkpoint
+
+    assert checkpoint_versions(None) == [] and latest_checkpoint(None) is None
+
+
+def test_checkpoint_lookups_on_disk(tmp_path):
+    from learner.trainer import checkpoint_versions, latest_checkpoint
+
+    assert checkpoint_versions(tmp_path / "missing") == [] and latest_checkpoint(tmp_path / "missing") is None
+    for name in ("v2", "v10", "v1x", "corrupt-v3-1", ".tmp-v4"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "v7").write_text("a file, not a folder")
+    assert checkpoint_versions(tmp_path) == [2, 10] and latest_checkpoint(tmp_path) is None
+    (tmp_path / "LATEST").write_text("v10\n")
+    assert latest_checkpoint(tmp_path) == 10
+    (tmp_path / "LATEST").write_text("garbage")
+    assert latest_checkpoint(tmp_path) is None
 
 
 def test_a_checkpoint_newer_than_latest_is_the_one_loaded_and_leftovers_are_removed(setup, tmp_path):
