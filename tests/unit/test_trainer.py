@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -199,6 +200,19 @@ def test_should_yield_stops_round(setup):
     calls = iter([False, False, True])
     rep = tr.train_round(recs[:12], should_yield=lambda: next(calls, True))
     assert rep.steps == 2 and rep.stopped_early  # checks: before the round, before steps 2 and 3
+
+
+def test_a_round_trains_on_a_single_wrong_row_and_times_a_round_that_did_not_start(setup):
+    draft, recs = setup
+    tr = DraftTrainer("d", draft, _cfg(positions="wrong"))
+    one = dataclasses.replace(recs[0], draft_wrong=torch.arange(recs[0].n_rows) == recs[0].n_rows - 2)
+    rep = tr.train_round([one])
+    assert rep.positions == 1 and rep.steps == 6 and rep.accepted
+    none = dataclasses.replace(recs[0], draft_wrong=torch.zeros(recs[0].n_rows, dtype=torch.bool))
+    rep = tr.train_round([none])
+    assert (rep.positions, rep.steps, rep.reason) == (0, 0, "no trainable rows") and 0 <= rep.seconds < 5
+    rep = tr.train_round([one], should_yield=lambda: True)
+    assert rep.steps == 0 and rep.stopped_early and 0 <= rep.seconds < 5
 
 
 def test_max_cpu_share_sleeps(setup, monkeypatch):
@@ -611,13 +625,15 @@ def test_records_of_different_top_k_train_together_and_padding_changes_no_loss(s
     """Records written with another top-K (a probe, a config change) in the same shard: a batch
     mixing them trains; the narrow record's padded rows give exactly its unpadded loss, with a
     full head and with a restricted one."""
-    import dataclasses
-
-    from learner.trainer import _same_width
-
     draft, recs = setup
     wide = recs[0]
-    k = 2
+    for k in (wide.top_ids.shape[1] - 1, 2):  # one placeholder column (id PAD_ID itself), then several
+        _narrow_record_trains_with_a_wide_one(draft, recs, wide, k, restricted)
+
+
+def _narrow_record_trains_with_a_wide_one(draft, recs, wide, k, restricted):
+    from learner.trainer import _same_width
+
     narrow = dataclasses.replace(recs[1], top_ids=recs[1].top_ids[:, :k].clone(), top_probs=recs[1].top_probs[:, :k].clone(),
                                  tail=recs[1].tail + recs[1].top_probs[:, k:].sum(-1))
     assert wide.top_ids.shape[1] > k
