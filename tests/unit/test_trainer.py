@@ -363,6 +363,51 @@ def test_micro_batched_step_equals_whole_batch_step(setup):
     assert not all(torch.equal(a[k], _weights(draft)[k]) for k in a)  # the step did change the weights
 
 
+def _step_grads(trainer, records, **kw):
+    """The gradient the round's single optimiser step applies (recorded at the step)."""
+    grads = []
+    real = trainer.opt.step
+
+    def step(*a, **k):
+        grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+        return real(*a, **k)
+
+    trainer.opt.step = step
+    rep = trainer.train_round(records, **kw)
+    assert rep.steps == 1 and len(grads) == 1
+    return grads[0]
+
+
+def test_micro_batched_gradients_are_the_whole_batch_mean_even_with_pieces_of_one_row(setup):
+    """Pieces are weighted by their share of the rows, so the accumulated gradient is the gradient
+    of the mean over every row (Adam hides a wrong scale in the weights; the gradient shows it); a
+    piece with a single trainable row counts, and one with none is skipped."""
+    draft, recs = setup
+    n = recs[2].n_rows
+    one_wrong = dataclasses.replace(recs[2], draft_wrong=torch.arange(n) == 1)
+    none_wrong = dataclasses.replace(recs[3], draft_wrong=torch.zeros(n, dtype=torch.bool))
+    batch = [recs[0], recs[1], one_wrong, none_wrong, recs[4]]
+    cfg = dict(steps_per_round=1, lr=1e-2, grad_clip=0.0, positions="wrong", gate_margin=1.0)
+    whole = _step_grads(DraftTrainer("d", draft, _cfg(**cfg)), batch)
+    calls = []
+    pieces = _step_grads(DraftTrainer("d", draft, _cfg(**cfg, micro_batch_records=1)), batch, pause=lambda: calls.append(1))
+    assert len(calls) == 4  # one piece a record; the record without a trainable row is skipped
+    assert whole.keys() == pieces.keys() and whole
+    assert all(torch.allclose(whole[k], pieces[k], atol=1e-6, rtol=1e-4) for k in whole)
+    without = _step_grads(DraftTrainer("d", draft, _cfg(**cfg)), [recs[0], recs[1], recs[4]])
+    assert not all(torch.allclose(whole[k], without[k], atol=1e-6, rtol=1e-4) for k in whole)  # the one row counted
+
+
+def test_a_round_says_when_a_yield_stopped_it(setup):
+    draft, recs = setup
+    tr = DraftTrainer("d", draft, _cfg())
+    rep = tr.train_round(recs[:8])
+    assert rep.accepted and not rep.stopped_early and "stopped early" not in rep.reason
+    calls = iter([False, True])
+    rep = tr.train_round(recs[:8], should_yield=lambda: next(calls, True))
+    assert rep.stopped_early and rep.steps == 1 and rep.reason.endswith("; stopped early (yield)")
+
+
 def test_busiest_draft_does_not_take_every_round(setup):
     draft, recs = setup
     cfg = _cfg(holdout_fraction=0.0, train_every=2, steps_per_round=1)
