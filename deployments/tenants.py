@@ -154,6 +154,7 @@ class Tenants:
 
     def done(self, tenant: str, tokens: int) -> None:
         """A request ended: free its slot and charge its tokens (prompt + completion)."""
-        self.in_flight[tenant] = max(0, self.in_flight.get(tenant, 0) - 1)
+        if self.in_flight.get(tenant, 0) > 0:  # a done without its admit (a retried cleanup) frees nothing
+            self.in_flight[tenant] -= 1
         if tenant in self.tokens:
             self.tokens[tenant].take(tokens, self.clock())

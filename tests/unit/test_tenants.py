@@ -116,3 +116,49 @@ def test_training_isolation_per_tenant_or_for_all():
     assert t.isolated("a") and not t.isolated("b") and not t.isolated("c")
     t = Tenants(AuthConfig(isolate_training=True), keys)
     assert t.isolated("a") and t.isolated("b") and not t.isolated("c")
+
+
+def test_open_service_counts_anonymous_requests_and_grants_no_admin():
+    """Without keys every request is "anonymous": never an admin, still counted in flight (the
+    dashboards' per-tenant gauges), freed by done."""
+    t = Tenants(AuthConfig(), keys=[])
+    who = t.identify("Bearer whatever")
+    assert (who.tenant, who.admin, who.status) == ("anonymous", False, 200)
+    assert not t.admit(None).admin and not t.admit(None).admin
+    assert t.in_flight == {"anonymous": 2}
+    t.done("anonymous", 5)
+    assert t.in_flight == {"anonymous": 1}
+    t.done("anonymous", 5)
+    t.done("anonymous", 5)  # one done too many (a retried cleanup) never goes below zero
+    assert t.in_flight == {"anonymous": 0}
+    t.done("ghost", 5)  # never admitted: nothing to free, nothing counted
+    assert t.in_flight == {"anonymous": 0}
+
+
+def test_a_refused_key_is_no_tenant_and_takes_no_slot():
+    t, _ = _tenants(max_concurrent=1)
+    bad = t.admit("Bearer sk-nobody")
+    assert (bad.tenant, bad.admin, bad.status) == ("", False, 401) and t.in_flight == {}
+    assert t.admit("Bearer sk-alice").status == 200 and t.in_flight == {"alice": 1}
+    busy = t.admit("Bearer sk-alice")
+    assert busy.status == 429 and busy.retry_after == 1.0 and t.in_flight == {"alice": 1}  # a refusal takes no slot
+    assert "1 requests in flight" in busy.message
+
+
+def test_a_wait_of_under_a_second_is_still_a_refusal():
+    t, clock = _tenants(requests_per_minute=2)  # a burst of two, then one every 30 s
+    assert t.admit("Bearer sk-alice").status == 200 and t.admit("Bearer sk-alice").status == 200
+    clock.t += 29.75
+    early = t.admit("Bearer sk-alice")
+    assert early.status == 429 and early.retry_after == pytest.approx(0.25)
+    clock.t += 0.25
+    assert t.admit("Bearer sk-alice").status == 200
+
+
+def test_over_two_limits_the_longer_wait_is_the_one_reported():
+    t, _ = _tenants(requests_per_minute=1, tokens_per_minute=100)
+    assert t.admit("Bearer sk-alice").status == 200
+    t.done("alice", 101)  # tokens: 1.2 s to wait; requests: 60 s
+    refused = t.admit("Bearer sk-alice")
+    assert refused.status == 429 and "requests per minute" in refused.message
+    assert refused.retry_after == pytest.approx(60.0)
