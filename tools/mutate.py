@@ -70,6 +70,9 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "router/domains.py": ("router.domains", None, _ROUTER_TESTS),
     "router/bandit.py": ("router.bandit", None, _ROUTER_TESTS),
     "router/router.py": ("router.router", None, _ROUTER_TESTS),
+    # what the dashboards' acceptance rates are computed from, and the learner's background thread
+    "speculative/stats.py": ("speculative.stats", None, ["tests/unit/test_stats.py"]),
+    "learner/background.py": ("learner.background", None, ["tests/unit/test_background.py"]),
     # the edge: API keys, per-tenant limits, and the request shapes every client sends
     "deployments/tenants.py": ("deployments.tenants", None, ["tests/unit/test_tenants.py"]),
     "deployments/protocol.py": ("deployments.protocol", None, ["tests/unit/test_protocol.py"]),
@@ -477,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     earlier: dict[tuple, dict] = {}
     if args.survivors_of:
         for m in json.loads(Path(args.survivors_of).read_text())["mutants"]:
-            earlier[(m["file"], m["function"], m["line"], m["kind"], m["after"])] = m
+            # keyed by the mutated line's text, not its number: an edit above it moves it
+            earlier[(m["file"], m["function"], m["before"], m["kind"], m["after"])] = m
     results: list[Mutant] = []
     t_all = time.perf_counter()
     for file, (modname, only, tests) in TARGETS.items():
@@ -488,9 +492,9 @@ def main(argv: list[str] | None = None) -> int:
                    if not args.functions or _named(m.function, args.functions)][: args.limit]
         print(f"{file}: {len(mutants)} mutants", flush=True)
         for m, tree in mutants:
-            before = earlier.get((m.file, m.function, m.line, m.kind, m.after))
+            before = earlier.get((m.file, m.function, m.before, m.kind, m.after))
             if before is not None and before["status"] in ("killed", "timeout"):
-                results.append(Mutant(**before))  # killed then; tests were only added since
+                results.append(Mutant(**{**before, "line": m.line}))  # killed then; tests were only added since
                 continue
             code = _code_by_qualname(compile(tree, str(root / file), "exec"), m.function)
             live = _live_function(module, m.function)

@@ -240,3 +240,11 @@ def test_store_on_submit_writes_the_record_before_submit_returns(target, records
         assert _wait(lambda: bg.stats().observed == 3)
     assert len(ol.shards["d"]) == 3 and ol.traffic("d")["rows"] == sum(r.n_rows for r in records[:3])
     ol.close()
+
+
+def test_the_stats_snapshot_reports_seconds_per_step():
+    from learner.background import LearnerStats
+
+    s = LearnerStats(steps=4, train_seconds=2.0)
+    assert s.seconds_per_step == 0.5 and s.to_dict()["seconds_per_step"] == 0.5 and s.to_dict()["steps"] == 4
+    assert LearnerStats().seconds_per_step is None and LearnerStats().to_dict()["seconds_per_step"] is None

@@ -398,6 +398,16 @@ def test_micro_batched_gradients_are_the_whole_batch_mean_even_with_pieces_of_on
     assert not all(torch.allclose(whole[k], without[k], atol=1e-6, rtol=1e-4) for k in whole)  # the one row counted
 
 
+def test_gradients_are_clipped_to_grad_clip_and_not_without_it(setup):
+    draft, recs = setup
+    norm = {}
+    for clip in (0.0, 1.0, 0.5):
+        g = _step_grads(DraftTrainer("d", draft, _cfg(steps_per_round=1, grad_clip=clip, gate_margin=1.0)), recs[:8])
+        norm[clip] = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(v) for v in g.values()])))
+    assert norm[0.0] > 2.0  # the unclipped gradient of this batch is larger than either bound
+    assert norm[1.0] == pytest.approx(1.0, rel=1e-3) and norm[0.5] == pytest.approx(0.5, rel=1e-3)
+
+
 def test_a_round_says_when_a_yield_stopped_it(setup):
     draft, recs = setup
     tr = DraftTrainer("d", draft, _cfg())
