@@ -242,9 +242,33 @@ def test_store_on_submit_writes_the_record_before_submit_returns(target, records
     ol.close()
 
 
+def test_a_full_queue_loses_only_the_traffic_count_of_a_stored_record(target, records, tmp_path):
+    """With store_on_submit the record is in its shard before the queue is tried: a full queue drops
+    its traffic count, not the record, so submit says it was kept and counts no drop."""
+    from learner.replay import ShardConfig
+
+    cfg = LearnerConfig(train_every=100, holdout_fraction=0.0)
+    ol = OnlineLearner(cfg, ShardConfig(dir=tmp_path), [DraftTrainer("d", truncated_draft(target, 1), cfg)])
+    bg = BackgroundLearner(ol, cfg=BackgroundConfig(queue_max=1), store_on_submit=True)  # not started
+    assert [bg.submit(r) for r in records[:3]] == [True, True, True]
+    assert len(ol.shards["d"]) == 3 and bg.stats().dropped == 0 and bg.stats().queue_depth == 1
+    ol.close()
+
+
 def test_the_stats_snapshot_reports_seconds_per_step():
     from learner.background import LearnerStats
 
     s = LearnerStats(steps=4, train_seconds=2.0)
     assert s.seconds_per_step == 0.5 and s.to_dict()["seconds_per_step"] == 0.5 and s.to_dict()["steps"] == 4
     assert LearnerStats().seconds_per_step is None and LearnerStats().to_dict()["seconds_per_step"] is None
+
+
+def test_the_learner_thread_never_keeps_the_process_alive(target):
+    """A daemon thread: a server that exits without stopping its learner is not held open by it."""
+    bg = BackgroundLearner(_learner(target)).start()
+    try:
+        mine = [t for t in threading.enumerate() if t.name == "osd-learner"]
+        assert mine and all(t.daemon for t in mine)
+        assert bg.start() is bg and len([t for t in threading.enumerate() if t.name == "osd-learner"]) == len(mine)
+    finally:
+        bg.stop()
