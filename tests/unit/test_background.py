@@ -121,10 +121,22 @@ def test_paused_learner_observes_but_does_not_train(target, records):
         for r in records:
             bg.submit(r)
         assert _wait(lambda: bg.stats().observed == len(records))
-        time.sleep(0.2)
-        assert bg.stats().steps == 0 and bg.stats().paused
+        for _ in range(30):  # 0.3 s in which no round starts, not only none that finished (a round takes longer)
+            s = bg.stats()
+            assert s.training is None and s.rounds == 0 and s.steps == 0 and s.paused
+            time.sleep(0.01)
         bg.resume()
         assert _wait(lambda: bg.stats().steps > 0)
+
+
+def test_stop_joins_the_thread_and_a_learner_never_started_stops_too(target, records):
+    bg = BackgroundLearner(_learner(target)).start()
+    bg.stop()
+    assert not bg.stats().running
+    idle = BackgroundLearner(_learner(target))
+    idle.submit(records[0])
+    idle.stop()  # nothing to join; what was queued is still observed
+    assert idle.stats().observed == 1 and idle.learner.observed == 1
 
 
 def test_submit_never_blocks_and_counts_drops(target, records):
