@@ -114,6 +114,22 @@ def test_step_holds_still_while_a_request_is_live(target, records):
     assert len(pieces) >= 8
 
 
+def test_no_round_starts_while_a_request_is_live(target, records):
+    """Busy from the start: records are observed, but no round begins (no snapshot, no held-out
+    pass, no loss), not only no step."""
+    lrn = _learner(target)
+    calls = []
+    trainer = lrn.trainers["d"]
+    real_loss = trainer._loss
+    trainer._loss = lambda *a, **kw: calls.append(1) or real_loss(*a, **kw)
+    with BackgroundLearner(lrn, busy=lambda: True) as bg:
+        for r in records[:4]:
+            bg.submit(r)
+        assert _wait(lambda: bg.stats().observed == 4)
+        time.sleep(0.3)
+        assert bg.stats().training is None and bg.stats().rounds == 0 and not calls
+
+
 def test_paused_learner_observes_but_does_not_train(target, records):
     bg = BackgroundLearner(_learner(target))
     bg.pause()

@@ -603,6 +603,30 @@ def test_when_no_checkpoint_loads_the_initial_weights_are_saved_above_every_skip
     assert (tr.rounds, tr.rejected) == (0, 0)
 
 
+def test_a_draft_id_with_a_slash_checkpoints_into_folders_made_for_it(setup, tmp_path):
+    """A per-language draft ("d:chat/es") under a checkpoint folder that does not exist yet."""
+    draft, recs = setup
+    tr = DraftTrainer("d:chat/es", draft, _cfg(tmp_path / "new" / "ckpt"))
+    root = tmp_path / "new" / "ckpt" / "d:chat" / "es"
+    assert tr.ckpt_root == root and tr.versions() == [0] and (root / "LATEST").read_text() == "v0\n"
+
+
+def test_a_restricted_head_checkpoint_reloads_with_its_ids(setup, tmp_path):
+    draft, recs = setup
+    keep = torch.arange(0, draft.get_output_embeddings().weight.shape[0], 2)  # every other id of the vocabulary
+    small = copy.deepcopy(draft)
+    head = draft.get_output_embeddings()
+    small.lm_head = torch.nn.Linear(head.weight.shape[1], len(keep), bias=False)
+    small.lm_head.weight.data = head.weight.data[keep].clone()
+    small.config.tie_word_embeddings = False
+    tr = DraftTrainer("d", small, _cfg(tmp_path), keep_ids=keep)
+    assert tr.train_round(recs[:8]).accepted
+    v, _ = tr.publish()
+    again = DraftTrainer("d", small, _cfg(tmp_path), keep_ids=keep)
+    assert again.skipped == [] and again.version == v and torch.equal(again.keep_ids, keep)
+    assert _same(_weights(again.model), _weights(tr.model))
+
+
 def test_checkpoint_lookups_of_a_missing_folder_or_latest_file():
     from learner.trainer import checkpoint_versions, latest_checkpoint
 
