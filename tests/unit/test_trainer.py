@@ -627,6 +627,19 @@ def test_a_restricted_head_checkpoint_reloads_with_its_ids(setup, tmp_path):
     assert _same(_weights(again.model), _weights(tr.model))
 
 
+def test_a_checkpoint_of_another_architecture_is_skipped_not_loaded_in_part(setup, target, tmp_path):
+    """A one-layer draft's checkpoint found by a two-layer draft's trainer: every tensor it has fits,
+    but one layer is missing; it is moved aside, never loaded over half the model."""
+    from drafts.build import save_draft
+
+    draft, _ = setup
+    two = truncated_draft(target, 2)
+    tr = DraftTrainer("d", two, _cfg(tmp_path))
+    save_draft(draft, tmp_path / "d" / "v5", None)  # one layer
+    again = DraftTrainer("d", two, _cfg(tmp_path))
+    assert again.skipped == [5] and again.version == 6 and _same(_weights(again.model), _weights(tr.model))
+
+
 def test_checkpoint_lookups_of_a_missing_folder_or_latest_file():
     from learner.trainer import checkpoint_versions, latest_checkpoint
 
