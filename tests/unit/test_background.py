@@ -300,3 +300,21 @@ def test_the_learner_thread_never_keeps_the_process_alive(target):
         assert bg.start() is bg and len([t for t in threading.enumerate() if t.name == "osd-learner"]) == len(mine)
     finally:
         bg.stop()
+
+
+def test_round_reports_add_up_in_the_stats_by_hand(target):
+    """What the metrics read, from hand-made reports: a published round, a rejected one, one the
+    operator's pause stopped early (published), and one with no step (neither)."""
+    from learner.trainer import RoundReport
+
+    seen = []
+    bg = BackgroundLearner(_learner(target), on_round=seen.append)
+    reports = [RoundReport("d", steps=3, train_seconds=0.3, accepted=True, version=1),
+               RoundReport("d", steps=2, train_seconds=0.2, accepted=False),
+               RoundReport("d", steps=1, train_seconds=0.1, accepted=True, stopped_early=True, version=2),
+               RoundReport("d", steps=0, reason="no trainable rows")]
+    for rep in reports:
+        bg._count(rep)
+    s = bg.stats()
+    assert (s.rounds, s.steps, s.published, s.rejected, s.yielded_rounds) == (4, 6, 2, 1, 1)
+    assert s.train_seconds == pytest.approx(0.6) and s.last_round == reports[-1].to_dict() and seen == reports

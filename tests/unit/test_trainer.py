@@ -640,10 +640,12 @@ def test_a_checkpoint_of_another_architecture_is_skipped_not_loaded_in_part(setu
     assert again.skipped == [5] and again.version == 6 and _same(_weights(again.model), _weights(tr.model))
 
 
-def test_checkpoint_lookups_of_a_missing_folder_or_latest_file():
+def test_checkpoint_lookups_of_a_missing_folder_or_latest_file(setup):
     from learner.trainer import checkpoint_versions, latest_checkpoint
 
     assert checkpoint_versions(None) == [] and latest_checkpoint(None) is None
+    tr = DraftTrainer("d", setup[0], _cfg())  # no checkpoint_dir
+    assert tr.load_latest() is None and tr.versions() == [] and tr.latest_version() is None
 
 
 def test_checkpoint_lookups_on_disk(tmp_path):
