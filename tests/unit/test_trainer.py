@@ -305,7 +305,7 @@ def test_online_learner_end_to_end(setup, target, make_engine, draft_proposer):
         rep = ol.maybe_train([lambda s, v: got.append(v), engine.swap_draft])
         if rep is not None:
             reports.append(rep)
-    assert len(reports) == len(recs) // 4
+    assert len(reports) == len(recs) // 4 and ol.observed == len(recs) and ol.reports == reports
     assert len(ol.trainers["d"].holdout) + len(ol.shards["d"]) == len(recs)
     assert got, [(r.steps, r.reason) for r in reports]
     assert got == [r.version for r in reports if r.accepted]
