@@ -33,7 +33,7 @@ import re
 import shutil
 import threading
 import time
-from collections import deque
+from collections import defaultdict, deque
 import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -621,7 +621,7 @@ class OnlineLearner:
         self.pause = pause
         self._recent: dict[str, deque[tuple[int, int, int]]] = {}  # (rows, proposed rows, wrong proposed rows)
         self._since = 0
-        self._pending: dict[str, int] = {}  # rows observed per draft since its last round
+        self._pending: defaultdict[str, int] = defaultdict(int)  # rows observed per draft since its last round
         self._rng = random.Random(f"holdout:{cfg.seed}")
         self.observed = 0
         self.reports: list[RoundReport] = []
@@ -671,7 +671,7 @@ class OnlineLearner:
         self._recent.setdefault(d, deque(maxlen=self.cfg.window)).append((record.n_rows, int(proposed.sum()), wrong))
         self.observed += 1
         self._since += 1
-        self._pending[d] = self._pending.get(d, 0) + record.n_rows
+        self._pending[d] += record.n_rows
 
     def traffic(self, draft_id: str) -> dict:
         """Over the recent window: rows (traffic), proposed rows, acceptance."""
@@ -692,7 +692,7 @@ class OnlineLearner:
         for d in self.trainers:
             if d not in self.shards or len(self.shards[d]) == 0:
                 continue
-            score = self._pending.get(d, 0) * (1.0 - self.traffic(d)["acceptance"])
+            score = self._pending[d] * (1.0 - self.traffic(d)["acceptance"])
             if score > best_score:
                 best, best_score = d, score
         return best

@@ -266,6 +266,42 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     ("router/bandit.py", "AcceptanceBandit.choose", "if self.rng.random() < self.cfg.explore_rate:"):
         "'<=': numpy's random() draws doubles in [0, 1), equal to the rate with probability about 2^-53 (a "
         "rate of 0 or 1 picks the same either way but for that draw)",
+    ("learner/trainer.py", "_same_width", "width = max((s.ids.shape[1] for s in samples), default=0)"):
+        "the width of no samples: the loop below it runs over none",
+    ("learner/trainer.py", "_same_width", "extra = (PAD_ID + torch.arange(pad, dtype=s.ids.dtype)).expand(rows, pad)",
+     "PAD_ID + torch.arange(pad, dtype=s.ids.dtype) -> PAD_ID - torch.arange(pad, dtype=s.ids.dtype)"):
+        "PAD_ID - r instead of PAD_ID + r: still distinct, still far past every vocabulary (2^30 - K), and the "
+        "first is PAD_ID itself, which _loss tests for, so the columns become the same placeholders",
+    ("learner/trainer.py", "DraftTrainer._loss", "n_ph = 0"):
+        "one placeholder column where none is needed: its logit is -1e4, whose softmax weight exp(-1e4 - max) is "
+        "exactly 0 in float32, and the target gives it probability 0, so every loss is unchanged",
+    ("learner/trainer.py", "DraftTrainer._loss", "elif target.ids.numel() and int(target.ids.max()) >= PAD_ID:  # widened rows (``_same_width``)",
+     "target.ids.numel() and int(target.ids.max()) >= PAD_ID -> target.ids.numel() or int(target.ids.max()) >= PAD_ID"):
+        "'or' maps every non-empty target through the identity over the full head (ids below V keep their "
+        "columns, no placeholder) and differs only for an empty one, which never reaches _loss: a round without "
+        "trainable rows returns first and pieces without rows are skipped",
+    ("learner/trainer.py", "DraftTrainer.train_round", "self.opt.zero_grad(set_to_none=True)"):
+        "zeros or None before the backward pass: every trainable parameter is on the loss's path, so backward "
+        "writes a gradient into each either way; a step without rows 'continue's before opt.step",
+    ("learner/trainer.py", "DraftTrainer.train_round", "if cfg.max_cpu_share < 1.0 and i + 1 < cfg.steps_per_round:",
+     "cfg.max_cpu_share < 1.0 -> cfg.max_cpu_share <= 1.0"):
+        "at a share of 1 the pause is (1 / 1 - 1) x the step's time = 0 s: _pause returns at once",
+    ("learner/trainer.py", "DraftTrainer.train_round", "if cfg.max_cpu_share < 1.0 and i + 1 < cfg.steps_per_round:",
+     "1.0 -> 2.0"):
+        "'< 2.0': a share is at most 1 (its Field), and at 1 the pause is 0 s, as above",
+    ("learner/trainer.py", "DraftTrainer._pause", "time.sleep(min(left, 0.01))"):
+        "the poll interval of a pause (10 or 20 ms): how soon a yield is noticed, not what is trained; a test of it "
+        "would time the scheduler",
+    ("learner/trainer.py", "DraftTrainer._checkpoint", 'shutil.rmtree(root / f"v{old}", ignore_errors=True)'):
+        "versions() lists the folders that exist; only another process deleting one in between makes rmtree fail",
+    ("learner/trainer.py", "DraftTrainer.load_latest", "shutil.rmtree(tmp, ignore_errors=True)"):
+        "the leftovers of a cut-short save are folders listed a moment before; as above",
+    ("learner/trainer.py", "OnlineLearner.store",
+     'if trainer is not None and record.context == "teacher" and self._rng.random() < self.cfg.holdout_fraction:',
+     "self._rng.random() < self.cfg.holdout_fraction -> self._rng.random() <= self.cfg.holdout_fraction"):
+        "'<=': random() draws doubles in [0, 1), equal to the fraction with probability about 2^-53",
+    ("learner/trainer.py", "OnlineLearner.pick_draft", "best, best_score = None, -1.0"):
+        "any start below 0: every score is rows x (1 - acceptance) >= 0, so the first draft with a shard beats it",
 }
 
 SWAP_BIN = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult,

@@ -49,6 +49,9 @@ def test_every_figure_of_the_summary_by_hand():
     shorter.observe(1, 1, 2, 0.0, 0.0)
     longer.merge(shorter)  # a shorter one adds to the first positions only
     assert (longer.proposed_at, longer.accepted_at) == ([2, 1, 1, 1, 1, 1], [2, 1, 1, 1, 1, 0])
+    one = SpecStats()
+    one.observe(1, 0, 1, 0.0, 0.0)  # a step that drafted a single token, rejected
+    assert (one.drafts, one.rejected, one.mean_acceptance_length, one.per_position) == (1, 1, 1.0, [0.0])
     empty = SpecStats()
     assert (empty.alpha, empty.mean_acceptance_length, empty.per_position, empty.summary()["tokens_per_step"]) == (
         None, None, [], None)
