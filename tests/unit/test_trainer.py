@@ -87,6 +87,22 @@ def test_a_batch_takes_the_rows_inside_each_sequence_and_their_mask_only():
     assert records_to_batch([none], "all")[1].shape == (0,)
 
 
+def test_a_draft_whose_shard_is_empty_is_not_picked(setup):
+    """Lost acceptance counts only where there are records to learn from: a draft whose records were
+    all deleted (a tenant's deletion) waits, however much it lost, and one without a shard too."""
+    draft, _ = setup
+    cfg = _cfg()
+    ol = OnlineLearner(cfg, ShardConfig(), [DraftTrainer(d, draft, cfg) for d in ("lost", "fine", "new")])
+    lost = dataclasses.replace(_record(20, 10, [True] * 10), draft_id="lost", tenant="gone")
+    fine = dataclasses.replace(_record(20, 17, [True, False, False]), draft_id="fine", tenant="kept")
+    for rec in (lost, fine):
+        ol.observe(rec)
+    assert ol.pick_draft() == "lost"  # 10 rows all lost against 1 of 3
+    ol.delete_tenant("gone")
+    assert len(ol.shards["lost"]) == 0 and ol.pick_draft() == "fine"
+    assert "new" not in ol.shards  # a trainer that never saw a record has no shard and is not picked
+
+
 def test_rounds_raise_heldout_agreement_and_publish(setup, target, tok, make_engine, draft_proposer, greedy_reference):
     draft, recs = setup
     serving = truncated_draft(target, 1)
