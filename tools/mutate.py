@@ -300,6 +300,10 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
      'if trainer is not None and record.context == "teacher" and self._rng.random() < self.cfg.holdout_fraction:',
      "self._rng.random() < self.cfg.holdout_fraction -> self._rng.random() <= self.cfg.holdout_fraction"):
         "'<=': random() draws doubles in [0, 1), equal to the fraction with probability about 2^-53",
+    ("learner/trainer.py", "OnlineLearner.maybe_train", "if rep.accepted and rep.steps > 0:",
+     "rep.steps > 0 -> rep.steps >= 0"):
+        "an accepted round has taken a step: its first step's rows are counted before the loop (none: it "
+        "returns unaccepted), so a round that reaches the gate has steps >= 1",
     ("learner/trainer.py", "OnlineLearner.pick_draft", "best, best_score = None, -1.0"):
         "any start below 0: every score is rows x (1 - acceptance) >= 0, so the first draft with a shard beats it",
 }

@@ -103,6 +103,19 @@ def test_a_draft_whose_shard_is_empty_is_not_picked(setup):
     assert "new" not in ol.shards  # a trainer that never saw a record has no shard and is not picked
 
 
+def test_a_trained_draft_waits_for_new_traffic(setup):
+    """After its round a draft's lost acceptance counts from zero again: another draft with any loss
+    goes next, even one that lost far less."""
+    draft, _ = setup
+    cfg = _cfg(train_every=100)
+    ol = OnlineLearner(cfg, ShardConfig(), [DraftTrainer(d, draft, cfg) for d in ("a", "b")])
+    ol.observe(dataclasses.replace(_record(20, 10, [True] * 10), draft_id="a"))  # 10 rows lost
+    ol.observe(dataclasses.replace(_record(20, 17, [True, False, False]), draft_id="b"))  # 1 of 3
+    rep = ol.maybe_train(force=True)
+    assert rep is not None and rep.draft_id == "a"
+    assert ol.pick_draft() == "b"
+
+
 def test_rounds_raise_heldout_agreement_and_publish(setup, target, tok, make_engine, draft_proposer, greedy_reference):
     draft, recs = setup
     serving = truncated_draft(target, 1)
