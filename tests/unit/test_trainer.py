@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -101,6 +102,22 @@ def test_a_draft_whose_shard_is_empty_is_not_picked(setup):
     ol.delete_tenant("gone")
     assert len(ol.shards["lost"]) == 0 and ol.pick_draft() == "fine"
     assert "new" not in ol.shards  # a trainer that never saw a record has no shard and is not picked
+
+
+def test_time_spent_paused_is_not_training_time(setup):
+    draft, recs = setup
+    tr = DraftTrainer("d", draft, _cfg(steps_per_round=1, micro_batch_records=1))
+    rep = tr.train_round(recs[:4], pause=lambda: time.sleep(0.2))  # before each of the 4 pieces
+    assert rep.seconds > 0.8 and rep.train_seconds < 0.6, rep
+
+
+def test_a_trainer_added_without_held_out_records_makes_no_holdout_shard(setup, tmp_path):
+    """Only a restart's held-out records on disk are read back into a trainer; a new draft's trainer
+    creates no held-out shard (nor file) until a record is held out for it."""
+    draft, _ = setup
+    ol = OnlineLearner(_cfg(), ShardConfig(dir=tmp_path), [DraftTrainer("d", draft, _cfg())])
+    assert "d" not in ol.holdouts and not list((tmp_path / "holdout").glob("*"))
+    ol.close()
 
 
 def test_a_trained_draft_waits_for_new_traffic(setup):
@@ -328,13 +345,14 @@ def test_online_learner_end_to_end(setup, target, make_engine, draft_proposer):
     cfg = _cfg(train_every=4, holdout_fraction=0.25, positions="wrong", gate_margin=1.0, lr=1e-2)
     ol = OnlineLearner(cfg, ShardConfig(), [DraftTrainer("d", draft, cfg)])
     got = []
-    reports = []
-    for r in recs:
+    reports, at = [], []
+    for i, r in enumerate(recs, start=1):
         ol.observe(r)
         rep = ol.maybe_train([lambda s, v: got.append(v), engine.swap_draft])
         if rep is not None:
             reports.append(rep)
-    assert len(reports) == len(recs) // 4 and ol.observed == len(recs) and ol.reports == reports
+            at.append(i)
+    assert at == [4, 8, 12, 16] and ol.observed == len(recs) and ol.reports == reports  # every train_every records
     assert len(ol.trainers["d"].holdout) + len(ol.shards["d"]) == len(recs)
     assert got, [(r.steps, r.reason) for r in reports]
     assert got == [r.version for r in reports if r.accepted]
