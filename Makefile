@@ -46,9 +46,9 @@ test: $(STAMP) system-tools
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --durations=25 tests
 
 # Mutation testing of the files in tools/mutate.py's TARGETS: the sampling path, engine, proposers, k
-# policy, runner, fast path, feature draft, the learner's gate, losses and replay, and the router (not in
-# CI: hours on 2 cores; `--only FILE` for one). Prints every surviving mutant and the score; the JSON
-# keeps them all.
+# policy, runner, fast path, feature draft, the learner (trainer, losses, replay, background thread), the
+# acceptance statistics, the router, and the edge (tenants, request shapes) (not in CI: hours on 2 cores;
+# `--only FILE` for one). Prints every surviving mutant and the score; the JSON keeps them all.
 mutate: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python tools/mutate.py --json results/mutation/after.json
 
