@@ -70,6 +70,10 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "router/domains.py": ("router.domains", None, _ROUTER_TESTS),
     "router/bandit.py": ("router.bandit", None, _ROUTER_TESTS),
     "router/router.py": ("router.router", None, _ROUTER_TESTS),
+    # distillation: the teacher's rows, the student's space and logits, the agreement the gate reads
+    "learner/offline.py": ("learner.offline", None,
+                           ["tests/unit/test_offline.py", "tests/unit/test_losses.py", "tests/unit/test_trainer.py",
+                            "tests/unit/test_feature.py"]),
     # what the dashboards' acceptance rates are computed from, and the learner's background thread
     "speculative/stats.py": ("speculative.stats", None, ["tests/unit/test_stats.py"]),
     "learner/background.py": ("learner.background", None, ["tests/unit/test_background.py"]),
