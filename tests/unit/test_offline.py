@@ -180,6 +180,11 @@ def test_prompt_positions_are_the_targets_distributions_there():
         assert torch.allclose(w.tail[:n], 1 - top.values.sum(-1), atol=2e-3)
     short = with_prompt_positions(samples, target.get_output_embeddings(), 64)
     assert all(a is b for a, b in zip(short, samples))
+    from_one = with_prompt_positions(samples, target.get_output_embeddings(), 1)  # row 1 reads the feature at 0
+    assert all(w.prompt_len == 1 and w.ids.shape[0] == int(s.tokens.shape[0]) - 1 for s, w in zip(samples, from_one))
+    assert all(torch.equal(a.ids[start - 1:], b.ids) for a, b in zip(from_one, wide))
+    with pytest.raises(ValueError, match="start must be >= 1"):
+        with_prompt_positions(samples, target.get_output_embeddings(), 0)
     with pytest.raises(ValueError, match="features"):
         with_prompt_positions(collect_teacher_data(target, None, prompts[:1], max_tokens=4, top_k=TOP_K),
                               target.get_output_embeddings(), start)
