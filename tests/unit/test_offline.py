@@ -185,6 +185,18 @@ def test_prompt_positions_are_the_targets_distributions_there():
     assert all(torch.equal(a.ids[start - 1:], b.ids) for a, b in zip(from_one, wide))
     with pytest.raises(ValueError, match="start must be >= 1"):
         with_prompt_positions(samples, target.get_output_embeddings(), 0)
+    # a prompt no longer than start, or features that stop before the prompt's last position, is kept
+    # as it is; features that reach exactly that position are enough
+    import dataclasses
+
+    s = samples[0]
+    p0 = s.prompt_len
+    assert with_prompt_positions([s], target.get_output_embeddings(), p0)[0] is s
+    enough = dataclasses.replace(s, features=s.features[: p0 - 1])
+    too_few = dataclasses.replace(s, features=s.features[: p0 - 2])
+    got, = with_prompt_positions([enough], target.get_output_embeddings(), start)
+    assert got.prompt_len == start and torch.equal(got.ids, wide[0].ids)
+    assert with_prompt_positions([too_few], target.get_output_embeddings(), start)[0] is too_few
     with pytest.raises(ValueError, match="features"):
         with_prompt_positions(collect_teacher_data(target, None, prompts[:1], max_tokens=4, top_k=TOP_K),
                               target.get_output_embeddings(), start)
