@@ -308,6 +308,18 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
      "rep.steps > 0 -> rep.steps >= 0"):
         "an accepted round has taken a step: its first step's rows are counted before the loop (none: it "
         "returns unaccepted), so a round that reaches the gate has steps >= 1",
+    ("learner/offline.py", "to_student_space", "size = int(keep_ids.max().item()) + 1 if keep_ids.numel() else 1",
+     "1 -> 2"):
+        "a lookup one slot longer (or of 2 for an empty head): the extra slot holds -1, so an id there is dropped "
+        "as an id past the lookup is ('+ 0' and 'else 0' are killed)",
+    ("learner/offline.py", "to_student_space", "lookup = torch.full((size,), -1, dtype=torch.long)  # [size] target id -> student column or -1"):
+        "-2 instead of -1 for ids not kept: the only test of it is 'col < 0'",
+    ("learner/offline.py", "to_student_space",
+     "col = torch.where(ids < size, lookup[ids.clamp(max=size - 1)], -1)  # [N, K]; ids past every kept id: dropped",
+     "1 -> 2"):
+        "-2 instead of -1 for an id past the lookup, as above ('size - 2' in the clamp is killed)",
+    ("learner/offline.py", "shared_prefix_len", "for x in sequences[1:]:", "1 -> 0"):
+        "comparing the first sequence with itself too: its prefix of n tokens equals itself",
     ("learner/trainer.py", "OnlineLearner.pick_draft", "best, best_score = None, -1.0"):
         "any start below 0: every score is rows x (1 - acceptance) >= 0, so the first draft with a shard beats it",
 }

@@ -134,6 +134,23 @@ def test_to_student_space_folds_dropped_ids_into_tail():
     assert n2 == 0 and torch.equal(mapped2.ids, target.ids) and torch.equal(mapped2.tail, target.tail)
 
 
+def test_an_empty_head_folds_everything_into_the_tail():
+    target = SparseDist(ids=torch.tensor([[7, 3]]), probs=torch.tensor([[0.5, 0.2]]), tail=torch.tensor([0.3]))
+    mapped, n_ph = to_student_space(target, torch.tensor([], dtype=torch.long))
+    assert n_ph == 2 and mapped.ids.tolist() == [[0, 1]] and mapped.probs.tolist() == [[0.0, 0.0]]
+    assert torch.allclose(mapped.tail, torch.tensor([1.0]))
+
+
+def test_shared_prefix_len_by_hand():
+    t = torch.tensor
+    assert shared_prefix_len([]) == 0
+    assert shared_prefix_len([t([1, 2, 3])]) == 3
+    assert shared_prefix_len([t([1, 2, 3]), t([1, 2, 4]), t([1, 5])]) == 1
+    assert shared_prefix_len([t([9, 1]), t([1, 1]), t([1, 1])]) == 0  # the first differs from the rest
+    assert shared_prefix_len([t([1, 2]), t([3, 4]), t([1, 2])]) == 0  # the second differs
+    assert shared_prefix_len([t([1, 2, 3]), t([1, 2])]) == 2  # a sequence that is all prefix
+
+
 def test_restricted_loss_equals_loss_on_kept_bins():
     torch.manual_seed(0)
     keep = torch.tensor([0, 2, 4, 5, 7, 9, 11, 12])
