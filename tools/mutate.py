@@ -318,6 +318,20 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
      "col = torch.where(ids < size, lookup[ids.clamp(max=size - 1)], -1)  # [N, K]; ids past every kept id: dropped",
      "1 -> 2"):
         "-2 instead of -1 for an id past the lookup, as above ('size - 2' in the clamp is killed)",
+    ("learner/offline.py", "to_student_space",
+     "n_placeholder = int(dropped.sum(dim=-1).max().item()) if dropped.numel() else 0", "0 -> 1"):
+        "an empty target (no rows or no columns) asks for one placeholder column: logit -1e4, weight exactly 0, "
+        "probability 0 on the target's side",
+    ("learner/offline.py", "pad_placeholders", "if n_placeholder <= 0:"):
+        "'< 0': appending zero columns returns a copy of the same logits",
+    ("learner/offline.py", "student_logits_for", "mask[i, : lens[i]] = 1"):
+        "a mask of 2 instead of 1 where attended: this transformers reads attention masks as booleans",
+    ("learner/offline.py", "student_logits_for",
+     "hidden = decoder(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).last_hidden_state  # [B, W, H]"):
+        "use_cache=True builds a cache that is dropped; the hidden states are the same",
+    ("learner/offline.py", "top1_hits_on", "for batch in _batches([s for s in samples if s.n_out > 0], batch_positions):",
+     "s.n_out > 0 -> s.n_out >= 0"):
+        "a sample without output rows adds no positions to its batch and no hits ('> 1' is killed)",
     ("learner/offline.py", "shared_prefix_len", "for x in sequences[1:]:", "1 -> 0"):
         "comparing the first sequence with itself too: its prefix of n tokens equals itself",
     ("learner/trainer.py", "OnlineLearner.pick_draft", "best, best_score = None, -1.0"):

@@ -3,6 +3,7 @@
 Tiny random Llama models only (vocab 96, hidden 32): no real model, no downloads.
 """
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -139,6 +140,44 @@ def test_an_empty_head_folds_everything_into_the_tail():
     mapped, n_ph = to_student_space(target, torch.tensor([], dtype=torch.long))
     assert n_ph == 2 and mapped.ids.tolist() == [[0, 1]] and mapped.probs.tolist() == [[0.0, 0.0]]
     assert torch.allclose(mapped.tail, torch.tensor([1.0]))
+
+
+def test_a_row_that_drops_two_ids_needs_two_placeholder_columns():
+    target = SparseDist(ids=torch.tensor([[8, 9], [1, 2]]), probs=torch.tensor([[0.5, 0.3], [0.5, 0.3]]),
+                        tail=torch.tensor([0.2, 0.2]))
+    mapped, n_ph = to_student_space(target, torch.tensor([1, 2, 3]))  # row 0 drops both of its ids, row 1 none
+    assert n_ph == 2 and mapped.ids.tolist() == [[3, 4], [0, 1]]
+
+
+def _with_rows(n: int):
+    from learner.offline import Sample
+
+    return Sample(tokens=torch.arange(10), prompt_len=10 - n, ids=torch.zeros((n, 1), dtype=torch.int32),
+                  probs=torch.ones(n, 1), tail=torch.zeros(n))
+
+
+def test_batches_close_when_their_rows_reach_the_bound():
+    from learner.offline import _batches
+
+    sizes = [3, 1, 1, 4, 1]
+    got = _batches([_with_rows(n) for n in sizes], 5)
+    assert [[x.n_out for x in b] for b in got] == [[3, 1, 1], [4, 1]]  # a batch closes at exactly 5 rows
+    assert [[x.n_out for x in b] for b in _batches([_with_rows(n) for n in sizes], 100)] == [sizes]
+    assert _batches([], 5) == []
+
+
+def test_agreement_counts_every_output_row_even_of_a_one_row_sample(data):
+    from learner.offline import Sample, top1_hits_on
+
+    target, samples, _ = data
+    s = samples[0]
+    one = Sample(tokens=s.tokens[: s.prompt_len + 1], prompt_len=s.prompt_len, ids=s.ids[:1], probs=s.probs[:1],
+                 tail=s.tail[:1])
+    draft = truncated_draft(target, 1)
+    hits = top1_hits_on(draft, [one, samples[1]], batch_positions=4)
+    assert hits.shape == (1 + samples[1].n_out,)
+    assert torch.equal(hits[:1], top1_hits_on(draft, [s])[:1])  # the same row as in the whole sample
+    assert top1_hits_on(draft, []).shape == (0,) and math.isnan(top1_agreement_on(draft, []))
 
 
 def test_shared_prefix_len_by_hand():
