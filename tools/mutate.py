@@ -304,6 +304,8 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
      'if trainer is not None and record.context == "teacher" and self._rng.random() < self.cfg.holdout_fraction:',
      "self._rng.random() < self.cfg.holdout_fraction -> self._rng.random() <= self.cfg.holdout_fraction"):
         "'<=': random() draws doubles in [0, 1), equal to the fraction with probability about 2^-53",
+    ("learner/trainer.py", "OnlineLearner.pick_draft", "best, best_score = None, -1.0"):
+        "any start below 0: every score is rows x (1 - acceptance) >= 0, so the first draft with a shard beats it",
     ("learner/trainer.py", "OnlineLearner.maybe_train", "if rep.accepted and rep.steps > 0:",
      "rep.steps > 0 -> rep.steps >= 0"):
         "an accepted round has taken a step: its first step's rows are counted before the loop (none: it "
@@ -334,8 +336,6 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "a sample without output rows adds no positions to its batch and no hits ('> 1' is killed)",
     ("learner/offline.py", "shared_prefix_len", "for x in sequences[1:]:", "1 -> 0"):
         "comparing the first sequence with itself too: its prefix of n tokens equals itself",
-    ("learner/trainer.py", "OnlineLearner.pick_draft", "best, best_score = None, -1.0"):
-        "any start below 0: every score is rows x (1 - acceptance) >= 0, so the first draft with a shard beats it",
 }
 
 SWAP_BIN = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult,

@@ -3,6 +3,7 @@
 Tiny random Llama models only (vocab 96, hidden 32): no real model, no downloads.
 """
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -16,6 +17,8 @@ from drafts.build import load_draft, restrict_head, save_draft, truncated_draft
 from learner.losses import SparseDist, forward_kl, sparse_from_logits
 from learner.offline import (
     DistillConfig,
+    Sample,
+    _batches,
     collect_teacher_data,
     distill,
     load_samples,
@@ -25,6 +28,7 @@ from learner.offline import (
     student_logits_for,
     to_student_space,
     top1_agreement_on,
+    top1_hits_on,
     with_prompt_positions,
 )
 
@@ -150,15 +154,11 @@ def test_a_row_that_drops_two_ids_needs_two_placeholder_columns():
 
 
 def _with_rows(n: int):
-    from learner.offline import Sample
-
     return Sample(tokens=torch.arange(10), prompt_len=10 - n, ids=torch.zeros((n, 1), dtype=torch.int32),
                   probs=torch.ones(n, 1), tail=torch.zeros(n))
 
 
 def test_batches_close_when_their_rows_reach_the_bound():
-    from learner.offline import _batches
-
     sizes = [3, 1, 1, 4, 1]
     got = _batches([_with_rows(n) for n in sizes], 5)
     assert [[x.n_out for x in b] for b in got] == [[3, 1, 1], [4, 1]]  # a batch closes at exactly 5 rows
@@ -167,8 +167,6 @@ def test_batches_close_when_their_rows_reach_the_bound():
 
 
 def test_agreement_counts_every_output_row_even_of_a_one_row_sample(data):
-    from learner.offline import Sample, top1_hits_on
-
     target, samples, _ = data
     s = samples[0]
     one = Sample(tokens=s.tokens[: s.prompt_len + 1], prompt_len=s.prompt_len, ids=s.ids[:1], probs=s.probs[:1],
@@ -243,8 +241,6 @@ def test_prompt_positions_are_the_targets_distributions_there():
         with_prompt_positions(samples, target.get_output_embeddings(), 0)
     # a prompt no longer than start, or features that stop before the prompt's last position, is kept
     # as it is; features that reach exactly that position are enough
-    import dataclasses
-
     s = samples[0]
     p0 = s.prompt_len
     assert with_prompt_positions([s], target.get_output_embeddings(), p0)[0] is s

@@ -64,14 +64,15 @@ def test_records_and_masks(setup):
     assert mask_wrong.shape == mask_all.shape and 0 < int(mask_wrong.sum()) < mask_all.numel()
 
 
-def _record(length: int, first: int, wrong: list[bool]) -> ReplayRecord:
-    """A hand-made record: rows at positions first.. (one per entry of ``wrong``) over ``length`` tokens."""
+def _record(length: int, first: int, wrong: list[bool], **fields) -> ReplayRecord:
+    """A hand-made record: rows at positions first.. (one per entry of ``wrong``) over ``length`` tokens;
+    ``fields``: any other of its fields (draft_id, tenant, ...)."""
     rows = len(wrong)
     probs = torch.full((rows, 2), 0.4)
     return ReplayRecord(tokens=torch.arange(length, dtype=torch.int32), prompt_len=first,
                         positions=torch.arange(first, first + rows, dtype=torch.int32),
                         top_ids=torch.tensor([[1, 2]] * rows, dtype=torch.int32), top_probs=probs, tail=1 - probs.sum(-1),
-                        draft_wrong=torch.tensor(wrong))
+                        draft_wrong=torch.tensor(wrong), **fields)
 
 
 def test_a_batch_takes_the_rows_inside_each_sequence_and_their_mask_only():
@@ -94,8 +95,8 @@ def test_a_draft_whose_shard_is_empty_is_not_picked(setup):
     draft, _ = setup
     cfg = _cfg()
     ol = OnlineLearner(cfg, ShardConfig(), [DraftTrainer(d, draft, cfg) for d in ("lost", "fine", "new")])
-    lost = dataclasses.replace(_record(20, 10, [True] * 10), draft_id="lost", tenant="gone")
-    fine = dataclasses.replace(_record(20, 17, [True, False, False]), draft_id="fine", tenant="kept")
+    lost = _record(20, 10, [True] * 10, draft_id="lost", tenant="gone")
+    fine = _record(20, 17, [True, False, False], draft_id="fine", tenant="kept")
     for rec in (lost, fine):
         ol.observe(rec)
     assert ol.pick_draft() == "lost"  # 10 rows all lost against 1 of 3
@@ -126,8 +127,8 @@ def test_a_trained_draft_waits_for_new_traffic(setup):
     draft, _ = setup
     cfg = _cfg(train_every=100)
     ol = OnlineLearner(cfg, ShardConfig(), [DraftTrainer(d, draft, cfg) for d in ("a", "b")])
-    ol.observe(dataclasses.replace(_record(20, 10, [True] * 10), draft_id="a"))  # 10 rows lost
-    ol.observe(dataclasses.replace(_record(20, 17, [True, False, False]), draft_id="b"))  # 1 of 3
+    ol.observe(_record(20, 10, [True] * 10, draft_id="a"))  # 10 rows lost
+    ol.observe(_record(20, 17, [True, False, False], draft_id="b"))  # 1 of 3
     rep = ol.maybe_train(force=True)
     assert rep is not None and rep.draft_id == "a"
     assert ol.pick_draft() == "b"
@@ -314,8 +315,6 @@ def test_pause_sleeps_and_yields():
 
 
 def _with_draft(rec, draft_id, wrong=None):
-    import dataclasses
-
     r = dataclasses.replace(rec, draft_id=draft_id)
     if wrong is not None:
         r.draft_wrong = torch.full_like(r.draft_wrong, wrong)
@@ -730,8 +729,6 @@ def test_stored_records_and_held_back_records_survive_a_restart(setup, tmp_path)
     (a killed process: nothing closed) finds each one in a shard or among the held-back records,
     the held-back ones bounded by ``holdout_max``; deleting a tenant removes its held-back records
     from disk too."""
-    import dataclasses
-
     draft, recs = setup
     cfg = _cfg(holdout_fraction=0.5, holdout_max=4)
     ol = OnlineLearner(cfg, ShardConfig(dir=tmp_path / "shards"), [DraftTrainer("d", draft, cfg)])
