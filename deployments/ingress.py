@@ -9,14 +9,12 @@ import logging
 import math
 import time
 import weakref
-from dataclasses import replace
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError
 
 from config import AppConfig
 from speculative.models import load_tokenizer
@@ -24,6 +22,7 @@ from speculative.models import load_tokenizer
 from .drafts import GenerateRequest
 from .loopback import bind_replica_grpc, replica_meter
 from .protocol import ChatRequest, CompletionRequest, TargetUnavailable, error_body, new_id, now
+from .resume import resuming
 from .tenants import Admission, Tenants
 
 log = logging.getLogger("osd.ingress")
@@ -32,10 +31,7 @@ api = FastAPI(title="osd-serve", description="Online speculative decoding, OpenA
 
 #: OpenAI's default max_tokens for /v1/completions
 COMPLETION_DEFAULT_MAX_TOKENS = 16
-#: a request whose draft replica dies goes on on another one, this many times at most
-MAX_RESUMES = 2
 ADMIN_BODY_BYTES = 64 << 10
-REPLICA_GONE = (RayActorError, ActorUnavailableError)
 #: the dashboard page and what it loads (vendored: the page needs no network beyond this server)
 STATIC = Path(__file__).parent / "static"
 STATIC_FILES = {"uPlot.iife.min.js": "text/javascript", "uPlot.min.css": "text/css", "dashboard.js": "text/javascript"}
@@ -334,31 +330,17 @@ class Ingress:
         body = await self._whole(stream, rid, chat, route, timing)
         return body, body["usage"]["total_tokens"]
 
-    async def _resuming(self, stream, gen: GenerateRequest, draft_id: str, tenant: str):
-        """The draft pool's items for one request. If the replica decoding it dies mid-stream, the
-        request goes on on another replica from the output tokens already sent (greedy and seeded
-        output is unchanged: the continuation is the one the target would have made)."""
-        sent: list[int] = []
-        for attempt in range(MAX_RESUMES + 1):
-            try:
-                async for item in stream:
-                    sent.extend(item.get("tokens", ()))
-                    yield item
-                return
-            except (GeneratorExit, asyncio.CancelledError):  # the client left: stop the decoding too
-                stream.cancel()
-                raise
-            except REPLICA_GONE as e:
-                if attempt == MAX_RESUMES:
-                    raise
-                log.warning("request %s: draft replica lost after %d tokens (%s); resuming on another replica",
-                            gen.request_id, len(sent), type(e).__name__)
-                self.meter.inc("osd_requests_resumed_total", tenant=tenant)
-                again = replace(gen, request_id=f"{gen.request_id}-r{attempt + 1}", resume=list(sent))
-                stream = self.pool.options(multiplexed_model_id=draft_id, stream=True).stream.remote(again)
-                first = await stream.__anext__()
-                if "error" in first:
-                    raise RuntimeError(first["error"])
+    def _resuming(self, stream, gen: GenerateRequest, draft_id: str, tenant: str):
+        """The draft pool's items for one request, resumed on another replica if its own dies."""
+        def reopen(again: GenerateRequest):
+            return self.pool.options(multiplexed_model_id=draft_id, stream=True).stream.remote(again)
+
+        def on_resume(n_sent: int, e: BaseException) -> None:
+            log.warning("request %s: draft replica lost after %d tokens (%s); resuming on another replica",
+                        gen.request_id, n_sent, type(e).__name__)
+            self.meter.inc("osd_requests_resumed_total", tenant=tenant)
+
+        return resuming(stream, gen, reopen, on_resume)
 
     def _decode(self, ids: list[int]) -> str:
         """A token-id prompt as text, for the router (ids outside the vocabulary are left out

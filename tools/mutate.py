@@ -80,6 +80,7 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     # the edge: API keys, per-tenant limits, and the request shapes every client sends
     "deployments/tenants.py": ("deployments.tenants", None, ["tests/unit/test_tenants.py"]),
     "deployments/protocol.py": ("deployments.protocol", None, ["tests/unit/test_protocol.py"]),
+    "deployments/resume.py": ("deployments.resume", None, ["tests/unit/test_resume.py"]),
 }
 
 _CROP0 = "'<=': at start == have the mutant calls crop(0), which transformers' DynamicCache treats as a no-op"
@@ -87,6 +88,8 @@ _CROP0 = "'<=': at start == have the mutant calls crop(0), which transformers' D
 #: Survivors that cannot change behaviour: (file, function, mutated line) -> why, or (file, function,
 #: mutated line, mutated form) -> why where other mutants of the line do change it.
 EQUIVALENT: dict[tuple[str, ...], str] = {
+    ("deployments/resume.py", "resuming", "for attempt in range(max_resumes + 1):", "1 -> 2"):
+        "one more pass of the loop is never reached: at attempt == max_resumes the loop returns or raises",
     ("speculative/sampling.py", "warp_logits", "if params.top_k and params.top_k < logits.shape[-1]:"):
         "top_k <= V instead of < V: with top_k = V the k-th largest logit is the smallest, and masking the "
         "logits below it removes nothing",

@@ -12,6 +12,8 @@ from urllib.parse import urlparse
 
 import pytest
 
+from deployments.resume import MAX_RESUMES
+
 from .conftest import MODEL, SOLO_KEY, _call, scrape, total
 
 pytestmark = pytest.mark.serve
@@ -157,7 +159,9 @@ def test_a_draft_replica_killed_mid_stream_the_request_completes_unchanged(serve
     assert usage["completion_tokens"] == len(reference.generate(prompt, SamplingParams(max_tokens=n)).token_ids)
     assert usage["speculative"]["resumed_after"] > 0
     after = scrape(server)
-    assert total(after, "osd_requests_resumed_total") - total(before, "osd_requests_resumed_total") == 1
+    # both replicas are killed: the first replacement picked may be the other one, dying too, in
+    # which case the request resumes a second time (tests/unit/test_resume.py has both cases)
+    assert 1 <= total(after, "osd_requests_resumed_total") - total(before, "osd_requests_resumed_total") <= MAX_RESUMES
 
 
 def test_the_target_restarting_mid_stream_the_request_waits_completes_unchanged_and_ready_reports_the_gap(server, reference):
