@@ -81,6 +81,8 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "deployments/tenants.py": ("deployments.tenants", None, ["tests/unit/test_tenants.py"]),
     "deployments/protocol.py": ("deployments.protocol", None, ["tests/unit/test_protocol.py"]),
     "deployments/resume.py": ("deployments.resume", None, ["tests/unit/test_resume.py"]),
+    "telemetry/hub.py": ("telemetry.hub", None, ["tests/unit/test_telemetry.py"]),
+    "telemetry/meter.py": ("telemetry.meter", None, ["tests/unit/test_telemetry.py"]),
 }
 
 _CROP0 = "'<=': at start == have the mutant calls crop(0), which transformers' DynamicCache treats as a no-op"
@@ -88,6 +90,48 @@ _CROP0 = "'<=': at start == have the mutant calls crop(0), which transformers' D
 #: Survivors that cannot change behaviour: (file, function, mutated line) -> why, or (file, function,
 #: mutated line, mutated form) -> why where other mutants of the line do change it.
 EQUIVALENT: dict[tuple[str, ...], str] = {
+    ('telemetry/hub.py', 'quantile', 'return buckets[-1]'):
+        'reached only when the rank passes every count, i.e. q > 1: the dashboard asks for 0.5 and 0.95',
+    ('telemetry/hub.py', 'Hub.__init__', 'self.registry = CollectorRegistry(auto_describe=False)'):
+        'auto_describe only makes the registry call collect() once more at register time to learn the names',
+    ('telemetry/hub.py', 'Hub.merge', 'if snap["n"] <= prev["n"]:', "snap['n'] <= prev['n'] -> snap['n'] < prev['n']"):
+        'a snapshot merged again differs from itself by nothing: no counter, bucket or event is added',
+    ('telemetry/hub.py', 'Hub.merge', 'if any(d) or p is None:', 'p is None -> p is not None'):
+        "a snapshot's histogram always holds a count (observe with n <= 0 makes none), so a new one passes on any(d); adding an all-zero difference changes nothing",
+    ('telemetry/hub.py', 'Hub.merge', 'self.last[rid] = {"counters": snap["counters"], "hists": snap["hists"], "events": snap["events"][-1:],'):
+        "keeping more of the last snapshot's events changes nothing: only the largest seq among them is read",
+    ('telemetry/hub.py', 'Hub.retain', 'if now - t > FORGET_EPOCH_S:', 'now - t > FORGET_EPOCH_S -> now - t >= FORGET_EPOCH_S'):
+        'differs only at exactly 3600.0 s of float wall-clock time',
+    ('telemetry/hub.py', 'Hub._version_label', 'if len(kept) >= self.cfg.keep_versions and n < min(kept):', 'n < min(kept) -> n <= min(kept)'):
+        'n is not in kept here, so n <= min(kept) is n < min(kept)',
+    ('telemetry/hub.py', 'Hub._version_label', 'return values[:v] + ("old",) + values[v + 1:]', 'v + 1: -> v + 1 + 1:'):
+        'draft_version is the last label of both families that carry it: values[v + 1:] is empty either way',
+    ('telemetry/hub.py', 'Hub._version_label', 'return values[:v] + ("old",) + values[v + 1:]', '1 -> 2'):
+        'draft_version is the last label of both families that carry it: values[v + 2:] is empty too',
+    ('telemetry/hub.py', 'Hub._version_label', 'return values[:v] + ("old",) + values[v + 1:]', 'v + 1 -> v - 1'):
+        "the extra values after draft_version are cut by LabelCaps.key, which zips the values with the family's labels",
+    ('telemetry/hub.py', 'Hub._version_label', 'return values[:v] + ("old",) + values[v + 1:]', '1 -> 0'):
+        "the extra value after draft_version is cut by LabelCaps.key, which zips the values with the family's labels",
+    ('telemetry/hub.py', 'Hub._fold_version', 'old = values[:v] + ("old",) + values[v + 1:]', 'v + 1: -> v + 1 + 1:'):
+        'draft_version is the last label of both families that carry it: values[v + 1:] is empty either way',
+    ('telemetry/hub.py', 'Hub._fold_version', 'old = values[:v] + ("old",) + values[v + 1:]', '1 -> 2'):
+        'draft_version is the last label of both families that carry it: values[v + 2:] is empty too',
+    ('telemetry/hub.py', 'Hub.stats', 'if hb and len(hb) == len(h):', 'hb and len(hb) == len(h) -> hb or len(hb) == len(h)'):
+        'hb and h come from the same family (equal lengths) or hb is empty, where both forms skip the subtraction unless h is empty too, which yields no quantile either way',
+    ('telemetry/hub.py', 'Hub.stats', 'series[out].append(quantile(q, buckets, h) if h and i > 0 else None)', 'h and i > 0 -> h or i > 0'):
+        'an empty h gives quantile() no count, which returns None as the guard does',
+    ('telemetry/hub.py', 'Hub.stats', 'series[out].append(quantile(q, buckets, h) if h and i > 0 else None)', 'i > 0 -> i >= 0'):
+        'at i = 0 the base is the point itself: the difference has no count and quantile() returns None',
+    ('telemetry/meter.py', 'Meter.__init__', 'self._seq = 0'):
+        'event numbers are compared with each other only (the hub keeps those above the last merged one)',
+    ('telemetry/meter.py', 'Meter.__init__', 'self._snapshots = 0'):
+        "snapshot numbers are compared with each other only (a hub's first is against 0, below either start)",
+    ('telemetry/meter.py', 'Meter.event', 'self._seq += 1'):
+        'event numbers are compared with each other only: any increasing step orders them the same',
+    ('telemetry/meter.py', 'Meter.snapshot', 'self._snapshots += 1'):
+        'snapshot numbers are compared with each other only: any increasing step orders them the same',
+    ('telemetry/meter.py', 'Meter.observe', 'h = self._hists[k] = [0.0] * (len(fam.buckets) + 2)', '2 -> 3'):
+        'one more bucket after +Inf that is never counted: the export zips counts with the bounds and quantile() skips empty buckets',
     ("deployments/resume.py", "resuming", "for attempt in range(max_resumes + 1):", "1 -> 2"):
         "one more pass of the loop is never reached: at attempt == max_resumes the loop returns or raises",
     ("speculative/sampling.py", "warp_logits", "if params.top_k and params.top_k < logits.shape[-1]:"):
@@ -553,8 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     earlier: dict[tuple, dict] = {}
     if args.survivors_of:
         for m in json.loads(Path(args.survivors_of).read_text())["mutants"]:
-            # keyed by the mutated line's text, not its number: an edit above it moves it
-            earlier[(m["file"], m["function"], m["before"], m["kind"], m["after"])] = m
+            _occurrence(m, earlier)
     results: list[Mutant] = []
     t_all = time.perf_counter()
     for file, (modname, only, tests) in TARGETS.items():
@@ -564,8 +607,9 @@ def main(argv: list[str] | None = None) -> int:
         mutants = [(m, t) for m, t in enumerate_mutants(file, only, root)
                    if not args.functions or _named(m.function, args.functions)][: args.limit]
         print(f"{file}: {len(mutants)} mutants", flush=True)
+        seen: dict[tuple, dict] = {}
         for m, tree in mutants:
-            before = earlier.get((m.file, m.function, m.before, m.kind, m.after))
+            before = earlier.get(_occurrence(asdict(m), seen))
             if before is not None and before["status"] in ("killed", "timeout"):
                 results.append(Mutant(**{**before, "line": m.line}))  # killed then; tests were only added since
                 continue
@@ -599,6 +643,19 @@ def main(argv: list[str] | None = None) -> int:
 def _equivalent(m: "Mutant") -> bool:
     """In ``EQUIVALENT``: by its line (every mutant of it), or by its line and mutated form (that one)."""
     return (m.file, m.function, m.before) in EQUIVALENT or (m.file, m.function, m.before, m.after) in EQUIVALENT
+
+
+def _occurrence(m: dict, taken: dict) -> tuple:
+    """A mutant's key across runs: the mutated line's text, not its number (an edit above it moves
+    it), its kind and form, and which of the mutants alike in all of these it is (a line can hold
+    the same form several times: ``v[0]`` read twice), in the order they are enumerated. Reserves
+    the key in ``taken``."""
+    base = (m["file"], m["function"], m["before"], m["kind"], m["after"])
+    n = 0
+    while (*base, n) in taken:
+        n += 1
+    taken[(*base, n)] = m
+    return (*base, n)
 
 
 def _named(function: str, names: list[str]) -> bool:

@@ -312,3 +312,188 @@ def test_stats_stay_valid_json_when_a_figure_is_not_finite():
     s = hub.stats()
     json.dumps(s, allow_nan=False)  # what the HTTP layer does: NaN would be a 500
     assert s["learner"]["loss"] == {"general": None}
+
+
+def test_quantile_walks_the_buckets_by_cumulative_count():
+    buckets = (1.0, 2.0, 4.0)
+    assert quantile(0.75, buckets, [2, 2, 0, 0]) == pytest.approx(1.5)  # rank 3: one of two into (1, 2]
+    assert quantile(0.5, buckets, [1, 0, 0, 0]) == pytest.approx(0.5)  # a single observation
+    assert quantile(0.5, buckets, [0, 1, 0, 0]) == pytest.approx(1.5)
+    assert quantile(0.0, buckets, [0, 3, 0, 0]) == pytest.approx(1.0)  # empty buckets are skipped, even at rank 0
+    assert quantile(0.9, buckets, [5, 0, 5, 0]) == pytest.approx(2.0 + 2.0 * 4 / 5)
+    assert quantile(0.5, buckets, [2, 0, 2, 0]) == 1.0  # a rank at a bucket's top: its bound, as Prometheus
+
+
+def test_a_histogram_merged_snapshot_after_snapshot_adds_only_what_is_new():
+    m, hub = Meter("Ingress", replica="a"), Hub()
+    m.observe("osd_e2e_request_latency_seconds", 0.3, tenant="t")
+    m.observe("osd_e2e_request_latency_seconds", 20.0, tenant="t")
+    hub.merge(m.snapshot())
+    m.observe("osd_e2e_request_latency_seconds", 0.3, n=2, tenant="t")  # the 20 s bucket does not move
+    hub.merge(m.snapshot())
+    assert value(hub, "osd_e2e_request_latency_seconds_count", tenant="t") == 4
+    assert value(hub, "osd_e2e_request_latency_seconds_bucket", tenant="t", le="0.5") == 3
+    assert value(hub, "osd_e2e_request_latency_seconds_sum", tenant="t") == pytest.approx(0.9 + 20.0)
+    hub.merge(m.snapshot())  # nothing new
+    assert value(hub, "osd_e2e_request_latency_seconds_count", tenant="t") == 4
+
+
+def test_no_observation_makes_no_series():
+    m = Meter("Ingress", replica="a")
+    m.observe("osd_e2e_request_latency_seconds", 0.3, n=0, tenant="t")
+    assert m.snapshot()["hists"] == {}
+    off = Meter("Ingress", MetricsConfig(enabled=False), replica="b")
+    off.observe("osd_e2e_request_latency_seconds", 0.3, tenant="t")
+    off.set("osd_target_kv_caches", 3)
+    off.event("publish", draft="g", version=1)
+    snap = off.snapshot()
+    assert (snap["hists"], snap["gauges"], snap["events"]) == ({}, {}, [])
+
+
+def test_an_event_after_eventless_snapshots_is_merged():
+    m, hub = Meter("Learner", replica="l"), Hub()
+    hub.merge(m.snapshot())
+    m.event("publish", draft="g", version=1)
+    hub.merge(m.snapshot())
+    assert [(e["kind"], e["source"]) for e in hub.events] == [("publish", "Learner")]
+
+
+def test_retain_forgets_nothing_recent_and_every_silent_replica_without_a_source_list():
+    a, b, hub = Meter("Target", replica="a"), Meter("DraftPool", replica="b"), Hub()
+    a.inc("osd_requests_total", 2, tenant="t", status="200")
+    a.set("osd_target_kv_caches", 3)
+    b.set("osd_draft_pool_requests_running", 5)
+    hub.merge(a.snapshot())
+    hub.merge(b.snapshot())
+    hub.retain({"a", "b"})
+    a.inc("osd_requests_total", 1, tenant="t", status="200")
+    hub.merge(a.snapshot())  # the epoch's last snapshot was kept: only the new request is added
+    assert value(hub, "osd_requests_total", tenant="t", status="200") == 3
+    hub.retain({"a"})  # no source list: every replica that did not answer is dropped
+    assert value(hub, "osd_draft_pool_requests_running") == 0 and value(hub, "osd_target_kv_caches") == 3
+    assert hub.replicas_of("DraftPool") == set() and hub.replicas_of("Target") == {"a"}
+
+
+def test_a_version_older_than_every_kept_one_is_counted_as_old():
+    cfg = MetricsConfig(keep_versions=2)
+    m, hub = Meter("DraftPool", cfg, replica="a"), Hub(cfg)
+    for v in (4, 5, 3):  # a replica still serving version 3 reports after 4 and 5 were seen
+        m.inc("osd_spec_decode_draft_version_draft_tokens_total", v, draft="g", draft_version=v)
+        hub.merge(m.snapshot())
+    got = {dict(k[1])["draft_version"]: v for k, v in samples(hub).items()
+           if k[0] == "osd_spec_decode_draft_version_draft_tokens_total"}
+    assert got == {"4": 4, "5": 5, "old": 3}
+    assert hub.versions["g"] == [4, 5]
+
+
+def test_stats_series_are_windowed_over_the_trailing_window():
+    """sample_s = 10 s: the window (30 s) is 3 samples back; each point's acceptance, rates and
+    latency quantiles come from what happened since the point 3 samples before it."""
+    cfg = MetricsConfig(sample_s=10.0)
+    d, i, hub = Meter("DraftPool", cfg, replica="d"), Meter("Ingress", cfg, replica="i"), Hub(cfg)
+    spec = {**SPEC, "domain": "sql"}
+    per_sample = [(3, 1, 0.3), (3, 2, 0.3), (0, 0, 3.0), (6, 6, 3.0), (3, 0, 3.0)]  # drafted, accepted, latency
+    hub.sample(now=1000.1234)
+    for n, (drafted, accepted, lat) in enumerate(per_sample, start=1):
+        d.inc("osd_spec_decode_num_draft_tokens_total", drafted, **spec)
+        d.inc("osd_spec_decode_num_accepted_tokens_total", accepted, **spec)
+        i.inc("osd_requests_total", n, tenant="t1", status="200")  # n requests in the n-th interval
+        i.inc("osd_generation_tokens_total", 10 * n, tenant="t1", status="200")
+        i.observe("osd_e2e_request_latency_seconds", lat, n=n, tenant="t1")
+        i.observe("osd_time_to_first_token_seconds", lat / 10, n=n, tenant="t1")
+        hub.merge(d.snapshot())
+        hub.merge(i.snapshot())
+        hub.sample(now=1000.1234 + 10 * n)
+    s = hub.stats()["series"]
+    assert s["t"][:2] == [1000.123, 1010.123]
+    # drafted, accepted since 3 samples before (or the first): (3, 1), (6, 3), (6, 3), (9, 8), (9, 6)
+    assert s["acceptance"]["sql"] == [None, round(1 / 3, 4), 0.5, 0.5, round(8 / 9, 4), round(6 / 9, 4)]
+    # requests in the window / its seconds: 1/10, 3/20, 6/30, then (2+3+4)/30, (3+4+5)/30
+    assert s["requests_per_s"] == [None, 0.1, 0.15, 0.2, 0.3, 0.4]
+    assert s["tokens_per_s"] == [None, 1.0, 1.5, 2.0, 3.0, 4.0]
+    assert s["errors_per_s"] == [None, 0.0, 0.0, 0.0, 0.0, 0.0]
+    buckets = CATALOG["osd_e2e_request_latency_seconds"].buckets
+    assert s["latency_p50_s"][0] is None and s["latency_p50_s"][1] == quantile(0.5, buckets, _counts(buckets, {0.3: 1}))
+    # the requests of each point's window: point 2, intervals 1-2; point 4, 2-4; point 5, 3-5
+    assert s["latency_p50_s"][2] == quantile(0.5, buckets, _counts(buckets, {0.3: 3}))
+    assert s["latency_p50_s"][5] == quantile(0.5, buckets, _counts(buckets, {3.0: 12}))
+    assert s["latency_p95_s"][4] == quantile(0.95, buckets, _counts(buckets, {0.3: 2, 3.0: 7}))
+    assert s["latency_p50_s"][4] == quantile(0.5, buckets, _counts(buckets, {0.3: 2, 3.0: 7}))
+    assert s["latency_p50_s"][4] != s["latency_p95_s"][4]
+    assert s["ttft_p50_s"][2] == quantile(0.5, buckets, _counts(buckets, {0.03: 3}))
+    assert s["ttft_p50_s"][4] == quantile(0.5, buckets, _counts(buckets, {0.03: 2, 0.3: 7}))
+
+
+def test_stats_windows_of_one_sample_sub_second_rates_and_the_overflow_bucket():
+    """A sample period longer than the window: each point is against the one before it. Rates over
+    sub-second gaps keep four decimals; one drafted token is enough for an acceptance figure; a
+    latency beyond the highest bound stays in the quantiles (at that bound)."""
+    cfg = MetricsConfig(sample_s=60.0)
+    d, i, hub = Meter("DraftPool", cfg, replica="d"), Meter("Ingress", cfg, replica="i"), Hub(cfg)
+    hub.sample(now=50.0)
+    d.inc("osd_spec_decode_num_draft_tokens_total", 1, **SPEC)
+    d.inc("osd_spec_decode_num_accepted_tokens_total", 1, **SPEC)
+    i.inc("osd_requests_total", 1, tenant="t1", status="200")
+    i.observe("osd_e2e_request_latency_seconds", 0.3, n=3, tenant="t1")
+    i.observe("osd_e2e_request_latency_seconds", 1e4, tenant="t1")
+    i.observe("osd_time_to_first_token_seconds", 0.03, tenant="t1")
+    i.observe("osd_time_to_first_token_seconds", 1e4, tenant="t1")
+    for m in (d, i):
+        hub.merge(m.snapshot())
+    hub.sample(now=50.6)
+    i.inc("osd_requests_total", 1, tenant="t1", status="200")
+    hub.merge(i.snapshot())
+    hub.sample(now=53.6)
+    s = hub.stats()["series"]
+    assert s["acceptance"]["code"] == [None, 1.0, None]  # the third point: nothing drafted since the second
+    assert s["requests_per_s"] == [None, round(1 / 0.6, 4), round(1 / 3, 4)]
+    buckets = CATALOG["osd_e2e_request_latency_seconds"].buckets
+    assert s["latency_p95_s"][1] == buckets[-1] and s["latency_p50_s"][1] < 0.5
+    assert s["ttft_p50_s"][1] == quantile(0.5, buckets, _counts(buckets, {0.03: 1, 1e4: 1}))
+
+
+def _counts(buckets: tuple[float, ...], obs: dict[float, int]) -> list[float]:
+    """Non-cumulative bucket counts (last: +Inf) of ``obs`` (value -> how many)."""
+    import bisect
+
+    out = [0.0] * (len(buckets) + 1)
+    for v, n in obs.items():
+        out[bisect.bisect_left(buckets, v)] += n
+    return out
+
+
+def test_stats_totals_scope_running_gauges_and_events():
+    cfg = MetricsConfig(events=500)
+    a, b, lm, hub = Meter("Target", cfg, replica="a"), Meter("Target", cfg, replica="b"), Meter("Learner", cfg, replica="l"), Hub(cfg)
+    a.set("osd_target_kv_caches", 3)
+    b.set("osd_target_kv_caches", 4)
+    a.inc("osd_spec_decode_num_draft_tokens_total", 8, **SPEC)
+    a.inc("osd_spec_decode_num_accepted_tokens_total", 2, **SPEC)
+    a.inc("osd_spec_decode_num_draft_tokens_total", 5, **{**SPEC, "domain": "sql"})
+    a.inc("osd_spec_decode_num_accepted_tokens_total", 0, **{**SPEC, "domain": "sql"})
+    for n in range(150):
+        lm.event("publish", draft="g", version=n)
+    for m in (a, b, lm):
+        hub.merge(m.snapshot())
+    s = hub.stats()
+    assert s["scope"] == "all" and hub.stats("t1")["scope"] == "t1"
+    assert s["running"]["kv_caches"] == 7
+    assert s["acceptance"]["code"] == {"drafted": 8, "accepted": 2, "alpha": 0.25}
+    assert s["acceptance"]["sql"] == {"drafted": 5, "accepted": 0, "alpha": 0.0}  # none accepted is 0, not unknown
+    assert [e["version"] for e in s["events"]] == list(range(50, 150))  # the newest 100
+
+
+def test_stats_learner_figures_add_up_by_result():
+    lm, hub = Meter("Learner", replica="l"), Hub()
+    for draft in ("g", "d:sql"):
+        lm.inc("osd_learner_records_total", 10, draft=draft)
+        lm.inc("osd_learner_steps_total", 4, draft=draft)
+        lm.inc("osd_learner_train_seconds_total", 2.0, draft=draft)
+    lm.inc("osd_learner_rounds_total", 3, draft="g", result="published")
+    lm.inc("osd_learner_rounds_total", 1, draft="d:sql", result="rejected")
+    lm.set("osd_learner_loss", 1.5, draft="g")
+    lm.set("osd_learner_paused", 1)
+    hub.merge(lm.snapshot())
+    got = hub.stats()["learner"]
+    assert got == {"records": 20, "published": 3, "rejected": 1, "rounds": 4, "steps": 8, "step_seconds": 0.5,
+                   "paused": True, "loss": {"g": 1.5}}
