@@ -83,6 +83,8 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "deployments/resume.py": ("deployments.resume", None, ["tests/unit/test_resume.py"]),
     "telemetry/hub.py": ("telemetry.hub", None, ["tests/unit/test_telemetry.py"]),
     "telemetry/meter.py": ("telemetry.meter", None, ["tests/unit/test_telemetry.py"]),
+    # the typed configs: validators, the cache folder, content keys of files
+    "config/__init__.py": ("config", None, ["tests/unit/test_config.py"]),
 }
 
 _CROP0 = "'<=': at start == have the mutant calls crop(0), which transformers' DynamicCache treats as a no-op"
@@ -90,6 +92,12 @@ _CROP0 = "'<=': at start == have the mutant calls crop(0), which transformers' D
 #: Survivors that cannot change behaviour: (file, function, mutated line) -> why, or (file, function,
 #: mutated line, mutated form) -> why where other mutants of the line do change it.
 EQUIVALENT: dict[tuple[str, ...], str] = {
+    ('config/__init__.py', 'file_sha256', 'while chunk := f.read(1 << 22):', '1 -> 2'):
+        'another positive chunk size: the digest of the same bytes read in other pieces is the same',
+    ('config/__init__.py', 'file_sha256', 'while chunk := f.read(1 << 22):', '22 -> 23'):
+        'another positive chunk size: the digest of the same bytes read in other pieces is the same',
+    ('config/__init__.py', 'file_sha256', 'while chunk := f.read(1 << 22):', '22 -> 21'):
+        'another positive chunk size: the digest of the same bytes read in other pieces is the same',
     ('telemetry/hub.py', 'quantile', 'return buckets[-1]'):
         'reached only when the rank passes every count, i.e. q > 1: the dashboard asks for 0.5 and 0.95',
     ('telemetry/hub.py', 'Hub.__init__', 'self.registry = CollectorRegistry(auto_describe=False)'):

@@ -3,9 +3,12 @@ ModelLoadError, VocabMismatchError), not a deep traceback from inside a model.""
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
-from config import DraftConfig, EngineConfig, KPolicyConfig, ModelConfig, NgramConfig, SamplingParams, ValidationError
+from config import (GREEDY_BELOW, DraftConfig, EngineConfig, KPolicyConfig, LearnerServeConfig, ModelConfig, NgramConfig,
+                    RouterConfig, SamplingParams, ValidationError, cache_dir, content_key, file_sha256)
 from speculative import ModelLoadError, RequestError, VocabMismatchError
 from speculative.models import check_same_vocab, load_model
 
@@ -55,6 +58,47 @@ def test_kpolicy_and_engine_config_validation():
         EngineConfig(record_top_k=0)
     with pytest.raises(ValidationError):
         ModelConfig(dtype="float64")
+
+
+def test_validators_accept_their_edges_and_refuse_one_past():
+    assert NgramConfig(min_n=2, max_n=2).min_n == 2
+    assert KPolicyConfig(k_max=3).fixed_k is None  # adaptive
+    assert KPolicyConfig(k_max=3, fixed_k=3).fixed_k == 3
+    with pytest.raises(ValidationError, match="fixed_k"):
+        KPolicyConfig(k_max=3, fixed_k=4)
+    assert DraftConfig(kind="feature", feature_layers=[0, 5]).feature_layers == [0, 5]
+    for layers, why in (([2, 2], "distinct"), ([-1], "distinct"), ([3, -2], "distinct")):
+        with pytest.raises(ValidationError, match=why):
+            DraftConfig(kind="feature", feature_layers=layers)
+    with pytest.raises(ValidationError, match="is for draft.kind='feature'"):
+        DraftConfig(kind="truncated", feature_layers=[3])
+    assert RouterConfig(prior=(0.5, 0.5)).prior == (0.5, 0.5)
+    for prior in ((0.0, 1.0), (1.0, -1.0)):
+        with pytest.raises(ValidationError, match="pseudo-counts"):
+            RouterConfig(prior=prior)
+    assert not SamplingParams(temperature=GREEDY_BELOW).greedy and SamplingParams(temperature=GREEDY_BELOW / 2).greedy
+
+
+def test_the_cache_folder_and_the_learner_state_under_it(monkeypatch, tmp_path):
+    monkeypatch.delenv("OSD_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cache_dir() == tmp_path / ".cache" / "osd-serve"
+    assert LearnerServeConfig().root() == tmp_path / ".cache" / "osd-serve" / "serve"
+    monkeypatch.setenv("OSD_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert cache_dir() == tmp_path / "elsewhere"
+    assert LearnerServeConfig(state_dir=str(tmp_path / "state")).root() == tmp_path / "state"
+
+
+def test_content_keys_follow_the_bytes_not_the_path(tmp_path):
+    data = bytes(range(256)) * 40_000  # 10 MB: more than two read chunks
+    a, b, c = tmp_path / "a.bin", tmp_path / "b.bin", tmp_path / "c.bin"
+    a.write_bytes(data)
+    b.write_bytes(data)
+    c.write_bytes(data[:-1] + b"x")
+    assert file_sha256(a) == hashlib.sha256(data).hexdigest()
+    assert content_key(a) == content_key(b) != content_key(c)
+    assert len(content_key(a)) == 16 and len(content_key(a, length=7)) == 7
+    assert content_key(a, b) == hashlib.sha256((hashlib.sha256(data).hexdigest() * 2).encode()).hexdigest()[:16]
 
 
 # -- requests -----------------------------------------------------------------------------------------
