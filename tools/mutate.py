@@ -85,6 +85,8 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "telemetry/meter.py": ("telemetry.meter", None, ["tests/unit/test_telemetry.py"]),
     # the typed configs: validators, the cache folder, content keys of files
     "config/__init__.py": ("config", None, ["tests/unit/test_config.py"]),
+    # the router's features: cleaned text, the ONNX embedder (export, atomic publication), language, caches
+    "router/features.py": ("router.features", None, ["tests/unit/test_router_onnx.py", "tests/unit/test_router.py"]),
 }
 
 _CROP0 = "'<=': at start == have the mutant calls crop(0), which transformers' DynamicCache treats as a no-op"
