@@ -94,6 +94,26 @@ _CROP0 = "'<=': at start == have the mutant calls crop(0), which transformers' D
 #: Survivors that cannot change behaviour: (file, function, mutated line) -> why, or (file, function,
 #: mutated line, mutated form) -> why where other mutants of the line do change it.
 EQUIVALENT: dict[tuple[str, ...], str] = {
+    ('router/features.py', 'onnx_dir', 'weights = content_key(model_path / "model.safetensors", model_path / "config.json", length=64)'):
+        'the folder is named by a hash of the key: a digest of another length names another folder, found again the same way',
+    ('router/features.py', '_export_onnx', 'e = (h * w).sum(1) / w.sum(1).clamp(min=1e-9)  # [b, 384]'):
+        'the L2 normalisation after pooling removes any positive per-row scale, and the clamp only guards a row of padding alone, which no text is',
+    ('router/features.py', '_export_onnx', 'modules = [m["type"].rsplit(".", 1)[-1] for m in json.loads((model_path / "modules.json").read_text())]', '1 -> 2'):
+        'the last piece after a dot is the same however many splits are made from the right',
+    ('router/features.py', 'OnnxEmbedder.encode', 'size = 1 if self.one_at_a_time else batch_size', '1 -> 0'):
+        "a size of 0 still runs one text per batch: a batch's first text is taken before the bounds are checked",
+    ('router/features.py', 'OnnxEmbedder.encode', 'pad = self.tokenizer.pad_token_id or 0'):
+        'padded positions are masked out of attention and pooling: any pad id gives the same vectors',
+    ('router/features.py', 'OnnxEmbedder.encode', 'mask[r, : lens[k]] = 1', '1 -> 2'):
+        'the exported graph reads the mask as zero / non-zero, and mean pooling divides by its sum',
+    ('router/features.py', 'FeatureExtractor._encode', 'texts, batch_size=1 if self.cfg.quantize else self.cfg.batch_size, normalize_embeddings=True,', 'True -> False'):
+        "the packaged MiniLM's pipeline ends in a Normalize module: its vectors are unit already",
+    ('router/features.py', 'FeatureExtractor._encode', 'convert_to_numpy=True, show_progress_bar=False,', 'False -> True'):
+        'a progress bar on stderr: the vectors are the same',
+    ('router/features.py', 'FeatureExtractor._encode', ').astype(np.float32, copy=False)'):
+        'a copy of an array nothing else holds',
+    ('router/features.py', 'FeatureExtractor._language', 'return str(ranked[i][0]), float(post[i] / post.sum()) if post.sum() > 0 else 0.0', 'post.sum() > 0 -> post.sum() >= 0'):
+        "the sum is positive: py3langid's probabilities over the allowed languages are, and every prior weight is (lang_prior_unseen > 0)",
     ('config/__init__.py', 'file_sha256', 'while chunk := f.read(1 << 22):', '1 -> 2'):
         'another positive chunk size: the digest of the same bytes read in other pieces is the same',
     ('config/__init__.py', 'file_sha256', 'while chunk := f.read(1 << 22):', '22 -> 23'):

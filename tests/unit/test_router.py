@@ -207,3 +207,38 @@ def test_saved_state_is_two_generations_and_a_corrupt_one_is_skipped(extractor, 
     assert load_state(tmp_path, cfg, extractor) is not None
     # speed-only settings do not make a save foreign
     assert load_state(tmp_path, cfg.model_copy(update={"embed_cache": 7, "threads": 2, "batch_size": 3}), extractor) is not None
+
+
+def test_language_confidence_under_a_prior_is_the_normalised_posterior():
+    from router.features import _load_langid
+
+    fx = FeatureExtractor(RouterConfig(languages=("fa", "ur", "ar", "en")), lang_prior={"fa": 1.0, "en": 1.0})
+    text = PERSIAN_SHORT[0]
+    ranked = _load_langid(("fa", "ur", "ar", "en")).rank(text)
+    post = {lang: p * (1.0 if lang in ("fa", "en") else RouterConfig().lang_prior_unseen) for lang, p in ranked}
+    best = max(post, key=post.get)
+    lang, conf = fx.language(text)
+    assert (lang, conf) == (best, pytest.approx(post[best] / sum(post.values()), rel=1e-6))
+    assert 0 < conf < 1
+
+
+def test_the_language_set_is_checked_and_bounds_the_answers():
+    from router.features import _load_langid
+
+    with pytest.raises(ValueError, match=r"\['zz'\]"):
+        _load_langid(("en", "zz"))
+    fx = FeatureExtractor(RouterConfig(languages=("en", "fr")))
+    assert fx.language(SAMPLES["ru"])[0] in ("en", "fr")  # only the allowed ones are answered
+    lang, conf = FeatureExtractor(RouterConfig(languages=("en", "fr", "de"))).language(
+        "The weather is lovely today and we are going for a walk in the park.")
+    assert lang == "en" and 0.5 < conf <= 1.0  # a probability over the allowed languages
+    every = FeatureExtractor(RouterConfig(languages=None))
+    prior = every.fit_lang_prior(["en", "ru"])
+    assert set(prior) == set(_load_langid(None).nb_classes) and len(prior) > 90 and prior["ru"] == 1.0
+    assert prior["fr"] == RouterConfig().lang_prior_unseen
+
+
+def test_clean_text_cuts_at_max_chars_and_blanks_control_characters():
+    assert clean_text("abcdefgh", 3) == "abc"
+    assert clean_text("  a\x00b\x7fc\td\n ", 100) == "a b c\td"  # tabs and newlines stay
+    assert clean_text("x\ud800y", 100) == "x?y"  # a lone surrogate is replaced, not an encoding error

@@ -4,6 +4,7 @@ exported again). The export goes to a temporary OSD_CACHE_DIR, once for the modu
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -161,3 +162,105 @@ def test_a_corrupt_file_is_not_taken_for_whole(tmp_path):
     assert not features._is_whole(path)
     path.with_suffix(".json").write_text("{not json")
     assert not features._is_whole(path)
+
+
+class _Recorder:
+    """The real onnxruntime session, with the shapes and masks of the batches it was given."""
+
+    def __init__(self, session):
+        self.session, self.batches = session, []
+
+    def run(self, names, feeds):
+        self.batches.append(feeds["attention_mask"].copy())
+        return self.session.run(names, feeds)
+
+
+def _recorded(batch_tokens: int) -> tuple[features.OnnxEmbedder, _Recorder]:
+    model = onnx_fx().model
+    rec = _Recorder(model.session)
+    emb = features.OnnxEmbedder(rec, model.tokenizer, 128, one_at_a_time=False)
+    emb.batch_tokens = batch_tokens
+    return emb, rec
+
+
+def test_batches_hold_texts_by_length_within_their_bounds(cache_root):
+    emb, rec = _recorded(batch_tokens=200)
+    got = emb.encode(TEXTS, batch_size=3)
+    lens = [len(x) for x in emb.tokenizer(TEXTS, truncation=True, max_length=128)["input_ids"]]
+    assert sum(len(m) for m in rec.batches) == len(TEXTS) and len(rec.batches) > 2
+    for m in rec.batches:
+        assert len(m) <= 3 and m.size <= 200 or len(m) == 1, m.shape  # one text alone may be longer
+        assert (m.sum(1) == sorted(m.sum(1))).all() and m.sum(1).max() == m.shape[1]  # no wider than its longest
+    assert sorted(int(n) for m in rec.batches for n in m.sum(1)) == sorted(lens)
+    widths = [m.shape[1] for m in rec.batches]
+    assert widths == sorted(widths)  # shortest texts first
+    one = features.OnnxEmbedder(emb.session.session, emb.tokenizer, 128, one_at_a_time=True).encode(TEXTS)
+    np.testing.assert_allclose(got, one, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("batch_size, batch_tokens, want", [(32, 2, [2, 2]), (2, 10_000, [2, 2]), (32, 1, [1, 1, 1, 1])])
+def test_a_batch_fills_to_exactly_its_bounds(cache_root, batch_size, batch_tokens, want):
+    """Four texts of one length L: a word-piece bound of exactly 2 L (given as a multiple) or a size
+    of 2 makes batches of two; a bound below one text runs each text alone."""
+    text = "the same words again"
+    emb, rec = _recorded(batch_tokens=1)
+    n = len(emb.tokenizer([text])["input_ids"][0])
+    emb.batch_tokens = batch_tokens * n if batch_tokens < 100 else batch_tokens
+    emb.encode([text] * 4, batch_size=batch_size)
+    assert [len(m) for m in rec.batches] == want
+
+
+def test_an_export_refuses_a_model_it_cannot_reproduce(tmp_path):
+    """Only Transformer + mean pooling + Normalize is exported: a model folder whose pipeline
+    differs is refused before anything is written."""
+    src = features._model_path()
+    for change in ("modules", "pooling"):
+        model = tmp_path / change
+        shutil.copytree(src, model)
+        if change == "modules":
+            mods = [m for m in json.loads((model / "modules.json").read_text()) if not m["type"].endswith("Normalize")]
+            (model / "modules.json").write_text(json.dumps(mods))
+        else:
+            cfg = json.loads((model / "1_Pooling" / "config.json").read_text())
+            (model / "1_Pooling" / "config.json").write_text(json.dumps({**cfg, "pooling_mode_mean_tokens": False,
+                                                                          "pooling_mode_cls_token": True}))
+        with pytest.raises(ValueError, match="can be exported"):
+            features._export_onnx(model, tmp_path / f"{change}.onnx", 1)
+        assert not (tmp_path / f"{change}.onnx").exists()
+
+
+def test_published_files_are_readable_by_all_and_sessions_single_threaded_and_quiet(cache_root):
+    path = features.ensure_onnx(quantize=False)
+    for p in (path, path.with_suffix(".json")):
+        assert p.stat().st_mode & 0o777 == 0o644
+    opts = features._session(path, 1).get_session_options()
+    assert (opts.intra_op_num_threads, opts.inter_op_num_threads, opts.log_severity_level) == (1, 1, 3)
+
+
+def test_clearing_the_cache_zeroes_its_counts(cache_root):
+    fx = onnx_fx(embed_cache=8)
+    fx.embed(["one", "one", "two"])
+    fx.embed(["one"])
+    assert (fx.cache_info()["hits"], fx.cache_info()["misses"]) == (1, 2)
+    fx.clear_cache()
+    assert fx.cache_info() == {"size": 0, "max": 8, "hits": 0, "misses": 0}
+
+
+def test_a_cached_export_that_is_whole_but_does_not_load_is_exported_again(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("OSD_CACHE_DIR", str(tmp_path))
+    path = features.ensure_onnx(quantize=False)
+    path.write_bytes(b"not an onnx graph")  # e.g. written by another onnxruntime: its record says whole
+    path.with_suffix(".json").write_text(json.dumps({"size": path.stat().st_size, "sha256": features.file_sha256(path),
+                                                     "format": features.ONNX_FORMAT}))
+    emb = features._load_onnx(str(tmp_path), 128, 1, False)
+    assert "exporting it again" in caplog.text
+    assert emb.encode(["hello there"]).shape == (1, EMBED_DIM)
+
+
+def test_the_int8_torch_backend_is_quantized_and_batch_independent():
+    fx = FeatureExtractor(RouterConfig(backend="torch", quantize=True, embed_cache=0, batch_size=4))
+    batch = fx.embed(TEXTS)
+    single = np.stack([fx.embed([t])[0] for t in TEXTS])
+    np.testing.assert_allclose(batch, single, atol=0, rtol=0)  # one text at a time: activations scaled per text
+    exact = FeatureExtractor(RouterConfig(backend="torch", quantize=False, embed_cache=0)).embed(TEXTS[:1])
+    assert 0.8 < float(batch[0] @ exact[0]) < 0.99999  # near float32 (0.90 on this text), but int8
