@@ -264,3 +264,26 @@ def test_the_int8_torch_backend_is_quantized_and_batch_independent():
     np.testing.assert_allclose(batch, single, atol=0, rtol=0)  # one text at a time: activations scaled per text
     exact = FeatureExtractor(RouterConfig(backend="torch", quantize=False, embed_cache=0)).embed(TEXTS[:1])
     assert 0.8 < float(batch[0] @ exact[0]) < 0.99999  # near float32 (0.90 on this text), but int8
+
+
+def test_an_export_that_disagrees_with_torch_is_not_published(tmp_path, monkeypatch):
+    """The exported graph is checked against torch before it is kept: a graph that pools the
+    [CLS] vector instead of the mean is refused and leaves nothing behind."""
+    import torch
+
+    real_export = torch.onnx.export
+
+    class ClsPooled(torch.nn.Module):
+        def __init__(self, bert):
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, input_ids, attention_mask):
+            h = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            return torch.nn.functional.normalize(h[:, 0], p=2.0, dim=-1)
+
+    monkeypatch.setattr(torch.onnx, "export", lambda net, *a, **kw: real_export(ClsPooled(net.bert), *a, **kw))
+    dest = tmp_path / "model.onnx"
+    with pytest.raises(RuntimeError, match="disagrees with torch"):
+        features._export_onnx(features._model_path(), dest, 1)
+    assert list(tmp_path.iterdir()) == []
