@@ -557,6 +557,20 @@ def _live_function(module, qualname: str):
     return inspect.unwrap(obj)  # through decorators (torch.inference_mode) to the function defined here
 
 
+def _clear_caches(module, qualname: str) -> None:
+    """Forget what the module's cached functions (``functools.cache``) returned: a result cached
+    by an earlier test run would hide a mutant from every test, and one computed by a mutant would
+    leak into the next. Called before a mutant is swapped in and after it is swapped out."""
+    for obj in list(vars(module).values()):
+        if callable(obj) and hasattr(obj, "cache_clear"):
+            obj.cache_clear()
+    obj = module
+    for part in qualname.split("."):
+        obj = obj.__dict__[part] if isinstance(obj, type) else getattr(obj, part)
+        if hasattr(obj, "cache_clear"):
+            obj.cache_clear()
+
+
 class _Timeout(Exception):
     pass
 
@@ -647,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
             live = _live_function(module, m.function)
             original = live.__code__
             t0 = time.perf_counter()
+            _clear_caches(module, m.function)
             try:
                 live.__code__ = code
             except ValueError as e:  # a closure whose free variables differ: cannot be swapped in
@@ -656,6 +671,7 @@ def main(argv: list[str] | None = None) -> int:
                 passed, killer = run_tests(kept(tests), args.timeout)
             finally:
                 live.__code__ = original
+                _clear_caches(module, m.function)
             m.seconds = time.perf_counter() - t0
             m.killer = killer
             m.status = ("equivalent" if _equivalent(m) else "survived") if passed else (

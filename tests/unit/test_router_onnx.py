@@ -151,6 +151,12 @@ def test_a_partial_cached_file_is_exported_again(root, tmp_path, monkeypatch, to
     assert (folder / ONNX_FILE).stat().st_size == size
     assert (got * torch_emb).sum(1).min() >= 0.999
     assert not [p for p in os.listdir(folder) if p.endswith(".tmp")]
+    qsize, quantized = (folder / ONNX_INT8_FILE).stat().st_size, onnx_stats["quantized"]
+    with open(folder / ONNX_INT8_FILE, "r+b") as f:  # the int8 file too: quantized again, once
+        f.truncate(qsize // 2)
+    onnx_fx(quantize=True).embed(["again"])
+    onnx_fx(quantize=True).embed(["and again"])
+    assert onnx_stats["quantized"] == quantized + 1 and (folder / ONNX_INT8_FILE).stat().st_size == qsize
 
 
 def test_a_corrupt_file_is_not_taken_for_whole(tmp_path):
@@ -198,16 +204,17 @@ def test_batches_hold_texts_by_length_within_their_bounds(cache_root):
     np.testing.assert_allclose(got, one, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("batch_size, batch_tokens, want", [(32, 2, [2, 2]), (2, 10_000, [2, 2]), (32, 1, [1, 1, 1, 1])])
-def test_a_batch_fills_to_exactly_its_bounds(cache_root, batch_size, batch_tokens, want):
-    """Four texts of one length L: a word-piece bound of exactly 2 L (given as a multiple) or a size
-    of 2 makes batches of two; a bound below one text runs each text alone."""
+@pytest.mark.parametrize("batch_size, bound, want", [(32, "2L", [2, 2]), (2, "many", [2, 2]), (32, "L-1", [1, 1, 1, 1])])
+def test_a_batch_fills_to_exactly_its_bounds(cache_root, batch_size, bound, want):
+    """Four texts of one length L: a word-piece bound of exactly 2 L or a size of 2 makes batches
+    of two; a bound below one text still runs each text, alone."""
     text = "the same words again"
     emb, rec = _recorded(batch_tokens=1)
     n = len(emb.tokenizer([text])["input_ids"][0])
-    emb.batch_tokens = batch_tokens * n if batch_tokens < 100 else batch_tokens
-    emb.encode([text] * 4, batch_size=batch_size)
+    emb.batch_tokens = {"2L": 2 * n, "many": 10_000, "L-1": n - 1}[bound]
+    got = emb.encode([text] * 4, batch_size=batch_size)
     assert [len(m) for m in rec.batches] == want
+    np.testing.assert_allclose(got, np.repeat(got[:1], 4, axis=0), atol=1e-5, rtol=0)
 
 
 def test_an_export_refuses_a_model_it_cannot_reproduce(tmp_path):
