@@ -83,6 +83,8 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "deployments/resume.py": ("deployments.resume", None, ["tests/unit/test_resume.py"]),
     "telemetry/hub.py": ("telemetry.hub", None, ["tests/unit/test_telemetry.py"]),
     "telemetry/meter.py": ("telemetry.meter", None, ["tests/unit/test_telemetry.py"]),
+    "telemetry/catalog.py": ("telemetry.catalog", None, ["tests/unit/test_telemetry.py"]),
+    "telemetry/top.py": ("telemetry.top", None, ["tests/unit/test_telemetry.py"]),
     # the typed configs: validators, the cache folder, content keys of files
     "config/__init__.py": ("config", None, ["tests/unit/test_config.py"]),
     # the router's features: cleaned text, the ONNX embedder (export, atomic publication), language, caches

@@ -497,3 +497,84 @@ def test_stats_learner_figures_add_up_by_result():
     got = hub.stats()["learner"]
     assert got == {"records": 20, "published": 3, "rejected": 1, "rounds": 4, "steps": 8, "step_seconds": 0.5,
                    "paused": True, "loss": {"g": 1.5}}
+
+
+class _StatsServer:
+    """A real HTTP server on 127.0.0.1 answering GET /v1/stats with a hub's stats (or an error),
+    recording each request's path and Authorization header."""
+
+    def __init__(self, stats: dict, status: int = 200):
+        import http.server
+        import json
+        import threading
+
+        seen = self.seen = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - the stdlib's name
+                seen.append((self.path, self.headers.get("Authorization")))
+                body = json.dumps(stats if status == 200 else {"error": {"message": "invalid API key"}}).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _admin_stats() -> dict:
+    cfg = MetricsConfig(sample_s=1.0)
+    m, lm, hub = Meter("DraftPool", cfg, replica="a"), Meter("Learner", cfg, replica="l"), Hub(cfg)
+    hub.sample(now=10.0)
+    m.inc("osd_spec_decode_num_draft_tokens_total", 8, **SPEC)
+    m.inc("osd_spec_decode_num_accepted_tokens_total", 3, **SPEC)
+    for v in range(1, 8):
+        lm.event("publish", draft="general", version=v)
+    for meter in (m, lm):
+        hub.merge(meter.snapshot())
+    hub.sample(now=11.0)
+    hub.sample(now=12.0)  # nothing drafted in the last window: the recent alpha is that of the one before
+    return hub.stats()
+
+
+def test_top_fetches_the_stats_with_the_key_and_refreshes_as_many_times_as_told(capsys):
+    from telemetry.top import main
+
+    server = _StatsServer(_admin_stats())
+    try:
+        assert main(["--url", server.url + "/", "--key", "sk-1", "--once"]) == 0
+        screen = capsys.readouterr().out
+        assert server.seen == [("/v1/stats", "Bearer sk-1")]
+        assert main(["--url", server.url, "--interval", "0.01", "--iterations", "2"]) == 0
+        assert server.seen[1:] == [("/v1/stats", None)] * 3  # the first frame, then two refreshes
+    finally:
+        server.close()
+    lines = screen.splitlines()
+    row = next(line for line in lines if line.startswith(" code "))  # the domain column is left-aligned
+    assert row.split()[1:3] == ["0.375", "0.375"]  # alpha, and the recent alpha of the last window that drafted
+    assert "latency p50" in screen and "drafts general" not in screen and "drafts -" in screen
+    shown = [line.split()[-1] for line in lines if " publish general v" in line]
+    assert shown == ["v7", "v6", "v5", "v4", "v3"]  # the newest five events, newest first
+
+
+def test_top_says_why_it_has_no_figures(capsys):
+    from telemetry.top import main
+
+    server = _StatsServer({}, status=401)
+    try:
+        assert main(["--url", server.url, "--once"]) == 0
+        assert "HTTP 401: invalid API key" in capsys.readouterr().out
+    finally:
+        server.close()
+    with pytest.raises(SystemExit):
+        main(["--interval", "0", "--once"])
