@@ -273,3 +273,30 @@ def test_ngram_propose():
     assert (prop.tokens, prop.probs, prop.source) == ([6, 4], None, "ngram")
     assert ng.propose("s", [4, 5, 6, 4, 5], lambda source: 0, SamplingParams(), None).k == 0
     assert ng.propose("s", [1, 2, 3], lambda source: 2, SamplingParams(), None).source == "none"
+
+
+def test_draft_folders_names_and_metadata(target, tmp_path, monkeypatch):
+    """The starting drafts' folders by kind, a draft saved where no folder exists yet (readable by
+    all), a draft of every target layer, prompt digests and the meta a folder carries."""
+    import hashlib
+
+    from drafts.build import default_draft_path, prompt_digest, read_meta, resolve_checkpoint, trained_prompts
+
+    monkeypatch.setenv("OSD_CACHE_DIR", str(tmp_path))
+    assert default_draft_path() == tmp_path / "drafts" / "default"
+    assert default_draft_path("feature") == tmp_path / "drafts" / "default-feature"
+    assert resolve_checkpoint(str(tmp_path / "mine")) == tmp_path / "mine"
+    assert prompt_digest("héllo") == hashlib.sha1("héllo".encode()).hexdigest()[:16] and len(prompt_digest("")) == 16
+    whole = truncated_draft(target, target.config.num_hidden_layers)  # as many layers as the target: allowed
+    path = tmp_path / "a" / "b" / "draft"
+    save_draft(whole, path, meta={"trained_prompts": [prompt_digest("x")], "note": 1})
+    assert path.stat().st_mode & 0o777 == 0o755
+    assert read_meta(path) == {"trained_prompts": [prompt_digest("x")], "note": 1}
+    assert trained_prompts(path) == {prompt_digest("x")} and trained_prompts(tmp_path) == set() and read_meta(tmp_path) == {}
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_frequent_token_ids_keep_only_ids_of_the_vocabulary(tok):
+    vocab = len(tok)
+    got = frequent_token_ids(tok, 6, always=[vocab, vocab + 5, 7])
+    assert vocab not in got.tolist() and 7 in got.tolist() and len(got) == 6
