@@ -300,3 +300,33 @@ def test_frequent_token_ids_keep_only_ids_of_the_vocabulary(tok):
     vocab = len(tok)
     got = frequent_token_ids(tok, 6, always=[vocab, vocab + 5, 7])
     assert vocab not in got.tolist() and 7 in got.tolist() and len(got) == 6
+
+
+def test_build_proposer_composes_what_the_config_asks_for(target, tok):
+    """Each kind alone, the fixed order suffix tree -> prompt lookup -> draft, the controller over
+    the same parts, the feature draft's head in the runtime's bits, and the experiments' controller."""
+    from config import ControllerConfig, DraftConfig
+    from drafts.build import build_proposer, controller_over
+    from speculative.feature import FeatureDraftProposer
+    from speculative.proposers import ChainedProposer, ControllerProposer, DraftModelProposer
+    from speculative.suffix import SuffixProposer
+
+    def kinds(p) -> list[str]:
+        return [type(x).__name__ for x in p.proposers]
+
+    assert build_proposer(DraftConfig(kind="none", use_suffix=True), target, tok) is None
+    assert type(build_proposer(DraftConfig(kind="ngram"), target, tok)) is NgramProposer
+    assert type(build_proposer(DraftConfig(kind="suffix"), target, tok)) is SuffixProposer
+    assert type(build_proposer(DraftConfig(kind="truncated", num_layers=1), target, tok)) is DraftModelProposer
+    chain = build_proposer(DraftConfig(kind="truncated", num_layers=1, use_suffix=True, ngram_first=True), target, tok)
+    assert type(chain) is ChainedProposer and kinds(chain) == ["SuffixProposer", "NgramProposer", "DraftModelProposer"]
+    ctl = build_proposer(DraftConfig(kind="ngram", use_suffix=True, controller=ControllerConfig(probe_every=5)), target, tok)
+    assert type(ctl) is ControllerProposer and kinds(ctl) == ["SuffixProposer", "NgramProposer"] and ctl.probe_every == 5
+    for quantize, bits in (("none", None), ("int8", 8), ("int4", 4)):
+        feature = build_proposer(DraftConfig(kind="feature"), target, tok, quantize=quantize)
+        assert type(feature) is FeatureDraftProposer and feature.runner.head_bits == bits
+    learned = NgramProposer(NgramConfig(max_n=2))
+    over = controller_over(learned, DraftConfig(use_suffix=True))
+    assert kinds(over) == ["SuffixProposer", "NgramProposer", "NgramProposer"] and over.proposers[-1] is learned
+    assert over.probe_every == ControllerConfig().probe_every
+    assert kinds(controller_over()) == ["SuffixProposer", "NgramProposer"]
