@@ -85,6 +85,9 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "telemetry/meter.py": ("telemetry.meter", None, ["tests/unit/test_telemetry.py"]),
     "telemetry/catalog.py": ("telemetry.catalog", None, ["tests/unit/test_telemetry.py"]),
     "telemetry/top.py": ("telemetry.top", None, ["tests/unit/test_telemetry.py"]),
+    # drafts built from the target: truncated copies, restricted heads, saved and loaded, checkpoints by name
+    "drafts/build.py": ("drafts.build", None, ["tests/unit/test_drafts.py", "tests/unit/test_suffix.py", "tests/unit/test_offline.py",
+                                              "tests/unit/test_feature.py", "tests/unit/test_engine.py"]),
     # the typed configs: validators, the cache folder, content keys of files
     "config/__init__.py": ("config", None, ["tests/unit/test_config.py"]),
     # the router's features: cleaned text, the ONNX embedder (export, atomic publication), language, caches
@@ -96,6 +99,14 @@ _CROP0 = "'<=': at start == have the mutant calls crop(0), which transformers' D
 #: Survivors that cannot change behaviour: (file, function, mutated line) -> why, or (file, function,
 #: mutated line, mutated form) -> why where other mutants of the line do change it.
 EQUIVALENT: dict[tuple[str, ...], str] = {
+    ('drafts/build.py', 'frequent_token_ids', 'if len(chosen) >= n:', 'len(chosen) >= n -> len(chosen) > n'):
+        'one more id chosen is cut again: the first n in the order chosen are kept (sorted after the cut)',
+    ('drafts/build.py', 'frequent_token_ids', 'while len(chosen) < n:', 'len(chosen) < n -> len(chosen) <= n'):
+        'one more id chosen is cut again: the first n in the order chosen are kept (sorted after the cut)',
+    ('drafts/build.py', 'truncated_draft', 'missing = draft.load_state_dict({k: v.clone() for k, v in target.state_dict().items() if k in own}, strict=False)', 'False -> True'):
+        "the dict given holds only the draft's own keys, and every one of them is in the target (its first layers): strict loading finds nothing missing or unexpected either",
+    ('drafts/build.py', 'save_draft', 'shutil.rmtree(tmp, ignore_errors=True)', 'True -> False'):
+        'the folder was just made by mkdtemp and written by this process: removing it raises nothing either way',
     ('router/features.py', 'onnx_dir', 'weights = content_key(model_path / "model.safetensors", model_path / "config.json", length=64)'):
         'the folder is named by a hash of the key: a digest of another length names another folder, found again the same way',
     ('router/features.py', '_export_onnx', 'e = (h * w).sum(1) / w.sum(1).clamp(min=1e-9)  # [b, 384]'):

@@ -322,6 +322,8 @@ def test_build_proposer_composes_what_the_config_asks_for(target, tok):
     assert type(chain) is ChainedProposer and kinds(chain) == ["SuffixProposer", "NgramProposer", "DraftModelProposer"]
     ctl = build_proposer(DraftConfig(kind="ngram", use_suffix=True, controller=ControllerConfig(probe_every=5)), target, tok)
     assert type(ctl) is ControllerProposer and kinds(ctl) == ["SuffixProposer", "NgramProposer"] and ctl.probe_every == 5
+    int4 = build_proposer(DraftConfig(kind="truncated", num_layers=1), target, tok, quantize="int4")
+    assert int4.runner.head_bits == 4  # a small draft's head (most of its weights) in the layers' bits
     for quantize, bits in (("none", None), ("int8", 8), ("int4", 4)):
         feature = build_proposer(DraftConfig(kind="feature"), target, tok, quantize=quantize)
         assert type(feature) is FeatureDraftProposer and feature.runner.head_bits == bits
