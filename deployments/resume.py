@@ -15,11 +15,10 @@ REPLICA_GONE = (RayActorError, ActorUnavailableError)
 
 
 async def resuming(stream, gen, reopen: Callable[[object], object], on_resume: Callable[[int, BaseException], None],
-                   max_resumes: int = MAX_RESUMES, gone: tuple[type[BaseException], ...] = REPLICA_GONE
-                   ) -> AsyncIterator[dict]:
+                   max_resumes: int = MAX_RESUMES) -> AsyncIterator[dict]:
     """The items of one request's stream, whose header item the caller has read already.
 
-    If the stream fails with `gone`, `on_resume(tokens sent, error)` is called and
+    If the stream fails with `REPLICA_GONE`, `on_resume(tokens sent, error)` is called and
     `reopen(gen with resume=tokens sent)` opens a stream on another replica; its header is read
     here (an error in it ends the request), then its items follow. A replacement that is itself
     gone before or while it streams is replaced again, up to `max_resumes` replacements in all.
@@ -38,7 +37,7 @@ async def resuming(stream, gen, reopen: Callable[[object], object], on_resume: C
         except (GeneratorExit, asyncio.CancelledError):  # the client left: stop the decoding too
             stream.cancel()
             raise
-        except gone as e:
+        except REPLICA_GONE as e:
             if attempt == max_resumes:
                 raise
             on_resume(len(sent), e)
