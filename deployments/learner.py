@@ -147,7 +147,7 @@ class LearnerServer:
         try:
             new = LearnerConfig.model_validate({**self.trainer_cfg.model_dump(), **changes})
         except ValidationError as e:
-            raise ValueError(str(e).splitlines()[0] + ": " + "; ".join(er["msg"] for er in e.errors())) from None
+            raise ValueError("; ".join(f"{'.'.join(str(p) for p in er['loc'])}: {er['msg']}" for er in e.errors())) from None
         with self.background.exclusive:  # between two rounds
             self.trainer_cfg = self.learner.cfg = new
             for t in self.learner.trainers.values():

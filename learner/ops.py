@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 from typing import Sequence
+from urllib.parse import unquote
 
 from drafts.build import DRAFT_META, load_draft, read_meta
-from learner.trainer import DraftTrainer, LearnerConfig, checkpoint_versions, latest_checkpoint
+from learner.trainer import DraftTrainer, LearnerConfig, checkpoint_versions, draft_folder, latest_checkpoint
 
 __all__ = ["versions", "rollback", "main"]
 
@@ -24,9 +25,9 @@ def versions(checkpoint_dir: str | Path, draft_id: str | None = None) -> dict[st
     if not root.is_dir():
         raise FileNotFoundError(f"no checkpoint folder {root}")
     out = {}
-    for d in sorted(p for p in root.iterdir() if p.is_dir() and (draft_id is None or p.name == draft_id)):
+    for d in sorted(p for p in root.iterdir() if p.is_dir() and (draft_id is None or p.name == draft_folder(draft_id))):
         latest = latest_checkpoint(d)
-        out[d.name] = {
+        out[unquote(d.name)] = {
             "latest": None if latest is None else f"v{latest}",
             "versions": {v: read_meta(d / f"v{v}") for v in checkpoint_versions(d) if (d / f"v{v}" / DRAFT_META).exists()},
         }
@@ -37,7 +38,7 @@ def versions(checkpoint_dir: str | Path, draft_id: str | None = None) -> dict[st
 
 def rollback(checkpoint_dir: str | Path, draft_id: str, version: int) -> int:
     """Publish the weights of ``version`` as a new version; returns the new version number."""
-    root = Path(checkpoint_dir) / draft_id
+    root = Path(checkpoint_dir) / draft_folder(draft_id)
     model, keep, _ = load_draft(root / f"v{version}")  # also checks that the version exists
     trainer = DraftTrainer(draft_id, model, LearnerConfig(checkpoint_dir=Path(checkpoint_dir), keep_versions=10**6),
                            keep_ids=keep)  # loads LATEST: the version counter continues from there

@@ -38,6 +38,7 @@ import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any, Callable, Iterable, Literal, Sequence
+from urllib.parse import quote
 
 import numpy as np
 import torch
@@ -185,8 +186,17 @@ def _same_width(samples: list[Sample]) -> list[Sample]:
     return out
 
 
+def draft_folder(draft_id: str) -> str:
+    """The name of a draft's checkpoint folder: its id, quoted so that any id is one folder name
+    (a per-language draft's ``/``, or a ``..`` in an isolated tenant's name, cannot nest or escape
+    it); ``@``, ``:`` and the characters of the router's ids (``c3-en``) stay as they are.
+    :func:`urllib.parse.unquote` reads it back."""
+    name = quote(draft_id, safe="@:")
+    return name.replace(".", "%2E") if name in (".", "..") else name
+
+
 def checkpoint_versions(root: Path | None) -> list[int]:
-    """The versions checkpointed in one draft's folder (``<checkpoint_dir>/<draft_id>``), ascending."""
+    """The versions checkpointed in one draft's folder (``<checkpoint_dir>/<draft_folder(draft_id)>``), ascending."""
     if root is None or not root.is_dir():
         return []
     return sorted(int(m.group(1)) for p in root.iterdir() if (m := _VERSION_DIR.match(p.name)) and p.is_dir())
@@ -488,7 +498,7 @@ class DraftTrainer:
     # -- versions and checkpoints ----------------------------------------------------------------
     @property
     def ckpt_root(self) -> Path | None:
-        return Path(self.cfg.checkpoint_dir) / self.draft_id if self.cfg.checkpoint_dir is not None else None
+        return Path(self.cfg.checkpoint_dir) / draft_folder(self.draft_id) if self.cfg.checkpoint_dir is not None else None
 
     def state(self) -> dict[str, np.ndarray]:
         """The training copy's state dict as numpy arrays."""

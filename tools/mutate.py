@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 _ROUTER_TESTS = ["tests/unit/test_router_policy.py", "tests/unit/test_router.py", "tests/unit/test_router_open.py",
                  "tests/unit/test_mixture.py"]
 
-#: file -> (module, functions to mutate (None: all), tests that cover it, fast first)
+#: file -> (module, functions to mutate (None: all; a class name takes its methods), tests that cover it, fast first)
 TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "speculative/sampling.py": ("speculative.sampling", None,
                                 ["tests/unit/test_sampling.py", "tests/unit/test_engine.py", "tests/unit/test_lossless.py"]),
@@ -92,6 +92,20 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "config/__init__.py": ("config", None, ["tests/unit/test_config.py"]),
     # the router's features: cleaned text, the ONNX embedder (export, atomic publication), language, caches
     "router/features.py": ("router.features", None, ["tests/unit/test_router_onnx.py", "tests/unit/test_router.py"]),
+    # the HTTP edge: checks, OpenAI shapes, streams, accounting, failures (the Serve routes that only
+    # forward to these are tested live, tests/serve/)
+    "deployments/ingress.py": ("deployments.ingress", {"_error", "_refused", "Timing", "Settle", "_json_body", "_target_gone",
+                                                       "_unavailable_body", "_unavailable", "_validation_message",
+                                                       "Ingress", "_body_schema"}, ["tests/unit/test_ingress.py"]),
+    # a draft replica (the loop of a request, its metrics and records, weights by version, outputs
+    # shared between replicas, the wait for a restarted target), the learner's and the router's and
+    # the metrics replica's servers: the undecorated classes, in one process
+    "deployments/drafts.py": ("deployments.drafts", {"TargetView", "RemoteVerifier", "DraftPool"},
+                              ["tests/unit/test_draft_pool.py", "tests/unit/test_ingress.py"]),
+    "deployments/learner.py": ("deployments.learner", {"LearnerServer"},
+                               ["tests/unit/test_learner_server.py", "tests/unit/test_ingress.py"]),
+    "deployments/router.py": ("deployments.router", {"RouterServer"}, ["tests/unit/test_servers.py", "tests/unit/test_ingress.py"]),
+    "deployments/metrics.py": ("deployments.metrics", {"MetricsServer"}, ["tests/unit/test_servers.py"]),
 }
 
 _CROP0 = "'<=': at start == have the mutant calls crop(0), which transformers' DynamicCache treats as a no-op"
@@ -528,7 +542,7 @@ def enumerate_mutants(file: str, only: set[str] | None, root: Path = ROOT) -> li
     skip = _not_code(tree)
     lines = src.splitlines()
     out = []
-    sites = [s for s in _sites(tree) if id(s[1]) not in skip and (only is None or s[0] in only)]
+    sites = [s for s in _sites(tree) if id(s[1]) not in skip and (only is None or _named(s[0], sorted(only)))]
     for func, node, kind, mutate in sites:
         mutated_tree = copy.deepcopy(tree)
         target = next(n for n in ast.walk(mutated_tree) if _same(n, node))

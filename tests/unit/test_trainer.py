@@ -649,12 +649,15 @@ def test_when_no_checkpoint_loads_the_initial_weights_are_saved_above_every_skip
     assert (tr.rounds, tr.rejected) == (0, 0)
 
 
-def test_a_draft_id_with_a_slash_checkpoints_into_folders_made_for_it(setup, tmp_path):
-    """A per-language draft ("d:chat/es") under a checkpoint folder that does not exist yet."""
+def test_a_draft_id_with_a_slash_checkpoints_into_one_folder_made_for_it(setup, tmp_path):
+    """A per-language draft ("d:chat/es") under a checkpoint folder that does not exist yet: one
+    folder, not d:chat/es nested (which a restarted learner would read back as a draft "d:chat")."""
     draft, recs = setup
     tr = DraftTrainer("d:chat/es", draft, _cfg(tmp_path / "new" / "ckpt"))
-    root = tmp_path / "new" / "ckpt" / "d:chat" / "es"
+    root = tmp_path / "new" / "ckpt" / "d:chat%2Fes"
     assert tr.ckpt_root == root and tr.versions() == [0] and (root / "LATEST").read_text() == "v0\n"
+    assert [p.name for p in (tmp_path / "new" / "ckpt").iterdir()] == ["d:chat%2Fes"]
+    assert DraftTrainer("d:chat/es", draft, _cfg(tmp_path / "new" / "ckpt")).version == 0  # found again
 
 
 def test_a_restricted_head_checkpoint_reloads_with_its_ids(setup, tmp_path):
@@ -791,3 +794,18 @@ def _narrow_record_trains_with_a_wide_one(draft, recs, wide, k, restricted):
         assert torch.allclose(tr._loss(alone, mask), tr._loss(padded, mask), atol=1e-6)
     rep = tr.train_round([wide, narrow, *recs[2:6]])
     assert rep.steps > 0 and rep.loss_after is not None and np.isfinite(rep.loss_after)
+
+
+def test_a_draft_ids_checkpoint_folder_is_one_name_that_reads_back():
+    """Ids of isolated tenants' drafts carry the tenant's name, which may hold a ``/`` or be ``..``:
+    the folder must be one name inside the checkpoint folder, and unquote gives the id back."""
+    from urllib.parse import unquote
+
+    from learner.trainer import draft_folder
+
+    assert draft_folder("general") == "general" and draft_folder("c3-en") == "c3-en"
+    assert draft_folder("general@iso") == "general@iso"  # the names checkpoints were written under before
+    assert draft_folder("d:chat") == "d:chat"
+    for draft_id in ("general@team/a", "c0/en", "..", ".", "a b%c", "../../etc"):
+        name = draft_folder(draft_id)
+        assert "/" not in name and name not in (".", "..") and unquote(name) == draft_id, draft_id

@@ -1,0 +1,327 @@
+"""A draft replica's own logic in one process: the speculative loop of a request with its step
+metrics, the records it sends the learner, published weights by version, finished outputs shared
+between replicas' suffix trees, and the remote verifier's wait for a restarted target. The real
+`DraftPool` on the tiny Llama (its target co-located, or behind a verifier handle), joined to its
+peers by in-process handles (tests/inprocess.py); tests/serve/ runs it under Ray Serve."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from config import SamplingParams
+from deployments.drafts import GenerateRequest, RemoteVerifier
+from deployments.protocol import TargetUnavailable
+from inprocess import Handle, LocalPool, Loop, app_config, counter, save_tiny_model
+from router.router import GENERAL
+
+SUFFIX = {"draft": {"kind": "suffix", "suffix": {"max_requests": 3, "max_scopes": 2}}}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, make_llama, make_tokenizer):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"), make_llama, make_tokenizer)
+
+
+@pytest.fixture
+def loop():
+    lp = Loop()
+    yield lp
+    lp.close()
+
+
+def engine_cfg(folder, **draft):
+    cfg = app_config(folder)
+    return app_config(folder, engine={**cfg.engine.model_dump(), **draft})
+
+
+async def generate(pool, prompt: str = "Hello world", n: int = 10, draft_id: str = GENERAL, **req) -> list[dict]:
+    engine = pool.held.get(draft_id) or await pool.engine_for(draft_id)
+    pool.held[draft_id] = engine
+    gen = GenerateRequest(req.pop("request_id", f"r-{time.monotonic_ns()}"), SamplingParams(max_tokens=n, ignore_eos=True),
+                          prompt=prompt, **req)
+    return [item async for item in pool.generate(gen, engine, draft_id)]
+
+
+class Recorder:
+    """The learner's `record` as a replica calls it (fire and forget); keeps what arrived."""
+
+    def __init__(self, latest=None):
+        self.records, self.asked, self._latest = [], [], latest
+
+    def record(self, rec):
+        self.records.append(rec)
+        return True
+
+    def latest(self, draft_id):
+        self.asked.append(draft_id)
+        return self._latest
+
+
+# -- one request -----------------------------------------------------------------------------------
+
+def test_a_request_streams_its_header_steps_and_usage_and_counts_every_step(folder, loop):
+    pool = LocalPool(app_config(folder))
+    items = loop.run(generate(pool, n=12, domain="code", lang="en", tenant="alice"))
+    head, steps, end = items[0], items[1:-1], items[-1]
+    assert head == {"prompt_tokens": 11}
+    assert sum(len(s["tokens"]) for s in steps) == 12 and end["finish_reason"] == "length"
+    u, spec = end["usage"], end["usage"]["speculative"]
+    assert (u["prompt_tokens"], u["completion_tokens"]) == (11, 12)
+    assert spec["steps"] == len(steps)
+    assert spec["proposed"] > 0 and spec["alpha"] == spec["accepted"] / spec["proposed"]
+    assert spec["mean_k"] == spec["proposed"] / spec["steps"] and spec["resumed_after"] == 0
+    assert (spec["domain"], spec["language"], spec["draft_id"], spec["draft_version"]) == ("code", "en", GENERAL, 0)
+    assert spec["verify_wait_ms"] >= spec["target_ms"] > 0
+    m, labels = pool.meter, {"tenant": "alice", "domain": "code", "language": "en", "draft": GENERAL}
+    assert counter(m, "osd_spec_decode_num_steps_total", **labels) == spec["steps"]
+    assert counter(m, "osd_spec_decode_num_draft_tokens_total", **labels) == spec["proposed"]
+    assert counter(m, "osd_spec_decode_num_accepted_tokens_total", **labels) == spec["accepted"]
+    drafts = counter(m, "osd_spec_decode_num_drafts_total", **labels)
+    assert 0 < drafts <= spec["steps"]
+    per_pos = [counter(m, "osd_spec_decode_num_draft_tokens_per_pos_total", draft=GENERAL, position=i) for i in range(4)]
+    acc_pos = [counter(m, "osd_spec_decode_num_accepted_tokens_per_pos_total", draft=GENERAL, position=i) for i in range(4)]
+    assert per_pos[0] == drafts and sum(per_pos) == spec["proposed"] and per_pos[3] == 0
+    assert sum(acc_pos) == spec["accepted"] and all(a <= p for a, p in zip(acc_pos, per_pos))
+    assert all(acc_pos[i + 1] <= acc_pos[i] for i in range(2))  # a later position is accepted only after the earlier
+    assert counter(m, "osd_spec_decode_draft_version_draft_tokens_total", draft=GENERAL, draft_version=0) == spec["proposed"]
+    assert counter(m, "osd_spec_decode_draft_version_accepted_tokens_total", draft=GENERAL, draft_version=0) == spec["accepted"]
+    assert pool.running == 0 and not pool.held[GENERAL].requests  # released
+    snap = pool.telemetry()
+    assert snap["gauges"][("osd_draft_pool_requests_running", ())] == 0
+    assert snap["gauges"][("osd_draft_pool_drafts_loaded", ())] == 1
+
+
+def test_the_step_counts_of_a_model_free_proposer_are_labelled_by_its_name(folder, loop):
+    pool = LocalPool(engine_cfg(folder, draft={"kind": "ngram"}))
+    items = loop.run(generate(pool, prompt="abcabcabcabc", n=12))
+    spec = items[-1]["usage"]["speculative"]
+    assert spec["proposed"] > 0 and spec["draft_version"] == 0
+    assert counter(pool.meter, "osd_spec_decode_draft_version_draft_tokens_total", draft=GENERAL,
+                   draft_version="ngram") == spec["proposed"]
+
+
+def test_a_token_id_prompt_outside_the_vocabulary_is_refused_in_the_header(folder, loop):
+    pool = LocalPool(app_config(folder))
+
+    async def go(ids):
+        engine = await pool.engine_for(GENERAL)
+        gen = GenerateRequest("r", SamplingParams(max_tokens=3), prompt_ids=ids)
+        return [item async for item in pool.generate(gen, engine)]
+    assert loop.run(go([5, 128])) == [{"error": "prompt token id 128 is outside the vocabulary [0, 128)"}]
+    assert loop.run(go([-1])) == [{"error": "prompt token id -1 is outside the vocabulary [0, 128)"}]
+    assert loop.run(go([0, 127]))[0] == {"prompt_tokens": 2}
+    assert pool.running == 0
+
+
+def test_a_resumed_request_continues_after_the_tokens_already_sent(folder, loop):
+    pool = LocalPool(app_config(folder))
+    whole = loop.run(generate(pool, n=12))
+    tokens = [t for item in whole[1:-1] for t in item["tokens"]]
+    again = loop.run(generate(pool, n=12, resume=tokens[:5]))
+    rest = [t for item in again[1:-1] for t in item["tokens"]]
+    assert rest == tokens[5:] and again[-1]["usage"]["speculative"]["resumed_after"] == 5
+    assert again[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_a_dropped_cache_is_sent_whole_and_the_output_is_unchanged(folder, loop):
+    pool = LocalPool(app_config(folder))
+    expect = loop.run(generate(pool, n=12))
+    verify, calls = pool.verifier.verify, []
+
+    async def forgetful(call):
+        calls.append(call)
+        if len(calls) == 3:
+            return None  # the target dropped this sequence's cache (TTL, LRU, restart)
+        return await verify(call)
+    pool.verifier.verify = forgetful
+    got = loop.run(generate(pool, n=12))
+    assert sum((i["tokens"] for i in got[1:-1]), []) == sum((i["tokens"] for i in expect[1:-1]), [])
+    dropped, again = calls[2], calls[3]
+    assert dropped.start > 0 and again.start == 0 and len(again.tokens) == dropped.start + len(dropped.tokens)
+    assert again.tokens[dropped.start:] == dropped.tokens and again.seq_id == dropped.seq_id
+
+
+def test_the_learner_gets_a_record_of_a_request_whose_draft_proposed(folder, loop):
+    learner = Recorder()
+    pool = LocalPool(app_config(folder), learner=Handle(learner))
+    items = loop.run(generate(pool, n=10, domain="sql", tenant="bob"))
+    assert len(learner.records) == 1 and learner.asked == [GENERAL]  # a new replica asked for the latest weights
+    rec = learner.records[0]
+    assert (rec.domain, rec.tenant, rec.draft_id) == ("sql", "bob", GENERAL)
+    assert rec.prompt_len == 11 and len(rec.tokens) == 11 + 10
+    assert items[-1]["usage"]["speculative"]["proposed"] > 0
+    still = LocalPool(engine_cfg(folder, k={"fixed_k": 0}), learner=Handle(learner))
+    loop.run(generate(still, n=6))
+    assert len(learner.records) == 1  # nothing drafted, nothing to learn
+
+
+def test_published_weights_are_kept_by_version_and_staged_into_the_loaded_draft(folder, loop):
+    pool = LocalPool(app_config(folder))
+    loop.run(generate(pool, n=4))
+    engine = pool.held[GENERAL]
+    state = {k: v.clone() for k, v in engine.learned_draft.runner.model.state_dict().items()}
+    assert pool.load_weights(GENERAL, [state], 2) == 2 and pool.published[GENERAL][1] == 2
+    assert pool.load_weights(GENERAL, [state], 1) == 2 and pool.published[GENERAL][1] == 2  # older: ignored
+    assert pool.load_weights(GENERAL, [state], 2) == 2
+    assert pool.load_weights("other", [state], 3) == 3 and "other" not in pool.engines
+    assert engine.draft_version == 0
+    items = loop.run(generate(pool, n=4))
+    assert items[-1]["usage"]["speculative"]["draft_version"] == 2  # installed before the next step
+    assert pool.versions() == {GENERAL: 2}
+    later = loop.run(pool.engine_for("other"))  # a draft loaded later starts at its published version
+    assert later.draft_version == 3
+
+
+def test_a_new_replica_starts_from_the_learners_latest_weights(folder, loop):
+    probe = LocalPool(app_config(folder))
+    state = {k: v.clone() for k, v in loop.run(probe.engine_for(GENERAL)).learned_draft.runner.model.state_dict().items()}
+    learner = Recorder(latest=(state, 4))
+    pool = LocalPool(app_config(folder), learner=Handle(learner))
+    assert loop.run(pool.engine_for(GENERAL)).draft_version == 4 and pool.published[GENERAL][1] == 4
+    loop.run(pool.engine_for(GENERAL))
+    assert learner.asked == [GENERAL]  # known now: not asked again
+    none = LocalPool(app_config(folder), learner=Handle(Recorder(latest=None)))
+    assert loop.run(none.engine_for(GENERAL)).draft_version == 0 and GENERAL not in none.published
+
+
+# -- suffix trees over the whole pool's traffic ----------------------------------------------------
+
+def replicas(folder, n: int) -> list:
+    cfg = engine_cfg(folder, **SUFFIX)
+    pools = [LocalPool(cfg) for _ in range(n)]
+    for i, p in enumerate(pools):
+        p.name = f"r{i}"
+    handle = Handle(*pools)
+    for p in pools:
+        p.peers = handle
+    return pools
+
+
+def test_finished_outputs_reach_the_other_replicas_and_a_new_replica_catches_up(folder, loop):
+    a, b = replicas(folder, 2)
+    loop.run(generate(a, n=8, request_id="q1", domain="code"))
+    assert [(d, rid, scope) for d, rid, scope, _ in a.outbox] == [(GENERAL, "q1", "code")]
+    assert loop.run(b.share_served()) == 0  # nothing finished there
+    assert loop.run(a.share_served()) == 1 and a.outbox == []
+    assert loop.run(a.share_served()) == 0
+    assert loop.run(b.served_ids(GENERAL)) == {"kept": ["q1"], "trees": None}  # not loaded in b: kept for later
+    assert loop.run(a.served_ids(GENERAL))["kept"] == ["q1"]  # its own, once (its broadcast came back, ignored)
+    assert counter(a.meter, "osd_draft_pool_outputs_shared_total", direction="sent") == 1
+    assert counter(b.meter, "osd_draft_pool_outputs_shared_total", direction="received") == 1
+    assert counter(a.meter, "osd_draft_pool_outputs_shared_total", direction="received") == 0
+    b.held[GENERAL] = loop.run(b.engine_for(GENERAL))  # loaded after: starts with what was served
+    assert loop.run(b.served_ids(GENERAL))["trees"] == ["q1"]
+    loop.run(generate(a, n=8, request_id="q2", domain="code"))
+    loop.run(a.share_served())
+    assert loop.run(b.served_ids(GENERAL))["trees"] == ["q1", "q2"]  # loaded: straight into its trees
+    c = replicas(folder, 1)[0]
+    c.peers = Handle(a, b, c)
+    assert loop.run(c.catch_up()) == 2  # the same two outputs kept by a and b: taken once
+    assert loop.run(c.served_ids(GENERAL))["kept"] == ["q1", "q2"] and loop.run(c.catch_up()) == 0
+    ids = dict((rid, arr) for _, rid, _, arr in loop.run(c.kept()))
+    assert ids["q1"].dtype == np.int32 and len(ids["q1"]) == 8
+
+
+def test_kept_outputs_are_bounded_per_draft_and_in_drafts(folder, loop):
+    (a,) = replicas(folder, 1)
+    for i in range(5):
+        a._finished("d1", f"x{i}", "s", [1, 2, 3])
+    assert [rid for rid, _, _ in a.served["d1"]] == ["x2", "x3", "x4"]  # max_requests 3: the oldest go
+    assert [item[1] for item in a.outbox] == ["x2", "x3", "x4"]  # peers unreachable: the newest wait
+    a._finished("d2", "y0", "s", [1])
+    a._remember("d1", ("x5", "s", np.array([1], dtype=np.int32)))  # d1 used again: d2 is now the oldest
+    a._finished("d3", "z0", "s", [1])
+    assert list(a.served) == ["d1", "d3"]  # max_scopes 2: the least recently used draft goes
+    alone = LocalPool(engine_cfg(folder, **SUFFIX))  # no peers: kept, nothing queued to send
+    alone._finished("d1", "x", "s", [1])
+    assert alone.outbox == [] and loop.run(alone.share_served()) == 0 and loop.run(alone.catch_up()) == 0
+
+
+def test_a_replicas_own_broadcast_is_ignored_and_outputs_of_unloaded_drafts_are_kept(folder, loop):
+    (a,) = replicas(folder, 1)
+    item = ("d1", "x", "s", np.array([1, 2], dtype=np.int32))
+    assert loop.run(a.add_served(a.name, [item])) == 0 and "d1" not in a.served
+    assert loop.run(a.add_served("other", [item, ("d2", "y", "s", np.array([3], dtype=np.int32))])) == 2
+    assert [rid for rid, _, _ in a.served["d1"]] == ["x"] and list(a.served) == ["d1", "d2"]
+
+
+# -- the remote verifier ---------------------------------------------------------------------------
+
+class FlakyTarget:
+    """A target handle whose first `fail` calls raise `error` (its replica died), then answers."""
+
+    def __init__(self, fail: int, error=RayActorError):
+        self.fail, self.error, self.calls, self.released = fail, error, 0, []
+
+    async def verify(self, call):
+        self.calls += 1
+        if self.calls <= self.fail:
+            raise self.error()
+        return ("rows", call)
+
+    async def stats(self):
+        return {}
+
+    def release(self, seq_id):
+        self.released.append(seq_id)
+
+
+@pytest.mark.parametrize("error", [RayActorError, ActorUnavailableError])
+def test_the_remote_verifier_waits_for_a_replacement_target(loop, error):
+    target = FlakyTarget(fail=2, error=(lambda: ActorUnavailableError("gone", None)) if error is ActorUnavailableError else error)
+    v = RemoteVerifier(Handle(target), wait_s=5.0)
+    t0 = time.monotonic()
+    assert loop.run(v.verify("call")) == ("rows", "call") and target.calls == 3
+    assert time.monotonic() - t0 < 2.0  # retried every 0.5 s at most
+
+
+def test_the_remote_verifier_gives_up_after_its_wait_as_target_unavailable(loop):
+    target = FlakyTarget(fail=10**6)
+    v = RemoteVerifier(Handle(target), wait_s=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(TargetUnavailable, match="the target model is restarting \\(RayActorError\\); retry the request"):
+        loop.run(v.verify("call"))
+    assert 0.3 <= time.monotonic() - t0 < 1.5 and target.calls >= 2
+
+
+def test_a_target_that_hangs_after_a_failure_is_timed_out(loop):
+    class Hangs(FlakyTarget):
+        async def verify(self, call):
+            self.calls += 1
+            if self.calls == 1:
+                raise RayActorError()
+            await asyncio.sleep(30)
+
+    v = RemoteVerifier(Handle(Hangs(0)), wait_s=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(TargetUnavailable):
+        loop.run(v.verify("call"))
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_the_remote_verifier_passes_other_errors_and_releases_without_waiting(loop):
+    v = RemoteVerifier(Handle(FlakyTarget(fail=1, error=lambda: ValueError("bad call"))), wait_s=5.0)
+    with pytest.raises(ValueError, match="bad call"):
+        loop.run(v.verify("call"))
+    target = FlakyTarget(0)
+    v = RemoteVerifier(Handle(target))
+    loop.run(v.ready(1.0))
+    v.release("seq-1")
+    assert target.released == ["seq-1"]
+
+
+def test_a_split_replica_is_ready_only_when_its_target_answers(folder, loop):
+    class Silent(FlakyTarget):
+        async def stats(self):
+            await asyncio.sleep(30)
+
+    pool = LocalPool(app_config(folder))
+    assert loop.run(pool.ready()) is True  # co-located: itself
+    pool.verifier = RemoteVerifier(Handle(Silent(0)))
+    with pytest.raises(asyncio.TimeoutError):
+        loop.run(pool.ready(timeout_s=0.1))

@@ -1,0 +1,558 @@
+"""The ingress's own logic in one process: requests checked and answered in OpenAI's shapes, streams
+framed, tenants' slots and tokens settled once, metrics counted, failures answered. The real
+`Ingress`, `DraftPool` (co-located target), `RouterServer`, `LearnerServer` and `MetricsServer` on a
+tiny Llama saved to a folder, joined by in-process handles (tests/inprocess.py); tests/serve/ runs
+the same classes under Ray Serve over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+
+from config import EngineConfig, SamplingParams
+from deployments import ingress as ingress_mod
+from deployments.ingress import Settle, _body_schema
+from deployments.protocol import ChatRequest, TargetUnavailable
+from inprocess import (ADMIN, ISO, KEY, MODEL, TINY, App, Handle, LocalPool, Loop, answer, app_config, counter, hist,
+                       request, save_tiny_model)
+from router.router import GENERAL
+from speculative import ModelRunner, SpeculativeEngine
+from speculative.models import load_tokenizer, load_weights
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, make_llama, make_tokenizer):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"), make_llama, make_tokenizer)
+
+
+@pytest.fixture
+def app(folder):
+    return App(app_config(folder))
+
+
+_LOOP: list = []
+
+
+@pytest.fixture(autouse=True)
+def _loop():
+    _LOOP[:] = [Loop()]
+    yield
+    _LOOP[0].close()
+
+
+def run(coro):
+    return _LOOP[0].run(coro)
+
+
+def reference(folder: str, ids: list[int], n: int) -> list[int]:
+    """Target-only greedy output of the same model (the engine without a proposer)."""
+    engine = SpeculativeEngine(ModelRunner(load_weights(app_config(folder).engine.model), name="t"),
+                               load_tokenizer(folder), None, EngineConfig(chat_template=False))
+    return engine.generate(list(ids), SamplingParams(max_tokens=n, ignore_eos=True)).token_ids
+
+
+# -- answers ---------------------------------------------------------------------------------------
+
+def test_a_completion_is_the_target_only_greedy_text_in_openais_shape(app, folder):
+    tok = load_tokenizer(folder)
+    status, body, _ = run(app.post({"prompt": "Hello world", "max_tokens": 12, "ignore_eos": True}))
+    assert status == 200
+    expect = tok.decode(reference(folder, tok("Hello world")["input_ids"], 12))
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == MODEL
+    assert body["choices"] == [{"index": 0, "text": expect, "logprobs": None, "finish_reason": "length"}]
+    usage = body["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (11, 12, 23)
+    spec = usage["speculative"]
+    assert spec["proposed"] > 0 and 0 <= spec["accepted"] <= spec["proposed"] and spec["draft_id"] == GENERAL
+    assert spec["domain"] == app.pool.calls[0][2][0].domain and spec["draft_version"] == 0
+    assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
+
+
+def test_chat_whole_and_streamed_agree_and_streams_are_framed_as_openais(app, folder):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    _, whole, _ = run(app.post({"messages": msgs, "max_tokens": 10, "ignore_eos": True}, chat=True))
+    assert whole["object"] == "chat.completion" and whole["id"].startswith("chatcmpl-")
+    assert whole["choices"][0]["message"]["role"] == "assistant" and whole["choices"][0]["finish_reason"] == "length"
+    status, events, headers = run(app.post({"messages": msgs, "max_tokens": 10, "ignore_eos": True, "stream": True,
+                                            "stream_options": {"include_usage": True}}, chat=True))
+    assert status == 200 and headers["content-type"].startswith("text/event-stream") and events[-1] == "[DONE]"
+    chunks, usage = events[:-2], events[-2]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] and c["usage"] is None for c in chunks)
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == whole["choices"][0]["message"]["content"] and len(chunks) >= 3
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 10
+    assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 10 == whole["usage"]["total_tokens"]
+    assert app.ingress.tenants.in_flight["alice"] == 0 and app.ingress.running == 0
+
+
+def test_a_completion_stream_without_usage_ends_with_an_empty_text_and_done(app):
+    status, events, _ = run(app.post({"prompt": "abc", "max_tokens": 6, "ignore_eos": True, "stream": True}))
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all("usage" not in c and c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+    assert all(c["choices"][0]["text"] for c in chunks[:-1])  # empty steps are not sent
+    _, whole, _ = run(app.post({"prompt": "abc", "max_tokens": 6, "ignore_eos": True}))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+
+
+def test_a_stop_string_ends_the_text_before_it(app):
+    _, whole, _ = run(app.post({"prompt": "Hello world", "max_tokens": 12, "ignore_eos": True}))
+    text = whole["choices"][0]["text"]
+    stop = text[4:6]
+    _, body, _ = run(app.post({"prompt": "Hello world", "max_tokens": 12, "ignore_eos": True, "stop": [stop]}))
+    assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["text"] == text[: text.index(stop)]
+
+
+def test_a_token_id_prompt_is_routed_as_its_text_and_answered_like_it(app, folder):
+    tok = load_tokenizer(folder)
+    ids = tok("Hello world")["input_ids"]
+    _, by_ids, _ = run(app.post({"prompt": ids, "max_tokens": 8, "ignore_eos": True}))
+    _, by_text, _ = run(app.post({"prompt": "Hello world", "max_tokens": 8, "ignore_eos": True}))
+    assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
+    assert app.pool.calls[0][2][0].prompt_ids == ids and app.pool.calls[0][2][0].prompt is None
+    assert app.pool.calls[1][2][0].prompt == "Hello world" and app.pool.calls[1][2][0].prompt_ids is None
+    # ids outside the vocabulary: the router sees the text of the others, the pool refuses the request
+    assert app.ingress._decode([-1, *ids, 10_000]) == "Hello world"
+    status, body, _ = run(app.post({"prompt": [*ids, 128], "max_tokens": 4}))
+    assert status == 400 and "outside the vocabulary" in body["error"]["message"]
+    assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
+
+
+def test_chat_requests_reach_the_pool_as_messages_under_their_route(app):
+    msgs = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye now"}]
+    run(app.post({"messages": msgs, "max_tokens": 4, "user": "x"}, chat=True))
+    name, draft_id, (gen,) = app.pool.calls[0]
+    assert name == "stream" and gen.prompt is None and gen.prompt_ids is None
+    assert gen.messages[0] == {"role": "system", "content": "Be brief."} and len(gen.messages) == 4
+    assert gen.tenant == "alice" and gen.request_id.startswith("chatcmpl-") and gen.params.max_tokens == 4
+    route = app.router.router.route("Bye now")  # the last user turn is what is routed
+    assert (gen.domain, gen.lang, draft_id) == (route.domain, route.lang, route.draft_id)
+
+
+def test_default_max_tokens_differ_for_completions_and_chat(folder):
+    a = App(app_config(folder, ingress={"default_max_tokens": 7}))
+    _, body, _ = run(a.post({"prompt": "abc", "ignore_eos": True}))
+    assert body["usage"]["completion_tokens"] == ingress_mod.COMPLETION_DEFAULT_MAX_TOKENS == 16
+    _, body, _ = run(a.post({"messages": [{"role": "user", "content": "abc"}], "ignore_eos": True}, chat=True))
+    assert body["usage"]["completion_tokens"] == 7
+
+
+# -- refusals --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body, raw, status, says, param", [
+    (["a list"], None, 400, "must be a JSON object", None),
+    (None, b"{nope", 400, "not valid JSON (Expecting property name enclosed in double quotes at line 1 column 2)", None),
+    (None, b"\xff\xfe{}", 400, "not valid UTF-8", None),
+    (None, b"[" * 1000 + b"]" * 1000, 400, "nested too deeply", None),
+    ({"prompt": "a", "max_tokens": 0}, None, 400, "max_tokens: ", "max_tokens"),
+    ({"prompt": "a", "n": 2}, None, 400, "n: ", "n"),
+    ({"prompt": "a", "model": "gpt-4"}, None, 404, f"model 'gpt-4' does not exist; GET /v1/models lists '{MODEL}'", "model"),
+    ({"prompt": "a", "max_tokens": 65}, None, 400, "max_tokens 65 exceeds this server's limit of 64", "max_tokens"),
+    ({"prompt": "x" * 201}, None, 400, "the prompt is longer than 200 characters", None),
+])
+def test_bad_requests_are_refused_with_openais_error_shape(app, body, raw, status, says, param):
+    if raw is not None and len(raw) > 2048:
+        pytest.skip("past the body limit: the 413 test")
+    got, err, _ = run(app.post(body, raw=raw))
+    assert got == status and says in err["error"]["message"], err
+    assert err["error"]["param"] == param and err["error"]["type"] == "invalid_request_error"
+    assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
+    assert counter(app.ingress.meter, "osd_requests_total", tenant="alice", status=status) == 1
+    assert app.pool.calls == []
+
+
+def test_nesting_too_deep_within_the_size_limit(folder):
+    a = App(app_config(folder, ingress={"max_body_bytes": 1 << 16}))
+    got, err, _ = run(a.post(raw=b"[" * 5000 + b"]" * 5000))
+    assert got == 400 and err["error"]["message"] == "the body's JSON is nested too deeply"
+
+
+def test_the_model_name_may_be_given_or_left_out(app):
+    assert run(app.post({"prompt": "a", "model": MODEL, "max_tokens": 2}))[0] == 200
+    assert run(app.post({"prompt": "a", "max_tokens": 2}))[0] == 200
+
+
+def test_chat_prompts_count_every_messages_characters(app):
+    msgs = [{"role": "user", "content": "x" * 150}, {"role": "assistant", "content": "y" * 30},
+            {"role": "user", "content": "z" * 20}]
+    assert run(app.post({"messages": msgs, "max_tokens": 2}, chat=True))[0] == 200  # 200: at the limit
+    msgs[2]["content"] += "!"
+    got, err, _ = run(app.post({"messages": msgs, "max_tokens": 2}, chat=True))
+    assert got == 400 and "longer than 200 characters" in err["error"]["message"]
+    bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    got, err, _ = run(app.post({"messages": bad, "max_tokens": 2}, chat=True))
+    assert got == 400 and err["error"]["message"] == "only text content parts are supported"
+
+
+def test_a_body_past_the_limit_is_refused_declared_or_sent(app):
+    big = {"prompt": "a" * 3000}
+    got, err, _ = run(app.post(big))
+    assert got == 413 and err["error"]["message"] == "the body is larger than this server's limit of 2048 bytes"
+    data = json.dumps(big).encode()
+    # declared large: refused unread, whatever is sent
+    got, err, _ = run(app.post(raw=b'{"prompt": "a"}', headers={"content-length": "5000"}))
+    assert got == 413 and err["error"]["message"] == "the body is larger than this server's limit of 2048 bytes"
+    # declared small but sent large, in parts: refused once the limit is passed
+    got, err, _ = run(app.post(raw=data, headers={"content-length": "10"}, chunk=500))
+    assert got == 413
+    at = json.dumps({"prompt": "a" * (2048 - 14)}).encode()  # exactly the limit: read
+    assert len(at) == 2048
+    got, err, _ = run(app.post(raw=at))
+    assert got == 400 and "longer than 200 characters" in err["error"]["message"]
+    assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
+
+
+def test_keys_limits_and_the_answers_that_refuse_them(app):
+    got, err, _ = run(app.post({"prompt": "a", "max_tokens": 2}, key="sk-wrong"))
+    assert got == 401 and err["error"]["code"] == "invalid_api_key" and err["error"]["type"] == "invalid_request_error"
+    assert counter(app.ingress.meter, "osd_requests_total", tenant="unauthenticated", status=401) == 1
+    assert run(app.post({"prompt": "a", "max_tokens": 2}, key=TINY))[0] == 200
+    got, err, headers = run(app.post({"prompt": "a", "max_tokens": 2}, key=TINY))
+    assert got == 429 and err["error"]["code"] == "rate_limit_exceeded" and err["error"]["type"] == "rate_limit_error"
+    wait = app.ingress.tenants.requests["tiny"].wait_for(1, app.ingress.tenants.clock())
+    assert int(headers["retry-after"]) == max(1, math.ceil(wait)) and int(headers["retry-after"]) > 1
+    assert counter(app.ingress.meter, "osd_requests_total", tenant="tiny", status=429) == 1
+    assert app.ingress.tenants.in_flight["tiny"] == 0
+
+
+def test_past_capacity_requests_are_shed_before_any_work(app):
+    app.ingress.running = app.cfg.ingress.max_in_flight
+    got, err, headers = run(app.post({"prompt": "a", "max_tokens": 2}))
+    assert got == 503 and headers["retry-after"] == "1" and err["error"]["code"] == "server_overloaded"
+    assert f"({app.cfg.ingress.max_in_flight} requests in flight)" in err["error"]["message"]
+    assert counter(app.ingress.meter, "osd_requests_total", tenant="alice", status=503) == 1
+    assert app.ingress.tenants.in_flight.get("alice", 0) == 0 and app.pool.calls == []
+    app.ingress.running -= 1  # one below: admitted
+    assert run(app.post({"prompt": "a", "max_tokens": 2}))[0] == 200
+    assert app.ingress.running == app.cfg.ingress.max_in_flight - 1
+
+
+# -- accounting and metrics ------------------------------------------------------------------------
+
+def test_a_finished_request_is_counted_once_with_its_tokens_and_latencies(app):
+    m = app.ingress.meter
+    app.ingress.tenants.clock = lambda: 1000.0  # still: the token bucket does not refill meanwhile
+    _, events, _ = run(app.post({"prompt": "Hello", "max_tokens": 9, "ignore_eos": True, "stream": True,
+                                 "stream_options": {"include_usage": True}}))
+    u = events[-2]["usage"]
+    texts = sum(bool(e["choices"][0]["text"]) for e in events[:-2])
+    assert counter(m, "osd_requests_total", tenant="alice", status=200) == 1
+    assert counter(m, "osd_prompt_tokens_total", tenant="alice", status=200) == u["prompt_tokens"] == 5
+    assert counter(m, "osd_generation_tokens_total", tenant="alice", status=200) == 9
+    assert hist(m, "osd_time_to_first_token_seconds", tenant="alice")[0] == 1
+    # one gap per later chunk with text (a step can emit no text: an EOS, ignored, decodes to nothing)
+    assert hist(m, "osd_inter_token_latency_seconds", tenant="alice")[0] == texts - 1 and texts >= 3
+    n, total = hist(m, "osd_time_per_output_token_seconds", tenant="alice")
+    e2e_n, e2e = hist(m, "osd_e2e_request_latency_seconds", tenant="alice")
+    ttft = hist(m, "osd_time_to_first_token_seconds", tenant="alice")[1]
+    # one clock reading ends both: per output token after the first = (e2e - ttft) / (tokens - 1)
+    assert n == 1 and e2e_n == 1 and 0 < ttft < e2e and total == pytest.approx((e2e - ttft) / 8, rel=1e-6)
+    gaps = hist(m, "osd_inter_token_latency_seconds", tenant="alice")[1]
+    assert 0 < gaps < e2e - ttft  # the gaps between chunks lie between the first chunk and the end
+    assert hist(m, "osd_router_latency_seconds")[0] == 1
+    route = app.pool.calls[0]
+    assert counter(m, "osd_routes_total", reason="cluster", domain=route[2][0].domain) == 1
+    # the tenant's tokens were charged: prompt + completion
+    bucket = app.ingress.tenants.tokens["alice"]
+    assert bucket.level == bucket.rate - 14 and app.ingress.tenants.in_flight["alice"] == 0
+
+
+def test_a_one_token_answer_has_no_time_per_output_token_and_a_two_token_one_has(app):
+    run(app.post({"prompt": "Hello", "max_tokens": 1, "ignore_eos": True}))
+    assert hist(app.ingress.meter, "osd_time_per_output_token_seconds", tenant="alice")[0] == 0
+    assert hist(app.ingress.meter, "osd_e2e_request_latency_seconds", tenant="alice")[0] == 1
+    run(app.post({"prompt": "Hello", "max_tokens": 2, "ignore_eos": True}))
+    assert hist(app.ingress.meter, "osd_time_per_output_token_seconds", tenant="alice")[0] == 1
+
+
+@pytest.mark.parametrize("wait, header", [(0.0, "1"), (0.2, "1"), (1.0, "1"), (2.5, "3")])
+def test_a_429_says_when_to_retry_in_whole_seconds_at_least_one(wait, header):
+    from deployments.tenants import Admission
+
+    resp = ingress_mod._refused(Admission("t", False, 429, "slow down", wait))
+    assert resp.status_code == 429 and resp.headers["retry-after"] == header
+
+
+def test_the_router_learns_each_answers_acceptance(app):
+    seen = []
+    app.router.observe = lambda route, accepted, proposed: seen.append((route.draft_id, accepted, proposed))
+    _, body, _ = run(app.post({"prompt": "Hello", "max_tokens": 8, "ignore_eos": True}))
+    _, events, _ = run(app.post({"prompt": "Hello", "max_tokens": 8, "ignore_eos": True, "stream": True}))
+    spec = body["usage"]["speculative"]
+    assert seen == [(GENERAL, spec["accepted"], spec["proposed"])] * 2 and spec["proposed"] > 0
+
+
+def test_an_isolated_tenant_gets_a_draft_of_its_own_and_the_router_does_not_learn_from_it(app):
+    seen = []
+    app.router.observe = lambda *a: seen.append(a)
+    _, body, _ = run(app.post({"prompt": "Hello", "max_tokens": 4}, key=ISO))
+    assert app.pool.calls[0][1] == f"{GENERAL}@iso" and body["usage"]["speculative"]["draft_id"] == f"{GENERAL}@iso"
+    assert seen == []
+    run(app.post({"prompt": "Hello", "max_tokens": 4}))
+    assert app.pool.calls[1][1] == GENERAL and len(seen) == 1
+
+
+def test_running_is_a_gauge_in_the_telemetry(app):
+    app.ingress.running = 3
+    snap = app.ingress.telemetry()
+    assert snap["gauges"][("osd_requests_running", ())] == 3 and snap["source"] == "Ingress"
+
+
+def test_settle_runs_once():
+    calls = []
+    s = Settle(lambda *a: calls.append(a))
+    s(3, 200, None)
+    s(0, 499, None)
+    assert calls == [(3, 200, None)] and s.settled
+
+
+def test_a_stream_dropped_before_it_ran_settles_as_499(app):
+    async def go():
+        resp = await app.ingress.completion(request({"prompt": "Hi", "max_tokens": 4, "stream": True}, KEY), chat=False)
+        assert app.ingress.running == 1 and app.ingress.tenants.in_flight["alice"] == 1
+        del resp  # the client left before the first byte
+        import gc
+
+        gc.collect()
+    run(go())
+    assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
+    assert counter(app.ingress.meter, "osd_requests_total", tenant="alice", status=499) == 1
+
+
+def test_a_client_leaving_mid_stream_is_a_499_and_ends_the_decoding(app):
+    async def go():
+        resp = await app.ingress.completion(request({"prompt": "Hi", "max_tokens": 30, "ignore_eos": True,
+                                                     "stream": True}, KEY), chat=False)
+        it = resp.body_iterator
+        await it.__anext__()
+        await it.__anext__()
+        await it.aclose()
+        for _ in range(5):
+            await asyncio.sleep(0)
+    run(go())
+    assert counter(app.ingress.meter, "osd_requests_total", tenant="alice", status=499) == 1
+    assert counter(app.ingress.meter, "osd_requests_total", tenant="alice", status=200) == 0
+    assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
+    pool = app.pools[0]
+    assert pool.running == 0 and all(not e.requests for e in pool.held.values())
+
+
+# -- failures --------------------------------------------------------------------------------------
+
+def test_a_replica_dying_mid_stream_is_resumed_on_another_and_the_text_is_unchanged(folder):
+    cfg = app_config(folder)
+    a = App(cfg, pools=[LocalPool(cfg, fail_after=3), LocalPool(cfg)])
+    b = App(cfg)
+    _, whole, _ = run(b.post({"prompt": "Hello world", "max_tokens": 14, "ignore_eos": True}))
+    _, body, _ = run(a.post({"prompt": "Hello world", "max_tokens": 14, "ignore_eos": True}))
+    assert body["choices"] == whole["choices"]
+    (_, first), (_, second) = a.pools[0].requests[0], a.pools[1].requests[0]
+    assert second.request_id == first.request_id + "-r1" and len(second.resume) >= 3
+    assert body["usage"]["speculative"]["resumed_after"] == len(second.resume)
+    assert counter(a.ingress.meter, "osd_requests_resumed_total", tenant="alice") == 1
+    assert a.ingress.running == 0 and a.ingress.tenants.in_flight["alice"] == 0
+
+
+def test_the_target_gone_is_a_retryable_503_whole_or_streamed(folder):
+    cfg = app_config(folder)
+    gone = TargetUnavailable("the target model is restarting; retry the request")
+    a = App(cfg, pools=[LocalPool(cfg, fail_after=1, fail_with=gone), LocalPool(cfg, fail_after=1, fail_with=gone)])
+    got, err, headers = run(a.post({"prompt": "Hi", "max_tokens": 8, "ignore_eos": True}))
+    assert got == 503 and headers["retry-after"] == str(TargetUnavailable.retry_after_s)
+    assert err["error"] == {"message": str(gone), "type": "server_error", "param": None, "code": "target_unavailable"}
+    assert counter(a.ingress.meter, "osd_requests_total", tenant="alice", status=503) == 1
+    got, events, _ = run(a.post({"prompt": "Hi", "max_tokens": 8, "ignore_eos": True, "stream": True}))
+    assert got == 200 and events[-1] == "[DONE]" and events[-2]["error"]["code"] == "target_unavailable"
+    assert counter(a.ingress.meter, "osd_requests_total", tenant="alice", status=503) == 2
+    assert a.ingress.running == 0 and a.ingress.tenants.in_flight["alice"] == 0
+
+
+def test_a_stream_that_fails_otherwise_reports_the_error_in_the_stream_as_a_500(folder):
+    cfg = app_config(folder)
+    a = App(cfg, pools=[LocalPool(cfg, fail_after=1, fail_with=RuntimeError("boom"))])
+    got, events, _ = run(a.post({"prompt": "Hi", "max_tokens": 8, "ignore_eos": True, "stream": True}))
+    assert got == 200 and events[-1] == "[DONE]"
+    assert events[-2]["error"]["message"] == "generation failed: boom" and events[-2]["error"]["type"] == "server_error"
+    assert counter(a.ingress.meter, "osd_requests_total", tenant="alice", status=500) == 1
+    assert a.ingress.running == 0 and a.ingress.tenants.in_flight["alice"] == 0
+    a.pools[0].fail_after, a.pools[0].fail_with = 1, RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):  # whole: the app's handler answers 500
+        run(a.post({"prompt": "Hi", "max_tokens": 8, "ignore_eos": True}))
+    assert a.ingress.running == 0 and a.ingress.tenants.in_flight["alice"] == 0
+    assert counter(a.ingress.meter, "osd_requests_total", tenant="alice", status=500) == 2
+
+
+def test_the_target_gone_is_recognised_bare_or_wrapped():
+    gone = TargetUnavailable("x")
+
+    class Wrapped(Exception):
+        cause = gone
+    assert ingress_mod._target_gone(gone) and ingress_mod._target_gone(Wrapped())
+    assert not ingress_mod._target_gone(RuntimeError("x"))
+    assert ingress_mod._unavailable_body(Wrapped())["error"]["message"] == "x"
+
+
+# -- health, models, operators ---------------------------------------------------------------------
+
+def test_ready_names_the_part_that_does_not_answer(app):
+    status, body, _ = run(answer_of(app.ingress.ready()))
+    assert (status, body) == (200, {"status": "ready"})
+
+    async def never():
+        await asyncio.sleep(10)
+    app.router.summary = never
+    status, body, headers = run(answer_of(app.ingress.ready(timeout_s=0.05)))
+    assert status == 503 and headers["retry-after"] == "5" and body["error"]["code"] == "not_ready"
+    assert body["error"]["message"] == "router not ready: no answer within 0 s"
+    del app.router.summary
+
+    def broken(timeout_s=3.0):
+        raise RuntimeError("pool down")
+    app.pools[0].ready = broken
+    status, body, _ = run(answer_of(app.ingress.ready()))
+    assert status == 503 and body["error"]["message"] == "draft pool or target not ready: pool down"
+
+
+async def answer_of(coro):
+    return await answer(await coro)
+
+
+def test_models_lists_the_served_name(app):
+    assert app.ingress.models() == {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0,
+                                                                "owned_by": "osd-serve"}]}
+
+
+def test_operator_endpoints_need_the_admin_key(app):
+    for key, status in ((None, 401), (KEY, 403)):
+        got, err, _ = run(answer_of(app.ingress.drafts(request(key=key))))
+        assert got == status, key
+    assert err["error"]["code"] == "forbidden" and err["error"]["message"] == "this endpoint needs the admin key"
+    run(app.post({"prompt": "Hello", "max_tokens": 4}))
+    got, body, _ = run(answer_of(app.ingress.drafts(request(key=ADMIN))))
+    assert got == 200 and body["replicas"] == [{GENERAL: 0}]
+    assert set(body) == {"replicas", "acceptance", "drafts", "clusters"}
+    assert body["acceptance"] == app.router.router.summary()["acceptance"] != {}
+
+
+def test_an_open_server_lets_anyone_operate(folder):
+    a = App(app_config(folder, auth={"keys": []}))
+    assert a.ingress.tenants.open
+    assert run(answer_of(a.ingress.drafts(request())))[0] == 200
+    got, err, _ = run(answer_of(a.ingress.learner_call(request(), "stats")))
+    assert got == 404 and err["error"]["message"] == "this application runs without a learner"
+
+
+def test_metrics_and_stats(folder):
+    a = App(app_config(folder), metrics=True)
+    got, _, _ = run(answer_of(a.ingress.prometheus(request(key=KEY))))
+    assert got == 403
+    run(a.post({"prompt": "Hello", "max_tokens": 5, "ignore_eos": True}))
+    run(a.post({"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}, key=ISO))
+    resp = run(a.ingress.prometheus(request(key=ADMIN)))
+    assert resp.media_type.startswith("text/plain; version=0.0.4")
+    text = resp.body.decode()
+    assert 'osd_requests_total{status="200",tenant="alice"} 1.0' in text or 'osd_requests_total{tenant="alice",status="200"} 1.0' in text
+    # a tenant sees its own figures only, whatever it asks for, and no operator's view
+    got, mine, _ = run(answer_of(a.ingress.stats(request(key=KEY, query="tenant=iso"))))
+    assert got == 200 and mine["scope"] == "alice" and "running" not in mine and "events" not in mine
+    assert mine["totals"]["requests"] == 1 and mine["totals"]["generation_tokens"] == 5
+    got, theirs, _ = run(answer_of(a.ingress.stats(request(key=ADMIN, query="tenant=iso"))))
+    assert theirs["scope"] == "iso" and theirs["totals"]["generation_tokens"] == 3 and "running" in theirs
+    got, every, _ = run(answer_of(a.ingress.stats(request(key=ADMIN))))
+    assert every["scope"] == "all" and every["totals"]["generation_tokens"] == 8 and every["totals"]["requests"] == 2
+    assert run(answer_of(a.ingress.stats(request(key="sk-wrong"))))[0] == 401
+    b = App(app_config(folder))  # metrics off
+    for call in (b.ingress.prometheus, b.ingress.stats):
+        got, err, _ = run(answer_of(call(request(key=ADMIN))))
+        assert got == 404 and "metrics are disabled" in err["error"]["message"]
+
+
+def test_dashboard_files(app):
+    assert run(answer(app.ingress.dashboard_file("../serve_config.yaml")))[0] == 404
+    resp = app.ingress.dashboard_file("dashboard.js")
+    assert resp.media_type == "text/javascript" and str(resp.path).endswith("static/dashboard.js")
+
+
+def test_the_openapi_body_schema_inlines_its_definitions():
+    schema = _body_schema(ChatRequest)["requestBody"]
+    assert schema["required"] is True
+    body = schema["content"]["application/json"]["schema"]
+    assert "$defs" not in json.dumps(body) and "$ref" not in json.dumps(body)
+    assert set(body["properties"]["messages"]["items"]["properties"]) >= {"role", "content"}
+
+
+# -- the learner behind the operator endpoints -----------------------------------------------------
+
+@pytest.fixture
+def learning(folder, tmp_path):
+    """The app with its learner: records from the pool, rounds every 2 records, updates published
+    into the pool (a gate that takes any finite update: the path is tested here, not the gate)."""
+    from deployments.learner import LearnerServer
+
+    cfg = app_config(folder, learner={"enabled": True, "state_dir": str(tmp_path / "learner"),
+                                      "trainer": {"train_every": 2, "batch_records": 2, "steps_per_round": 1,
+                                                  "gate_margin": 1.0, "holdout_fraction": 0.0},
+                                      "background": {"nice": 0, "threads": 1}})
+    pool_box: list = []
+    server = LearnerServer(cfg, publish=lambda d, state, v: pool_box[0].load_weights(d, [state], v))
+    pools = [LocalPool(cfg, learner=Handle(server))]
+    pool_box.append(pools[0])
+    a = App(cfg, pools=pools, learner=server)
+    yield a
+    server.background.stop()
+
+
+def test_records_reach_the_learner_and_its_updates_reach_the_pool(learning):
+    import time
+
+    for i in range(4):
+        run(learning.post({"prompt": f"Hello {i}", "max_tokens": 8, "ignore_eos": True}))
+    deadline = time.monotonic() + 60
+    while learning.pools[0].published.get(GENERAL, ({}, 0))[1] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert learning.pools[0].published[GENERAL][1] >= 1
+    _, body, _ = run(learning.post({"prompt": "Hello again", "max_tokens": 8, "ignore_eos": True}))
+    assert body["usage"]["speculative"]["draft_version"] >= 1  # installed before the next step
+    got, stats, _ = run(answer_of(learning.ingress.learner_call(request(key=ADMIN), "stats")))
+    assert got == 200 and stats["drafts"][GENERAL]["version"] >= 1
+    assert run(answer_of(learning.ingress.learner_call(request(key=KEY), "stats")))[0] == 403
+
+
+def test_learner_operator_calls_check_their_bodies(learning):
+    ing = learning.ingress
+    cases = [
+        (ing.rollback(request(raw=b"{", key=ADMIN), GENERAL), 400, "not valid JSON"),
+        (ing.rollback(request([3], key=ADMIN), GENERAL), 400, 'the body must be {"version": <int>}'),
+        (ing.rollback(request({"version": True}, key=ADMIN), GENERAL), 400, 'the body must be {"version": <int>}'),
+        (ing.rollback(request({"version": "1"}, key=ADMIN), GENERAL), 400, 'the body must be {"version": <int>}'),
+        (ing.rollback(request({"version": 7}, key=ADMIN), GENERAL), 400, f"draft {GENERAL!r} has no checkpoint v7"),
+        (ing.rollback(request({"version": 7}, key=KEY), GENERAL), 403, "needs the admin key"),
+        (ing.configure_learner(request({}, key=ADMIN)), 400, "the body must be a JSON object of settings"),
+        (ing.configure_learner(request([1], key=ADMIN)), 400, "the body must be a JSON object of settings"),
+        (ing.configure_learner(request(raw=b"\xff", key=ADMIN)), 400, "not valid UTF-8"),
+        (ing.configure_learner(request({"bogus": 1}, key=ADMIN)), 400, "not tunable: bogus"),
+        (ing.configure_learner(request({"lr": -1}, key=ADMIN)), 400, "lr: Input should be greater than 0"),
+    ]
+    for coro, status, says in cases:
+        got, err, _ = run(answer_of(coro))
+        assert got == status and says in err["error"]["message"], (status, says, err)
+    got, body, _ = run(answer_of(ing.configure_learner(request({"lr": 0.0005}, key=ADMIN))))
+    assert got == 200 and body["lr"] == 0.0005
+    got, body, _ = run(answer_of(ing.learner_call(request(key=ADMIN), "delete_tenant", "alice")))
+    assert got == 200 and body["tenant"] == "alice"
+
+
+def test_an_unexpected_learner_error_is_not_turned_into_a_400(learning):
+    def broken():
+        raise KeyError("x")
+    learning.learner.stats = broken
+    with pytest.raises(KeyError):
+        run(learning.ingress.learner_call(request(key=ADMIN), "stats"))

@@ -1,0 +1,211 @@
+"""The learner deployment's own logic in one process: records in, rounds counted by outcome,
+updates published and rolled back under new versions, operators' calls, a restart that reloads its
+drafts and announces them. The real `LearnerServer` on the tiny Llama, fed by a real `DraftPool`'s
+records (tests/inprocess.py); tests/serve/ runs it under Ray Serve."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from deployments.learner import LearnerServer
+from inprocess import Handle, LocalPool, Loop, app_config, counter, save_tiny_model
+from learner.trainer import RoundReport
+from router.router import GENERAL
+
+TRAINER = {"train_every": 2, "batch_records": 2, "steps_per_round": 1, "gate_margin": 1.0, "holdout_fraction": 0.0}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, make_llama, make_tokenizer):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"), make_llama, make_tokenizer)
+
+
+def learner_cfg(folder, state_dir, **trainer):
+    return app_config(folder, learner={"enabled": True, "state_dir": str(state_dir), "trainer": {**TRAINER, **trainer},
+                                       "background": {"nice": 0, "threads": 1}})
+
+
+class Published:
+    def __init__(self):
+        self.got = []
+
+    def __call__(self, draft_id, state, version):
+        self.got.append((draft_id, version, state))
+
+
+@pytest.fixture
+def served(folder, tmp_path):
+    """(learner, what it published, a draft replica sending it records, its loop)."""
+    cfg = learner_cfg(folder, tmp_path / "learner")
+    published = Published()
+    server = LearnerServer(cfg, publish=published)
+    pool = LocalPool(cfg, learner=Handle(server))
+    loop = Loop()
+    yield server, published, pool, loop
+    server.background.stop()
+    loop.close()
+
+
+def serve_requests(pool, loop, n: int, draft_id: str = GENERAL, tenant: str = "alice", domain: str = "code"):
+    from config import SamplingParams
+    from deployments.drafts import GenerateRequest
+
+    async def one(i):
+        if draft_id not in pool.held:
+            pool.held[draft_id] = await pool.engine_for(draft_id)
+        gen = GenerateRequest(f"q{i}-{time.monotonic_ns()}", SamplingParams(max_tokens=10, ignore_eos=True),
+                              prompt=f"Hello {i}", domain=domain, tenant=tenant)
+        return [item async for item in pool.generate(gen, pool.held[draft_id], draft_id)]
+    for i in range(n):
+        loop.run(one(i))
+
+
+def wait_for(pred, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not pred() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pred()
+
+
+def test_records_become_published_versions_counted_and_shown(served):
+    server, published, pool, loop = served
+    serve_requests(pool, loop, 4)
+    wait_for(lambda: len(published.got) >= 2)
+    assert [v for _, v, _ in published.got][:2] == [1, 2] and all(d == GENERAL for d, _, _ in published.got)
+    m = server.meter
+    assert counter(m, "osd_learner_records_total", draft=GENERAL) == 4
+    wait_for(lambda: counter(m, "osd_learner_rounds_total", draft=GENERAL, result="published") == len(published.got))
+    assert counter(m, "osd_learner_steps_total", draft=GENERAL) >= 2
+    assert counter(m, "osd_learner_train_seconds_total", draft=GENERAL) > 0
+    assert [(e["kind"], e["draft"], e["version"]) for e in m._events][:2] == [("publish", GENERAL, 1), ("publish", GENERAL, 2)]
+    snap = server.telemetry()
+    version = server.learner.trainers[GENERAL].version
+    assert snap["gauges"][("osd_draft_version", (GENERAL,))] == version >= 2
+    assert snap["gauges"][("osd_learner_shard_records", (GENERAL,))] == 4
+    assert snap["gauges"][("osd_learner_shard_bytes", (GENERAL,))] > 0
+    assert snap["gauges"][("osd_learner_paused", ())] == 0.0
+    assert math.isfinite(snap["gauges"][("osd_learner_loss", (GENERAL,))])
+    stats = server.stats()
+    assert stats["drafts"][GENERAL]["version"] == version and stats["drafts"][GENERAL]["versions"][-1] == version
+    assert stats["settings"] == {k: getattr(server.trainer_cfg, k) for k in LearnerServer.TUNABLE}
+    state, v = server.latest(GENERAL)
+    assert v == version and set(state) == set(published.got[-1][2])
+    assert server.latest("nobody") is None
+
+
+def test_a_rollback_publishes_old_weights_under_a_new_version(served):
+    server, published, pool, loop = served
+    serve_requests(pool, loop, 4)
+    wait_for(lambda: len(published.got) >= 2)
+    server.pause()  # no round in between
+    now = server.learner.trainers[GENERAL].version
+    out = server.rollback(GENERAL, 1)
+    assert out == {"draft_id": GENERAL, "version": now + 1, "weights_of": 1}
+    d, v, state = published.got[-1]
+    assert (d, v) == (GENERAL, now + 1)
+    first = published.got[0][2]
+    assert all((state[k] == first[k]).all() for k in first)
+    assert m_events(server)[-1] == ("rollback", GENERAL, now + 1)
+    with pytest.raises(ValueError, match=f"draft {GENERAL!r} has no checkpoint v99"):
+        server.rollback(GENERAL, 99)
+    with pytest.raises(ValueError, match="draft 'nobody' has no checkpoint v1"):
+        server.rollback("nobody", 1)
+
+
+def m_events(server):
+    return [(e["kind"], e["draft"], e["version"]) for e in server.meter._events if "version" in e]
+
+
+def test_pause_and_resume_are_seen_in_stats_and_gauges(served):
+    server = served[0]
+    assert server.pause()["paused"] is True
+    assert server.telemetry()["gauges"][("osd_learner_paused", ())] == 1.0
+    assert server.resume()["paused"] is False
+    assert server.telemetry()["gauges"][("osd_learner_paused", ())] == 0.0
+
+
+def test_a_tenants_records_are_deleted(served):
+    server, published, pool, loop = served
+    server.pause()
+    serve_requests(pool, loop, 2, tenant="bob")
+    serve_requests(pool, loop, 1, tenant="carol")
+    out = server.delete_tenant("bob")
+    assert out["tenant"] == "bob" and sum(v for k, v in out["deleted"].items()) == 2
+    assert server.delete_tenant("bob")["deleted"] == {k: 0 for k in out["deleted"]}
+
+
+def test_configure_changes_the_settings_of_every_trainer(served):
+    server, published, pool, loop = served
+    serve_requests(pool, loop, 1)
+    assert server.configure({"lr": 0.0123, "train_every": 5})["lr"] == 0.0123
+    t = server.learner.trainers[GENERAL]
+    assert t.cfg.lr == 0.0123 and t.cfg.train_every == 5 and server.learner.cfg.train_every == 5
+    assert all(g["lr"] == 0.0123 for g in t.opt.param_groups)
+    with pytest.raises(ValueError, match="not tunable: bogus, zz \\(tunable: lr, "):
+        server.configure({"zz": 1, "bogus": 2, "lr": 0.1})
+    with pytest.raises(ValueError, match="^lr: Input should be greater than 0$"):
+        server.configure({"lr": 0})
+    assert t.cfg.lr == 0.0123
+
+
+def test_a_restarted_learner_reloads_its_drafts_and_announces_them(folder, tmp_path):
+    cfg = learner_cfg(folder, tmp_path / "learner")
+    published = Published()
+    first = LearnerServer(cfg, publish=published)
+    pool = LocalPool(cfg, learner=Handle(first))
+    loop = Loop()
+    try:
+        serve_requests(pool, loop, 2, draft_id="c0/en")
+        serve_requests(pool, loop, 2, draft_id=f"{GENERAL}@team/a")  # an isolated tenant named team/a
+        serve_requests(pool, loop, 2, draft_id="..")
+        wait_for(lambda: {d for d, _, _ in published.got} == {"c0/en", f"{GENERAL}@team/a", ".."})
+        first.background.stop()
+    finally:
+        loop.close()
+    versions = {d: t.version for d, t in first.learner.trainers.items()}
+    again = LearnerServer(cfg, publish=Published())
+    try:
+        assert sorted(again.learner.trainers) == sorted(versions)  # names with / and @ survive the folders
+        assert sorted(p.name for p in (tmp_path / "learner" / "checkpoints").iterdir()) == ["%2E%2E", "c0%2Fen",
+                                                                                           "general@team%2Fa"]
+        assert {d: v for d, _, v in again.announce} == versions and all(v > 0 for v in versions.values())
+        assert {d: t.version for d, t in again.learner.trainers.items()} == versions
+    finally:
+        again.background.stop()
+    assert LearnerServer._known_drafts(tmp_path / "nowhere") == []
+
+
+def test_rounds_are_counted_by_their_outcome(served):
+    server = served[0]
+    m = server.meter
+    cases = [
+        (RoundReport("d", steps=2, accepted=True, version=3, loss_after=0.5, train_seconds=0.25), "published"),
+        (RoundReport("d", steps=2, accepted=False, reason="non-finite loss", loss_after=float("nan")), "rejected"),
+        (RoundReport("d", steps=1, accepted=False, reason="held-out agreement fell 0.2 -> 0.1", loss_after=0.7), "rejected"),
+        (RoundReport("d", steps=1, accepted=False, reason="something else"), "rejected"),
+        (RoundReport("d", steps=0, stopped_early=True), "yielded"),
+        (RoundReport("d", steps=0), "empty"),
+        (RoundReport("d", steps=0, accepted=False, reason="no records"), "empty"),
+    ]
+    for rep, _ in cases:
+        server._count_round(rep)
+    for result in ("published", "rejected", "yielded", "empty"):
+        assert counter(m, "osd_learner_rounds_total", draft="d", result=result) == sum(r == result for _, r in cases), result
+    assert counter(m, "osd_learner_steps_total", draft="d") == 6
+    assert counter(m, "osd_learner_train_seconds_total", draft="d") == 0.25
+    for reason in ("non_finite", "agreement_drop", "other"):
+        assert counter(m, "osd_learner_rejected_total", draft="d", reason=reason) == 1
+    assert m._gauges[("osd_learner_loss", ("d",))] == 0.7  # the NaN round kept the loss before it
+    rejects = [e["reason"] for e in m._events if e["kind"] == "reject"]
+    assert rejects == ["non-finite loss", "held-out agreement fell 0.2 -> 0.1", "something else"]
+
+
+def test_a_learner_needs_a_learned_draft(folder, tmp_path):
+    cfg = learner_cfg(folder, tmp_path / "l")
+    cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"draft": cfg.engine.draft.model_copy(
+        update={"kind": "ngram"})})})
+    with pytest.raises(ValueError, match="the learner needs a learned draft; draft kind 'ngram' has none"):
+        LearnerServer(cfg)

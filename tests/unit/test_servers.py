@@ -1,0 +1,103 @@
+"""The router and metrics deployments' own logic in one process: the router's saves and the events
+it reports, the metrics replica's pulls from every source (replicas gone, sources failing). The
+real `RouterServer` and `MetricsServer` with real `Meter`s, joined by in-process handles
+(tests/inprocess.py); tests/serve/ runs them under Ray Serve."""
+
+from __future__ import annotations
+
+import pytest
+
+from config import MetricsConfig, RouterConfig
+from deployments.metrics import MetricsServer
+from deployments.router import RouterServer
+from inprocess import Handle, Loop, counter, outside_serve
+from router.router import GENERAL
+from telemetry import Meter
+
+
+@pytest.fixture
+def loop():
+    outside_serve()
+    lp = Loop()
+    yield lp
+    lp.close()
+
+
+def test_the_router_saves_only_what_changed(tmp_path, loop):
+    server = RouterServer(RouterConfig(mode="clusters"), state_dir=str(tmp_path / "state"))
+    assert server.save() is False and not (tmp_path / "state").exists()  # nothing routed yet
+    route = loop.run(server.route("def f(x): return x"))
+    assert route.draft_id == GENERAL
+    assert server.save() is True and (tmp_path / "state").is_dir()
+    assert server.save() is False
+    loop.run(server.route("SELECT 1"))  # routed since: saved again
+    assert server.save() is True
+    assert RouterServer(RouterConfig(mode="clusters")).save() is False  # no folder: kept in memory only
+
+
+def test_the_router_reports_its_draft_events_once_with_its_gauges(loop):
+    cfg = RouterConfig(mode="clusters", min_cluster_size=2, spawn_min_records=2, spawn_min_tokens=1, spawn_alpha=1.0)
+    server = RouterServer(cfg)
+    for _ in range(12):
+        route = loop.run(server.route("SELECT name FROM users WHERE id = 3"))
+        server.observe(route, 0, 8)
+    snap = server.telemetry()
+    spawned = [e for e in snap["events"] if e["kind"] == "spawn"]
+    assert spawned and spawned[0]["draft"] in server.router.drafts and spawned[0]["reason"]
+    assert counter(server.meter, "osd_router_draft_events_total", kind="spawn") == len(spawned)
+    assert snap["gauges"][("osd_router_clusters", ())] == len(server.router.clusters.clusters) >= 1
+    assert snap["gauges"][("osd_router_drafts", ())] == len(server.router.drafts) >= 2
+    again = server.telemetry()  # events are taken once
+    assert counter(server.meter, "osd_router_draft_events_total", kind="spawn") == len(spawned)
+    assert len(again["events"]) == len(snap["events"])
+
+
+class Replica:
+    """A source replica: its own meter, counting what it is told to."""
+
+    def __init__(self, source: str):
+        self.meter = Meter(source)
+
+    def telemetry(self):
+        return self.meter.snapshot()
+
+
+class Broken:
+    def telemetry(self):
+        raise RuntimeError("replica restarting")
+
+
+def test_the_metrics_replica_adds_up_every_replica_of_every_source(loop):
+    a, b = Replica("Ingress"), Replica("Ingress")
+    pool = Replica("DraftPool")
+    server = MetricsServer(MetricsConfig(), {"Ingress": Handle(a, b), "DraftPool": Handle(pool)})
+    a.meter.inc("osd_requests_total", tenant="t", status="200")
+    b.meter.inc("osd_requests_total", 2, tenant="t", status="200")
+    a.meter.set("osd_requests_running", 1)
+    b.meter.set("osd_requests_running", 2)
+    text = loop.run(server.scrape()).decode()
+    assert 'osd_requests_total{status="200",tenant="t"} 3.0' in text
+    assert "osd_requests_running 3.0" in text
+    b.meter.inc("osd_requests_total", tenant="t", status="200")
+    stats = loop.run(server.stats(None, True))  # a stats call pulls first too
+    assert stats["totals"]["requests"] == 4 and stats["running"]["ingress"] == 3
+    server.handles["Ingress"] = Handle(a)  # b is gone: its gauge goes, its counts stay
+    text = loop.run(server.scrape()).decode()
+    assert "osd_requests_running 1.0" in text and 'osd_requests_total{status="200",tenant="t"} 4.0' in text
+    server.handles["DraftPool"] = Handle(Broken())  # a failing source: the others are still pulled
+    a.meter.inc("osd_requests_total", tenant="t", status="200")
+    assert 'osd_requests_total{status="200",tenant="t"} 5.0' in loop.run(server.scrape()).decode()
+    n = len(server.hub.points)
+    loop.run(server.tick())
+    assert len(server.hub.points) == n + 1
+
+
+def test_only_snapshots_are_merged(loop):
+    a = Replica("Ingress")
+    server = MetricsServer(MetricsConfig(), {"Ingress": Handle(a)})
+    a.meter.set("osd_requests_running", 2)
+    loop.run(server.pull())
+    server._merge("Ingress", [None, {"not": "a snapshot"}, a.telemetry()])
+    assert server.hub.replicas_of("Ingress") == {a.meter.replica} and a.meter.replica in server.hub.gauges
+    server._merge("Ingress", [{"not": "a snapshot"}])  # no replica of the source answered: its gauges go
+    assert a.meter.replica not in server.hub.gauges
