@@ -100,6 +100,7 @@ class _Broadcast:
         self.handle, self.name, self.args = handle, name, args
 
     async def results_async(self) -> list:
+        self.handle.calls.append((f"broadcast:{self.name}", "", self.args))
         out = []
         for replica in self.handle.replicas:
             r = getattr(replica, self.name)(*self.args)
@@ -189,7 +190,11 @@ MODEL = "tiny-osd"
 def save_tiny_model(path, make_llama, make_tokenizer) -> str:
     """The tests' tiny Llama and its character tokenizer as a model folder, as a served model is."""
     make_llama(3, seed=0).save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
+    tok = make_tokenizer()
+    # a chat template of its characters, as a served model's tokenizer has one (raw completions skip it)
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tok.save_pretrained(path)
     outside_serve()
     return str(path)
 

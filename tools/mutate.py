@@ -440,6 +440,16 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         'one more bucket after +Inf that is never counted: the export zips counts with the bounds and quantile() skips empty buckets',
     ("deployments/resume.py", "resuming", "for attempt in range(max_resumes + 1):", "1 -> 2"):
         "one more pass of the loop is never reached: at attempt == max_resumes the loop returns or raises",
+    ("deployments/ingress.py", "Ingress._operator", 'return Admission(adm.tenant, False, 403, "this endpoint needs the admin key")', "False -> True"):
+        "a refused admission's admin flag is never read: every caller answers a status other than 200 with _refused, which reads the status and message",
+    ("deployments/drafts.py", "RemoteVerifier.verify", "if time.monotonic() >= deadline:", "time.monotonic() >= deadline -> time.monotonic() > deadline"):
+        "the clock equal to the deadline to the nanosecond: at most one more 0 s sleep and try",
+    ("deployments/drafts.py", "RemoteVerifier.verify", "return await asyncio.wait_for(self.handle.verify.remote(call), max(0.001, deadline - time.monotonic()))", "0.001 -> 0.002"):
+        "the floor of a try's time limit once the deadline has passed, where the next check gives up anyway",
+    ("deployments/drafts.py", "DraftPool.load_weights", "if version > self.published.get(draft_id, ({}, 0))[1]:", "version > self.published.get(draft_id, ({}, 0))[1] -> version >= self.published.get(draft_id, ({}, 0))[1]"):
+        "versions are unique per draft: the same version again carries the same weights, and the engine installs only a newer version than it runs",
+    ("deployments/ingress.py", "_body_schema", 'return inline(defs[node["$ref"].rsplit("/", 1)[-1]])', "1 -> 2"):
+        "the last part of a $ref is the same however many splits are made from the right",
 }
 
 SWAP_BIN = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult,

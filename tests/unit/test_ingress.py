@@ -58,6 +58,7 @@ def reference(folder: str, ids: list[int], n: int) -> list[int]:
 
 def test_a_completion_is_the_target_only_greedy_text_in_openais_shape(app, folder):
     tok = load_tokenizer(folder)
+    app.ingress.tenants.clock = lambda: 1000.0  # still: the token bucket does not refill meanwhile
     status, body, _ = run(app.post({"prompt": "Hello world", "max_tokens": 12, "ignore_eos": True}))
     assert status == 200
     expect = tok.decode(reference(folder, tok("Hello world")["input_ids"], 12))
@@ -69,12 +70,15 @@ def test_a_completion_is_the_target_only_greedy_text_in_openais_shape(app, folde
     assert spec["proposed"] > 0 and 0 <= spec["accepted"] <= spec["proposed"] and spec["draft_id"] == GENERAL
     assert spec["domain"] == app.pool.calls[0][2][0].domain and spec["draft_version"] == 0
     assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
+    bucket = app.ingress.tenants.tokens["alice"]
+    assert bucket.level == bucket.rate - 23  # charged prompt + completion
 
 
 def test_chat_whole_and_streamed_agree_and_streams_are_framed_as_openais(app, folder):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     _, whole, _ = run(app.post({"messages": msgs, "max_tokens": 10, "ignore_eos": True}, chat=True))
-    assert whole["object"] == "chat.completion" and whole["id"].startswith("chatcmpl-")
+    assert whole["object"] == "chat.completion" and whole["id"].startswith("chatcmpl-") and whole["model"] == MODEL
+    assert whole["choices"][0]["index"] == 0 and whole["choices"][0]["message"]["content"]
     assert whole["choices"][0]["message"]["role"] == "assistant" and whole["choices"][0]["finish_reason"] == "length"
     status, events, headers = run(app.post({"messages": msgs, "max_tokens": 10, "ignore_eos": True, "stream": True,
                                             "stream_options": {"include_usage": True}}, chat=True))
@@ -112,6 +116,7 @@ def test_a_stop_string_ends_the_text_before_it(app):
 
 def test_a_token_id_prompt_is_routed_as_its_text_and_answered_like_it(app, folder):
     tok = load_tokenizer(folder)
+    app.ingress.tenants.clock = lambda: 1000.0  # still: a token charged would show in the bucket
     ids = tok("Hello world")["input_ids"]
     _, by_ids, _ = run(app.post({"prompt": ids, "max_tokens": 8, "ignore_eos": True}))
     _, by_text, _ = run(app.post({"prompt": "Hello world", "max_tokens": 8, "ignore_eos": True}))
@@ -119,9 +124,12 @@ def test_a_token_id_prompt_is_routed_as_its_text_and_answered_like_it(app, folde
     assert app.pool.calls[0][2][0].prompt_ids == ids and app.pool.calls[0][2][0].prompt is None
     assert app.pool.calls[1][2][0].prompt == "Hello world" and app.pool.calls[1][2][0].prompt_ids is None
     # ids outside the vocabulary: the router sees the text of the others, the pool refuses the request
-    assert app.ingress._decode([-1, *ids, 10_000]) == "Hello world"
+    assert app.ingress._decode([-1, *ids, 128, 10_000]) == "Hello world"
+    assert app.ingress._decode([0, *ids]) == tok.decode([0, *ids])  # id 0 is in the vocabulary
+    before = app.ingress.tenants.tokens["alice"].level
     status, body, _ = run(app.post({"prompt": [*ids, 128], "max_tokens": 4}))
     assert status == 400 and "outside the vocabulary" in body["error"]["message"]
+    assert app.ingress.tenants.tokens["alice"].level == before  # refused: no tokens charged
     assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
 
 
@@ -161,7 +169,10 @@ def test_default_max_tokens_differ_for_completions_and_chat(folder):
 def test_bad_requests_are_refused_with_openais_error_shape(app, body, raw, status, says, param):
     if raw is not None and len(raw) > 2048:
         pytest.skip("past the body limit: the 413 test")
+    app.ingress.tenants.clock = lambda: 1000.0  # still: a token charged would show in the bucket
     got, err, _ = run(app.post(body, raw=raw))
+    bucket = app.ingress.tenants.tokens["alice"]
+    assert bucket.level == bucket.rate  # a refused request is charged no tokens
     assert got == status and says in err["error"]["message"], err
     assert err["error"]["param"] == param and err["error"]["type"] == "invalid_request_error"
     assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
@@ -175,9 +186,10 @@ def test_nesting_too_deep_within_the_size_limit(folder):
     assert got == 400 and err["error"]["message"] == "the body's JSON is nested too deeply"
 
 
-def test_the_model_name_may_be_given_or_left_out(app):
+def test_the_model_name_may_be_given_or_left_out_and_max_tokens_may_reach_the_limit(app):
     assert run(app.post({"prompt": "a", "model": MODEL, "max_tokens": 2}))[0] == 200
     assert run(app.post({"prompt": "a", "max_tokens": 2}))[0] == 200
+    assert run(app.post({"prompt": "a", "max_tokens": 64}))[0] == 200
 
 
 def test_chat_prompts_count_every_messages_characters(app):
@@ -257,7 +269,7 @@ def test_a_finished_request_is_counted_once_with_its_tokens_and_latencies(app):
     assert n == 1 and e2e_n == 1 and 0 < ttft < e2e and total == pytest.approx((e2e - ttft) / 8, rel=1e-6)
     gaps = hist(m, "osd_inter_token_latency_seconds", tenant="alice")[1]
     assert 0 < gaps < e2e - ttft  # the gaps between chunks lie between the first chunk and the end
-    assert hist(m, "osd_router_latency_seconds")[0] == 1
+    assert hist(m, "osd_router_latency_seconds")[0] == 1 and 0 < hist(m, "osd_router_latency_seconds")[1] < ttft
     route = app.pool.calls[0]
     assert counter(m, "osd_routes_total", reason="cluster", domain=route[2][0].domain) == 1
     # the tenant's tokens were charged: prompt + completion
@@ -315,6 +327,8 @@ def test_settle_runs_once():
 
 
 def test_a_stream_dropped_before_it_ran_settles_as_499(app):
+    app.ingress.tenants.clock = lambda: 1000.0
+
     async def go():
         resp = await app.ingress.completion(request({"prompt": "Hi", "max_tokens": 4, "stream": True}, KEY), chat=False)
         assert app.ingress.running == 1 and app.ingress.tenants.in_flight["alice"] == 1
@@ -325,9 +339,13 @@ def test_a_stream_dropped_before_it_ran_settles_as_499(app):
     run(go())
     assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
     assert counter(app.ingress.meter, "osd_requests_total", tenant="alice", status=499) == 1
+    bucket = app.ingress.tenants.tokens["alice"]
+    assert bucket.level == bucket.rate  # nothing was generated: no tokens charged
 
 
 def test_a_client_leaving_mid_stream_is_a_499_and_ends_the_decoding(app):
+    app.ingress.tenants.clock = lambda: 1000.0
+
     async def go():
         resp = await app.ingress.completion(request({"prompt": "Hi", "max_tokens": 30, "ignore_eos": True,
                                                      "stream": True}, KEY), chat=False)
@@ -343,6 +361,8 @@ def test_a_client_leaving_mid_stream_is_a_499_and_ends_the_decoding(app):
     assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
     pool = app.pools[0]
     assert pool.running == 0 and all(not e.requests for e in pool.held.values())
+    bucket = app.ingress.tenants.tokens["alice"]
+    assert bucket.level == bucket.rate  # it never got its usage: nothing charged
 
 
 # -- failures --------------------------------------------------------------------------------------
@@ -365,6 +385,7 @@ def test_the_target_gone_is_a_retryable_503_whole_or_streamed(folder):
     cfg = app_config(folder)
     gone = TargetUnavailable("the target model is restarting; retry the request")
     a = App(cfg, pools=[LocalPool(cfg, fail_after=1, fail_with=gone), LocalPool(cfg, fail_after=1, fail_with=gone)])
+    a.ingress.tenants.clock = lambda: 1000.0
     got, err, headers = run(a.post({"prompt": "Hi", "max_tokens": 8, "ignore_eos": True}))
     assert got == 503 and headers["retry-after"] == str(TargetUnavailable.retry_after_s)
     assert err["error"] == {"message": str(gone), "type": "server_error", "param": None, "code": "target_unavailable"}
@@ -373,11 +394,14 @@ def test_the_target_gone_is_a_retryable_503_whole_or_streamed(folder):
     assert got == 200 and events[-1] == "[DONE]" and events[-2]["error"]["code"] == "target_unavailable"
     assert counter(a.ingress.meter, "osd_requests_total", tenant="alice", status=503) == 2
     assert a.ingress.running == 0 and a.ingress.tenants.in_flight["alice"] == 0
+    bucket = a.ingress.tenants.tokens["alice"]
+    assert bucket.level == bucket.rate  # no tokens charged for what the target never answered
 
 
 def test_a_stream_that_fails_otherwise_reports_the_error_in_the_stream_as_a_500(folder):
     cfg = app_config(folder)
     a = App(cfg, pools=[LocalPool(cfg, fail_after=1, fail_with=RuntimeError("boom"))])
+    a.ingress.tenants.clock = lambda: 1000.0  # still: a token charged would show in the bucket
     got, events, _ = run(a.post({"prompt": "Hi", "max_tokens": 8, "ignore_eos": True, "stream": True}))
     assert got == 200 and events[-1] == "[DONE]"
     assert events[-2]["error"]["message"] == "generation failed: boom" and events[-2]["error"]["type"] == "server_error"
@@ -388,6 +412,8 @@ def test_a_stream_that_fails_otherwise_reports_the_error_in_the_stream_as_a_500(
         run(a.post({"prompt": "Hi", "max_tokens": 8, "ignore_eos": True}))
     assert a.ingress.running == 0 and a.ingress.tenants.in_flight["alice"] == 0
     assert counter(a.ingress.meter, "osd_requests_total", tenant="alice", status=500) == 2
+    bucket = a.ingress.tenants.tokens["alice"]
+    assert bucket.level == bucket.rate  # a failed request is charged no tokens
 
 
 def test_the_target_gone_is_recognised_bare_or_wrapped():
