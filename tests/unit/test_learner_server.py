@@ -127,6 +127,20 @@ def test_pause_and_resume_are_seen_in_stats_and_gauges(served):
     assert server.telemetry()["gauges"][("osd_learner_paused", ())] == 0.0
 
 
+def test_a_record_is_stored_before_record_returns(served):
+    server, published, pool, loop = served
+    server.background.stop()  # no thread to store it later: what is on disk is what record() stored
+    serve_requests(pool, loop, 1)
+    shard = server.learner.shards[GENERAL]
+    assert shard.stats()["records"] == 1 and shard.stats()["log_bytes"] > 0  # and queued for the thread
+
+
+def test_the_learner_trains_on_one_thread(served):
+    import torch
+
+    assert torch.get_num_threads() == 1
+
+
 def test_a_tenants_records_are_deleted(served):
     server, published, pool, loop = served
     server.pause()
@@ -162,6 +176,7 @@ def test_a_restarted_learner_reloads_its_drafts_and_announces_them(folder, tmp_p
         serve_requests(pool, loop, 2, draft_id=f"{GENERAL}@team/a")  # an isolated tenant named team/a
         serve_requests(pool, loop, 2, draft_id="..")
         wait_for(lambda: {d for d, _, _ in published.got} == {"c0/en", f"{GENERAL}@team/a", ".."})
+        serve_requests(pool, loop, 1, draft_id="quiet")  # one record: no round, only its initial v0
         first.background.stop()
     finally:
         loop.close()
@@ -170,9 +185,10 @@ def test_a_restarted_learner_reloads_its_drafts_and_announces_them(folder, tmp_p
     try:
         assert sorted(again.learner.trainers) == sorted(versions)  # names with / and @ survive the folders
         assert sorted(p.name for p in (tmp_path / "learner" / "checkpoints").iterdir()) == ["%2E%2E", "c0%2Fen",
-                                                                                           "general@team%2Fa"]
+                                                                                           "general@team%2Fa", "quiet"]
+        assert versions.pop("quiet") == 0  # nothing published: not announced (the replicas have its base)
         assert {d: v for d, _, v in again.announce} == versions and all(v > 0 for v in versions.values())
-        assert {d: t.version for d, t in again.learner.trainers.items()} == versions
+        assert {d: t.version for d, t in again.learner.trainers.items()} == {**versions, "quiet": 0}
     finally:
         again.background.stop()
     assert LearnerServer._known_drafts(tmp_path / "nowhere") == []
@@ -191,7 +207,12 @@ def test_rounds_are_counted_by_their_outcome(served):
         (RoundReport("d", steps=0, accepted=False, reason="no records"), "empty"),
     ]
     for rep, _ in cases:
+        before = {r: counter(m, "osd_learner_rejected_total", draft="d", reason=r) for r in ("non_finite", "agreement_drop", "other")}
         server._count_round(rep)
+        grew = [r for r, n in before.items() if counter(m, "osd_learner_rejected_total", draft="d", reason=r) > n]
+        expect = {"non-finite loss": ["non_finite"], "held-out agreement fell 0.2 -> 0.1": ["agreement_drop"],
+                  "something else": ["other"]}.get(rep.reason, []) if rep.steps > 0 else []
+        assert grew == expect, rep.reason
     for result in ("published", "rejected", "yielded", "empty"):
         assert counter(m, "osd_learner_rounds_total", draft="d", result=result) == sum(r == result for _, r in cases), result
     assert counter(m, "osd_learner_steps_total", draft="d") == 6
@@ -209,3 +230,24 @@ def test_a_learner_needs_a_learned_draft(folder, tmp_path):
         update={"kind": "ngram"})})})
     with pytest.raises(ValueError, match="the learner needs a learned draft; draft kind 'ngram' has none"):
         LearnerServer(cfg)
+
+
+def test_latest_is_the_first_published_version_on_and_nothing_before(served):
+    server, published, pool, loop = served
+    serve_requests(pool, loop, 2, draft_id="one")  # two records: a round (every 2 records), v1
+    wait_for(lambda: [v for d, v, _ in published.got if d == "one"] == [1])
+    serve_requests(pool, loop, 1, draft_id="zero")  # a third: no round, a trainer at its initial v0
+    assert server.latest("zero") is None
+    state, version = server.latest("one")
+    assert version == 1 and set(state) == set(published.got[-1][2])
+
+
+def test_dropped_records_are_counted_once_each(served):
+    """What the learner thread reports dropped (its hand-over queue full) becomes a counter that
+    grows by the new drops at each telemetry pull, never by the total again."""
+    server = served[0]
+    stats = server.background._stats
+    for dropped, total in ((0, 0), (3, 3), (3, 3), (5, 5)):
+        stats.dropped = dropped
+        server.telemetry()
+        assert counter(server.meter, "osd_learner_records_dropped_total") == total

@@ -101,3 +101,20 @@ def test_only_snapshots_are_merged(loop):
     assert server.hub.replicas_of("Ingress") == {a.meter.replica} and a.meter.replica in server.hub.gauges
     server._merge("Ingress", [{"not": "a snapshot"}])  # no replica of the source answered: its gauges go
     assert a.meter.replica not in server.hub.gauges
+
+
+def test_the_router_fits_its_examples_only_when_it_names_domains(tmp_path):
+    from workloads import WorkloadRecord, save_workload
+
+    recs = [WorkloadRecord(f"SELECT col{i} FROM table{i} WHERE id = {i}", "sql", "en", "spider") for i in range(8)]
+    recs += [WorkloadRecord(f"What is {i} plus {i + 3}? Show the steps.", "math", "en", "gsm8k") for i in range(8)]
+    save_workload(recs, tmp_path / "ex.jsonl")
+    examples = str(tmp_path / "ex.jsonl")
+    assert RouterServer(RouterConfig(mode="both", examples=examples, background=False)).router.classifier.fitted
+    assert not RouterServer(RouterConfig(mode="clusters", examples=examples)).router.classifier.fitted
+    assert not RouterServer(RouterConfig(mode="both")).router.classifier.fitted  # no examples: nothing named
+
+
+def test_the_routers_meter_follows_the_metrics_config():
+    assert RouterServer(RouterConfig(mode="clusters")).meter.enabled
+    assert not RouterServer(RouterConfig(mode="clusters"), metrics=MetricsConfig(enabled=False)).meter.enabled
