@@ -106,6 +106,8 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
                                ["tests/unit/test_learner_server.py", "tests/unit/test_ingress.py"]),
     "deployments/router.py": ("deployments.router", {"RouterServer"}, ["tests/unit/test_servers.py", "tests/unit/test_ingress.py"]),
     "deployments/metrics.py": ("deployments.metrics", {"MetricsServer"}, ["tests/unit/test_servers.py"]),
+    "deployments/target.py": ("deployments.target", {"BatchedTarget"},
+                              ["tests/unit/test_target_server.py", "tests/unit/test_draft_pool.py"]),
 }
 
 _CROP0 = "'<=': at start == have the mutant calls crop(0), which transformers' DynamicCache treats as a no-op"
@@ -448,6 +450,12 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "the floor of a try's time limit once the deadline has passed, where the next check gives up anyway",
     ("deployments/drafts.py", "DraftPool.load_weights", "if version > self.published.get(draft_id, ({}, 0))[1]:", "version > self.published.get(draft_id, ({}, 0))[1] -> version >= self.published.get(draft_id, ({}, 0))[1]"):
         "versions are unique per draft: the same version again carries the same weights, and the engine installs only a newer version than it runs",
+    ("deployments/ingress.py", "Ingress._decode", "return self.tokenizer.decode([i for i in ids if 0 <= i < len(self.tokenizer)])", "0 <= i < len(self.tokenizer) -> 0 <= i <= len(self.tokenizer)"):
+        "a fast tokenizer decodes the id just past its vocabulary to nothing (checked for the test tokenizer and SmolLM2's), as if left out",
+    ("deployments/target.py", "BatchedTarget._evict", "idle = [s for s, t in self.last_used.items() if now - t > self.cfg.cache_ttl_s and s not in keep]", "now - t > self.cfg.cache_ttl_s -> now - t >= self.cfg.cache_ttl_s"):
+        "a cache idle for exactly the TTL, to the clock's last digit: evicted one batch earlier",
+    ("deployments/target.py", "BatchedTarget._evict", "if over > 0:  # least recently used first", "over > 0 -> over >= 0"):
+        "at over == 0 the least recently used slice is empty: nothing more is evicted",
     ("deployments/ingress.py", "_body_schema", 'return inline(defs[node["$ref"].rsplit("/", 1)[-1]])', "1 -> 2"):
         "the last part of a $ref is the same however many splits are made from the right",
 }

@@ -193,15 +193,18 @@ def test_the_model_name_may_be_given_or_left_out_and_max_tokens_may_reach_the_li
 
 
 def test_chat_prompts_count_every_messages_characters(app):
+    app.ingress.tenants.clock = lambda: 1000.0  # still: a token charged would show in the bucket
     msgs = [{"role": "user", "content": "x" * 150}, {"role": "assistant", "content": "y" * 30},
             {"role": "user", "content": "z" * 20}]
     assert run(app.post({"messages": msgs, "max_tokens": 2}, chat=True))[0] == 200  # 200: at the limit
+    charged = app.ingress.tenants.tokens["alice"].level
     msgs[2]["content"] += "!"
     got, err, _ = run(app.post({"messages": msgs, "max_tokens": 2}, chat=True))
     assert got == 400 and "longer than 200 characters" in err["error"]["message"]
     bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     got, err, _ = run(app.post({"messages": bad, "max_tokens": 2}, chat=True))
     assert got == 400 and err["error"]["message"] == "only text content parts are supported"
+    assert app.ingress.tenants.tokens["alice"].level == charged  # the refusals were charged nothing
 
 
 def test_a_body_past_the_limit_is_refused_declared_or_sent(app):
