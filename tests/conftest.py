@@ -248,3 +248,15 @@ def extractor():
     fx = FeatureExtractor(RouterConfig())
     fx.embed(["warm up"])
     return fx
+
+
+@pytest.fixture
+def loop():
+    """An event loop for one test of the deployments in one process (``tests/inprocess.py``): the
+    batching queues of the servers a test builds stay bound to it, as in a replica."""
+    from inprocess import Loop, outside_serve
+
+    outside_serve()
+    lp = Loop()
+    yield lp
+    lp.close()

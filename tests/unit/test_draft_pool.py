@@ -16,7 +16,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from config import SamplingParams
 from deployments.drafts import GenerateRequest, RemoteVerifier
 from deployments.protocol import TargetUnavailable
-from inprocess import Handle, LocalPool, Loop, app_config, counter, hist, save_tiny_model
+from inprocess import Handle, LocalPool, app_config, counter, hist, save_tiny_model
 from router.router import GENERAL
 
 SUFFIX = {"draft": {"kind": "suffix", "suffix": {"max_requests": 3, "max_scopes": 2}}}
@@ -25,13 +25,6 @@ SUFFIX = {"draft": {"kind": "suffix", "suffix": {"max_requests": 3, "max_scopes"
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory, make_llama, make_tokenizer):
     return save_tiny_model(tmp_path_factory.mktemp("tiny-model"), make_llama, make_tokenizer)
-
-
-@pytest.fixture
-def loop():
-    lp = Loop()
-    yield lp
-    lp.close()
 
 
 def engine_cfg(folder, **draft):

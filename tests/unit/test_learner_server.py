@@ -165,23 +165,16 @@ def test_configure_changes_the_settings_of_every_trainer(served):
     assert t.cfg.lr == 0.0123
 
 
-def test_a_restarted_learner_reloads_its_drafts_and_announces_them(folder, tmp_path):
-    cfg = learner_cfg(folder, tmp_path / "learner")
-    published = Published()
-    first = LearnerServer(cfg, publish=published)
-    pool = LocalPool(cfg, learner=Handle(first))
-    loop = Loop()
-    try:
-        serve_requests(pool, loop, 2, draft_id="c0/en")
-        serve_requests(pool, loop, 2, draft_id=f"{GENERAL}@team/a")  # an isolated tenant named team/a
-        serve_requests(pool, loop, 2, draft_id="..")
-        wait_for(lambda: {d for d, _, _ in published.got} == {"c0/en", f"{GENERAL}@team/a", ".."})
-        serve_requests(pool, loop, 1, draft_id="quiet")  # one record: no round, only its initial v0
-        first.background.stop()
-    finally:
-        loop.close()
+def test_a_restarted_learner_reloads_its_drafts_and_announces_them(served, folder, tmp_path):
+    first, published, pool, loop = served
+    serve_requests(pool, loop, 2, draft_id="c0/en")
+    serve_requests(pool, loop, 2, draft_id=f"{GENERAL}@team/a")  # an isolated tenant named team/a
+    serve_requests(pool, loop, 2, draft_id="..")
+    wait_for(lambda: {d for d, _, _ in published.got} == {"c0/en", f"{GENERAL}@team/a", ".."})
+    serve_requests(pool, loop, 1, draft_id="quiet")  # one record: no round, only its initial v0
+    first.background.stop()
     versions = {d: t.version for d, t in first.learner.trainers.items()}
-    again = LearnerServer(cfg, publish=Published())
+    again = LearnerServer(learner_cfg(folder, tmp_path / "learner"), publish=Published())
     try:
         assert sorted(again.learner.trainers) == sorted(versions)  # names with / and @ survive the folders
         assert sorted(p.name for p in (tmp_path / "learner" / "checkpoints").iterdir()) == ["%2E%2E", "c0%2Fen",

@@ -5,22 +5,13 @@ real `RouterServer` and `MetricsServer` with real `Meter`s, joined by in-process
 
 from __future__ import annotations
 
-import pytest
 
 from config import MetricsConfig, RouterConfig
 from deployments.metrics import MetricsServer
 from deployments.router import RouterServer
-from inprocess import Handle, Loop, counter, outside_serve
+from inprocess import Handle, counter
 from router.router import GENERAL
 from telemetry import Meter
-
-
-@pytest.fixture
-def loop():
-    outside_serve()
-    lp = Loop()
-    yield lp
-    lp.close()
 
 
 def test_the_router_saves_only_what_changed(tmp_path, loop):

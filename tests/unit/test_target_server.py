@@ -8,22 +8,13 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
 import torch
 
 from config import ModelConfig, TargetServeConfig
 from deployments.target import BatchedTarget
-from inprocess import Loop, counter, hist, outside_serve
+from inprocess import counter, hist
 from speculative import ModelRunner, VerifyCall
 from telemetry import Meter
-
-
-@pytest.fixture
-def loop():
-    outside_serve()
-    lp = Loop()
-    yield lp
-    lp.close()
 
 
 def batched(target, meter=True, **cfg) -> BatchedTarget:
