@@ -106,6 +106,14 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
                                ["tests/unit/test_learner_server.py", "tests/unit/test_ingress.py"]),
     "deployments/router.py": ("deployments.router", {"RouterServer"}, ["tests/unit/test_servers.py", "tests/unit/test_ingress.py"]),
     "deployments/metrics.py": ("deployments.metrics", {"MetricsServer"}, ["tests/unit/test_servers.py"]),
+    # loading models and tokenizers, prompts and chats as ids, EOS ids, devices, vocabularies (the
+    # GGUF dequantisation is left out: it needs a GGUF file and 30 s a run)
+    "speculative/models.py": ("speculative.models", {"embedded_gguf_path", "_gguf_cache_folder", "resolve_model_folder",
+                                                     "load_tokenizer", "_cannot_load", "load_weights", "load_model",
+                                                     "check_device", "load_config", "encode_prompt", "encode_messages",
+                                                     "eos_token_ids", "check_same_vocab"},
+                              ["tests/unit/test_models.py", "tests/unit/test_config.py", "tests/unit/test_input.py",
+                               "tests/unit/test_cache_keys.py"]),
     "deployments/target.py": ("deployments.target", {"BatchedTarget"},
                               ["tests/unit/test_target_server.py", "tests/unit/test_draft_pool.py"]),
 }
