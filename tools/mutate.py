@@ -114,6 +114,10 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
                                                      "eos_token_ids", "check_same_vocab"},
                               ["tests/unit/test_models.py", "tests/unit/test_config.py", "tests/unit/test_input.py",
                                "tests/unit/test_cache_keys.py"]),
+    # how `osd route` scores the router on traffic it never trained on (leave-one-source-out,
+    # leave-one-domain-out, unnamed kinds) and language id: the figures routing is judged by
+    "router/cli.py": ("router.cli", {"_outcome", "open_set_report", "_lang_scores", "_percentiles"},
+                      ["tests/unit/test_router_open.py"]),
     "deployments/target.py": ("deployments.target", {"BatchedTarget"},
                               ["tests/unit/test_target_server.py", "tests/unit/test_draft_pool.py"]),
 }

@@ -396,6 +396,24 @@ def test_operator_rollback_from_the_command_line(setup, tmp_path, capsys):
         draft_main(["rollback", "--checkpoint-dir", str(tmp_path), "--draft", "d", "--version", "9"])
 
 
+def test_operators_name_a_draft_by_its_id_whatever_its_folder(setup, tmp_path, capsys):
+    """`osd draft` takes and prints draft ids; a per-language draft's folder is its quoted id."""
+    from learner.ops import main as draft_main, versions
+
+    draft, recs = setup
+    tr = DraftTrainer("d:chat/es", draft, _cfg(tmp_path))
+    assert tr.train_round(recs[:12]).accepted
+    tr.publish()
+    DraftTrainer("other", draft, _cfg(tmp_path))
+    assert sorted(versions(tmp_path)) == ["d:chat/es", "other"]
+    assert list(versions(tmp_path, "d:chat/es")) == ["d:chat/es"]
+    assert draft_main(["rollback", "--checkpoint-dir", str(tmp_path), "--draft", "d:chat/es", "--version", "0"]) == 0
+    assert versions(tmp_path, "d:chat/es")["d:chat/es"]["latest"] == "v2"
+    assert "d:chat/es: the weights of v0 are published as v2 (LATEST)" in capsys.readouterr().out
+    with pytest.raises(FileNotFoundError, match="no checkpoints of draft 'd:chat'"):
+        versions(tmp_path, "d:chat")
+
+
 def test_micro_batched_step_equals_whole_batch_step(setup):
     draft, recs = setup
     whole = DraftTrainer("d", draft, _cfg(steps_per_round=1, lr=1e-2))
