@@ -118,6 +118,7 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     # leave-one-domain-out, unnamed kinds) and language id: the figures routing is judged by
     "router/cli.py": ("router.cli", {"_outcome", "open_set_report", "_lang_scores", "_percentiles"},
                       ["tests/unit/test_router_open.py"]),
+    "deployments/loopback.py": ("deployments.loopback", None, ["tests/unit/test_loopback.py"]),
     "deployments/target.py": ("deployments.target", {"BatchedTarget"},
                               ["tests/unit/test_target_server.py", "tests/unit/test_draft_pool.py"]),
 }
