@@ -119,6 +119,8 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "router/cli.py": ("router.cli", {"_outcome", "open_set_report", "_lang_scores", "_percentiles"},
                       ["tests/unit/test_router_open.py"]),
     "deployments/loopback.py": ("deployments.loopback", None, ["tests/unit/test_loopback.py"]),
+    # the workload files and the parsers of the public sources they are built from
+    "workloads/__init__.py": ("workloads", None, ["tests/unit/test_workloads.py", "tests/unit/test_open_set_sources.py"]),
     "deployments/target.py": ("deployments.target", {"BatchedTarget"},
                               ["tests/unit/test_target_server.py", "tests/unit/test_draft_pool.py"]),
 }

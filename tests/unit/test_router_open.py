@@ -442,6 +442,20 @@ def test_open_set_report_on_a_small_pool(extractor):
     for v in [*rep["loso"].values(), *rep["lodo"].values(), *rep["unnamed"].values()]:
         assert sum(v["went"].values()) == v["n"]
     assert rep["lodo"]["sql"]["went"].get("sql", 0) == 0  # a router without sql never names it
+    # every figure is its share of what went where, and the summaries are those figures
+    for key, v in rep["loso"].items():
+        assert v["recall"] == v["went"].get(v["domain"], 0) / v["n"] and key == f"{v['domain']}:{v['source']}"
+    for v in [*rep["lodo"].values(), *rep["unnamed"].values()]:
+        assert v["to_clusters"] == v["went"].get("cluster", 0) / v["n"]
+    assert rep["loso_min_recall"] == {"chat": None, "sql": None,
+                                      "code": min(rep["loso"][f"code:{s}"]["recall"] for s in ("codeio", "humaneval", "python-stdlib")),
+                                      "math": min(rep["loso"][f"math:{s}"]["recall"] for s in ("champ", "gsm-symbolic"))}
+    kinds = [v for k, v in rep["unnamed"].items() if k != "general"]  # the five kinds, not general traffic
+    assert rep["unnamed_to_clusters"] == sum(v["went"].get("cluster", 0) for v in kinds) / sum(v["n"] for v in kinds)
+    assert rep["pool"]["n"] == len(train) + 12 and rep["pool"]["sources"]["code"] == ["codeio", "humaneval", "python-stdlib"]
+    assert rep["lodo"]["code"]["n"] == 3 * 12 - 6 and rep["unnamed"]["quotes"]["n"] == 6
+    again = open_set_report(RouterConfig(), extractor, train + general, served, extra + extra[:3], lang_prior=False)
+    assert again["pool"]["n"] == rep["pool"]["n"]  # each text once
 
 
 def test_the_router_deployment_fits_its_examples_at_start(train, held_out, tmp_path):
@@ -486,3 +500,21 @@ def test_osd_route_trains_the_background_and_reports_it(extractor, train, tmp_pa
     rep = json.loads((tmp_path / "r.json").read_text())
     assert BACKGROUND not in rep["train"]["domains"] and rep["train"]["domains"]["chat"] == sum(
         r.domain == "chat" for r in train[::4] + general)
+
+
+def test_the_reports_small_pieces_by_hand():
+    from router.cli import _lang_scores, _percentiles
+    from router.router import Route
+
+    p = _percentiles([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert (p["n"], p["p50"], p["mean"]) == (5, 3.0, 22.0) and p["p90"] == pytest.approx(61.6) and p["p99"] == pytest.approx(96.16)
+    assert _percentiles([]) == {"n": 0, "p50": None, "p90": None, "p99": None, "mean": None}
+    s = _lang_scores(["en", "en", "fr", "fr", "fr"], ["en", "fr", "fr", "en", "en"])
+    assert s["n"] == 5 and s["accuracy"] == 0.4
+    assert s["per_label"] == {"en": {"accuracy": 0.5, "n": 2}, "fr": {"accuracy": 1 / 3, "n": 3}}
+    assert s["errors"] == {"fr->en": 2, "en->fr": 1}
+    assert _lang_scores([], [])["accuracy"] is None
+    kw = dict(lang="en", reason="x", confidence=1.0, draft_id="general")
+    assert _outcome(Route(domain="chat/fr", cluster=None, **kw)) == "chat"
+    assert _outcome(Route(domain="c3/en", cluster=3, **kw)) == "cluster"
+    assert _outcome(Route(domain="unknown", cluster=None, **kw)) == "fallback"
