@@ -32,6 +32,7 @@ import json
 import os
 import time
 from collections import Counter
+from itertools import islice
 from pathlib import Path
 from typing import Sequence
 
@@ -265,8 +266,8 @@ def open_set_report(cfg: RouterConfig, extractor, train: Sequence, workload: Seq
     general = {} if keep_general else {r.text: WorkloadRecord(r.text, "general", r.lang, r.source)
                                        for r in [*train, *workload] if is_general(r) and r.text not in trained}
     unnamed = [r for r in open_records if r.domain not in named and r.domain != "unknown"] + list(general.values())
-    feats = extractor.extract([r.text for r in pool + unnamed + background])
-    pf, uf, bf = feats[: len(pool)], feats[len(pool): len(pool) + len(unnamed)], feats[len(pool) + len(unnamed):]
+    feats = iter(extractor.extract([r.text for r in pool + unnamed + background]))  # one pass, batched as one
+    pf, uf, bf = (list(islice(feats, len(group))) for group in (pool, unnamed, background))
     X = np.stack([f.embedding for f in pf + bf])  # [pool + background, 384]
     src = np.array([r.source.split(":")[0] for r in pool] + ["background"] * len(bf))
     dom = np.array([r.domain for r in pool] + [BACKGROUND] * len(bf))

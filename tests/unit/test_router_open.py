@@ -454,8 +454,12 @@ def test_open_set_report_on_a_small_pool(extractor):
     assert rep["unnamed_to_clusters"] == sum(v["went"].get("cluster", 0) for v in kinds) / sum(v["n"] for v in kinds)
     assert rep["pool"]["n"] == len(train) + 12 and rep["pool"]["sources"]["code"] == ["codeio", "humaneval", "python-stdlib"]
     assert rep["lodo"]["code"]["n"] == 3 * 12 - 6 and rep["unnamed"]["quotes"]["n"] == 6
-    again = open_set_report(RouterConfig(), extractor, train + general, served, extra + extra[:3], lang_prior=False)
-    assert again["pool"]["n"] == rep["pool"]["n"]  # each text once
+    # --keep-general: ShareGPT's turns are chat examples (the training file's and the workload's), no
+    # background; extra's first three records given twice are still one text each
+    again = open_set_report(RouterConfig(), extractor, train + general, served, extra + extra[:3], lang_prior=False,
+                            keep_general=True)
+    assert again["pool"]["n"] == rep["pool"]["n"] + 5 and again["pool"]["background"] == 0
+    assert "general" not in again["unnamed"]
 
 
 def test_the_router_deployment_fits_its_examples_at_start(train, held_out, tmp_path):

@@ -223,6 +223,24 @@ def test_parse_chatterbot(tmp_path: Path) -> None:
     assert all(r.domain == "chat" for r in recs)
 
 
+def test_chatterbot_reads_only_language_folders_under_data_and_skips_odd_conversations(tmp_path: Path) -> None:
+    good = "conversations:\n- - Where do you live these days?\n  - Here.\n"
+    odd = ("conversations:\n- - null\n  - What a strange first turn this is.\n- []\n- just a string\n"
+           "- - Is this kept in the end?\n  - Yes.\n")
+    wheel = _zip(tmp_path / "c.whl", {
+        "data/english/top.yml": good,  # three parts, the third from the end "data": read
+        "english/two_parts.yml": good.replace("Where", "Why"),  # two parts: not a corpus file
+        "pkg/notdata/english/x.yml": good.replace("Where", "When"),  # not under data/
+        "pkg/data/english/odd.yaml": odd,
+        "pkg/data/english/readme.txt": good.replace("Where", "How"),
+        "pkg/data/english/broken.yml": "conversations: [unclosed",
+        "pkg/data/english/list.yml": "- a\n- b\n",
+    })
+    got = [(r.text, r.source) for r in wl.parse_chatterbot(wheel)]
+    assert got == [("Where do you live these days?", "chatterbot:english/top"),
+                   ("Is this kept in the end?", "chatterbot:english/odd")]
+
+
 def test_parse_sharegpt_recovers_truncated_json(tmp_path: Path) -> None:
     recs = _sharegpt_records(4)
     recs.append({"id": "conv9_1", "conversations": [  # later chunk of a conversation: skipped
@@ -262,6 +280,12 @@ def test_iter_json_array_records_chunk_boundaries(chunk: int) -> None:
     assert list(wl.iter_json_array_records(io.StringIO(cut_number), chunk)) == recs[:3]
     assert list(wl.iter_json_array_records(io.StringIO("[]"), chunk)) == []
     assert list(wl.iter_json_array_records(io.StringIO(""), chunk)) == []
+    compact = json.dumps(recs, separators=(",", ":"))  # no space after the bracket or between records
+    assert list(wl.iter_json_array_records(io.StringIO(compact), chunk)) == recs
+    assert list(wl.iter_json_array_records(io.StringIO('[{"a":1}, '), chunk)) == [{"a": 1}]  # cut after a comma
+    assert list(wl.iter_json_array_records(io.StringIO('  \n [7, 8]'), chunk)) == [7, 8]
+    with pytest.raises(ValueError, match="expected a JSON array"):
+        list(wl.iter_json_array_records(io.StringIO('{"a": 1}'), chunk))
 
 
 def test_parse_champ(tmp_path: Path) -> None:
@@ -285,6 +309,84 @@ def test_build_code_records() -> None:
     assert dumps.text.startswith("Write the Python function `dumps(obj, *, skipkeys=False")
     assert "JSON" in dumps.text
     assert recs == wl.build_code_records(["json", "math", "textwrap"])
+
+
+def test_which_functions_become_code_prompts(monkeypatch) -> None:
+    """A module of our own: what is kept (public, its own or in __all__, a signature with arguments
+    and no object address, a docstring of 20 to 800 characters that does not restate the call, not
+    seen before) and how its text reads."""
+    import sys
+    import types
+
+    def doc(n: int) -> str:  # a one-paragraph docstring of n characters
+        return "x" * (n - 1) + "."
+
+    mod = types.ModuleType("osdfake")
+    source = f'''
+from posixpath import join, split
+__all__ = ["join", "kept"]
+def kept(a, b=1):
+    """Add a and b, the way the caller expects it."""
+def helper(x):
+    """{doc(25)}"""
+def uses_helper(f=helper):
+    """Call f on nothing in particular, and return it."""
+def at_20(x): """{doc(20)}"""
+def at_19(x): """{doc(19)}"""
+def at_800(x): """{doc(800)}"""
+def at_801(x): """{doc(801)}"""
+def no_args():
+    """A function without arguments is left out."""
+def address(x=object()):
+    """A default shown with its address is left out."""
+def restates(x):
+    """restates(x) -> the same thing again, as said."""
+def twin(x):
+    """Twins share this docstring, the second one is dropped."""
+def twin2(x):
+    """Twins share this docstring, the second one is dropped."""
+def _private(x):
+    """A private function is never a prompt of ours."""
+def undocumented(x):
+    pass
+CONSTANT = 3
+'''
+    exec(source, mod.__dict__)
+    monkeypatch.setitem(sys.modules, "osdfake", mod)
+    recs = {r.source.split(".", 1)[1]: r for r in wl.build_code_records(["osdfake", "no_such_module_here"])}
+    # join is in __all__ though posixpath's; split is posixpath's only
+    assert sorted(recs) == ["at_20", "at_800", "helper", "join", "kept", "twin", "uses_helper"]
+    assert recs["kept"].text == "Write the Python function `kept(a, b=1)`.\n\nAdd a and b, the way the caller expects it."
+    assert recs["uses_helper"].text.startswith("Write the Python function `uses_helper(f=helper)`.")
+    assert recs["kept"].source == "python-stdlib:osdfake.kept" and recs["kept"].domain == "code"
+
+
+def test_a_docstrings_excerpt_grows_to_80_characters_by_paragraphs() -> None:
+    def p(n: int) -> str:
+        return "y" * n
+
+    assert wl._doc_excerpt(f"{p(40)}\n\n{p(38)}\n\n{p(10)}") == f"{p(40)}\n\n{p(38)}"  # 80: enough
+    assert wl._doc_excerpt(f"{p(40)}\n\n{p(37)}\n\n{p(10)}") == f"{p(40)}\n\n{p(37)}\n\n{p(10)}"  # 79: one more
+    assert wl._doc_excerpt(f"  {p(90)}\n  \n\n{p(5)}") == p(90)
+
+
+def test_text_lengths_and_excluded_prompts(tmp_path: Path) -> None:
+    assert wl._ok_len("a") and not wl._ok_len("") and wl._ok_len("ab", 2) and not wl._ok_len("a", 2)
+    assert wl._ok_len("z" * wl.MAX_TEXT_CHARS) and not wl._ok_len("z" * (wl.MAX_TEXT_CHARS + 1))
+    recs = [WorkloadRecord("one"), WorkloadRecord("two"), WorkloadRecord("three")]
+    wl.save_workload([WorkloadRecord("two")], tmp_path / "deep" / "er" / "ex.jsonl")  # folders made
+    assert wl.without_prompts_of(recs, tmp_path / "deep" / "er" / "ex.jsonl") == [recs[0], recs[2]]
+    assert wl.without_prompts_of(recs, None) == recs and wl.without_prompts_of(recs, "") == recs
+
+
+def test_a_spider_schema_reads_every_tables_columns_and_keys() -> None:
+    db = {"table_names_original": ["singer", "song"],
+          "column_names_original": [[-1, "*"], [0, "id"], [0, "name"], [1, "sid"], [1, "title"]],
+          "column_types": ["text", "number", "text", "number", "others"],
+          "primary_keys": [1, [3]], "foreign_keys": [[3, 1]]}
+    assert wl._spider_schema(db) == ("CREATE TABLE singer (\n  id NUMERIC PRIMARY KEY,\n  name TEXT\n);\n"
+                                     "CREATE TABLE song (\n  sid NUMERIC PRIMARY KEY REFERENCES singer(id),\n  title TEXT\n);")
+    assert wl._spider_schema(db, compact=True) == "singer(id, name)\nsong(sid, title)"
 
 
 # ----------------------------------------------------------------------------- build
@@ -312,7 +414,24 @@ def test_build_workload_deterministic(cache_dir: Path, tmp_path: Path) -> None:
     assert len(seeds) > 1  # the seed changes the sample
 
 
-def test_build_workload_env_cache_and_cli(cache_dir: Path, tmp_path: Path, monkeypatch) -> None:
+def test_build_workload_languages_and_excluded_texts(cache_dir: Path) -> None:
+    base = wl.build_workload(None, per_domain=2, seed=0, cache_dir=cache_dir, domains=("code",))
+    banned = {base[0].text}
+    recs = wl.build_workload(None, per_domain=2, seed=0, cache_dir=cache_dir, domains=("code",),
+                             languages=("fr", "en"), exclude=banned)
+    code = [r for r in recs if r.domain == "code"]
+    assert len(code) == 2 and base[0].text not in {r.text for r in recs}  # still two, the excluded one not among them
+    langs = [(r.lang, r.source.split("/")[0]) for r in recs if r.domain == "chat"]
+    assert langs == [("fr", "chatterbot:french"), ("en", "chatterbot:english"), ("en", "chatterbot:english")]
+    english = {r.text for r in recs if r.lang == "en"}
+    no_en = wl.build_workload(None, per_domain=5, seed=0, cache_dir=cache_dir, domains=(), languages=("en",),
+                              exclude=english)
+    assert no_en and not english & {r.text for r in no_en} and all(r.lang == "en" for r in no_en)
+    with pytest.raises(ValueError, match="chatterbot-corpus has no records in language 'xx'"):
+        wl.build_workload(None, 1, 0, cache_dir, domains=(), languages=("xx",))
+
+
+def test_build_workload_env_cache_and_cli(cache_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("OSD_CACHE_DIR", str(cache_dir))
     assert wl.default_cache_dir() == cache_dir
     out = tmp_path / "cli.jsonl"
@@ -320,5 +439,9 @@ def test_build_workload_env_cache_and_cli(cache_dir: Path, tmp_path: Path, monke
                     "--domains", "sql,math"]) == 0
     recs = wl.load_workload(out)
     assert [r.domain for r in recs] == ["sql", "math"]
+    assert f"wrote 2 records to {out}: sql=1, math=1" in capsys.readouterr().out
+    assert wl.main(["--out", str(out), "--per-domain", "2", "--domains", "sql,chat", "--languages", "fr,en"]) == 0
+    # chat: one chatterbot and one ShareGPT turn, both English, then the languages: en 2, fr 1 (all it has)
+    assert f"wrote 7 records to {out}: sql=2, chat/en=4, chat/fr=1" in capsys.readouterr().out
     with pytest.raises(ValueError):
         wl.build_workload(None, 1, 0, cache_dir, domains=("poetry",))
