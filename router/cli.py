@@ -297,10 +297,11 @@ def open_set_report(cfg: RouterConfig, extractor, train: Sequence, workload: Seq
         outs = routes_of(dom != d, [f for f, m in zip(pf, dom == d) if m])
         lodo[d] = {"n": len(outs), "to_clusters": share(outs, "cluster"), "went": dict(Counter(outs))}
     outs = routes_of(np.ones(len(dom), bool), uf)
-    kinds = sorted({r.domain for r in unnamed})
-    per_kind = {k: {"n": sum(r.domain == k for r in unnamed),
-                    "to_clusters": share([o for o, r in zip(outs, unnamed) if r.domain == k], "cluster"),
-                    "went": dict(Counter(o for o, r in zip(outs, unnamed) if r.domain == k))} for k in kinds}
+    went_by_kind: dict[str, list[str]] = {}
+    for o, r in zip(outs, unnamed):
+        went_by_kind.setdefault(r.domain, []).append(o)
+    per_kind = {k: {"n": len(v), "to_clusters": share(v, "cluster"), "went": dict(Counter(v))}
+                for k, v in sorted(went_by_kind.items())}
     return {
         "pool": {"n": len(pool), "sources": {d: sorted(set(src[dom == d])) for d in named},
                  "background": len(background)},

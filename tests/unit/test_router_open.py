@@ -456,10 +456,12 @@ def test_open_set_report_on_a_small_pool(extractor):
     assert rep["lodo"]["code"]["n"] == 3 * 12 - 6 and rep["unnamed"]["quotes"]["n"] == 6
     # --keep-general: ShareGPT's turns are chat examples (the training file's and the workload's), no
     # background; extra's first three records given twice are still one text each
-    again = open_set_report(RouterConfig(), extractor, train + general, served, extra + extra[:3], lang_prior=False,
-                            keep_general=True)
+    # (and without unnamed kinds in the open file: nothing unnamed, a share of nothing is 0)
+    named_extra = [r for r in extra if r.domain in ("code", "math")]
+    again = open_set_report(RouterConfig(), extractor, train + general, served, named_extra + named_extra[:3],
+                            lang_prior=False, keep_general=True)
     assert again["pool"]["n"] == rep["pool"]["n"] + 5 and again["pool"]["background"] == 0
-    assert "general" not in again["unnamed"]
+    assert again["unnamed"] == {} and again["unnamed_to_clusters"] == 0.0
 
 
 def test_the_router_deployment_fits_its_examples_at_start(train, held_out, tmp_path):
@@ -518,6 +520,8 @@ def test_the_reports_small_pieces_by_hand():
     assert s["per_label"] == {"en": {"accuracy": 0.5, "n": 2}, "fr": {"accuracy": 1 / 3, "n": 3}}
     assert s["errors"] == {"fr->en": 2, "en->fr": 1}
     assert _lang_scores([], [])["accuracy"] is None
+    many = _lang_scores([f"t{i}" for i in range(25)], [f"p{i}" for i in range(25)])
+    assert len(many["errors"]) == 20 and many["accuracy"] == 0.0  # the 20 most common confusions
     kw = dict(lang="en", reason="x", confidence=1.0, draft_id="general")
     assert _outcome(Route(domain="chat/fr", cluster=None, **kw)) == "chat"
     assert _outcome(Route(domain="c3/en", cluster=3, **kw)) == "cluster"
