@@ -432,13 +432,16 @@ def test_open_set_report_on_a_small_pool(extractor):
         ["Write me an essay on the history of print.", "Give me three names for a bakery.",
          "Draft a polite email declining a meeting.", "What should I pack for a week in Norway?"])]
     served = [WorkloadRecord("Plan a birthday party for a ten-year-old.", "chat", "en", "sharegpt:y")]
+    # an "unnamed" kind that is plainly SQL (training questions again): named, never a cluster
+    extra = extra + [WorkloadRecord(r.text, "copies", r.lang, "copies") for r in by["spider-dev"][:3]]
     # the general traffic of the training file is the background class; the workload's is judged
     rep = open_set_report(RouterConfig(), extractor, train + general, served, extra, lang_prior=False)  # shared extractor: no prior
     assert rep["pool"]["background"] == 4 and rep["unnamed"]["general"]["n"] == 1
     assert set(rep["loso"]) == {"code:codeio", "code:humaneval", "code:python-stdlib", "math:champ",
                                 "math:gsm-symbolic"}  # sql and chat have one source here
     assert rep["loso"]["code:humaneval"]["n"] == 6 and set(rep["lodo"]) == {"chat", "code", "math", "sql"}
-    assert set(rep["unnamed"]) == {"quotes", "fiction", "general"}  # sharegpt is not trained on
+    assert set(rep["unnamed"]) == {"quotes", "fiction", "copies", "general"}  # sharegpt is not trained on
+    assert rep["unnamed"]["copies"]["went"] == {"sql": 3}
     for v in [*rep["loso"].values(), *rep["lodo"].values(), *rep["unnamed"].values()]:
         assert sum(v["went"].values()) == v["n"]
     assert rep["lodo"]["sql"]["went"].get("sql", 0) == 0  # a router without sql never names it
