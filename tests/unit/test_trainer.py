@@ -414,6 +414,27 @@ def test_operators_name_a_draft_by_its_id_whatever_its_folder(setup, tmp_path, c
         versions(tmp_path, "d:chat")
 
 
+def test_an_operators_rollback_keeps_every_checkpoint_and_the_cli_needs_its_arguments(setup, tmp_path):
+    """Serving prunes old checkpoints (keep_versions); an operator's rollback from the command line
+    keeps all of them, however many there are (here 62 before it)."""
+    import shutil
+
+    from learner.ops import main as draft_main
+
+    draft, recs = setup
+    DraftTrainer("d", draft, _cfg(tmp_path))  # v0
+    for v in range(1, 62):
+        shutil.copytree(tmp_path / "d" / "v0", tmp_path / "d" / f"v{v}")
+    (tmp_path / "d" / "LATEST").write_text("v61\n")
+    assert draft_main(["rollback", "--checkpoint-dir", str(tmp_path), "--draft", "d", "--version", "3"]) == 0
+    assert DraftTrainer("d", draft, _cfg(tmp_path, keep_versions=10**6)).versions() == list(range(63))
+    for args in ([], ["versions"], ["rollback", "--draft", "d", "--version", "1"],
+                 ["rollback", "--checkpoint-dir", str(tmp_path), "--version", "1"],
+                 ["rollback", "--checkpoint-dir", str(tmp_path), "--draft", "d"]):
+        with pytest.raises(SystemExit):  # each of these arguments is required
+            draft_main(args)
+
+
 def test_micro_batched_step_equals_whole_batch_step(setup):
     draft, recs = setup
     whole = DraftTrainer("d", draft, _cfg(steps_per_round=1, lr=1e-2))
