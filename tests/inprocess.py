@@ -20,12 +20,13 @@ import asyncio
 import contextvars
 import inspect
 import json
+import time
 
 from ray.exceptions import RayActorError
 from starlette.requests import Request
 
-from config import AppConfig
-from deployments.drafts import DraftPool
+from config import AppConfig, SamplingParams
+from deployments.drafts import DraftPool, GenerateRequest
 from deployments.ingress import Ingress
 from deployments.metrics import MetricsServer
 from deployments.router import RouterServer
@@ -235,12 +236,24 @@ class LocalPool(DraftPool):
     def stream(self, req):
         return self._run(req, MODEL_ID.get() or GENERAL)
 
-    async def _run(self, req, draft_id):
-        self.requests.append((draft_id, req))
+    async def loaded(self, draft_id: str):
+        """The engine of ``draft_id``, loaded once and held (as multiplexing holds a loaded model)."""
         if draft_id not in self.held:
             self.held[draft_id] = await self.engine_for(draft_id)
+        return self.held[draft_id]
+
+    async def serve(self, prompt: str = "Hello world", n: int = 10, draft_id: str = GENERAL,
+                    request_id: str | None = None, **req) -> list[dict]:
+        """One greedy request of ``n`` tokens (EOS ignored) through ``generate``: every item it streams."""
+        gen = GenerateRequest(request_id or f"r-{time.monotonic_ns()}", SamplingParams(max_tokens=n, ignore_eos=True),
+                              prompt=prompt, **req)
+        return [item async for item in self.generate(gen, await self.loaded(draft_id), draft_id)]
+
+    async def _run(self, req, draft_id):
+        self.requests.append((draft_id, req))
+        engine = await self.loaded(draft_id)
         steps = 0
-        async for item in self.generate(req, self.held[draft_id], draft_id):
+        async for item in self.generate(req, engine, draft_id):
             if self.fail_after is not None and "tokens" in item:
                 steps += 1
                 if steps > self.fail_after:
@@ -258,7 +271,7 @@ class App:
         self.pools = pools or [LocalPool(cfg)]
         self.pool = Handle(*self.pools)
         self.learner = learner
-        self.metrics = MetricsServer(cfg.metrics, {"Ingress": None}) if metrics else None
+        self.metrics = MetricsServer(cfg.metrics) if metrics else None  # its handles: below
         self.ingress = Ingress(cfg, Handle(self.router), self.pool, None if learner is None else Handle(learner),
                                metrics=None if self.metrics is None else Handle(self.metrics))
         if self.metrics is not None:

@@ -32,14 +32,6 @@ def engine_cfg(folder, **draft):
     return app_config(folder, engine={**cfg.engine.model_dump(), **draft})
 
 
-async def generate(pool, prompt: str = "Hello world", n: int = 10, draft_id: str = GENERAL, **req) -> list[dict]:
-    engine = pool.held.get(draft_id) or await pool.engine_for(draft_id)
-    pool.held[draft_id] = engine
-    gen = GenerateRequest(req.pop("request_id", f"r-{time.monotonic_ns()}"), SamplingParams(max_tokens=n, ignore_eos=True),
-                          prompt=prompt, **req)
-    return [item async for item in pool.generate(gen, engine, draft_id)]
-
-
 class Recorder:
     """The learner's `record` as a replica calls it (fire and forget); keeps what arrived."""
 
@@ -60,7 +52,7 @@ class Recorder:
 def test_a_request_streams_its_header_steps_and_usage_and_counts_every_step(folder, loop):
     pool = LocalPool(app_config(folder))
     t0 = time.perf_counter()
-    items = loop.run(generate(pool, n=12, domain="code", lang="en", tenant="alice"))
+    items = loop.run(pool.serve(n=12, domain="code", lang="en", tenant="alice"))
     elapsed = time.perf_counter() - t0
     head, steps, end = items[0], items[1:-1], items[-1]
     assert head == {"prompt_tokens": 11}  # a raw prompt: the tokenizer's chat template is not applied
@@ -98,7 +90,7 @@ def test_a_request_streams_its_header_steps_and_usage_and_counts_every_step(fold
 
 def test_the_step_counts_of_a_model_free_proposer_are_labelled_by_its_name(folder, loop):
     pool = LocalPool(engine_cfg(folder, draft={"kind": "ngram"}))
-    items = loop.run(generate(pool, prompt="abcabcabcabc", n=12))
+    items = loop.run(pool.serve(prompt="abcabcabcabc", n=12))
     spec = items[-1]["usage"]["speculative"]
     assert spec["proposed"] > 0 and spec["draft_version"] == 0
     assert counter(pool.meter, "osd_spec_decode_draft_version_draft_tokens_total", draft=GENERAL,
@@ -120,9 +112,9 @@ def test_a_token_id_prompt_outside_the_vocabulary_is_refused_in_the_header(folde
 
 def test_a_resumed_request_continues_after_the_tokens_already_sent(folder, loop):
     pool = LocalPool(app_config(folder))
-    whole = loop.run(generate(pool, n=12))
+    whole = loop.run(pool.serve(n=12))
     tokens = [t for item in whole[1:-1] for t in item["tokens"]]
-    again = loop.run(generate(pool, n=12, resume=tokens[:5]))
+    again = loop.run(pool.serve(n=12, resume=tokens[:5]))
     rest = [t for item in again[1:-1] for t in item["tokens"]]
     assert rest == tokens[5:] and again[-1]["usage"]["speculative"]["resumed_after"] == 5
     assert again[-1]["usage"]["completion_tokens"] == 12
@@ -130,7 +122,7 @@ def test_a_resumed_request_continues_after_the_tokens_already_sent(folder, loop)
 
 def test_a_dropped_cache_is_sent_whole_and_the_output_is_unchanged(folder, loop):
     pool = LocalPool(app_config(folder))
-    expect = loop.run(generate(pool, n=12))
+    expect = loop.run(pool.serve(n=12))
     verify, calls = pool.verifier.verify, []
 
     async def forgetful(call):
@@ -139,7 +131,7 @@ def test_a_dropped_cache_is_sent_whole_and_the_output_is_unchanged(folder, loop)
             return None  # the target dropped this sequence's cache (TTL, LRU, restart)
         return await verify(call)
     pool.verifier.verify = forgetful
-    got = loop.run(generate(pool, n=12))
+    got = loop.run(pool.serve(n=12))
     assert sum((i["tokens"] for i in got[1:-1]), []) == sum((i["tokens"] for i in expect[1:-1]), [])
     dropped, again = calls[2], calls[3]
     assert dropped.start > 0 and again.start == 0 and len(again.tokens) == dropped.start + len(dropped.tokens)
@@ -149,20 +141,20 @@ def test_a_dropped_cache_is_sent_whole_and_the_output_is_unchanged(folder, loop)
 def test_the_learner_gets_a_record_of_a_request_whose_draft_proposed(folder, loop):
     learner = Recorder()
     pool = LocalPool(app_config(folder), learner=Handle(learner))
-    items = loop.run(generate(pool, n=10, domain="sql", tenant="bob"))
+    items = loop.run(pool.serve(n=10, domain="sql", tenant="bob"))
     assert len(learner.records) == 1 and learner.asked == [GENERAL]  # a new replica asked for the latest weights
     rec = learner.records[0]
     assert (rec.domain, rec.tenant, rec.draft_id) == ("sql", "bob", GENERAL)
     assert rec.prompt_len == 11 and len(rec.tokens) == 11 + 10
     assert items[-1]["usage"]["speculative"]["proposed"] > 0
     still = LocalPool(engine_cfg(folder, k={"fixed_k": 0}), learner=Handle(learner))
-    loop.run(generate(still, n=6))
+    loop.run(still.serve(n=6))
     assert len(learner.records) == 1  # nothing drafted, nothing to learn
 
 
 def test_published_weights_are_kept_by_version_and_staged_into_the_loaded_draft(folder, loop):
     pool = LocalPool(app_config(folder))
-    loop.run(generate(pool, n=4))
+    loop.run(pool.serve(n=4))
     engine = pool.held[GENERAL]
     state = {k: v.clone() for k, v in engine.learned_draft.runner.model.state_dict().items()}
     assert pool.load_weights("first", [state], 1) == 1 and pool.published["first"][1] == 1  # v1 of a new draft
@@ -172,7 +164,7 @@ def test_published_weights_are_kept_by_version_and_staged_into_the_loaded_draft(
     assert pool.load_weights(GENERAL, [state], 2) == 2
     assert pool.load_weights("other", [state], 3) == 3 and "other" not in pool.engines
     assert engine.draft_version == 0
-    items = loop.run(generate(pool, n=4))
+    items = loop.run(pool.serve(n=4))
     assert items[-1]["usage"]["speculative"]["draft_version"] == 2  # installed before the next step
     assert pool.versions() == {GENERAL: 2}
     later = loop.run(pool.engine_for("other"))  # a draft loaded later starts at its published version
@@ -206,7 +198,7 @@ def replicas(folder, n: int) -> list:
 
 def test_finished_outputs_reach_the_other_replicas_and_a_new_replica_catches_up(folder, loop):
     a, b = replicas(folder, 2)
-    loop.run(generate(a, n=8, request_id="q1", domain="code"))
+    loop.run(a.serve(n=8, request_id="q1", domain="code"))
     assert [(d, rid, scope) for d, rid, scope, _ in a.outbox] == [(GENERAL, "q1", "code")]
     assert loop.run(b.share_served()) == 0  # nothing finished there: nothing sent
     assert not [c for c in a.peers.calls if c[0] == "broadcast:add_served"]
@@ -217,9 +209,9 @@ def test_finished_outputs_reach_the_other_replicas_and_a_new_replica_catches_up(
     assert counter(a.meter, "osd_draft_pool_outputs_shared_total", direction="sent") == 1
     assert counter(b.meter, "osd_draft_pool_outputs_shared_total", direction="received") == 1
     assert counter(a.meter, "osd_draft_pool_outputs_shared_total", direction="received") == 0
-    b.held[GENERAL] = loop.run(b.engine_for(GENERAL))  # loaded after: starts with what was served
+    loop.run(b.loaded(GENERAL))  # loaded after: starts with what was served
     assert loop.run(b.served_ids(GENERAL))["trees"] == ["q1"]
-    loop.run(generate(a, n=8, request_id="q2", domain="code"))
+    loop.run(a.serve(n=8, request_id="q2", domain="code"))
     loop.run(a.share_served())
     assert loop.run(b.served_ids(GENERAL))["trees"] == ["q1", "q2"]  # loaded: straight into its trees
     c = replicas(folder, 1)[0]

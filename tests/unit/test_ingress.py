@@ -16,7 +16,7 @@ from config import EngineConfig, SamplingParams
 from deployments import ingress as ingress_mod
 from deployments.ingress import Settle, _body_schema
 from deployments.protocol import ChatRequest, TargetUnavailable
-from inprocess import (ADMIN, ISO, KEY, MODEL, TINY, App, Handle, LocalPool, Loop, answer, app_config, counter, hist,
+from inprocess import (ADMIN, ISO, KEY, MODEL, TINY, App, Handle, LocalPool, answer, app_config, counter, hist,
                        request, save_tiny_model)
 from router.router import GENERAL
 from speculative import ModelRunner, SpeculativeEngine
@@ -37,10 +37,9 @@ _LOOP: list = []
 
 
 @pytest.fixture(autouse=True)
-def _loop():
-    _LOOP[:] = [Loop()]
-    yield
-    _LOOP[0].close()
+def _loop(loop):
+    """Every test here runs on the shared per-test loop (`run` below reads it)."""
+    _LOOP[:] = [loop]
 
 
 def run(coro):

@@ -50,17 +50,9 @@ def served(folder, tmp_path):
 
 
 def serve_requests(pool, loop, n: int, draft_id: str = GENERAL, tenant: str = "alice", domain: str = "code"):
-    from config import SamplingParams
-    from deployments.drafts import GenerateRequest
-
-    async def one(i):
-        if draft_id not in pool.held:
-            pool.held[draft_id] = await pool.engine_for(draft_id)
-        gen = GenerateRequest(f"q{i}-{time.monotonic_ns()}", SamplingParams(max_tokens=10, ignore_eos=True),
-                              prompt=f"Hello {i}", domain=domain, tenant=tenant)
-        return [item async for item in pool.generate(gen, pool.held[draft_id], draft_id)]
     for i in range(n):
-        loop.run(one(i))
+        loop.run(pool.serve(f"Hello {i}", 10, draft_id, request_id=f"q{i}-{time.monotonic_ns()}", domain=domain,
+                            tenant=tenant))
 
 
 def wait_for(pred, seconds: float = 60.0) -> None:
