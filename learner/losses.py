@@ -65,6 +65,7 @@ __all__ = [
     "jsd",
     "tvd",
     "top1_agreement",
+    "feature_regression",
     "LOSSES",
     "get_loss",
 ]
@@ -281,6 +282,23 @@ def top1_agreement(student_logits: torch.Tensor, target: SparseDist) -> torch.Te
 
 
 LossFn = Callable[..., torch.Tensor]
+
+def feature_regression(predicted: torch.Tensor, target: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
+    """EAGLE's feature loss: smooth L1 between a feature draft's predicted next features and the
+    target's (constants), averaged over the feature's H dimensions.
+
+    predicted: [..., N, H] (one slice per training pass), target: [N, H]. Per element
+    ``0.5 d^2 / beta`` where ``|d| < beta``, else ``|d| - 0.5 beta`` (``torch.nn.functional.smooth_l1_loss``).
+    Returns [..., N]: one value per position, as the distribution losses do.
+    """
+    if predicted.shape[-2:] != target.shape:
+        raise ValueError(f"feature_regression: predicted {tuple(predicted.shape)} does not end in target's {tuple(target.shape)}")
+    if beta <= 0:
+        raise ValueError(f"feature_regression: beta must be > 0, got {beta}")
+    pred = _as_float(predicted)
+    tgt = _as_float(target).detach().to(pred.dtype).expand_as(pred)
+    return torch.nn.functional.smooth_l1_loss(pred, tgt, reduction="none", beta=beta).mean(dim=-1)
+
 
 LOSSES: Dict[str, LossFn] = {
     "forward_kl": forward_kl,

@@ -37,7 +37,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from config import layer_list
-from learner.losses import check_loss_name, SparseDist, get_loss, sparse_from_logits
+from learner.losses import check_loss_name, feature_regression, SparseDist, get_loss, sparse_from_logits
 from speculative.models import encode_prompt, eos_token_ids
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "collect_teacher_data",
     "to_student_space",
     "student_logits_for",
+    "draft_loss",
     "top1_agreement_on",
     "distill",
     "train_draft",
@@ -95,6 +96,9 @@ class DistillConfig(BaseModel):
     #: generated token (prompts are longer than outputs) at no extra generation; held-out agreement
     #: is still measured on output positions only
     prompt_positions: bool = False
+    #: a feature draft: weight of EAGLE's feature loss (smooth L1 between the draft's predicted next
+    #: feature and the target's, :func:`learner.losses.feature_regression`) added to ``loss``; 0: off
+    feature_loss: float = Field(default=0.0, ge=0.0)
     log_every: int = Field(default=10, ge=1)
 
 
@@ -399,6 +403,28 @@ def student_logits_for(draft: PreTrainedModel, batch: Sequence[Sample]) -> torch
     return draft.get_output_embeddings()(picked)  # [sum T, V_draft]
 
 
+def draft_loss(draft: PreTrainedModel, batch: Sequence[Sample], loss_fn: Callable, target: SparseDist, n_placeholder: int,
+               feature_loss: float = 0.0, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The training loss of ``batch``: ``loss_fn`` of the draft's teacher-forced logits against
+    ``target`` (student space, one row per selected position), plus, for a feature draft with
+    ``feature_loss`` > 0, that weight times EAGLE's feature regression on the same rows (each
+    pass's predicted features against the target's next ones). ``rows``: [N] bool over every
+    output position of ``batch``, the ones trained on (None: all)."""
+    pred = None
+    if feature_loss > 0 and getattr(draft, "uses_features", False):
+        logits, pred, feats, valid = draft.teacher_forced(batch)  # [(P,) N, V], [(P,) N, H], [N, H], [N]
+    else:
+        logits = student_logits_for(draft, batch)  # [(P,) N, V]
+    if rows is not None:
+        logits = logits[..., rows.to(logits.device), :]
+    loss = passes_loss(loss_fn, logits, target, n_placeholder)
+    if pred is not None:
+        keep = valid if rows is None else valid & rows.to(valid.device)
+        if bool(keep.any()):
+            loss = loss + feature_loss * feature_regression(pred[..., keep, :], feats[keep]).mean()
+    return loss
+
+
 def passes_loss(loss_fn: Callable, logits: torch.Tensor, target: SparseDist, n_placeholder: int) -> torch.Tensor:
     """The mean loss of draft ``logits`` ([N, V_draft], or [passes, N, V_draft] for a feature draft
     in training: on the target's features, then on its own) against ``target`` (student space)."""
@@ -528,7 +554,7 @@ def distill(
                 if keep_cpu is not None:
                     target, n_ph = to_student_space(target, keep_cpu)
                 target = SparseDist(ids=target.ids.to(device), probs=target.probs.to(device), tail=target.tail.to(device))
-                loss = passes_loss(loss_fn, student_logits_for(draft, batch), target, n_ph)
+                loss = draft_loss(draft, batch, loss_fn, target, n_ph, cfg.feature_loss)
                 if cfg.warmup_steps:
                     for g in opt.param_groups:
                         g["lr"] = cfg.lr * min(1.0, (steps + 1) / cfg.warmup_steps)
@@ -763,6 +789,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--freeze-head", action="store_true", help="keep the output head as it starts")
     ap.add_argument("--prompt-positions", action=argparse.BooleanOptionalAction, default=False,
                     help="train on the prompts' positions too (the target's distributions there, read from its features)")
+    ap.add_argument("--feature-loss", type=float, default=0.0,
+                    help="--kind feature: weight of EAGLE's feature regression (smooth L1 to the target's next feature) added to the loss")
     ap.add_argument("--target", default=None, help="target model (default: the embedded one)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -786,6 +814,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             loss=a.loss, top_k=a.top_k, lr=a.lr, max_tokens=a.max_tokens, batch_positions=a.batch_positions,
             seconds=a.seconds, epochs=a.epochs, seed=a.seed,
             train_embeddings=not a.freeze_embeddings, train_head=not a.freeze_head, prompt_positions=a.prompt_positions,
+            feature_loss=a.feature_loss,
         ),
         n_prompts=a.n_prompts,
         holdout=a.holdout,

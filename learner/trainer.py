@@ -4,8 +4,7 @@
   model), its AdamW optimiser, ``keep_ids``, the version counter and the held-back records of the
   gate. :meth:`DraftTrainer.train_round` runs a few steps, each on a batch of replay records (the maths
   is :mod:`learner.offline`'s: records -> :class:`learner.offline.Sample` via ``to_sample()``,
-  :func:`learner.offline.student_logits_for`, :func:`learner.offline.to_student_space`,
-  :func:`learner.offline.passes_loss`), then :meth:`DraftTrainer.gate` decides; a failing
+  :func:`learner.offline.draft_loss`, :func:`learner.offline.to_student_space`), then :meth:`DraftTrainer.gate` decides; a failing
   candidate is discarded (pre-round weights and optimiser state restored) and logged.
   :meth:`DraftTrainer.publish` bumps the version, checkpoints atomically
   (``checkpoint_dir/<draft_id>/v<version>`` + an atomically replaced ``LATEST`` file) and returns
@@ -46,7 +45,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from drafts.build import load_draft, save_draft
 from learner.losses import check_loss_name, SparseDist, get_loss
-from learner.offline import (Sample, passes_loss, set_trainable, student_logits_for, to_student_space, top1_hits_on,
+from learner.offline import (Sample, draft_loss, set_trainable, student_logits_for, to_student_space, top1_hits_on,
                              with_prompt_positions)
 from learner.replay import ReplayRecord, ShardConfig, ShardSet
 
@@ -85,6 +84,8 @@ class LearnerConfig(BaseModel):
     #: (from position 2), the target's distribution there being its head over the recorded feature
     #: (the trainer then needs ``target_head``); the gate's held-out agreement stays on output rows
     prompt_positions: bool = False
+    #: a feature draft: weight of EAGLE's feature loss added to ``loss`` (see ``DistillConfig``); 0: off
+    feature_loss: float = Field(default=0.0, ge=0.0)
     #: train the output head / the input embeddings (with a tied head: trained only when both
     #: are); the transformer layers and norms are always trained
     train_head: bool = True
@@ -315,8 +316,7 @@ class DraftTrainer:
             target, n_ph = to_student_space(target, torch.arange(self.model.get_output_embeddings().weight.shape[0]))
         device = next(self.model.parameters()).device
         target = SparseDist(ids=target.ids.to(device), probs=target.probs.to(device), tail=target.tail.to(device))
-        logits = student_logits_for(self.model, samples)  # [N, V_draft], or [passes, N, V_draft]
-        return passes_loss(self.loss_fn, logits[..., mask.to(device), :], target, n_ph)
+        return draft_loss(self.model, samples, self.loss_fn, target, n_ph, self.cfg.feature_loss, rows=mask)
 
     @torch.no_grad()
     def _eval_loss(self, samples, mask) -> float:

@@ -118,8 +118,15 @@ class FeatureDraft(nn.Module):
 
         The pair (f_j, x_{j+1}) predicts token j + 2; a sample's output positions p = prompt_len..L-1
         are predicted by the pairs j = p - 2 (a sample needs prompt_len >= 2 and features up to L - 3)."""
+        return self.teacher_forced(batch)[0]
+
+    def teacher_forced(self, batch: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`teacher_forced_logits` with the features behind them, for EAGLE's feature loss:
+        ``(logits, predicted, target, valid)``. predicted: the draft's feature for each logits row,
+        [N, H] ([2, N, H] in training); target: the target's (fused) feature it predicts, f_{j+1} for
+        the pair j, [N, H], detached; valid: [N] bool, False where the record ends before f_{j+1}."""
         dev = self.fc.weight.device
-        rows_b, rows_t, feats, ids, lens = [], [], [], [], []
+        rows_b, rows_t, feats, ids, lens, nexts = [], [], [], [], [], []
         for b, s in enumerate(batch):
             L, p0 = int(s.tokens.shape[0]), int(s.prompt_len)
             if s.features is None or p0 < 2 or s.features.shape[0] < L - 2:
@@ -129,6 +136,7 @@ class FeatureDraft(nn.Module):
                                  f"{list(self.feature_layers)}), a record has {s.features.shape[-1]}")
             n = L - 2  # pairs j = 0..L-3
             feats.append(s.features[:n].float())
+            nexts.append(s.features[1 : n + 1].float())  # f_{j+1} for the pairs j (the last one where the record has it)
             ids.append(s.tokens[1 : n + 1].long())
             lens.append(n)
             rows_b.append(torch.full((L - p0,), b))
@@ -143,11 +151,19 @@ class FeatureDraft(nn.Module):
         rb, rt = torch.cat(rows_b).to(dev), torch.cat(rows_t).to(dev)
         G = self.fuse_features(F)  # [B, W, H]
         first = self(G, X, pos, attention_mask=mask)  # [B, W, H] predicted f_{j+1}
+        nxt = torch.zeros(len(batch), W, self.feature_width, device=dev)
+        for b, f in enumerate(nexts):
+            nxt[b, : len(f)] = f.to(dev)
+        valid = rt < torch.tensor([len(f) for f in nexts], device=dev)[rb]  # [N] the record has f_{j+1}
+        with torch.no_grad():
+            target = self.fuse_features(nxt)[rb, rt]  # [N, H] (rows not valid: zeros)
         if not self.training:
-            return self.lm_head(first[rb, rt])
+            pred = first[rb, rt]  # [N, H]
+            return self.lm_head(pred), pred, target, valid
         own = torch.cat([G[:, :1], first[:, :-1].detach()], dim=1)  # pair j reads the draft's own f^_j (j >= 1)
         second = self(own, X, pos, attention_mask=mask)
-        return torch.stack([self.lm_head(first[rb, rt]), self.lm_head(second[rb, rt])])
+        pred = torch.stack([first[rb, rt], second[rb, rt]])  # [2, N, H]
+        return self.lm_head(pred), pred, target, valid
 
 
 @contextlib.contextmanager
