@@ -639,9 +639,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_ in (("online", "static vs online vs offline-bound draft on one stream"),
                         ("shift", "domain-block stream; offline drafts on the first 30/50/70/100%")):
         p = sub.add_parser(name, help=help_)
-        p.add_argument("--workload", default=str(default_wl), help="workload JSONL (the format of the workloads package)")
+        p.add_argument("--workload", nargs="+", default=[str(default_wl)],
+                       help="workload JSONL file(s) (the format of the workloads package); several: in order, each text once")
         p.add_argument("--n", type=int, default=40, help="records (round-robin over domains, bench.select)")
         p.add_argument("--domains", nargs="*", default=None, help="keep only these domains")
+        p.add_argument("--sources", nargs="*", default=None,
+                       help="keep only records of these sources (the part of a record's source before ':')")
         p.add_argument("--max-tokens", type=int, default=48)
         p.add_argument("--k", type=int, default=4, help="fixed draft length (with --adaptive: the k policy's k_max)")
         p.add_argument("--adaptive", action="store_true", help="the engine's adaptive k policy instead of a fixed k")
@@ -664,6 +667,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--freeze-embeddings", action="store_true", help="do not train the draft's input embeddings")
         p.add_argument("--prompt-positions", action="store_true",
                        help="a feature draft learns the records' prompt positions too (the target's head over their features)")
+        p.add_argument("--feature-loss", type=float, default=0.0,
+                       help="a feature draft learns online with EAGLE's feature loss at this weight too (0: off)")
         p.add_argument("--include-trained", action="store_true",
                        help="keep prompts the starting draft was distilled on (default: dropped from the stream)")
         p.add_argument("--offline-seconds", type=float, default=120.0)
@@ -789,10 +794,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return mixture_main(args)
     from bench.bench import select, write_json
-    from workloads import load_workload
+    from workloads import load_workload, load_workloads
 
     torch.set_num_threads(args.threads)
-    all_recs = load_workload(args.workload)
+    if isinstance(args.workload, list):  # online, shift: one file or several
+        all_recs = load_workloads(args.workload, args.sources)
+        args.workload = ",".join(args.workload)
+    else:
+        all_recs = load_workload(args.workload)
     log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     stream_recs = all_recs
     if args.cmd in ("online", "shift") and args.draft_checkpoint and not args.include_trained:
@@ -810,9 +819,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     lcfg = LearnerConfig(train_every=args.train_every, batch_records=args.batch_records, steps_per_round=args.steps_per_round,
                          lr=args.lr, gate_margin=args.gate_margin, gate_z=args.gate_z, holdout_fraction=args.holdout_fraction,
                          positions=args.positions, checkpoint_dir=args.checkpoint_dir, resample=not args.no_resample,
-                         train_embeddings=not args.freeze_embeddings, prompt_positions=args.prompt_positions)
+                         train_embeddings=not args.freeze_embeddings, prompt_positions=args.prompt_positions,
+                         feature_loss=args.feature_loss)
     dcfg = DistillConfig(max_tokens=args.max_tokens, seconds=args.offline_seconds, epochs=args.offline_epochs,
-                         lr=args.offline_lr, warmup_steps=0, log_every=1000)
+                         lr=args.offline_lr, warmup_steps=0, log_every=1000, feature_loss=args.feature_loss)
     factory = real_engine_factory(args, texts=[r.text for r in all_recs])
     methods = tuple(args.methods.split(",")) if args.methods else None
     common = dict(eval_every=args.eval_every, max_tokens=args.max_tokens, k=args.k, window=args.window,

@@ -143,6 +143,20 @@ def load_workload(path: str | os.PathLike) -> list[WorkloadRecord]:
 
 
 
+def load_workloads(paths: Sequence[str | os.PathLike], sources: Iterable[str] | None = None) -> list[WorkloadRecord]:
+    """The records of several workload files, in file order, each text once (its first record);
+    ``sources``: keep only records whose source (the part of ``source`` before ":") is one of them."""
+    keep = None if sources is None else set(sources)
+    out, seen = [], set()
+    for path in paths:
+        for r in load_workload(path):
+            if r.text in seen or (keep is not None and r.source.split(":")[0] not in keep):
+                continue
+            seen.add(r.text)
+            out.append(r)
+    return out
+
+
 def is_general(record: WorkloadRecord) -> bool:
     """Whether the record comes from a source of mixed traffic (``GENERAL_SOURCES``)."""
     return record.source.split(":")[0] in GENERAL_SOURCES

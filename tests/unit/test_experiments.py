@@ -215,3 +215,30 @@ def test_other_proposers_as_methods_with_speed_and_conversations(factory):
 
     text = report(res, segment=2)
     assert "alpha by turn" in text and f"suffix: alpha {sum(r['accepted'] for r in ms['suffix']['rows']) / sum(r['proposed'] for r in ms['suffix']['rows']):.3f}" in text
+
+
+def test_a_stream_of_several_files_keeps_each_text_once_and_the_sources_asked_for(make_llama, make_tokenizer, tmp_path):
+    """``osd experiment online --workload A B --sources ...`` on a model folder: the stream is drawn
+    from both files in order (a text twice is served once), round-robin over domains, and only the
+    sources named; what the draft learns online is a feature draft's with the feature loss on."""
+    from inprocess import save_tiny_model
+    from workloads import WorkloadRecord, save_workload
+
+    folder = save_tiny_model(tmp_path / "model", make_llama, make_tokenizer)
+    save_workload([WorkloadRecord("def f(x): return x", "code", "en", "stdlib:f"),
+                   WorkloadRecord("1 + 2 = 3, 4 + 5 =", "math", "en", "champ:1"),
+                   WorkloadRecord("Hello world, how are", "chat", "en", "sharegpt:a_0")], tmp_path / "a.jsonl")
+    save_workload([WorkloadRecord("def f(x): return x", "code", "en", "stdlib:f"),
+                   WorkloadRecord("def g(y): return y", "code", "en", "humaneval:2"),
+                   WorkloadRecord("0123456789", "math", "en", "gsm:3"),
+                   WorkloadRecord("The quick brown fox", "chat", "en", "sharegpt:b_0")], tmp_path / "b.jsonl")
+    out = tmp_path / "r.json"
+    assert main(["online", "--workload", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--sources", "stdlib",
+                 "humaneval", "champ", "gsm", "--n", "10", "--max-tokens", "4", "--k", "2", "--methods", "static,online",
+                 "--target", folder, "--draft-kind", "feature", "--feature-loss", "1.0", "--train-every", "2",
+                 "--batch-records", "2", "--threads", "1", "--quiet", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["workload"] == f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}"
+    # code: f (once), g; math: the champ and the gsm records; chat's source not asked for
+    assert [r["domain"] for r in res["methods"]["static"]["rows"]] == ["code", "math", "code", "math"]
+    assert res["methods"]["online"]["rounds"] == 2

@@ -177,6 +177,19 @@ def test_load_defaults_blank_lines_and_extra_keys(tmp_path: Path) -> None:
     assert recs == [WorkloadRecord("hi there", "unknown", "und", ""), WorkloadRecord("x", "math")]
 
 
+def test_several_files_load_in_order_each_text_once_filtered_by_source(tmp_path: Path) -> None:
+    a = [WorkloadRecord("q1", "code", "en", "python-stdlib:json.dumps"), WorkloadRecord("q2", "sql", "en", "spider-dev:car_1"),
+         WorkloadRecord("q3", "chat", "en", "sharegpt:x_0")]
+    b = [WorkloadRecord("q2", "math", "en", "champ:7"), WorkloadRecord("q4", "math", "en", "champ:8"),
+         WorkloadRecord("q5", "code", "en", "humaneval:HumanEval/1"), WorkloadRecord("q1", "code", "en", "python-stdlib:json.loads")]
+    wl.save_workload(a, tmp_path / "a.jsonl")
+    wl.save_workload(b, tmp_path / "b.jsonl")
+    assert wl.load_workloads([tmp_path / "a.jsonl", tmp_path / "b.jsonl"]) == a + [b[1], b[2]]  # q2 and q1: their first records
+    assert wl.load_workloads([tmp_path / "b.jsonl", tmp_path / "a.jsonl"]) == b + [a[2]]
+    assert wl.load_workloads([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], ["champ", "sharegpt"]) == [a[2], b[0], b[1]]
+    assert wl.load_workloads([tmp_path / "a.jsonl"], []) == []
+
+
 @pytest.mark.parametrize("bad", ['{"domain": "code"}', '{"text": ""}', '{"text": "  "}',
                                  '{"text": 3}', "not json", "[1, 2]"])
 def test_load_errors_name_file_and_line(tmp_path: Path, bad: str) -> None:
