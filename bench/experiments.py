@@ -612,6 +612,8 @@ def report(result: dict, segment: int = 20) -> str:
         lines.append("  alpha by domain: " + ", ".join(f"{d} {alpha(by(rows, d))} (2nd half {alpha(by(half, d))})" for d in doms))
         segs = [rows[i:i + segment] for i in range(0, len(rows), segment)]
         lines.append(f"  alpha per {segment} requests: " + " / ".join(alpha(s) for s in segs))
+        if whole is not None:
+            lines.append(f"  per-token acceptance per {segment} requests: " + " / ".join(_f(token_acceptance(s)) for s in segs))
         if any(r.get("turn", 1) > 1 for r in rows):
             turns = sorted({r["turn"] for r in rows})
             lines.append("  alpha by turn: " + " / ".join(alpha([r for r in rows if r["turn"] == t]) for t in turns))

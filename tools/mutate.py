@@ -59,7 +59,8 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     # every draft is distilled with
     "speculative/feature.py": ("speculative.feature", None, ["tests/unit/test_feature.py"]),
     "learner/losses.py": ("learner.losses", None,
-                          ["tests/unit/test_losses.py", "tests/unit/test_offline.py", "tests/unit/test_trainer.py"]),
+                          ["tests/unit/test_losses.py", "tests/unit/test_offline.py", "tests/unit/test_trainer.py",
+                           "tests/unit/test_feature.py"]),
     "speculative/detokenize.py": ("speculative.detokenize", None, ["tests/unit/test_detokenize.py"]),
     # the replay records the learner trains on: built from verification, encoded, sharded, sampled
     "learner/replay.py": ("learner.replay", None, ["tests/unit/test_replay.py", "tests/unit/test_trainer.py",

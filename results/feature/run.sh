@@ -54,6 +54,28 @@ case "${1:-all}" in
     for d in feature-fused-200:feature feature-final-200:feature token-200:truncated; do
       $X --methods static --draft-kind "${d#*:}" --draft-checkpoint "$C/drafts/${d%%:*}" --json "results/feature/${d%%:*}.json"
     done ;;&
+  feature-loss|all)  # EAGLE's feature loss at equal data: one teacher file (200 prompts, final features), two
+    # feature drafts distilled on it for 7 epochs each (one thread each, side by side), without and with the
+    # loss at weight 1; then each static on D's 80 unseen prompts
+    C="${OSD_CACHE_DIR:-$HOME/.cache/osd-serve}"; T="$C/data/teacher-200-features.pt"
+    for w in 0 1; do
+      .venv/bin/osd distill --kind feature --n-prompts 200 --seconds 3000 --epochs 7 --threads 1 --feature-loss $w \
+        --teacher-cache $T --out "$C/drafts/feature-200-reg$w" --json "results/feature/distill_reg$w.json" &
+    done; wait
+    for w in 0 1; do
+      $X --methods static --threads 1 --draft-kind feature --draft-checkpoint "$C/drafts/feature-200-reg$w" \
+        --json "results/feature/feature-200-reg$w.json" &
+    done; wait ;;&
+  stream500|all)  # 500 unseen prompts of the four domains (the workload's 240 first, then the other files'
+    # records of those domains, round-robin; the starting draft's training prompts dropped): the feature draft of
+    # feature-loss (weight 0), static and learning online side by side, one thread each
+    C="${OSD_CACHE_DIR:-$HOME/.cache/osd-serve}"
+    W="bench/data/workload.jsonl bench/data/mixture.jsonl bench/data/open.jsonl bench/data/router_train.jsonl"
+    for m in static online; do
+      .venv/bin/osd experiment online --workload $W --domains code sql math chat --n 500 --max-tokens 48 --k 4 \
+        --methods $m --window 20 --eval-every 4 --threads 1 --draft-kind feature --draft-checkpoint "$C/drafts/feature-200-reg0" \
+        --json "results/feature/stream500_feature_$m.json" &
+    done; wait ;;&
   online|all)  # each starting draft on 80 unseen prompts (20 a domain), fixed k = 4, static and learning online
     $X --draft-kind feature --draft-checkpoint default --json results/feature/feature_distilled.json --png results/feature/feature_distilled.png
     $X --draft-kind truncated --draft-checkpoint default --json results/feature/token_distilled.json --png results/feature/token_distilled.png ;;

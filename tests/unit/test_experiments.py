@@ -242,3 +242,18 @@ def test_a_stream_of_several_files_keeps_each_text_once_and_the_sources_asked_fo
     # code: f (once), g; math: the champ and the gsm records; chat's source not asked for
     assert [r["domain"] for r in res["methods"]["static"]["rows"]] == ["code", "math", "code", "math"]
     assert res["methods"]["online"]["rounds"] == 2
+
+
+def test_the_report_gives_per_token_acceptance_per_segment():
+    """Hand-made rows: per segment, accepted over the tokens the target checked (accepted + rejected)."""
+    from bench.experiments import report
+
+    rows = [{"domain": "code", "accepted": 3, "proposed": 8, "rejected": 1, "tokens": 10},
+            {"domain": "sql", "accepted": 1, "proposed": 8, "rejected": 2, "tokens": 10},
+            {"domain": "code", "accepted": 0, "proposed": 4, "rejected": 1, "tokens": 10}]
+    text = report({"methods": {"static": {"rows": rows}}}, segment=2)
+    assert "per-token acceptance 0.500 (second half 0.250)" in text  # 4 / 8; rows 2-3: 1 / 4
+    assert "per-token acceptance per 2 requests: 0.571 / 0.000" in text  # 4 / 7, 0 / 1
+    assert "alpha per 2 requests: 0.250 / 0.000" in text
+    assert "per-token" not in report({"methods": {"static": {"rows": [{k: v for k, v in r.items() if k != "rejected"}
+                                                                      for r in rows]}}}, segment=2)  # stored without rejections

@@ -731,8 +731,12 @@ def test_teacher_forcing_gives_each_row_the_feature_it_predicts(target):
     draft.eval()
     with torch.no_grad():
         _, pred1, tgt1, _ = draft.teacher_forced([full, short])
+        every = dataclasses.replace(full, features=torch.cat([full.features, torch.randn(1, H)]))  # f_11 too: never read
+        _, _, tgt2, valid2 = draft.teacher_forced([every])
     torch.testing.assert_close(pred1, pred[0].detach(), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(tgt1, tgt)
+    torch.testing.assert_close(tgt2, full.features[3:11])
+    assert valid2.all()
 
 
 def test_the_draft_loss_adds_the_weighted_feature_loss_on_the_rows_trained(target):
