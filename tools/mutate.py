@@ -356,6 +356,10 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
      "rep.steps > 0 -> rep.steps >= 0"):
         "an accepted round has taken a step: its first step's rows are counted before the loop (none: it "
         "returns unaccepted), so a round that reaches the gate has steps >= 1",
+    ("learner/offline.py", "draft_loss", 'if feature_loss > 0 and getattr(draft, "uses_features", False):',
+     "feature_loss > 0 -> feature_loss >= 0"):
+        "a feature draft at weight 0 then takes teacher_forced, whose logits are teacher_forced_logits' (one "
+        "function), and adds 0 x a finite regression: the same loss and gradients",
     ("learner/offline.py", "to_student_space", "size = int(keep_ids.max().item()) + 1 if keep_ids.numel() else 1",
      "1 -> 2"):
         "a lookup one slot longer (or of 2 for an empty head): the extra slot holds -1, so an id there is dropped "

@@ -764,6 +764,13 @@ def test_the_draft_loss_adds_the_weighted_feature_loss_on_the_rows_trained(targe
     assert reg > 0
     torch.testing.assert_close(draft_loss(draft, batch, forward_kl, target_d, 0, rows=rows), base)
     torch.testing.assert_close(draft_loss(draft, batch, forward_kl, target_d, 0, feature_loss=0.5, rows=rows), base + 0.5 * reg)
+    from drafts.build import truncated_draft
+    from learner.offline import student_logits_for
+
+    token = truncated_draft(target, 1)  # a token draft has no features to regress: its loss is the plain one
+    plain = [_sample(12, 4, H, rows=None, seed=0), _sample(9, 3, H, rows=None, seed=1)]
+    torch.testing.assert_close(draft_loss(token, plain, forward_kl, target_d, 0, feature_loss=0.5, rows=rows),
+                               passes_loss(forward_kl, student_logits_for(token, plain)[rows], target_d, 0))
     loss = draft_loss(draft, batch, forward_kl, target_d, 0, feature_loss=1.0, rows=rows) - base
     loss.backward()  # the feature loss alone trains the layer and fc, not the head
     assert draft.fc.weight.grad.abs().sum() > 0 and draft.layer.self_attn.q_proj.weight.grad.abs().sum() > 0
