@@ -76,6 +76,17 @@ case "${1:-all}" in
         --methods $m --window 20 --eval-every 4 --threads 1 --draft-kind feature --draft-checkpoint "$C/drafts/feature-200-reg0" \
         --json "results/feature/stream500_feature_$m.json" &
     done; wait ;;&
+  scale|all)  # more data at equal data: one teacher file of every train.jsonl prompt not in the workload
+    # (665 prompts and 40 held out, with the final features), a feature draft and the 2-layer token draft distilled
+    # on it for 4 epochs each (side by side, one thread each), then each static on D's 80 unseen prompts
+    C="${OSD_CACHE_DIR:-$HOME/.cache/osd-serve}"; T="$C/data/teacher-800-features.pt"
+    D=".venv/bin/osd distill --n-prompts 800 --seconds 5000 --epochs 4 --threads 1 --teacher-cache $T"
+    $D --kind feature --out "$C/drafts/feature-665" --json results/feature/distill_feature_665.json &
+    $D --out "$C/drafts/token-665" --json results/feature/distill_token_665.json &
+    wait
+    for d in feature-665:feature token-665:truncated; do
+      $X --methods static --threads 1 --draft-kind "${d#*:}" --draft-checkpoint "$C/drafts/${d%%:*}" --json "results/feature/${d%%:*}.json" &
+    done; wait ;;&
   online|all)  # each starting draft on 80 unseen prompts (20 a domain), fixed k = 4, static and learning online
     $X --draft-kind feature --draft-checkpoint default --json results/feature/feature_distilled.json --png results/feature/feature_distilled.png
     $X --draft-kind truncated --draft-checkpoint default --json results/feature/token_distilled.json --png results/feature/token_distilled.png ;;
