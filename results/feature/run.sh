@@ -87,6 +87,13 @@ case "${1:-all}" in
     for d in feature-665:feature token-665:truncated; do
       $X --methods static --threads 1 --draft-kind "${d#*:}" --draft-checkpoint "$C/drafts/${d%%:*}" --json "results/feature/${d%%:*}.json" &
     done; wait ;;&
+  scale-online|all)  # the 670-prompt feature draft learning online over D's 80 prompts, without and with the feature loss
+    C="${OSD_CACHE_DIR:-$HOME/.cache/osd-serve}"
+    $X --methods online --threads 1 --draft-kind feature --draft-checkpoint "$C/drafts/feature-665" \
+      --json results/feature/feature-665-online.json &
+    $X --methods online --threads 1 --draft-kind feature --draft-checkpoint "$C/drafts/feature-665" --feature-loss 1 \
+      --json results/feature/feature-665-online-floss.json &
+    wait ;;&
   online|all)  # each starting draft on 80 unseen prompts (20 a domain), fixed k = 4, static and learning online
     $X --draft-kind feature --draft-checkpoint default --json results/feature/feature_distilled.json --png results/feature/feature_distilled.png
     $X --draft-kind truncated --draft-checkpoint default --json results/feature/token_distilled.json --png results/feature/token_distilled.png ;;
