@@ -283,6 +283,7 @@ def top1_agreement(student_logits: torch.Tensor, target: SparseDist) -> torch.Te
 
 LossFn = Callable[..., torch.Tensor]
 
+
 def feature_regression(predicted: torch.Tensor, target: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
     """EAGLE's feature loss: smooth L1 between a feature draft's predicted next features and the
     target's (constants), averaged over the feature's H dimensions.

@@ -118,15 +118,17 @@ class FeatureDraft(nn.Module):
 
         The pair (f_j, x_{j+1}) predicts token j + 2; a sample's output positions p = prompt_len..L-1
         are predicted by the pairs j = p - 2 (a sample needs prompt_len >= 2 and features up to L - 3)."""
-        return self.teacher_forced(batch)[0]
+        return self.teacher_forced(batch, targets=False)[0]
 
-    def teacher_forced(self, batch: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def teacher_forced(self, batch: Sequence, targets: bool = True
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """:meth:`teacher_forced_logits` with the features behind them, for EAGLE's feature loss:
         ``(logits, predicted, target, valid)``. predicted: the draft's feature for each logits row,
         [N, H] ([2, N, H] in training); target: the target's (fused) feature it predicts, f_{j+1} for
-        the pair j, [N, H], detached; valid: [N] bool, False where the record ends before f_{j+1}."""
+        the pair j, [N, H], detached (zeros where not valid); valid: [N] bool, False where the record
+        ends before f_{j+1}. ``targets=False``: target and valid are None (not built)."""
         dev = self.fc.weight.device
-        rows_b, rows_t, feats, ids, lens, nexts = [], [], [], [], [], []
+        rows_b, rows_t, feats, ids, lens, nexts, has_next = [], [], [], [], [], [], []
         for b, s in enumerate(batch):
             L, p0 = int(s.tokens.shape[0]), int(s.prompt_len)
             if s.features is None or p0 < 2 or s.features.shape[0] < L - 2:
@@ -136,11 +138,14 @@ class FeatureDraft(nn.Module):
                                  f"{list(self.feature_layers)}), a record has {s.features.shape[-1]}")
             n = L - 2  # pairs j = 0..L-3
             feats.append(s.features[:n].float())
-            nexts.append(s.features[1 : n + 1].float())  # f_{j+1} for the pairs j (the last one where the record has it)
             ids.append(s.tokens[1 : n + 1].long())
             lens.append(n)
             rows_b.append(torch.full((L - p0,), b))
             rows_t.append(torch.arange(p0 - 2, L - 2))
+            if targets:  # row p (pair j = p - 2) predicts f_{p-1}, where the record has it
+                at, have = torch.arange(p0 - 1, L - 1), s.features.shape[0]
+                has_next.append(at < have)
+                nexts.append(torch.where(has_next[-1][:, None], s.features[at.clamp(max=have - 1)].float(), 0.0))
         W = max(lens)
         F = torch.zeros(len(batch), W, self.feature_width, device=dev)
         X = torch.zeros(len(batch), W, dtype=torch.long, device=dev)
@@ -151,12 +156,11 @@ class FeatureDraft(nn.Module):
         rb, rt = torch.cat(rows_b).to(dev), torch.cat(rows_t).to(dev)
         G = self.fuse_features(F)  # [B, W, H]
         first = self(G, X, pos, attention_mask=mask)  # [B, W, H] predicted f_{j+1}
-        nxt = torch.zeros(len(batch), W, self.feature_width, device=dev)
-        for b, f in enumerate(nexts):
-            nxt[b, : len(f)] = f.to(dev)
-        valid = rt < torch.tensor([len(f) for f in nexts], device=dev)[rb]  # [N] the record has f_{j+1}
-        with torch.no_grad():
-            target = self.fuse_features(nxt)[rb, rt]  # [N, H] (rows not valid: zeros)
+        target = valid = None
+        if targets:
+            valid = torch.cat(has_next).to(dev)  # [N]
+            with torch.no_grad():
+                target = self.fuse_features(torch.cat(nexts).to(dev))  # [N, H] (rows not valid: zeros)
         if not self.training:
             pred = first[rb, rt]  # [N, H]
             return self.lm_head(pred), pred, target, valid

@@ -58,6 +58,8 @@ case "${1:-all}" in
     # feature drafts distilled on it for 7 epochs each (one thread each, side by side), without and with the
     # loss at weight 1; then each static on D's 80 unseen prompts
     C="${OSD_CACHE_DIR:-$HOME/.cache/osd-serve}"; T="$C/data/teacher-200-features.pt"
+    # the teacher file first (a one-step run collects and caches it), so the two runs below do not both collect it
+    [ -f "$T" ] || .venv/bin/osd distill --kind feature --n-prompts 200 --seconds 1 --epochs 1 --teacher-cache $T --out "$C/drafts/throwaway"
     for w in 0 1; do
       .venv/bin/osd distill --kind feature --n-prompts 200 --seconds 3000 --epochs 7 --threads 1 --feature-loss $w \
         --teacher-cache $T --out "$C/drafts/feature-200-reg$w" --json "results/feature/distill_reg$w.json" &
@@ -81,6 +83,7 @@ case "${1:-all}" in
     # on it for 4 epochs each (side by side, one thread each), then each static on D's 80 unseen prompts
     C="${OSD_CACHE_DIR:-$HOME/.cache/osd-serve}"; T="$C/data/teacher-800-features.pt"
     D=".venv/bin/osd distill --n-prompts 800 --seconds 5000 --epochs 4 --threads 1 --teacher-cache $T"
+    [ -f "$T" ] || .venv/bin/osd distill --kind feature --n-prompts 800 --seconds 1 --epochs 1 --teacher-cache $T --out "$C/drafts/throwaway"
     $D --kind feature --out "$C/drafts/feature-665" --json results/feature/distill_feature_665.json &
     $D --out "$C/drafts/token-665" --json results/feature/distill_token_665.json &
     wait
