@@ -356,6 +356,9 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
      "rep.steps > 0 -> rep.steps >= 0"):
         "an accepted round has taken a step: its first step's rows are counted before the loop (none: it "
         "returns unaccepted), so a round that reaches the gate has steps >= 1",
+    ("speculative/feature.py", "FeatureDraft.teacher_forced_logits", "return self.teacher_forced(batch, targets=False)[0]",
+     "False -> True"):
+        "the logits-only call then also builds the feature-loss targets, which it drops: the same logits, more work",
     ("learner/offline.py", "draft_loss", 'if feature_loss > 0 and getattr(draft, "uses_features", False):',
      "feature_loss > 0 -> feature_loss >= 0"):
         "a feature draft at weight 0 then takes teacher_forced, whose logits are teacher_forced_logits' (one "
