@@ -642,7 +642,8 @@ def train_draft(
     :class:`config.ModelConfig` (or ``model_cfg``), the draft ``draft_cfg`` (default: truncated,
     2 layers; ``kind="feature"``: a feature draft, and the teacher data then carries the target's
     features, on which it trains with its two passes); a restricted head keeps the frequent ids of
-    the training prompts and the target's outputs on them. ``teacher_cache``: a file to reuse (or write) the collected teacher data.
+    the training prompts and the target's outputs on them. ``teacher_cache``: a file to reuse (or write) the collected teacher data;
+    a file collected for more prompts serves any subset of them (e.g. one domain's).
     ``exclude``: a workload file whose texts must not be trained on (e.g. the benchmark's prompts).
     Returns a JSON-serialisable report; the same summary goes into the saved draft's meta.
     """
@@ -676,11 +677,15 @@ def train_draft(
     features = draft_cfg.kind == "feature" or cfg.prompt_positions
     t0 = time.perf_counter()
     if cache is not None and cache.exists():
-        data = load_samples(cache)
-        train_s = data[: len(train_prompts)]
-        held_s = data[len(train_prompts) :]
-        if [s.prompt for s in data] != train_prompts + held_prompts or any(s.ids.shape[1] != cfg.top_k for s in data):
-            raise ValueError(f"teacher cache {cache} was collected for other prompts or top_k")
+        # a file collected for more prompts serves any subset of them (one file of every train.jsonl
+        # prompt, then a draft per domain): each prompt's sample, in this run's order
+        by_prompt = {s.prompt: s for s in load_samples(cache)}
+        missing = [p for p in train_prompts + held_prompts if p not in by_prompt]
+        data = [by_prompt[p] for p in train_prompts + held_prompts if p in by_prompt]
+        if missing or any(s.ids.shape[1] != cfg.top_k for s in data):
+            raise ValueError(f"teacher cache {cache} was collected for other prompts ({len(missing)} of this run's "
+                             f"missing) or top_k")
+        train_s, held_s = data[: len(train_prompts)], data[len(train_prompts) :]
         if features and any(s.features is None for s in data):
             raise ValueError(f"teacher cache {cache} holds no target features (a feature draft needs them)")
         H = target.config.hidden_size

@@ -125,6 +125,34 @@ def test_one_fused_teacher_cache_serves_every_draft_of_equal_data(tmp_path):
         run("other", kind="feature", feature_layers=[5])
 
 
+def test_a_teacher_cache_of_every_prompt_serves_one_domain_and_refuses_others(tmp_path):
+    """A teacher file collected once for every domain's prompts serves a draft of one domain (its
+    prompts' samples, read in that run's order, nothing collected again); a run with a prompt the
+    file lacks is refused."""
+    import json
+
+    from learner.offline import DistillConfig, load_samples, train_draft
+
+    wl = tmp_path / "w.jsonl"
+    domains = ["chat", "chat", "chat", "code"]
+    wl.write_text("".join(json.dumps({"text": p, "domain": d}) + "\n" for p, d in zip(PROMPTS, domains)))
+    cfg = DistillConfig(max_tokens=4, top_k=8, max_steps=1, warmup_steps=0, seconds=30)
+    cache = tmp_path / "teacher.pt"
+    run = lambda out, domain, **kw: train_draft(wl, domain, tmp_path / out, cfg=cfg, n_prompts=4, holdout=0.25, log=None,
+                                                teacher_cache=cache, **kw)
+    run("all", None)
+    n_out = {s.prompt: s.n_out for s in load_samples(cache)}
+    assert sorted(n_out) == sorted(PROMPTS)
+    stamp = cache.stat().st_mtime_ns
+    rep = run("chat", "chat")
+    assert rep["n_train_prompts"] + rep["n_heldout_prompts"] == 3
+    assert rep["teacher_tokens"] == sum(n_out[p] for p in PROMPTS[:3])  # the chat prompts' cached samples
+    assert cache.stat().st_mtime_ns == stamp  # read, not collected and written again
+    wl.write_text(wl.read_text() + json.dumps({"text": "Name a prime number.", "domain": "chat"}) + "\n")
+    with pytest.raises(ValueError, match="1 of this run's missing"):
+        run("more", "chat")
+
+
 STREAM_PROMPTS = ["用一句话介绍一下长城。", "日本の首都について一文で説明してください。", "Reply with three emoji that describe the sea."]
 
 
