@@ -726,6 +726,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--draft-layers", type=int, default=2)
     x.add_argument("--head-vocab", type=int, default=None)
     x.add_argument("--draft-checkpoint", default=None)
+    x.add_argument("--domain-checkpoints", default=None, metavar="DOMAIN=DIR,...",
+                   help="a starting draft of its own for these named domains (chat/es takes chat's), e.g. distilled "
+                        "with osd distill --domain D; the others fork the general draft")
     x.add_argument("--threads", type=int, default=2)
     x.add_argument("--device", default="cpu")
     x.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

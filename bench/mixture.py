@@ -2,7 +2,9 @@
 
 A mixed stream (topics and languages interleaved, seeded) is served three ways, each with the same
 online learner settings (a round every ``train_every`` records, on the draft with the most
-traffic x lost acceptance), all drafts starting from the same weights:
+traffic x lost acceptance), all drafts starting from the same weights unless a named domain has a
+starting draft of its own (``--domain-checkpoints``: e.g. one distilled offline on that domain's
+prompts):
 
 * ``single``: every query to one draft, trained on everything (the baseline).
 * ``supervised``: the :class:`router.Router` classifier (trained beforehand on labelled records
@@ -40,7 +42,7 @@ import random
 import sys
 import time
 from collections import deque
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -50,7 +52,7 @@ from learner.replay import ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
 
 __all__ = ["METHODS", "label_of", "mixed_stream", "run_mixture", "format_mixture", "plot_mixture", "alpha_by_draft",
-           "counterfactual_counts", "oracle_summary", "mode_oracle", "recompute_oracle"]
+           "counterfactual_counts", "oracle_summary", "mode_oracle", "recompute_oracle", "parse_starts"]
 
 METHODS = ("single", "supervised", "clusters", "both")
 GENERAL = "general"
@@ -81,22 +83,38 @@ def mixed_stream(records: Sequence[Any], n_per_label: int | None, seed: int = 0)
 class _Drafts:
     """The engines of one method: one per draft, all sharing the target; plus their trainers."""
 
-    def __init__(self, engine_factory: Callable[[], Any], learner: OnlineLearner, cfg: LearnerConfig, k: int | None,
-                 controller: bool = False):
+    def __init__(self, engine_factory: Callable[..., Any], learner: OnlineLearner, cfg: LearnerConfig, k: int | None,
+                 controller: bool = False, starts: Mapping[str, Any] | None = None):
         self.factory, self.learner, self.cfg, self.k = engine_factory, learner, cfg, k
         self.controller = controller
+        self.starts = dict(starts or {})  # domain -> its own starting draft (what engine_factory(start) loads)
+        self.start_of: dict[str, str | None] = {}  # draft id -> the domain whose starting draft it began from
         self.engines: dict[str, Any] = {}
         self.spawned: list[dict] = []
         self.retired: list[dict] = []
 
+    def start_domain(self, domain: str | None) -> str | None:
+        """The domain whose starting draft ``domain`` takes: its own, else its parent domain's
+        (chat/es -> chat); None: no starting draft of its own."""
+        for d in (domain, (domain or "").split("/")[0]):
+            if d and d in self.starts:
+                return d
+        return None
+
     def add(self, draft_id: str, parent: str | None = None, at: int = 0, domain: str | None = None) -> Any:
-        eng = self.factory()
+        own = self.start_domain(domain) if parent is not None else None
+        # a fork keeps its parent's head and token ids: it is built from the parent's starting draft
+        start = own if own is not None or parent is None else self.start_of[parent]
+        eng = self.factory(self.starts[start]) if start is not None else self.factory()
+        self.start_of[draft_id] = start
         _force_k(eng, self.k)
         dp = _draft_of(eng)
-        if parent is not None:  # fork: the parent's current weights
-            src = _draft_of(self.engines[parent]).runner.model.state_dict()
-            dp.load_state_dict({n: t.detach().clone() for n, t in src.items()}, 0)
-            self.spawned.append({"draft": draft_id, "parent": parent, "at": at, "domain": domain})
+        if parent is not None:
+            if own is None:  # fork: the parent's current weights
+                src = _draft_of(self.engines[parent]).runner.model.state_dict()
+                dp.load_state_dict({n: t.detach().clone() for n, t in src.items()}, 0)
+            self.spawned.append({"draft": draft_id, "parent": None if own is not None else parent, "at": at,
+                                 "domain": domain, "start": own})
         if self.controller:  # this draft's own suffix tree and prompt lookup beside it, chosen per step
             from drafts.build import controller_over
 
@@ -304,9 +322,9 @@ def mode_oracle(rows: Sequence[dict]) -> dict:
 
 
 def _run_method(method, engine_factory, stream, learner_cfg, router, *, max_tokens, k, window, log,
-                controller: bool = False) -> dict:
+                controller: bool = False, starts: Mapping[str, Any] | None = None) -> dict:
     learner = OnlineLearner(learner_cfg, ShardConfig())
-    drafts = _Drafts(engine_factory, learner, learner_cfg, k, controller)
+    drafts = _Drafts(engine_factory, learner, learner_cfg, k, controller, starts)
     drafts.add(GENERAL)
     params = SamplingParams(max_tokens=max_tokens)
     # the oracle: every draft in memory scored in hindsight on each request (token drafts, fixed k)
@@ -456,12 +474,17 @@ def run_mixture(
     log: Callable[[str], None] | None = print,
     on_method: Callable[[dict], None] | None = None,
     controller: bool = False,
+    starts: Mapping[str, Any] | None = None,
 ) -> dict:
     """See the module docstring. ``train_records`` (labelled, e.g. bench/data/train.jsonl) train the
     supervised router; any of their texts that is also in the stream is dropped first.
     ``engine_factory()`` returns a fresh engine (shared target, fresh copy of the starting draft).
     ``controller``: every draft runs beside a suffix tree of its own and prompt lookup, the
-    controller choosing per step (alpha then counts every drafted step)."""
+    controller choosing per step (alpha then counts every drafted step).
+    ``starts``: {domain: starting draft} for the named domains that have one of their own (a
+    language variant takes its domain's: chat/es -> chat's): such a domain's draft is built by
+    ``engine_factory(start)`` instead of forked from the general draft; a draft forked from it
+    (a cluster's) keeps its head."""
     from router import Router
     from router.features import FeatureExtractor
 
@@ -485,7 +508,9 @@ def run_mixture(
     res: dict[str, Any] = {}
     out = {"experiment": "mixture", "n_records": len(stream), "labels": counts, "train_records": len(train),
            "max_tokens": max_tokens, "k": k, "window": window, "seed": seed, "controller": controller,
-           "learner": learner_cfg.model_dump(mode="json"), "router": router_cfg.model_dump(mode="json"), "methods": res}
+           "learner": learner_cfg.model_dump(mode="json"), "router": router_cfg.model_dump(mode="json"),
+           "domain_starts": {d: v if isinstance(v, str) else type(v).__name__ for d, v in (starts or {}).items()},
+           "methods": res}
     for m in methods:
         router = None
         if m != "single":
@@ -493,7 +518,7 @@ def run_mixture(
             if m in ("supervised", "both"):
                 router.fit([r.text for r in train], [training_label(r) for r in train])
         res[m] = _run_method(m, engine_factory, stream, learner_cfg, router, max_tokens=max_tokens, k=k,
-                             window=window, log=log, controller=controller)
+                             window=window, log=log, controller=controller, starts=starts)
         if on_method is not None:  # e.g. write the JSON so far: a long run keeps what it measured
             on_method(out)
     return out
@@ -562,13 +587,35 @@ def plot_mixture(result: dict, path) -> Any:
     return path
 
 
+def parse_starts(spec: str | None) -> dict[str, str]:
+    """``--domain-checkpoints``: ``"code=DIR,sql=DIR"`` -> {domain: saved draft folder}."""
+    out: dict[str, str] = {}
+    for part in (spec or "").split(","):
+        if not part.strip():
+            continue
+        domain, sep, path = part.partition("=")
+        if not sep or not domain.strip() or not path.strip():
+            raise ValueError(f"--domain-checkpoints wants DOMAIN=DIR pairs, got {part!r}")
+        if domain.strip() in out:
+            raise ValueError(f"--domain-checkpoints names {domain.strip()!r} twice")
+        out[domain.strip()] = path.strip()
+    return out
+
+
 def main(args) -> int:
     """``osd experiment mixture`` (argparse Namespace from bench.experiments.build_parser)."""
     from bench.bench import write_json
+    from bench.experiments import unseen_by
     from workloads import load_workload
 
     torch.set_num_threads(args.threads)
+    starts = parse_starts(getattr(args, "domain_checkpoints", None))
     records = load_workload(args.workload)
+    for ckpt in ([args.draft_checkpoint] if args.draft_checkpoint else []) + list(starts.values()):
+        kept = unseen_by(records, ckpt, args.draft_kind)  # the stream holds no prompt a starting draft trained on
+        if len(kept) < len(records) and not args.quiet:
+            print(f"{len(records) - len(kept)} stream records dropped: {ckpt} was distilled on them", file=sys.stderr)
+        records = kept
     train = load_workload(args.train)
     lcfg = LearnerConfig(train_every=args.train_every, batch_records=args.batch_records,
                          steps_per_round=args.steps_per_round, lr=args.lr, gate_margin=args.gate_margin,
@@ -581,7 +628,7 @@ def main(args) -> int:
     result = run_mixture(factory, records, train, lcfg, rcfg, methods=[m for m in args.methods.split(",") if m],
                          n_per_label=args.n_per_label, max_tokens=args.max_tokens, k=args.k, window=args.window,
                          seed=args.seed, log=log, on_method=lambda r: write_json({**r, "workload": str(args.workload)}, args.json),
-                         controller=args.controller)
+                         controller=args.controller, starts=starts)
     result["workload"] = str(args.workload)
     print(format_mixture(result))
     write_json(result, args.json)

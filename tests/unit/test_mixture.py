@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from workloads import WorkloadRecord
-from config import RouterConfig
+from config import RouterConfig, SamplingParams
 from drafts.build import truncated_draft
 from learner.trainer import LearnerConfig
 
@@ -239,7 +239,7 @@ class _StubRouter:
     """Routes query i to ``route_to(i)``; spawns the draft ``spawn`` (forked from general) before the first."""
 
     def __init__(self, route_to, spawn="d:copy"):
-        from config import RouterConfig
+        from config import RouterConfig, SamplingParams
 
         self.route_to, self.spawn, self.cfg, self.drafts = route_to, spawn, RouterConfig(), {}
         self.n, self.seen = 0, []
@@ -354,3 +354,114 @@ def test_mode_oracle_is_the_best_fixed_draft_per_label():
     assert m["mode_oracle_alpha"] == pytest.approx((2 + 5 + 2 + 4) / 32)
     assert m["routed_vs_mode_oracle"] == pytest.approx((10 / 32) / (13 / 32))
     assert oracle_summary(rows)["oracle_alpha"] >= m["mode_oracle_alpha"]  # per request >= per mode
+
+
+# -- a starting draft of its own per named domain ------------------------------------------------------
+
+
+def test_a_domain_starts_from_its_own_draft_its_languages_too_and_a_fork_keeps_its_head(target, make_engine, draft_proposer):
+    """``starts``: a named domain's draft (and a language variant's: chat/es -> chat) is built from
+    the domain's starting draft, not forked; a domain without one forks the general draft; a draft
+    forked from a domain's (a cluster's) is built from that domain's starting draft, with the
+    parent's current weights."""
+    from bench.mixture import GENERAL, _Drafts
+    from learner.trainer import OnlineLearner
+    from learner.replay import ShardConfig
+
+    weak, strong = truncated_draft(target, 1), truncated_draft(target, 1)
+    with torch.no_grad():
+        for p in strong.parameters():
+            p.add_(0.5)
+    calls = []
+
+    def factory(start=None):
+        calls.append(start)
+        return make_engine(draft_proposer(copy.deepcopy(strong if start == "chat-dir" else weak)), k=3)
+
+    cfg = LearnerConfig(holdout_fraction=0.0)
+    d = _Drafts(factory, OnlineLearner(cfg, ShardConfig()), cfg, 3, starts={"chat": "chat-dir"})
+    assert [d.start_domain(x) for x in ("chat", "chat/es", "sql", None, "c3-en")] == ["chat", "chat", None, None, None]
+    d.add(GENERAL)
+    for draft_id, domain in (("d:chat", "chat"), ("d:chat/es", "chat/es"), ("d:sql", "sql")):
+        d.add(draft_id, parent=GENERAL, at=2, domain=domain)
+    weights = lambda i: next(iter(_draft(d, i).state_dict().values()))
+    assert calls == [None, "chat-dir", "chat-dir", None]
+    assert torch.equal(weights("d:chat"), next(iter(strong.state_dict().values())))
+    assert torch.equal(weights("d:chat/es"), weights("d:chat")) and torch.equal(weights("d:sql"), weights(GENERAL))
+    with torch.no_grad():  # the chat draft has trained since it started: a fork takes its current weights
+        next(iter(_draft(d, "d:chat").parameters())).add_(1.0)
+    d.add("c3-en", parent="d:chat", at=5, domain="c3-en")
+    assert calls[-1] == "chat-dir" and torch.equal(weights("c3-en"), weights("d:chat"))
+    assert [(s["draft"], s["parent"], s["start"]) for s in d.spawned] == [
+        ("d:chat", None, "chat"), ("d:chat/es", None, "chat"), ("d:sql", GENERAL, None), ("c3-en", "d:chat", None)]
+
+
+def _draft(drafts, draft_id):
+    from bench.harness import _draft_of
+
+    return _draft_of(drafts.engines[draft_id]).runner.model
+
+
+def test_the_oracle_sees_a_domain_draft_that_starts_better(target, make_engine, draft_proposer, V, extractor):
+    """Chat's starting draft copies the target: the chat drafts accept every proposal from their
+    first request on, the SQL draft (a fork of the weak general one, no rounds) scores as the
+    general draft does, and the oracle picks the chat drafts on chat requests."""
+    from bench.mixture import run_mixture
+    from speculative import DraftModelProposer, ModelRunner
+
+    def factory(start=None):
+        if start == "copy":
+            return make_engine(DraftModelProposer(ModelRunner(copy.deepcopy(target), name="draft"), V), k=3)
+        return make_engine(draft_proposer(truncated_draft(target, 1)), k=3)
+
+    stream = _recs(SQL[:4], "sql", "en", "") + _recs(EN[:4], "chat", "en", "") + _recs(ES[:4], "chat", "es", "")
+    train = _recs(SQL, "sql", "en", " (train)") + _recs(EN, "chat", "en", " (train)") + _recs(ES, "chat", "es", " (train)")
+    lcfg = LearnerConfig(train_every=1000, holdout_fraction=0.0)  # no rounds: every draft keeps its starting weights
+    res = run_mixture(factory, stream, train, lcfg, RouterConfig(background=False), methods=["supervised"],
+                      n_per_label=4, max_tokens=8, k=3, window=4, extractor=extractor, log=None, starts={"chat": "copy"})
+    assert res["domain_starts"] == {"chat": "copy"}
+    e = res["methods"]["supervised"]
+    assert {s["draft"]: s["start"] for s in e["spawned"]} == {"d:sql": None, "d:chat": "chat", "d:chat/es": "chat"}
+    for r in e["rows"]:
+        by = r["alpha_by_draft"]
+        for x in ("d:chat", "d:chat/es"):
+            if x in by:
+                assert by[x][0] == by[x][1] > 0  # a copy of the target: every proposal accepted
+        if "d:sql" in by:
+            assert by["d:sql"] == by["general"]
+    assert e["counterfactual_mismatches"] == 0
+    assert e["oracle_label"]["chat/en"]["oracle_alpha"]["all"] == 1.0  # d:chat is in memory from the first chat request
+    sql = e["oracle_label"]["sql"]  # the chat drafts copy the target on SQL too: the oracle takes them there
+    assert sql["routed_alpha"]["all"] < sql["oracle_alpha"]["all"]
+
+
+def test_domain_checkpoints_are_parsed_and_refused_when_malformed():
+    from bench.mixture import parse_starts
+
+    assert parse_starts(None) == {} and parse_starts("") == {}
+    assert parse_starts(" code=/a , chat/es=/b,") == {"code": "/a", "chat/es": "/b"}
+    for bad in ("code", "=/a", "code=", "code=/a,code=/b"):
+        with pytest.raises(ValueError):
+            parse_starts(bad)
+
+
+def test_the_real_factory_builds_a_domains_draft_from_its_folder_on_the_same_target(make_llama, make_tokenizer, tmp_path):
+    """``osd experiment mixture --domain-checkpoints``: ``factory(folder)`` serves the saved draft
+    (its own head and token ids) on the one loaded target; ``factory()`` the starting draft."""
+    from bench.experiments import build_parser
+    from bench.harness import _draft_of, real_engine_factory
+    from drafts.build import restrict_head, save_draft
+    from inprocess import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "model", make_llama, make_tokenizer)
+    keep = torch.arange(0, 40)
+    save_draft(restrict_head(truncated_draft(make_llama(3, seed=0), 1), keep), tmp_path / "code", keep)
+    args = build_parser().parse_args(["mixture", "--target", folder, "--quantize", "none", "--draft-layers", "2",
+                                      "--domain-checkpoints", f"code={tmp_path / 'code'}"])
+    factory = real_engine_factory(args)
+    general, code = factory(), factory(str(tmp_path / "code"))
+    assert code.target is general.target
+    assert _draft_of(general).runner.vocab_map is None and len(_draft_of(general).runner.model.model.layers) == 2
+    assert torch.equal(_draft_of(code).runner.vocab_map, keep) and len(_draft_of(code).runner.model.model.layers) == 1
+    assert code.generate("def f(x):", SamplingParams(max_tokens=6)).token_ids == \
+        general.generate("def f(x):", SamplingParams(max_tokens=6)).token_ids  # lossless either way
