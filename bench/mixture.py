@@ -50,6 +50,7 @@ from bench.harness import ANY_SOURCE, _alpha, _draft_of, _f, _force_k, real_engi
 from config import RouterConfig, SamplingParams
 from learner.replay import ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
+from router.router import start_domain
 
 __all__ = ["METHODS", "label_of", "mixed_stream", "run_mixture", "format_mixture", "plot_mixture", "alpha_by_draft",
            "counterfactual_counts", "oracle_summary", "mode_oracle", "recompute_oracle", "parse_starts"]
@@ -93,16 +94,8 @@ class _Drafts:
         self.spawned: list[dict] = []
         self.retired: list[dict] = []
 
-    def start_domain(self, domain: str | None) -> str | None:
-        """The domain whose starting draft ``domain`` takes: its own, else its parent domain's
-        (chat/es -> chat); None: no starting draft of its own."""
-        for d in (domain, (domain or "").split("/")[0]):
-            if d and d in self.starts:
-                return d
-        return None
-
     def add(self, draft_id: str, parent: str | None = None, at: int = 0, domain: str | None = None) -> Any:
-        own = self.start_domain(domain) if parent is not None else None
+        own = start_domain(draft_id, self.starts) if parent is not None else None  # d-chat-es: chat/es's, else chat's
         # a fork keeps its parent's head and token ids: it is built from the parent's starting draft
         start = own if own is not None or parent is None else self.start_of[parent]
         eng = self.factory(self.starts[start]) if start is not None else self.factory()
@@ -336,12 +329,7 @@ def _run_method(method, engine_factory, stream, learner_cfg, router, *, max_toke
     for i, rec in enumerate(stream, start=1):
         label = label_of(rec)
         route = router.route(rec.text) if router is not None else None
-        named = route is not None and route.cluster is None and route.domain != "unknown"
-        if named and method in ("supervised", "both") and route.domain not in router.drafts.values():
-            d_id = f"d:{route.domain}"  # a named domain (chat/es too) seen for the first time gets its own draft
-            router.register_draft(d_id, route.domain)
-            drafts.add(d_id, parent=GENERAL, at=i, domain=route.domain)  # used from the next query on
-        if router is not None:
+        if router is not None:  # a named domain (chat/es too) seen for the first time gets its own draft, at once
             for ev in router.events():
                 if ev.kind == "spawn":
                     drafts.add(ev.draft_id, parent=ev.parent or GENERAL, at=i, domain=ev.domain)

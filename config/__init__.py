@@ -212,11 +212,17 @@ class DraftConfig(_Strict):
     controller: ControllerConfig | None = None
     checkpoint: str | None = None
     feature_layers: list[int] = []
+    #: named domain -> a saved draft of this kind (``osd distill --domain D --out DIR``) that the
+    #: domain's own draft starts from instead of the one above; a language variant without one
+    #: takes its domain's (d-chat-es: "chat/es", else "chat"); tenants' copies their draft's
+    domain_checkpoints: dict[str, str] = {}
 
     @model_validator(mode="after")
     def _path_needed(self) -> "DraftConfig":
         if self.kind == "path" and not self.path:
             raise ValueError("draft.kind='path' needs draft.path (a model folder or HF id)")
+        if self.domain_checkpoints and self.kind in ("ngram", "suffix", "none"):
+            raise ValueError(f"draft.domain_checkpoints needs a learned draft, not draft.kind={self.kind!r}")
         if self.feature_layers and self.kind != "feature":
             raise ValueError(f"draft.feature_layers is for draft.kind='feature', not {self.kind!r}")
         if len(set(self.feature_layers)) != len(self.feature_layers) or any(i < 0 for i in self.feature_layers):
@@ -389,6 +395,11 @@ class RouterConfig(_Strict):
     idle_retire_records: int = Field(default=2000, ge=1)  # a cluster unseen this long is retired
     idle_retire_s: float | None = Field(default=None, gt=0.0)  # ... or unseen this many seconds
     max_drafts: int = Field(default=8, ge=1)  # drafts in memory, the general draft included
+    #: a named domain (a language variant too: "chat/es") gets a draft of its own, ``d-<domain>``
+    #: ("d-chat-es"), the first time the classifier names it (a spawn event; the least used draft
+    #: makes room at ``max_drafts``), which then trains on that domain's traffic alone; False: named
+    #: domains share the general draft and only busy clusters get drafts
+    named_drafts: bool = True
     # choice of draft
     explore_rate: float = Field(default=0.05, ge=0.0, le=1.0)  # uniform pick on top of Thompson sampling
     prior: tuple[float, float] = (1.0, 1.0)  # Beta prior of a draft's acceptance (accepted, rejected)

@@ -35,9 +35,9 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from config import AppConfig, SamplingParams
-from drafts.build import build_proposer
+from drafts.build import build_proposer, domain_proposers
 from learner.replay import LEARNED_SOURCES, RecordBuilder
-from router.router import GENERAL
+from router.router import GENERAL, start_domain
 from speculative import RequestError, SpeculativeEngine, TargetRows, VerifyCall
 from speculative.detokenize import Detokenizer
 from speculative.engine import time_verify
@@ -125,6 +125,8 @@ class DraftPool:
         self.tokenizer = load_tokenizer(cfg.engine.model.name)
         target = load_weights(cfg.engine.model)  # the truncated draft is cut from it
         self.base = build_proposer(cfg.engine.draft, target, self.tokenizer, quantize=cfg.engine.model.quantize)
+        # named domains' own starting drafts (d-sql starts from sql's): built now, while the target is here
+        self.starts = domain_proposers(cfg.engine.draft, target, self.tokenizer, quantize=cfg.engine.model.quantize)
         self.meter = replica_meter("DraftPool", cfg.metrics)
         self.running = 0
         if cfg.placement == "colocated":
@@ -149,7 +151,8 @@ class DraftPool:
     async def engine_for(self, draft_id: str) -> SpeculativeEngine:
         if self.verify_s is None:
             self.verify_s = await self.verifier.handle.verify_costs.remote()
-        engine = SpeculativeEngine(self.view, self.tokenizer, copy.deepcopy(self.base), self.cfg.engine)
+        start = self.starts.get(start_domain(draft_id, self.starts), self.base)
+        engine = SpeculativeEngine(self.view, self.tokenizer, copy.deepcopy(start), self.cfg.engine)
         if self.learner is not None and engine.learned_draft is not None and draft_id not in self.published:
             latest = await self.learner.latest.remote(draft_id)  # a restarted replica: the newest weights
             if latest is not None:

@@ -22,10 +22,11 @@ from pydantic import ValidationError
 from ray import serve
 
 from config import AppConfig
-from drafts.build import build_proposer
+from drafts.build import build_proposer, domain_proposers
 from learner.background import BackgroundConfig, BackgroundLearner
 from learner.replay import ReplayRecord, ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner, RoundReport
+from router.router import start_domain
 from speculative.models import load_tokenizer, load_weights
 from speculative.proposers import learned_draft
 from telemetry.hub import json_safe
@@ -44,11 +45,14 @@ class LearnerServer:
         self.cfg = cfg
         self.trainer_cfg = LearnerConfig(**{**cfg.learner.trainer, "checkpoint_dir": root / "checkpoints"})
         target = load_weights(cfg.engine.model)
-        proposer = build_proposer(cfg.engine.draft, target, load_tokenizer(cfg.engine.model.name))
-        learned = learned_draft(proposer)
+        tok = load_tokenizer(cfg.engine.model.name)
+        learned = learned_draft(build_proposer(cfg.engine.draft, target, tok))
         if learned is None:
             raise ValueError(f"the learner needs a learned draft; draft kind {cfg.engine.draft.kind!r} has none")
         self.base, self.keep_ids = learned.runner.model, learned.runner.vocab_map
+        # named domains' own starting drafts: (model, keep ids) by domain, as the pool builds them
+        self.starts = {d: (learned_draft(p).runner.model, learned_draft(p).runner.vocab_map)
+                       for d, p in domain_proposers(cfg.engine.draft, target, tok).items()}
         # a feature draft's prompt positions are read with the target's head: only it is kept
         self.target_head = copy.deepcopy(target.get_output_embeddings()) if self.trainer_cfg.prompt_positions else None
         del target
@@ -78,7 +82,8 @@ class LearnerServer:
         with self._lock:
             if draft_id not in self.learner.trainers:
                 self.subscribers[draft_id] = [functools.partial(self._publish, draft_id)]
-                self.learner.add_trainer(DraftTrainer(draft_id, self.base, self.trainer_cfg, keep_ids=self.keep_ids,
+                base, keep = self.starts.get(start_domain(draft_id, self.starts), (self.base, self.keep_ids))
+                self.learner.add_trainer(DraftTrainer(draft_id, base, self.trainer_cfg, keep_ids=keep,
                                                       target_head=self.target_head))
             return self.learner.trainers[draft_id]
 

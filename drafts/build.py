@@ -272,6 +272,15 @@ def build_proposer(
     return parts[0] if len(parts) == 1 else ChainedProposer(*parts)
 
 
+def domain_proposers(cfg: DraftConfig, target: PreTrainedModel, target_tok: PreTrainedTokenizerBase,
+                     texts: Iterable[str] = (), quantize: str = "none") -> dict:
+    """{domain: the proposer ``cfg`` builds from that domain's starting draft} for
+    ``cfg.domain_checkpoints`` (the same composition: suffix tree, prompt lookup, controller)."""
+    return {d: build_proposer(cfg.model_copy(update={"checkpoint": path, "domain_checkpoints": {}}), target, target_tok,
+                              texts, quantize=quantize)
+            for d, path in cfg.domain_checkpoints.items()}
+
+
 def controller_over(learned=None, cfg: DraftConfig = DraftConfig(use_suffix=True, controller=ControllerConfig())):
     """The controller over a fresh suffix tree, prompt lookup and ``learned`` (an existing learned
     draft's proposer, when given): what the experiments and the bench compare with ``cfg``'s settings."""

@@ -17,7 +17,8 @@ One ``route`` reads top to bottom:
 3. **draft**: among the general draft, the drafts bound to that domain and the unbound drafts,
    the ``AcceptanceBandit`` picks the best observed acceptance (Thompson sampling, a little
    exploration); a domain seen for the first time gets its own draft if it has one, else the
-   general draft. A query sent to a cluster keeps the draft of the named domain the classifier
+   general draft. A named domain gets a draft of its own the first time it is named
+   (``named_drafts``: a ``spawn`` event, ``d-<domain>``). A query sent to a cluster keeps the draft of the named domain the classifier
    found likeliest among its candidates (the label itself, or, for a query labelled general
    traffic, the likeliest named label): a discovered domain starts from the best named draft.
 
@@ -53,9 +54,25 @@ GENERAL = "general"  # the draft every query can fall back to; never retired
 #: under other values of these loads (load_state)
 RUNTIME_FIELDS = {"threads", "embed_cache", "batch_size"}
 UNKNOWN = "unknown"  # domain of queries routed by a fallback
+NAMED = "d-"  # prefix of a named domain's own draft: d-sql, d-chat-es (no "/": draft ids go in URLs)
 ON_NGRAMS = "classifier: n-grams"  # reason of a query the n-gram gate routed (not embedded)
 _FORMAT = 3  # 2: the classifier keeps its examples and typicality thresholds; 3: lexical features, background
 log = logging.getLogger(__name__)
+
+
+def named_draft_id(domain: str) -> str:
+    """The draft a named domain gets of its own: "sql" -> "d-sql", "chat/es" -> "d-chat-es"."""
+    return NAMED + domain.replace("/", "-")
+
+
+def start_domain(draft_id: str, domains) -> str | None:
+    """Of ``domains`` (those with a starting draft of their own), the one whose starting draft
+    ``draft_id`` takes: its named domain's, else that domain's parent's (d-chat-es takes chat's
+    when chat/es has none); a tenant's copy (``d-sql@alice``) as its draft's; None for the general
+    draft, a cluster's, or a domain without one."""
+    base = draft_id.split("@", 1)[0]
+    own = [d for d in domains if base == named_draft_id(d) or base.startswith(named_draft_id(d) + "-")]
+    return max(own, key=len) if own else None
 
 
 @dataclass(frozen=True)
@@ -195,6 +212,8 @@ class Router:
         confident = topic is not None and topic != BACKGROUND and prob >= cfg.confidence_threshold
         if confident and (typ is None or self.classifier.typical(topic, typ)):
             domain, confidence, source = self.domain_key(topic, f.lang), prob, ON_NGRAMS if gated else "classifier"
+            if cfg.named_drafts and domain not in self.drafts.values():
+                self._spawn_named(domain)
         elif cfg.mode == "supervised":
             if topic is None:
                 why = "no classifier"
@@ -267,6 +286,14 @@ class Router:
             self._make_room(need=float("inf"), reason=f"room for {draft_id}")
         if draft_id != GENERAL:
             self.drafts[draft_id] = domain
+
+    def _spawn_named(self, domain: str) -> None:
+        """A draft of its own for a named domain seen for the first time (none when every draft in
+        memory is the general one and ``max_drafts`` leaves no room)."""
+        draft_id = named_draft_id(domain)
+        if self._make_room(need=float("inf"), reason=f"room for {draft_id}"):
+            self.drafts[draft_id] = domain
+            self._events.append(DraftEvent("spawn", draft_id, domain, GENERAL, f"named domain {domain}"))
 
     def retire_draft(self, draft_id: str) -> None:
         """The serving side unloaded ``draft_id``; its statistics are dropped (no event)."""

@@ -48,6 +48,11 @@ def test_draft_config_validation():
         DraftConfig(head_vocab=4)
     with pytest.raises(ValidationError, match="min_n"):
         NgramConfig(min_n=3, max_n=2)
+    for kind in ("ngram", "suffix", "none"):  # a domain's own starting draft needs a learned draft
+        with pytest.raises(ValidationError, match="domain_checkpoints needs a learned draft"):
+            DraftConfig(kind=kind, domain_checkpoints={"sql": "/d"})
+    for kind in ("truncated", "feature"):
+        assert DraftConfig(kind=kind, domain_checkpoints={"sql": "/d"}).domain_checkpoints == {"sql": "/d"}
 
 
 def test_kpolicy_and_engine_config_validation():

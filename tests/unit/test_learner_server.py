@@ -236,3 +236,44 @@ def test_dropped_records_are_counted_once_each(served):
         stats.dropped = dropped
         server.telemetry()
         assert counter(server.meter, "osd_learner_records_dropped_total") == total
+
+
+def test_a_named_domains_draft_starts_from_its_own_checkpoint_in_the_pool_and_the_learner(folder, tmp_path, make_llama):
+    """``draft.domain_checkpoints``: the pool serves d-sql (and a tenant's copy, d-sql@iso) from
+    sql's saved draft, its own head and token ids; the general draft and a domain without one
+    from the configured draft. The learner trains d-sql from the same start, so its updates load
+    into the pool's d-sql and are served from the next request on."""
+    import torch
+
+    from drafts.build import restrict_head, save_draft, truncated_draft
+
+    keep = torch.arange(0, 40)
+    save_draft(restrict_head(truncated_draft(make_llama(3, seed=0), 1), keep), tmp_path / "sql", keep)
+    cfg = app_config(folder, engine={"model": {"name": folder, "quantize": "none"}, "k": {"fixed_k": 3}, "chat_template": False,
+                                     "draft": {"kind": "truncated", "num_layers": 2,
+                                               "domain_checkpoints": {"sql": str(tmp_path / "sql")}}},
+                     learner={"enabled": True, "state_dir": str(tmp_path / "learner"), "trainer": TRAINER,
+                              "background": {"nice": 0, "threads": 1}})
+    box = []
+    server = LearnerServer(cfg, publish=lambda d, state, v: box[0].load_weights(d, [state], v))
+    pool = LocalPool(cfg, learner=Handle(server))
+    box.append(pool)
+    loop = Loop()
+    try:
+        def head(draft_id):
+            runner = loop.run(pool.loaded(draft_id)).learned_draft.runner
+            return len(runner.model.model.layers), runner.vocab_map
+
+        for d in ("d-sql", "d-sql@iso"):
+            layers, ids = head(d)
+            assert layers == 1 and torch.equal(ids, keep), d
+        assert head(GENERAL) == (2, None) and head("d-code") == (2, None)
+        serve_requests(pool, loop, 4, draft_id="d-sql", domain="sql")
+        trainer = server.learner.trainers["d-sql"]
+        assert len(trainer.model.model.layers) == 1 and torch.equal(trainer.keep_ids, keep)
+        wait_for(lambda: pool.published.get("d-sql", ({}, 0))[1] >= 1)
+        items = loop.run(pool.serve("Hello again", 6, "d-sql", domain="sql", tenant="alice"))
+        assert items[-1]["usage"]["speculative"]["draft_version"] >= 1
+    finally:
+        server.background.stop()
+        loop.close()

@@ -12,6 +12,7 @@ import torch
 from workloads import WorkloadRecord
 from config import RouterConfig, SamplingParams
 from drafts.build import truncated_draft
+from router.router import named_draft_id
 from learner.trainer import LearnerConfig
 
 torch.set_num_threads(1)
@@ -62,7 +63,7 @@ def test_mixture_forks_per_domain_drafts_and_serves_every_record(target, make_en
     # too: here the forks are equally useless) and never the other domain's
     # (the "chat" draft may also serve chat/es, its sub-domain, when the bandit finds it better)
     for dom, must, may in (("sql", "sql", {"sql"}), ("chat", "chat/en", {"chat/en", "chat/es"}), ("chat/es", "chat/es", {"chat/es"})):
-        served = {r["label"] for r in sup["rows"] if r["draft"] == f"d:{dom}"}
+        served = {r["label"] for r in sup["rows"] if r["draft"] == named_draft_id(dom)}
         assert must in served and served <= may, (dom, served)
     assert m["clusters"]["spawned"], m["clusters"]["router"]  # spawn_alpha 1.0: every busy cluster gets a draft
     # the oracle: every draft in memory scored on every request; the routed one's = what serving measured
@@ -118,10 +119,10 @@ def test_the_open_set_router_names_what_it_knows_and_clusters_the_rest(target, m
     assert [r["label"] for r in named] == ["sql"] * 4 and {r["route_domain"] for r in named} == {"sql"}
     assert [r["label"] for r in clustered] == ["puzzle"] * 4
     assert all(r["route_domain"].startswith(f"c{r['cluster']}") for r in clustered)
-    assert [s["draft"] for s in both["spawned"] if s["domain"] == "sql"] == ["d:sql"]
-    # its own draft from its second query on (the bandit may still try the general one); never a cluster's
-    assert named[0]["draft"] == "general" and "d:sql" in {r["draft"] for r in named[1:]}
-    assert {r["draft"] for r in named} <= {"general", "d:sql"} and "d:sql" not in {r["draft"] for r in clustered}
+    assert [s["draft"] for s in both["spawned"] if s["domain"] == "sql"] == ["d-sql"]
+    # its own draft from its first query on (the bandit may still try the general one); never a cluster's
+    assert named[0]["draft"] == "d-sql"
+    assert {r["draft"] for r in named} <= {"general", "d-sql"} and "d-sql" not in {r["draft"] for r in clustered}
     assert both["route_accuracy"] == 1.0 and both["routed_share"] == 0.5
 
 
@@ -380,20 +381,19 @@ def test_a_domain_starts_from_its_own_draft_its_languages_too_and_a_fork_keeps_i
 
     cfg = LearnerConfig(holdout_fraction=0.0)
     d = _Drafts(factory, OnlineLearner(cfg, ShardConfig()), cfg, 3, starts={"chat": "chat-dir"})
-    assert [d.start_domain(x) for x in ("chat", "chat/es", "sql", None, "c3-en")] == ["chat", "chat", None, None, None]
     d.add(GENERAL)
-    for draft_id, domain in (("d:chat", "chat"), ("d:chat/es", "chat/es"), ("d:sql", "sql")):
+    for draft_id, domain in (("d-chat", "chat"), ("d-chat-es", "chat/es"), ("d-sql", "sql")):
         d.add(draft_id, parent=GENERAL, at=2, domain=domain)
     weights = lambda i: next(iter(_draft(d, i).state_dict().values()))
     assert calls == [None, "chat-dir", "chat-dir", None]
-    assert torch.equal(weights("d:chat"), next(iter(strong.state_dict().values())))
-    assert torch.equal(weights("d:chat/es"), weights("d:chat")) and torch.equal(weights("d:sql"), weights(GENERAL))
+    assert torch.equal(weights("d-chat"), next(iter(strong.state_dict().values())))
+    assert torch.equal(weights("d-chat-es"), weights("d-chat")) and torch.equal(weights("d-sql"), weights(GENERAL))
     with torch.no_grad():  # the chat draft has trained since it started: a fork takes its current weights
-        next(iter(_draft(d, "d:chat").parameters())).add_(1.0)
-    d.add("c3-en", parent="d:chat", at=5, domain="c3-en")
-    assert calls[-1] == "chat-dir" and torch.equal(weights("c3-en"), weights("d:chat"))
+        next(iter(_draft(d, "d-chat").parameters())).add_(1.0)
+    d.add("c3-en", parent="d-chat", at=5, domain="c3-en")
+    assert calls[-1] == "chat-dir" and torch.equal(weights("c3-en"), weights("d-chat"))
     assert [(s["draft"], s["parent"], s["start"]) for s in d.spawned] == [
-        ("d:chat", None, "chat"), ("d:chat/es", None, "chat"), ("d:sql", GENERAL, None), ("c3-en", "d:chat", None)]
+        ("d-chat", None, "chat"), ("d-chat-es", None, "chat"), ("d-sql", GENERAL, None), ("c3-en", "d-chat", None)]
 
 
 def _draft(drafts, draft_id):
@@ -421,16 +421,16 @@ def test_the_oracle_sees_a_domain_draft_that_starts_better(target, make_engine, 
                       n_per_label=4, max_tokens=8, k=3, window=4, extractor=extractor, log=None, starts={"chat": "copy"})
     assert res["domain_starts"] == {"chat": "copy"}
     e = res["methods"]["supervised"]
-    assert {s["draft"]: s["start"] for s in e["spawned"]} == {"d:sql": None, "d:chat": "chat", "d:chat/es": "chat"}
+    assert {s["draft"]: s["start"] for s in e["spawned"]} == {"d-sql": None, "d-chat": "chat", "d-chat-es": "chat"}
     for r in e["rows"]:
         by = r["alpha_by_draft"]
-        for x in ("d:chat", "d:chat/es"):
+        for x in ("d-chat", "d-chat-es"):
             if x in by:
                 assert by[x][0] == by[x][1] > 0  # a copy of the target: every proposal accepted
-        if "d:sql" in by:
-            assert by["d:sql"] == by["general"]
+        if "d-sql" in by:
+            assert by["d-sql"] == by["general"]
     assert e["counterfactual_mismatches"] == 0
-    assert e["oracle_label"]["chat/en"]["oracle_alpha"]["all"] == 1.0  # d:chat is in memory from the first chat request
+    assert e["oracle_label"]["chat/en"]["oracle_alpha"]["all"] == 1.0  # d-chat is in memory from the first chat request
     sql = e["oracle_label"]["sql"]  # the chat drafts copy the target on SQL too: the oracle takes them there
     assert sql["routed_alpha"]["all"] < sql["oracle_alpha"]["all"]
 
@@ -465,3 +465,16 @@ def test_the_real_factory_builds_a_domains_draft_from_its_folder_on_the_same_tar
     assert torch.equal(_draft_of(code).runner.vocab_map, keep) and len(_draft_of(code).runner.model.model.layers) == 1
     assert code.generate("def f(x):", SamplingParams(max_tokens=6)).token_ids == \
         general.generate("def f(x):", SamplingParams(max_tokens=6)).token_ids  # lossless either way
+
+
+def test_a_drafts_starting_domain_by_hand():
+    """A named draft takes its own domain's starting draft, else its parent domain's; a tenant's copy
+    its draft's; the general draft and a cluster's none."""
+    from router.router import start_domain
+
+    doms = {"chat", "chat/es", "sql"}
+    assert named_draft_id("chat/es") == "d-chat-es" and named_draft_id("sql") == "d-sql"
+    cases = {"d-chat-es": "chat/es", "d-chat-fr": "chat", "d-chat": "chat", "d-sql@alice": "sql", "d-chat-es@bob": "chat/es",
+             "d-code": None, "general": None, "c3-en": None, "d-sqlite": None, "d-chatty": None}
+    assert {d: start_domain(d, doms) for d in cases} == cases
+    assert start_domain("d-chat-es", set()) is None

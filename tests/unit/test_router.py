@@ -9,6 +9,7 @@ import pytest
 from config import RouterConfig
 from router import EMBED_DIM, GENERAL, UNKNOWN, FeatureExtractor, Router
 from router.features import clean_text
+from router.router import named_draft_id
 
 TRAIN = {
     "code": ["Write a Python function that reverses a linked list.",
@@ -94,10 +95,15 @@ def test_long_and_odd_text_is_cut_and_cleaned(extractor):
     assert f.lang == "en" and np.isclose(np.linalg.norm(f.embedding), 1.0, atol=1e-5)
 
 
-def test_classifier_routes_held_out_examples(trained):
-    routes = trained.route_batch([t for t, _ in HELD_OUT])
+def test_classifier_routes_held_out_examples(trained, extractor):
+    router = Router(trained.cfg, extractor)
+    router.classifier = trained.classifier
+    routes = router.route_batch([t for t, _ in HELD_OUT])
     assert [r.domain for r in routes] == [d for _, d in HELD_OUT]
-    assert all(r.reason == "classifier" and r.draft_id == GENERAL and r.latency_ms > 0 for r in routes)
+    # each named domain gets a draft of its own the first time it is named, announced as a spawn
+    assert all(r.reason == "classifier" and r.draft_id == named_draft_id(r.domain) and r.latency_ms > 0 for r in routes)
+    assert [(e.kind, e.draft_id, e.domain, e.parent) for e in router.events()] == [
+        ("spawn", named_draft_id(d), d, GENERAL) for d in dict.fromkeys(d for _, d in HELD_OUT)]
     assert trained.classifier.classes == sorted(TRAIN)
 
 
@@ -108,7 +114,8 @@ def test_non_english_chat_is_its_own_mode(extractor):
     r = router.route("Bonjour ! Comment vas-tu aujourd'hui ? Tu as bien dormi ?")
     assert (r.topic, r.lang, r.domain, r.draft_id) == ("chat", "fr", "chat/fr", "chat-fr")
     r = router.route("Hello! How are you today? Did you sleep well?")
-    assert (r.domain, r.draft_id) == ("chat", GENERAL)
+    assert (r.domain, r.draft_id) == ("chat", "d-chat")  # its own, not French chat's
+    assert router.drafts == {GENERAL: None, "chat-fr": "chat/fr", "d-chat": "chat"}
 
 
 @pytest.mark.parametrize("mode", ["supervised", "clusters", "both"])
@@ -122,7 +129,7 @@ def test_bad_input_goes_to_general_and_never_crashes(extractor, trained, mode):
         assert (r.domain, r.lang, r.draft_id) == (UNKNOWN, "und", GENERAL) and r.reason.startswith("fallback")
     routes = router.route_batch(BAD + ["x" * 100_000, "数学" * 50_000, "SELECT * FROM t; " * 6000])
     assert [r.draft_id for r in routes[: len(BAD)]] == [GENERAL] * len(BAD)
-    assert all(r.draft_id in (GENERAL, "free") and r.lang != "" for r in routes)
+    assert all(r.draft_id in (GENERAL, "free", named_draft_id(r.domain)) and r.lang != "" for r in routes)
 
 
 def test_state_round_trips_to_disk(extractor, trained, tmp_path):
@@ -242,3 +249,22 @@ def test_clean_text_cuts_at_max_chars_and_blanks_control_characters():
     assert clean_text("abcdefgh", 3) == "abc"
     assert clean_text("  a\x00b\x7fc\td\n ", 100) == "a b c\td"  # tabs and newlines stay
     assert clean_text("x\ud800y", 100) == "x?y"  # a lone surrogate is replaced, not an encoding error
+
+
+def test_named_drafts_off_or_no_room_keeps_named_domains_on_the_general_draft(trained, extractor):
+    """``named_drafts=False``: named domains share the general draft, nothing spawns. With room for
+    the general draft alone, none spawns either; with room for one more, a second named domain
+    retires the first domain's draft (the least used) to make room."""
+    texts = [t for t, _ in HELD_OUT]
+    for cfg in (RouterConfig(mode="supervised", confidence_threshold=0.3, named_drafts=False),
+                RouterConfig(mode="supervised", confidence_threshold=0.3, max_drafts=1)):
+        router = Router(cfg, extractor)
+        router.classifier = trained.classifier
+        assert {r.draft_id for r in router.route_batch(texts)} == {GENERAL} and not router.events()
+        assert router.drafts == {GENERAL: None}
+    router = Router(RouterConfig(mode="supervised", confidence_threshold=0.3, max_drafts=2), extractor)
+    router.classifier = trained.classifier
+    first, second = [(t, d) for t, d in HELD_OUT if d == "code"][0], [(t, d) for t, d in HELD_OUT if d == "sql"][0]
+    assert router.route(first[0]).draft_id == "d-code" and router.route(second[0]).draft_id == "d-sql"
+    assert [(e.kind, e.draft_id) for e in router.events()] == [("spawn", "d-code"), ("retire", "d-code"), ("spawn", "d-sql")]
+    assert router.drafts == {GENERAL: None, "d-sql": "sql"}

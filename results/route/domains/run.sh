@@ -18,4 +18,17 @@ case "${1:-all}" in
     wait
     $D --domain chat --out "$C/drafts/domain-chat" --json $R/distill_chat.json
     ;;&
+  mixture|all)  # the mixture stream (112 records, none in train.jsonl) served by the same routings, every draft
+    # starting from the general draft (and the single-draft baseline) against each named domain's draft starting
+    # from its own; side by side, one thread each
+    X=".venv/bin/osd experiment mixture --workload bench/data/mixture.jsonl --train bench/data/router_train.jsonl
+      --n-per-label 16 --max-tokens 32 --k 4 --train-every 4 --batch-records 16 --steps-per-round 8 --lr 3e-4
+      --window 8 --draft-checkpoint default --threads 1 --spawn-min-records 8 --spawn-window 60 --spawn-alpha 0.5
+      --spawn-min-tokens 48 --no-resample"
+    $X --methods both,supervised,clusters --json $R/mixture_general.json > $R/mixture_general.txt 2> $R/mixture_general.log &
+    $X --methods both,supervised,single --json $R/mixture_domains.json \
+      --domain-checkpoints "code=$C/drafts/domain-code,sql=$C/drafts/domain-sql,math=$C/drafts/domain-math,chat=$C/drafts/domain-chat" \
+      > $R/mixture_domains.txt 2> $R/mixture_domains.log &
+    wait
+    ;;&
 esac
