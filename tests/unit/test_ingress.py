@@ -584,3 +584,33 @@ def test_an_unexpected_learner_error_is_not_turned_into_a_400(learning):
     learning.learner.stats = broken
     with pytest.raises(KeyError):
         run(learning.ingress.learner_call(request(key=ADMIN), "stats"))
+
+
+def test_named_domains_are_served_by_drafts_of_their_own_from_their_checkpoints(folder, tmp_path, make_llama):
+    """``router: {mode: both, examples}`` and ``draft.domain_checkpoints``: a SQL request over the
+    app is served by d-sql, built from sql's saved draft; a math request by d-math, which has no
+    saved draft and starts from the configured one; the output is the target's either way."""
+    import torch
+
+    from drafts.build import restrict_head, save_draft, truncated_draft
+    from workloads import WorkloadRecord, save_workload
+
+    recs = [WorkloadRecord(f"SELECT col{i} FROM table{i} WHERE id = {i}", "sql", "en", "spider") for i in range(8)]
+    recs += [WorkloadRecord(f"What is {i} plus {i + 3}? Show the steps.", "math", "en", "gsm8k") for i in range(8)]
+    save_workload(recs, tmp_path / "ex.jsonl")
+    keep = torch.arange(0, 40)
+    save_draft(restrict_head(truncated_draft(make_llama(3, seed=0), 1), keep), tmp_path / "sql", keep)
+    a = App(app_config(folder, router={"mode": "both", "examples": str(tmp_path / "ex.jsonl"), "background": False},
+                       engine={"model": {"name": folder, "quantize": "none"}, "k": {"fixed_k": 3}, "chat_template": False,
+                               "draft": {"kind": "truncated", "num_layers": 2,
+                                         "domain_checkpoints": {"sql": str(tmp_path / "sql")}}}))
+    tok = load_tokenizer(folder)
+    for prompt, draft_id, layers, ids in (("SELECT name FROM users WHERE id = 3", "d-sql", 1, keep),
+                                          ("What is 5 plus 8? Show the steps.", "d-math", 2, None)):
+        status, body, _ = run(a.post({"prompt": prompt, "max_tokens": 8, "ignore_eos": True}))
+        assert status == 200 and body["usage"]["speculative"]["draft_id"] == draft_id, body["usage"]
+        assert body["choices"][0]["text"] == tok.decode(reference(folder, tok(prompt)["input_ids"], 8))
+        runner = a.pools[0].held[draft_id].learned_draft.runner
+        assert len(runner.model.model.layers) == layers
+        assert (runner.vocab_map is None) if ids is None else torch.equal(runner.vocab_map, ids)
+    assert set(a.router.router.drafts) == {GENERAL, "d-sql", "d-math"}
