@@ -9,8 +9,9 @@ prompts):
 * ``single``: every query to one draft, trained on everything (the baseline).
 * ``supervised``: the :class:`router.Router` classifier (trained beforehand on labelled records
   that are NOT in the stream) names the domain; each domain it names ("sql", "chat/es", ...)
-  gets its own draft the first time it is seen, forked from the general draft's current weights,
-  and trains on its own shard. Unsure queries go to the general draft.
+  gets its own draft the first time it is named (the router's ``spawn`` event: d-sql, d-chat-es),
+  forked from the general draft's current weights (or built from the domain's own starting
+  draft), and trains on its own shard. Unsure queries go to the general draft.
 * ``clusters``: no labels; the router's online clusters (split by language) discover the modes and
   spawn a draft for a busy cluster with poor acceptance (and retire idle ones), forked from the
   general draft; everything else stays on the general draft, which keeps training.
