@@ -124,6 +124,8 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "learner/ops.py": ("learner.ops", None, ["tests/unit/test_trainer.py"]),
     # the workload files and the parsers of the public sources they are built from
     "workloads/__init__.py": ("workloads", None, ["tests/unit/test_workloads.py", "tests/unit/test_open_set_sources.py"]),
+    # the mixture experiment's drafts: each named domain's own, started from its own draft or forked
+    "bench/mixture.py": ("bench.mixture", {"_Drafts", "parse_starts"}, ["tests/unit/test_mixture.py"]),
     "deployments/target.py": ("deployments.target", {"BatchedTarget"},
                               ["tests/unit/test_target_server.py", "tests/unit/test_draft_pool.py"]),
 }
