@@ -135,6 +135,8 @@ _CROP0 = "'<=': at start == have the mutant calls crop(0), which transformers' D
 #: Survivors that cannot change behaviour: (file, function, mutated line) -> why, or (file, function,
 #: mutated line, mutated form) -> why where other mutants of the line do change it.
 EQUIVALENT: dict[tuple[str, ...], str] = {
+    ("router/router.py", "start_domain", 'base = draft_id.split("@", 1)[0]'):
+        "maxsplit 2 instead of 1: the part before the first '@' is the same however many splits follow",
     ("speculative/sampling.py", "warp_logits", "if params.top_k and params.top_k < logits.shape[-1]:"):
         "top_k <= V instead of < V: with top_k = V the k-th largest logit is the smallest, and masking the "
         "logits below it removes nothing",

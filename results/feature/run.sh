@@ -78,6 +78,15 @@ case "${1:-all}" in
         --methods $m --window 20 --eval-every 4 --threads 1 --draft-kind feature --draft-checkpoint "$C/drafts/feature-200-reg0" \
         --json "results/feature/stream500_feature_$m.json" &
     done; wait ;;&
+  stream500-token|all)  # the same 500-record stream for the token draft at equal data: osd distill's general
+    # draft on the same 200 prompts for 7 epochs (results/route/domains/run.sh distill), static and online
+    C="${OSD_CACHE_DIR:-$HOME/.cache/osd-serve}"
+    W="bench/data/workload.jsonl bench/data/mixture.jsonl bench/data/open.jsonl bench/data/router_train.jsonl"
+    for m in static online; do
+      .venv/bin/osd experiment online --workload $W --domains code sql math chat --n 500 --max-tokens 48 --k 4 \
+        --methods $m --window 20 --eval-every 4 --threads 1 --draft-checkpoint default \
+        --json "results/feature/stream500_token_$m.json" &
+    done; wait ;;&
   scale|all)  # more data at equal data: one teacher file of every train.jsonl prompt not in the workload
     # (665 prompts and 40 held out, with the final features), a feature draft and the 2-layer token draft distilled
     # on it for 4 epochs each (side by side, one thread each), then each static on D's 80 unseen prompts

@@ -394,6 +394,14 @@ def test_a_domain_starts_from_its_own_draft_its_languages_too_and_a_fork_keeps_i
     assert calls[-1] == "chat-dir" and torch.equal(weights("c3-en"), weights("d-chat"))
     assert [(s["draft"], s["parent"], s["start"]) for s in d.spawned] == [
         ("d-chat", None, "chat"), ("d-chat-es", None, "chat"), ("d-sql", GENERAL, None), ("c3-en", "d-chat", None)]
+    assert {i: e.draft_version for i, e in d.engines.items()} == dict.fromkeys(d.engines, 0)  # no round yet, forks too
+    # retiring: the general draft and an unknown one are kept / ignored; a cluster's goes with its trainer
+    for gone in (GENERAL, "nobody"):
+        d.retire(gone, 6, "asked")
+    assert GENERAL in d.engines and GENERAL in d.learner.trainers and not d.retired
+    d.retire("c3-en", 7, "idle")
+    assert "c3-en" not in d.engines and "c3-en" not in d.learner.trainers and "d-chat" in d.learner.trainers
+    assert d.retired == [{"draft": "c3-en", "at": 7, "reason": "idle"}]
 
 
 def _draft(drafts, draft_id):
