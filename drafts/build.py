@@ -188,15 +188,26 @@ def load_draft(path: str | Path) -> tuple[PreTrainedModel, torch.Tensor | None, 
         from speculative.feature import FeatureDraft
 
         draft = FeatureDraft(cfg, len(keep) if keep is not None else cfg.vocab_size)
-        draft.load_state_dict(load_file(path / DRAFT_WEIGHTS), strict=True)
+        _load_exactly(draft, path)
         return draft.eval(), keep, info["meta"]
     draft = AutoModelForCausalLM.from_config(cfg)
     if keep is not None:
         draft = restrict_head(draft, keep)
-    draft.load_state_dict(load_file(path / DRAFT_WEIGHTS), strict=not cfg.tie_word_embeddings)
+    # a tied head is not saved (save_draft): it is the embedding, tied again below
+    _load_exactly(draft, path, may_lack={"lm_head.weight"} if cfg.tie_word_embeddings else set())
     if cfg.tie_word_embeddings:
         draft.tie_weights()
     return draft.eval(), keep, info["meta"]
+
+
+def _load_exactly(draft: torch.nn.Module, path: Path, may_lack: set[str] = frozenset()) -> None:
+    """The saved weights into ``draft``, refused unless they are every tensor it has (``may_lack``
+    aside) and nothing else: a cut or edited file must not leave layers at their random start."""
+    missing, unexpected = draft.load_state_dict(load_file(path / DRAFT_WEIGHTS), strict=False)
+    missing = sorted(set(missing) - set(may_lack))
+    if missing or unexpected:
+        raise ModelLoadError(f"saved draft {path} does not match its config: missing {missing[:4]}, "
+                             f"unexpected {sorted(unexpected)[:4]}")
 
 
 # -- from config -------------------------------------------------------------------------------------

@@ -332,3 +332,69 @@ def test_build_proposer_composes_what_the_config_asks_for(target, tok):
     assert kinds(over) == ["SuffixProposer", "NgramProposer", "NgramProposer"] and over.proposers[-1] is learned
     assert over.probe_every == ControllerConfig().probe_every
     assert kinds(controller_over()) == ["SuffixProposer", "NgramProposer"]
+
+
+def test_the_lowest_ids_fill_a_head_from_id_zero():
+    """With fewer frequent ids than rows, the head is filled from id 0 up (here 0 is no special token)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel({"a": 0, "b": 1, "c": 2, "<eos>": 3, "<unk>": 4}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", unk_token="<unk>")
+    assert sorted(tok.all_special_ids) == [3, 4]
+    assert frequent_token_ids(tok, 3).tolist() == [0, 3, 4]
+    assert frequent_token_ids(tok, 4, ["c c"]).tolist() == [0, 2, 3, 4]
+
+
+def test_a_truncated_draft_keeps_the_layer_types_of_its_layers(target):
+    """A config that lists each layer's attention type (sliding / full) is cut to the draft's layers."""
+    from drafts.build import _draft_config
+
+    t = type(target)(target.config)
+    t.config.layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+    assert _draft_config(t, 2, tie=False).layer_types == ["sliding_attention", "full_attention"]
+    assert _draft_config(t, 3, tie=False).layer_types == t.config.layer_types
+
+
+def test_a_saved_draft_missing_a_tensor_or_with_another_is_refused(target, keep, tmp_path):
+    """Weights that do not cover the model (a cut or edited file), or hold a tensor it does not
+    have, are an error, not a draft with random layers: a token draft (tied head or not, whose tied
+    head is not saved) and a feature draft alike."""
+    import copy
+
+    from safetensors.torch import load_file, save_file
+
+    from drafts.build import DRAFT_WEIGHTS
+    from speculative.feature import feature_draft
+
+    untied = truncated_draft(target, 1)
+    untied.config = copy.deepcopy(untied.config)
+    untied.config.tie_word_embeddings = False
+    drafts = {"token": truncated_draft(target, 1), "untied": untied, "feature": feature_draft(target, keep, [])}
+    assert drafts["token"].config.tie_word_embeddings
+    for name, draft in drafts.items():
+        folder = tmp_path / name
+        save_draft(draft, folder, keep if name == "feature" else None)
+        load_draft(folder)  # whole: loads
+        weights = load_file(folder / DRAFT_WEIGHTS)
+        cut = [k for k in weights if k.endswith("up_proj.weight")][0]
+        save_file({k: v for k, v in weights.items() if k != cut}, folder / DRAFT_WEIGHTS)
+        with pytest.raises(ModelLoadError, match="missing.*up_proj"):
+            load_draft(folder)
+        save_file({**weights, "extra.weight": torch.zeros(2)}, folder / DRAFT_WEIGHTS)
+        with pytest.raises(ModelLoadError, match="unexpected.*extra.weight"):
+            load_draft(folder)
+
+
+def test_a_draft_by_path_is_that_model(make_llama, make_tokenizer, tok, tmp_path):
+    """``kind: path``: the model folder named, whole (its own layers), on the target's vocabulary."""
+    from config import DraftConfig
+    from drafts.build import build_draft_model
+    from inprocess import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "m", make_llama, make_tokenizer)
+    draft, keep = build_draft_model(DraftConfig(kind="path", path=folder), make_llama(3, seed=0), tok)
+    assert keep is None and len(draft.model.layers) == 3
+    want = make_llama(3, seed=0).state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in draft.state_dict().items())
