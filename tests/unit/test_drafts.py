@@ -349,9 +349,12 @@ def test_the_lowest_ids_fill_a_head_from_id_zero():
 
 def test_a_truncated_draft_keeps_the_layer_types_of_its_layers(target):
     """A config that lists each layer's attention type (sliding / full) is cut to the draft's layers."""
+    import copy
+    from types import SimpleNamespace
+
     from drafts.build import _draft_config
 
-    t = type(target)(target.config)
+    t = SimpleNamespace(config=copy.deepcopy(target.config))  # the shared target's config stays as it is
     t.config.layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
     assert _draft_config(t, 2, tie=False).layer_types == ["sliding_attention", "full_attention"]
     assert _draft_config(t, 3, tie=False).layer_types == t.config.layer_types
