@@ -79,11 +79,11 @@ def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
 
     model = ModelConfig(device=args.device, dtype=args.dtype, quantize=args.quantize,
                         **({"name": args.target} if args.target else {}))
-    from drafts.build import resolve_checkpoint  # "default" -> the cached general draft of that kind
-
     ckpt = args.draft_checkpoint
     kind = getattr(args, "draft_kind", "truncated")
     if ckpt:
+        from drafts.build import resolve_checkpoint  # "default" -> the cached general draft of that kind
+
         ckpt = str(resolve_checkpoint(ckpt, kind))
     layers = getattr(args, "feature_layers", []) if kind == "feature" else []
     cfg = EngineConfig(model=model, draft=DraftConfig(kind=kind, num_layers=args.draft_layers, head_vocab=args.head_vocab,
@@ -100,7 +100,7 @@ def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
         if start is not None:
             from drafts.build import build_proposer
 
-            dcfg = cfg.draft.model_copy(update={"checkpoint": str(resolve_checkpoint(start, kind))})
+            dcfg = cfg.draft.model_copy(update={"checkpoint": start})  # build_proposer resolves and checks it
             return SpeculativeEngine(target_runner, base.tokenizer, build_proposer(dcfg, target, base.tokenizer, texts,
                                                                                    quantize=model.quantize), cfg)
         if first:

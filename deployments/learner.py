@@ -51,8 +51,8 @@ class LearnerServer:
             raise ValueError(f"the learner needs a learned draft; draft kind {cfg.engine.draft.kind!r} has none")
         self.base, self.keep_ids = learned.runner.model, learned.runner.vocab_map
         # named domains' own starting drafts: (model, keep ids) by domain, as the pool builds them
-        self.starts = {d: (learned_draft(p).runner.model, learned_draft(p).runner.vocab_map)
-                       for d, p in domain_proposers(cfg.engine.draft, target, tok).items()}
+        self.starts = {d: (r.model, r.vocab_map) for d, p in domain_proposers(cfg.engine.draft, target, tok).items()
+                       for r in [learned_draft(p).runner]}
         # a feature draft's prompt positions are read with the target's head: only it is kept
         self.target_head = copy.deepcopy(target.get_output_embeddings()) if self.trainer_cfg.prompt_positions else None
         del target

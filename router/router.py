@@ -18,9 +18,10 @@ One ``route`` reads top to bottom:
    the ``AcceptanceBandit`` picks the best observed acceptance (Thompson sampling, a little
    exploration); a domain seen for the first time gets its own draft if it has one, else the
    general draft. A named domain gets a draft of its own the first time it is named
-   (``named_drafts``: a ``spawn`` event, ``d-<domain>``). A query sent to a cluster keeps the draft of the named domain the classifier
-   found likeliest among its candidates (the label itself, or, for a query labelled general
-   traffic, the likeliest named label): a discovered domain starts from the best named draft.
+   (``named_drafts``: a ``spawn`` event, ``d-<domain>``). A query sent to a cluster keeps the
+   draft of the named domain the classifier found likeliest among its candidates (the label
+   itself, or, for a query labelled general traffic, the likeliest named label): a discovered
+   domain starts from the best named draft.
 
 ``observe(route, accepted, proposed)`` feeds the engine's step results back. ``maintenance``
 (run after every routed query) expires noise and idle clusters and gives a draft to a busy

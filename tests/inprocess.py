@@ -200,6 +200,24 @@ def save_tiny_model(path, make_llama, make_tokenizer) -> str:
     return str(path)
 
 
+def save_domain_draft(path, make_llama):
+    """A saved draft unlike the configured 2-layer one, as ``osd distill --domain`` writes them: the
+    tiny model's first layer, a head of ids 0..39. Returns those ids."""
+    import torch
+
+    from drafts.build import restrict_head, save_draft, truncated_draft
+
+    keep = torch.arange(0, 40)
+    save_draft(restrict_head(truncated_draft(make_llama(3, seed=0), 1), keep), path, keep)
+    return keep
+
+
+def domain_engine(folder: str, checkpoints: dict) -> dict:
+    """``app_config``'s engine section with ``draft.domain_checkpoints`` (the section is replaced whole)."""
+    return {"model": {"name": folder, "quantize": "none"}, "k": {"fixed_k": 3}, "chat_template": False,
+            "draft": {"kind": "truncated", "num_layers": 2, "domain_checkpoints": checkpoints}}
+
+
 def app_config(folder: str, **over) -> AppConfig:
     """The co-located application on the tiny model: a truncated draft at k = 3, clusters routing,
     no learner, small limits, four tenants' keys; ``over`` merges into the top-level sections."""

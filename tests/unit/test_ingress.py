@@ -592,18 +592,15 @@ def test_named_domains_are_served_by_drafts_of_their_own_from_their_checkpoints(
     saved draft and starts from the configured one; the output is the target's either way."""
     import torch
 
-    from drafts.build import restrict_head, save_draft, truncated_draft
+    from inprocess import domain_engine, save_domain_draft
     from workloads import WorkloadRecord, save_workload
 
     recs = [WorkloadRecord(f"SELECT col{i} FROM table{i} WHERE id = {i}", "sql", "en", "spider") for i in range(8)]
     recs += [WorkloadRecord(f"What is {i} plus {i + 3}? Show the steps.", "math", "en", "gsm8k") for i in range(8)]
     save_workload(recs, tmp_path / "ex.jsonl")
-    keep = torch.arange(0, 40)
-    save_draft(restrict_head(truncated_draft(make_llama(3, seed=0), 1), keep), tmp_path / "sql", keep)
+    keep = save_domain_draft(tmp_path / "sql", make_llama)
     a = App(app_config(folder, router={"mode": "both", "examples": str(tmp_path / "ex.jsonl"), "background": False},
-                       engine={"model": {"name": folder, "quantize": "none"}, "k": {"fixed_k": 3}, "chat_template": False,
-                               "draft": {"kind": "truncated", "num_layers": 2,
-                                         "domain_checkpoints": {"sql": str(tmp_path / "sql")}}}))
+                       engine=domain_engine(folder, {"sql": str(tmp_path / "sql")})))
     tok = load_tokenizer(folder)
     for prompt, draft_id, layers, ids in (("SELECT name FROM users WHERE id = 3", "d-sql", 1, keep),
                                           ("What is 5 plus 8? Show the steps.", "d-math", 2, None)):

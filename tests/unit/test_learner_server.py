@@ -245,13 +245,10 @@ def test_a_named_domains_draft_starts_from_its_own_checkpoint_in_the_pool_and_th
     into the pool's d-sql and are served from the next request on."""
     import torch
 
-    from drafts.build import restrict_head, save_draft, truncated_draft
+    from inprocess import domain_engine, save_domain_draft
 
-    keep = torch.arange(0, 40)
-    save_draft(restrict_head(truncated_draft(make_llama(3, seed=0), 1), keep), tmp_path / "sql", keep)
-    cfg = app_config(folder, engine={"model": {"name": folder, "quantize": "none"}, "k": {"fixed_k": 3}, "chat_template": False,
-                                     "draft": {"kind": "truncated", "num_layers": 2,
-                                               "domain_checkpoints": {"sql": str(tmp_path / "sql")}}},
+    keep = save_domain_draft(tmp_path / "sql", make_llama)
+    cfg = app_config(folder, engine=domain_engine(folder, {"sql": str(tmp_path / "sql")}),
                      learner={"enabled": True, "state_dir": str(tmp_path / "learner"), "trainer": TRAINER,
                               "background": {"nice": 0, "threads": 1}})
     box = []

@@ -458,12 +458,10 @@ def test_the_real_factory_builds_a_domains_draft_from_its_folder_on_the_same_tar
     (its own head and token ids) on the one loaded target; ``factory()`` the starting draft."""
     from bench.experiments import build_parser
     from bench.harness import _draft_of, real_engine_factory
-    from drafts.build import restrict_head, save_draft
-    from inprocess import save_tiny_model
+    from inprocess import save_domain_draft, save_tiny_model
 
     folder = save_tiny_model(tmp_path / "model", make_llama, make_tokenizer)
-    keep = torch.arange(0, 40)
-    save_draft(restrict_head(truncated_draft(make_llama(3, seed=0), 1), keep), tmp_path / "code", keep)
+    keep = save_domain_draft(tmp_path / "code", make_llama)
     args = build_parser().parse_args(["mixture", "--target", folder, "--quantize", "none", "--draft-layers", "2",
                                       "--domain-checkpoints", f"code={tmp_path / 'code'}"])
     factory = real_engine_factory(args)
