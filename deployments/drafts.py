@@ -154,8 +154,9 @@ class DraftPool:
         start = self.starts.get(start_domain(draft_id, self.starts), self.base)
         engine = SpeculativeEngine(self.view, self.tokenizer, copy.deepcopy(start), self.cfg.engine)
         if self.learner is not None and engine.learned_draft is not None and draft_id not in self.published:
-            latest = await self.learner.latest.remote(draft_id)  # a restarted replica: the newest weights
-            if latest is not None:
+            # the newest weights (after a restart), or a new draft's fork of its parent's
+            latest = await self.learner.latest.remote(draft_id)
+            if latest is not None and latest[1] > self.published.get(draft_id, ({}, 0))[1]:  # a broadcast may have come first
                 self.published[draft_id] = latest
         if draft_id in self.published and engine.learned_draft is not None:
             engine.swap_draft(*self.published[draft_id])

@@ -16,6 +16,7 @@ import logging
 import math
 import threading
 import time
+from pathlib import Path
 
 import torch
 from pydantic import ValidationError
@@ -25,8 +26,8 @@ from config import AppConfig
 from drafts.build import build_proposer, domain_proposers
 from learner.background import BackgroundConfig, BackgroundLearner
 from learner.replay import ReplayRecord, ShardConfig
-from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner, RoundReport
-from router.router import start_domain
+from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner, RoundReport, draft_folder
+from router.router import fork_parent, start_domain
 from speculative.models import load_tokenizer, load_weights
 from speculative.proposers import learned_draft
 from telemetry.hub import json_safe
@@ -65,11 +66,16 @@ class LearnerServer:
         self._lock = threading.Lock()  # records arrive on several threads; one trainer per new draft
         self.background = BackgroundLearner(self.learner, self.subscribers, cfg=BackgroundConfig(**cfg.learner.background),
                                             on_round=self._count_round, store_on_submit=True)
+        #: draft id -> the weights the pool serves of it (the latest published, or reloaded at
+        #: start); never the training copy, which a round is changing and may yet reject
+        self.served: dict[str, tuple[dict, int]] = {}
+        self.forks: dict[str, dict] = {}  # draft id -> the parent (and its version) it started from
         for d in self._known_drafts(root / "checkpoints"):
             self._trainer(d)  # reloads its latest checkpoint (or the newest good one)
+        self.served = {d: (t.state(), t.version) for d, t in self.learner.trainers.items() if t.version > 0}
         #: what a restart has to tell the draft pool: every draft's latest weights (a version
         #: checkpointed just before a crash may never have been broadcast)
-        self.announce = [(d, t.state(), t.version) for d, t in self.learner.trainers.items() if t.version > 0]
+        self.announce = [(d, state, v) for d, (state, v) in self.served.items()]
         self.background.start()
 
     @staticmethod
@@ -79,12 +85,28 @@ class LearnerServer:
         return sorted(unquote(p.name) for p in ckpt.iterdir() if p.is_dir()) if ckpt.is_dir() else []
 
     def _trainer(self, draft_id: str) -> DraftTrainer:
+        """The draft's trainer, made the first time the draft is loaded or sends a record: from its
+        checkpoints (a restart), else from its domain's starting draft, else forked from what its
+        parent (``fork_parent``: the general draft of its tenant scope) has learned so far and
+        published, as version 1; a parent with nothing published yet gives the configured draft."""
         with self._lock:
             if draft_id not in self.learner.trainers:
                 self.subscribers[draft_id] = [functools.partial(self._publish, draft_id)]
                 base, keep = self.starts.get(start_domain(draft_id, self.starts), (self.base, self.keep_ids))
-                self.learner.add_trainer(DraftTrainer(draft_id, base, self.trainer_cfg, keep_ids=keep,
-                                                      target_head=self.target_head))
+                extra, parent = {}, fork_parent(draft_id, self.starts)
+                new = not (Path(self.trainer_cfg.checkpoint_dir) / draft_folder(draft_id)).is_dir()
+                if new and parent in self.served:
+                    state, version = self.served[parent]
+                    base = copy.deepcopy(base)
+                    base.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()}, strict=True)
+                    extra = {"version": 1, "origin": {"forked_from": parent, "parent_version": version}}
+                t = self.learner.add_trainer(DraftTrainer(draft_id, base, self.trainer_cfg, keep_ids=keep,
+                                                          target_head=self.target_head, **extra))
+                if extra:
+                    self.served[draft_id] = (t.state(), t.version)
+                    self.forks[draft_id] = {"parent": parent, "parent_version": version}
+                    log.info("draft %r: forked from %r v%d, served as v%d", draft_id, parent, version, t.version)
+                    self.meter.event("fork", draft=draft_id, parent=parent, parent_version=version, version=t.version)
             return self.learner.trainers[draft_id]
 
     def _count_round(self, rep: RoundReport) -> None:
@@ -104,6 +126,7 @@ class LearnerServer:
 
     def _publish(self, draft_id: str, state: dict, version: int, kind: str = "publish") -> None:
         log.info("draft %r: publishing v%d", draft_id, version)
+        self.served[draft_id] = (state, version)
         self.meter.event(kind, draft=draft_id, version=version)
         if self.publish_fn is not None:
             self.publish_fn(draft_id, state, version)
@@ -118,9 +141,11 @@ class LearnerServer:
         return self.background.submit(record)
 
     def latest(self, draft_id: str) -> tuple[dict, int] | None:
-        """The latest published weights of a draft (None: nothing published beyond the base)."""
-        t = self.learner.trainers.get(draft_id)
-        return (t.state(), t.version) if t is not None and t.version > 0 else None
+        """The weights a replica loading ``draft_id`` serves: its latest published version, or for
+        a draft new to the learner its fork of the parent's (its trainer is made now, so that its
+        first request is served by the fork); None: the configured starting draft."""
+        self._trainer(draft_id)
+        return self.served.get(draft_id)
 
     # -- operators -----------------------------------------------------------------------------
     def pause(self) -> dict:
@@ -189,7 +214,7 @@ class LearnerServer:
         """Operators' view (JSON-safe: a round on bad data reports its NaN loss as null)."""
         s = self.background.stats().to_dict()
         s["drafts"] = {d: {"version": t.version, "versions": t.versions(), "held_back": len(t.holdout),
-                           "traffic": self.learner.traffic(d)}
+                           "traffic": self.learner.traffic(d), "forked_from": self.forks.get(d)}
                        for d, t in list(self.learner.trainers.items())}
         s["settings"] = {k: getattr(self.trainer_cfg, k) for k in self.TUNABLE}
         return json_safe(s)

@@ -245,7 +245,7 @@ class DraftTrainer:
     :meth:`publish` and a subscriber). ``version`` is the version of the weights currently
     accepted (0 = the initial draft). With ``cfg.checkpoint_dir`` set, the constructor reloads
     the latest checkpoint (:meth:`load_latest`) or, when there is none, saves the initial weights
-    as ``v<version>``.
+    as ``v<version>``, with ``origin`` (where the initial weights came from) in its meta.
     """
 
     def __init__(
@@ -256,6 +256,7 @@ class DraftTrainer:
         keep_ids: torch.Tensor | None = None,
         version: int = 0,
         target_head: torch.nn.Module | None = None,
+        origin: dict | None = None,
     ):
         self.draft_id = draft_id
         self.cfg = cfg
@@ -281,7 +282,7 @@ class DraftTrainer:
             if self.load_latest() is None:
                 if self.skipped:  # none loaded: the initial weights, above every version a replica may hold
                     self.version = max(self.skipped) + 1
-                self._checkpoint(self.version, {"initial": True})
+                self._checkpoint(self.version, {"initial": True, **(origin or {})})
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)

@@ -76,6 +76,18 @@ def start_domain(draft_id: str, domains) -> str | None:
     return max(own, key=len) if own else None
 
 
+def fork_parent(draft_id: str, domains) -> str | None:
+    """The draft whose current weights ``draft_id`` starts from when it is first trained and
+    served: the general draft of its tenant scope (``general``, or ``general@alice`` for an
+    isolated tenant's copy, so that no tenant's learning reaches another's drafts); None for a
+    general draft itself and for a draft that starts from its domain's own starting draft
+    (``start_domain``), whose head and token ids may differ from the general draft's."""
+    base, at, tenant = draft_id.partition("@")
+    if base == GENERAL or start_domain(draft_id, domains) is not None:
+        return None
+    return GENERAL + at + tenant
+
+
 @dataclass(frozen=True)
 class Route:
     """Where one query goes and why; recorded with the request for metrics and dashboards."""

@@ -189,6 +189,21 @@ def test_a_restarted_draft_replica_comes_back_at_the_latest_version(server):
     assert all(k["kept"] and set(k["kept"]) <= set(k["trees"]) for k in kept), kept
 
 
+def test_a_new_draft_is_served_as_a_fork_of_the_general_drafts_published_weights(server):
+    """A draft the learner has not seen (a cluster's, loaded on both replicas at once) is served
+    from its first load by a fork of what the general draft has published: v1 on every replica,
+    and /admin/learner says what it was forked from."""
+    from ray import serve
+
+    general = _call(f"{server}/admin/learner", key=ADMIN_KEY)[1]["drafts"]["general"]["version"]
+    assert general >= 1  # the general draft has learned (the tests above)
+    pool = serve.get_deployment_handle("DraftPool", "osd")
+    assert pool.broadcast("preload", "c97/en").results() == [1, 1]
+    fork = _call(f"{server}/admin/learner", key=ADMIN_KEY)[1]["drafts"]["c97/en"]
+    assert fork["version"] == 1 and fork["forked_from"]["parent"] == "general"
+    assert fork["forked_from"]["parent_version"] >= general
+
+
 def test_a_finished_output_reaches_every_draft_replicas_suffix_trees(server, client):
     """The shipped config drafts with suffix trees: an output one of the two draft replicas
     finished is broadcast to the other, and both keep it under its draft id and hold it in that

@@ -9,6 +9,7 @@ import math
 import time
 
 import pytest
+import torch
 
 from deployments.learner import LearnerServer
 from inprocess import Handle, LocalPool, Loop, app_config, counter, save_tiny_model
@@ -85,7 +86,7 @@ def test_records_become_published_versions_counted_and_shown(served):
     assert stats["settings"] == {k: getattr(server.trainer_cfg, k) for k in LearnerServer.TUNABLE}
     state, v = server.latest(GENERAL)
     assert v == version and set(state) == set(published.got[-1][2])
-    assert server.latest("nobody") is None
+    assert server.latest("nobody@iso") is None  # a tenant's own scope, where nothing was published
 
 
 def test_a_rollback_publishes_old_weights_under_a_new_version(served):
@@ -274,3 +275,74 @@ def test_a_named_domains_draft_starts_from_its_own_checkpoint_in_the_pool_and_th
     finally:
         server.background.stop()
         loop.close()
+
+
+def test_a_new_draft_forks_what_its_tenants_general_draft_has_published(served, folder, tmp_path):
+    """A cluster's draft first loaded after the general draft has learned starts from the general
+    draft's published weights (as v1, checkpointed with where it came from), in the learner and in
+    the pool from its first request; an isolated tenant's copy forks its own general draft, which
+    learned nothing, so it starts from the configured draft; a restart reloads the fork's own
+    checkpoints instead of forking again."""
+    import numpy as np
+
+    from drafts.build import load_draft
+
+    server, published, pool, loop = served
+    serve_requests(pool, loop, 2)  # a round on the general draft: v1
+    wait_for(lambda: server.latest(GENERAL) is not None)
+    with server.background.exclusive:  # no round between the two reads
+        state, version = server.latest(GENERAL)
+        assert version >= 1
+        changed = [n for n, v in state.items() if not np.array_equal(v, server.base.state_dict()[n].numpy())]
+        assert changed  # it learned: a fork differs from the configured draft
+        runner = loop.run(pool.loaded("c0/en")).learned_draft.runner
+    assert loop.run(pool.loaded("c0/en")).draft_version == 1
+    for n, t in runner.model.state_dict().items():
+        assert np.array_equal(t.numpy(), state[n]), n
+    trainer = server.learner.trainers["c0/en"]
+    assert trainer.version == 1 and all(np.array_equal(t.numpy(), state[n]) for n, t in trainer.model.state_dict().items())
+    _, _, meta = load_draft(trainer.ckpt_root / "v1")
+    assert meta["forked_from"] == GENERAL and meta["parent_version"] == version and meta["initial"]
+    assert server.stats()["drafts"]["c0/en"]["forked_from"] == {"parent": GENERAL, "parent_version": version}
+    assert server.stats()["drafts"][GENERAL]["forked_from"] is None
+    assert [(e["draft"], e["parent"], e["version"]) for e in server.meter._events if e["kind"] == "fork"] == [
+        ("c0/en", GENERAL, 1)]
+
+    iso = loop.run(pool.loaded("c0/en@iso"))  # general@iso has published nothing
+    assert iso.draft_version == 0 and server.latest("c0/en@iso") is None
+    for n, t in iso.learned_draft.runner.model.state_dict().items():
+        assert torch.equal(t, server.base.state_dict()[n]), n
+    items = loop.run(pool.serve("Hello fork", 6, "c0/en", tenant="alice"))
+    assert items[-1]["usage"]["speculative"]["draft_version"] == 1
+
+    serve_requests(pool, loop, 2)  # the general draft learns on: the fork keeps what it started from
+    wait_for(lambda: server.latest(GENERAL)[1] > version)
+    server.background.stop()
+    again = LearnerServer(learner_cfg(folder, tmp_path / "learner"), publish=Published())
+    try:
+        assert again.learner.trainers["c0/en"].version == 1 and not again.forks
+        assert {d: v for d, _, v in again.announce}["c0/en"] == 1
+        for n, t in again.learner.trainers["c0/en"].model.state_dict().items():
+            assert np.array_equal(t.numpy(), state[n]), n
+    finally:
+        again.background.stop()
+
+
+def test_latest_answers_the_published_weights_not_a_round_in_progress(served):
+    """A replica loading a draft during a round gets the weights published last, never the training
+    copy the round is changing (and may yet reject)."""
+    import numpy as np
+
+    server, published, pool, loop = served
+    serve_requests(pool, loop, 2)
+    wait_for(lambda: server.latest(GENERAL) is not None)
+    with server.background.exclusive:
+        state, version = server.latest(GENERAL)
+        trainer = server.learner.trainers[GENERAL]
+        snap = trainer.snapshot()
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.add_(1.0)  # what a round in progress does to the training copy
+        got, v = server.latest(GENERAL)
+        assert v == version and all(np.array_equal(got[n], state[n]) for n in state)
+        trainer.restore(snap)

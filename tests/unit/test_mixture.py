@@ -484,3 +484,16 @@ def test_a_drafts_starting_domain_by_hand():
              "d-code": None, "general": None, "c3-en": None, "d-sqlite": None, "d-chatty": None}
     assert {d: start_domain(d, doms) for d in cases} == cases
     assert start_domain("d-chat-es", set()) is None
+
+
+def test_a_drafts_fork_parent_by_hand():
+    """A draft without a starting draft of its own forks the general draft of its tenant scope; the
+    general drafts and those with their domain's starting draft fork nothing."""
+    from router.router import fork_parent
+
+    doms = {"chat", "sql"}
+    cases = {"general": None, "general@alice": None, "d-sql": None, "d-sql@alice": None, "d-chat-es": None,
+             "d-code": "general", "c3/fr": "general", "d-sqlite": "general", "c3/fr@team/a": "general@team/a",
+             "d-code@alice": "general@alice", "..": "general"}
+    assert {d: fork_parent(d, doms) for d in cases} == cases
+    assert fork_parent("d-sql", set()) == "general"
