@@ -44,6 +44,7 @@ __all__ = [
     "DistillConfig",
     "Sample",
     "collect_teacher_data",
+    "samples_for",
     "to_student_space",
     "student_logits_for",
     "draft_loss",
@@ -189,6 +190,33 @@ def _teacher_rows(model: PreTrainedModel, tokens: list[int], prompt_len: int, to
     logits = model.get_output_embeddings()(hidden[-n_out:])  # [T, V]
     feats = fused_features({i: x[0] for i, x in seen.items()}, hidden, feature_layers).to(torch.float16).cpu() if features else None
     return sparse_from_logits(logits.float().cpu(), min(top_k, logits.shape[-1])), feats
+
+
+def samples_for(samples: Sequence[Sample], prompts: Sequence[str], top_k: int, features: int = 0,
+                final: bool = False) -> list[Sample]:
+    """The sample of each of ``prompts``, in their order, from teacher data collected for any
+    superset of them (one file of every prompt serves a run on one domain's). ``features``: the
+    feature width the run trains on (0: none needed); ``final``: that is the target's final
+    feature alone, which is the last ``features`` columns of a fused feature too, so samples with
+    fused features serve (cut to it). Raises ValueError when a prompt has no sample, or the samples
+    hold another ``top_k``, no features or features of another width."""
+    by_prompt = {s.prompt: s for s in samples}
+    missing = [p for p in prompts if p not in by_prompt]
+    if missing:
+        raise ValueError(f"collected for other prompts ({len(missing)} of this run's missing, of {len(prompts)}; "
+                         f"the first: {missing[0][:60]!r})")
+    data = [by_prompt[p] for p in prompts]
+    if any(s.ids.shape[1] != top_k for s in data):
+        raise ValueError(f"collected with another top_k than {top_k}")
+    if features:
+        if any(s.features is None for s in data):
+            raise ValueError("holds no target features (a feature draft needs them)")
+        widths = sorted({int(s.features.shape[-1]) for s in data})
+        if any(w != features and not (final and w % features == 0) for w in widths):
+            raise ValueError(f"holds features of another width ({widths}) than the {features} this draft needs")
+        if final:
+            data = [dataclasses.replace(s, features=s.features[:, -features:]) for s in data]
+    return data
 
 
 def collect_teacher_data(
@@ -677,25 +705,13 @@ def train_draft(
     features = draft_cfg.kind == "feature" or cfg.prompt_positions
     t0 = time.perf_counter()
     if cache is not None and cache.exists():
-        # a file collected for more prompts serves any subset of them (one file of every train.jsonl
-        # prompt, then a draft per domain): each prompt's sample, in this run's order
-        by_prompt = {s.prompt: s for s in load_samples(cache)}
-        missing = [p for p in train_prompts + held_prompts if p not in by_prompt]
-        data = [by_prompt[p] for p in train_prompts + held_prompts if p in by_prompt]
-        if missing or any(s.ids.shape[1] != cfg.top_k for s in data):
-            raise ValueError(f"teacher cache {cache} was collected for other prompts ({len(missing)} of this run's "
-                             f"missing) or top_k")
-        train_s, held_s = data[: len(train_prompts)], data[len(train_prompts) :]
-        if features and any(s.features is None for s in data):
-            raise ValueError(f"teacher cache {cache} holds no target features (a feature draft needs them)")
         H = target.config.hidden_size
-        need = H * (len(draft_cfg.feature_layers) + 1) if draft_cfg.kind == "feature" else H
-        if features and need == H:  # the final feature is the last H columns of any cache's (a fused one's too)
-            data = [dataclasses.replace(s, features=s.features[:, -H:]) for s in data]
-            train_s, held_s = data[: len(train_prompts)], data[len(train_prompts) :]
-        elif features and any(s.features.shape[-1] != need for s in data):
-            raise ValueError(f"teacher cache {cache} holds features of another width than feature_layers "
-                             f"{draft_cfg.feature_layers} need ({need})")
+        need = (H * (len(draft_cfg.feature_layers) + 1) if draft_cfg.kind == "feature" else H) if features else 0
+        try:
+            data = samples_for(load_samples(cache), train_prompts + held_prompts, cfg.top_k, need, final=need == H)
+        except ValueError as e:
+            raise ValueError(f"teacher cache {cache}: {e}") from None
+        train_s, held_s = data[: len(train_prompts)], data[len(train_prompts) :]
         say(f"teacher data: loaded {len(data)} samples from {cache}")
     else:
         everything = collect_teacher_data(

@@ -347,3 +347,49 @@ def test_config_validation():
         DistillConfig(top_k=0)
     with pytest.raises(ValueError):
         distill(truncated_draft(tiny_target(layers=2), 1), [], fast_cfg(), log=None)
+
+
+def _sample(prompt: str, top_k: int = 4, width: int | None = None, out: int = 3) -> Sample:
+    n = len(prompt)
+    feats = torch.arange((n + out - 1) * width, dtype=torch.float32).reshape(n + out - 1, width) if width else None
+    return Sample(tokens=torch.arange(n + out), prompt_len=n, ids=torch.zeros(out, top_k, dtype=torch.int32),
+                  probs=torch.full((out, top_k), 1.0 / top_k), tail=torch.zeros(out), prompt=prompt, features=feats)
+
+
+def test_teacher_data_for_a_subset_of_its_prompts_in_the_runs_order():
+    """A file of every prompt serves a run on some of them, in the run's order; a prompt it lacks,
+    another top_k, missing features or features of another width are refused."""
+    from learner.offline import samples_for
+
+    every = [_sample(p) for p in ("aa", "bbb", "c", "dddd")]
+    got = samples_for(every, ["dddd", "aa"], 4)
+    assert [s.prompt for s in got] == ["dddd", "aa"] and got[0] is every[3]
+    assert samples_for(every, [], 4) == []
+    with pytest.raises(ValueError, match=r"^collected for other prompts \(1 of this run's missing, of 2; the first: 'zz'\)$"):
+        samples_for(every, ["aa", "zz"], 4)
+    with pytest.raises(ValueError, match="another top_k than 8"):
+        samples_for(every, ["aa"], 8)
+    with pytest.raises(ValueError, match="no target features"):
+        samples_for(every, ["aa"], 4, features=6)
+    assert samples_for(every, ["aa"], 4, features=0)[0].features is None
+
+
+def test_teacher_features_are_cut_to_the_final_feature_only_when_that_is_all_the_run_needs():
+    """A fused feature [.., 3 H] serves a run on the final feature (its last H columns); a run on the
+    fused width needs that width exactly; a width that is no multiple of H is refused."""
+    from learner.offline import samples_for
+
+    fused = [_sample("ab", width=6), _sample("xyz", width=6)]  # H = 2, three layers fused
+    cut = samples_for(fused, ["xyz", "ab"], 4, features=2, final=True)
+    assert [s.prompt for s in cut] == ["xyz", "ab"]
+    for s, whole in zip(cut, [fused[1], fused[0]]):
+        assert s.features.shape == (whole.features.shape[0], 2) and torch.equal(s.features, whole.features[:, -2:])
+    assert fused[0].features.shape[-1] == 6  # the loaded samples are not changed
+    same = samples_for(fused, ["ab"], 4, features=6)
+    assert torch.equal(same[0].features, fused[0].features)
+    exact = samples_for([_sample("ab", width=2)], ["ab"], 4, features=2, final=True)
+    assert torch.equal(exact[0].features, _sample("ab", width=2).features)
+    for bad, kw in ((fused, {"features": 4}), (fused, {"features": 4, "final": True}), (fused, {"features": 2}),
+                    ([_sample("ab", width=6), _sample("xyz", width=4)], {"features": 6})):
+        with pytest.raises(ValueError, match="another width"):
+            samples_for(bad, ["ab", "xyz"], 4, **kw)
