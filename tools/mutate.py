@@ -102,7 +102,7 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     # shared between replicas, the wait for a restarted target), the learner's and the router's and
     # the metrics replica's servers: the undecorated classes, in one process
     "deployments/drafts.py": ("deployments.drafts", {"TargetView", "RemoteVerifier", "DraftPool"},
-                              ["tests/unit/test_draft_pool.py", "tests/unit/test_ingress.py"]),
+                              ["tests/unit/test_draft_pool.py", "tests/unit/test_ingress.py", "tests/unit/test_learner_server.py"]),
     "deployments/learner.py": ("deployments.learner", {"LearnerServer"},
                                ["tests/unit/test_learner_server.py", "tests/unit/test_ingress.py"]),
     "deployments/router.py": ("deployments.router", {"RouterServer"}, ["tests/unit/test_servers.py", "tests/unit/test_ingress.py"]),
@@ -479,6 +479,11 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "the floor of a try's time limit once the deadline has passed, where the next check gives up anyway",
     ("deployments/drafts.py", "DraftPool.load_weights", "if version > self.published.get(draft_id, ({}, 0))[1]:", "version > self.published.get(draft_id, ({}, 0))[1] -> version >= self.published.get(draft_id, ({}, 0))[1]"):
         "versions are unique per draft: the same version again carries the same weights, and the engine installs only a newer version than it runs",
+    ("deployments/drafts.py", "DraftPool.engine_for", "if latest is not None and latest[1] > self.published.get(draft_id, ({}, 0))[1]:  # a broadcast may have come first",
+     "latest[1] > self.published.get(draft_id, ({}, 0))[1] -> latest[1] >= self.published.get(draft_id, ({}, 0))[1]"):
+        "versions are unique per draft: a broadcast of the version the learner answered carries the same weights",
+    ("deployments/learner.py", "LearnerServer._trainer", "base.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()}, strict=True)", "True -> False"):
+        "the parent's published state and the fork are the same configured draft (a draft with a start of its own forks nothing): every key matches, strict or not",
     ("deployments/ingress.py", "Ingress._decode", "return self.tokenizer.decode([i for i in ids if 0 <= i < len(self.tokenizer)])", "0 <= i < len(self.tokenizer) -> 0 <= i <= len(self.tokenizer)"):
         "a fast tokenizer decodes the id just past its vocabulary to nothing (checked for the test tokenizer and SmolLM2's), as if left out",
     ("deployments/target.py", "BatchedTarget._evict", "idle = [s for s, t in self.last_used.items() if now - t > self.cfg.cache_ttl_s and s not in keep]", "now - t > self.cfg.cache_ttl_s -> now - t >= self.cfg.cache_ttl_s"):
