@@ -504,7 +504,8 @@ class TenantKey(_Strict):
     admin: bool = False
     limits: TenantLimits | None = None  # None: AuthConfig.default_limits
     #: the tenant's traffic trains only drafts of its own (``<draft>@<tenant>`` for the draft the
-    #: router picked, starting from the base draft) and never a shared one: acceptance timing cannot
+    #: router picked, starting from the base draft or from what the tenant's own general draft
+    #: ``general@<tenant>`` has learned) and never a shared one: acceptance timing cannot
     #: reveal to others what its prompts taught a draft. None: ``AuthConfig.isolate_training``
     isolate_training: bool | None = None
 
@@ -528,7 +529,10 @@ class LearnerServeConfig(_Strict):
     ``<cache_dir>/serve``), trained in rounds in a background thread of its own process.
     ``trainer``: fields of ``learner.trainer.LearnerConfig`` (train_every, batch_records, lr,
     gate_margin, ...); ``background``: of ``learner.background.BackgroundConfig`` (nice, threads);
-    ``shard_max_bytes``: per-draft replay bound."""
+    ``shard_max_bytes``: per-draft replay bound. ``max_drafts``: drafts held in memory (a trainer
+    with its optimiser, a replay shard, held-back records); beyond it the least recently used is
+    parked on disk (checkpoints and logs) and comes back when it is next used (the general draft is
+    never parked)."""
 
     enabled: bool = True
     state_dir: str | None = None
@@ -536,6 +540,7 @@ class LearnerServeConfig(_Strict):
                                                    "lr": 1e-3, "positions": "all", "gate_margin": 0.0})
     background: dict = Field(default_factory=lambda: {"nice": 19, "threads": 1})
     shard_max_bytes: int = Field(default=64 << 20, gt=0)
+    max_drafts: int = Field(default=12, ge=1)
 
     def root(self) -> Path:
         return Path(self.state_dir) if self.state_dir else cache_dir() / "serve"

@@ -16,6 +16,7 @@ import logging
 import math
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -26,8 +27,8 @@ from config import AppConfig
 from drafts.build import build_proposer, domain_proposers
 from learner.background import BackgroundConfig, BackgroundLearner
 from learner.replay import ReplayRecord, ShardConfig
-from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner, RoundReport, draft_folder
-from router.router import fork_parent, start_domain
+from learner.trainer import LATEST, DraftTrainer, LearnerConfig, OnlineLearner, RoundReport, draft_folder
+from router.router import GENERAL, fork_parent, start_domain
 from speculative.models import load_tokenizer, load_weights
 from speculative.proposers import learned_draft
 from telemetry.hub import json_safe
@@ -35,6 +36,12 @@ from telemetry.hub import json_safe
 from .loopback import NodeInfo, bind_replica_grpc, replica_meter
 
 log = logging.getLogger("osd.learner")
+
+
+def _mtime(folder) -> float:
+    """When a draft's checkpoints last changed (its LATEST pointer, else the folder)."""
+    latest = folder / LATEST
+    return (latest if latest.exists() else folder).stat().st_mtime
 
 
 class LearnerServer:
@@ -58,31 +65,63 @@ class LearnerServer:
         self.target_head = copy.deepcopy(target.get_output_embeddings()) if self.trainer_cfg.prompt_positions else None
         del target
         shards = ShardConfig(dir=root / "shards", max_bytes=cfg.learner.shard_max_bytes)
-        self.learner = OnlineLearner(self.trainer_cfg, shards)
+        # at most max_drafts drafts in memory: after a restart the most recently checkpointed ones
+        # (the general draft always); the others stay parked on disk until they are used again
+        known = self._known_drafts(root / "checkpoints", cfg.learner.max_drafts)
+        self.learner = OnlineLearner(self.trainer_cfg, shards, open_drafts=known)
         self.meter = replica_meter("Learner", cfg.metrics)
         self._dropped = 0
         self.publish_fn = publish
         self.subscribers: dict[str, list] = {}  # draft id -> [publish to the pool]; one per trainer
-        self._lock = threading.Lock()  # records arrive on several threads; one trainer per new draft
+        self._lock = threading.RLock()  # records arrive on several threads; one trainer per new draft
         self.background = BackgroundLearner(self.learner, self.subscribers, cfg=BackgroundConfig(**cfg.learner.background),
-                                            on_round=self._count_round, store_on_submit=True)
-        #: draft id -> the weights the pool serves of it (the latest published, or reloaded at
-        #: start); never the training copy, which a round is changing and may yet reject
+                                            on_round=self._count_round, store_on_submit=True,
+                                            between_rounds=self._park_idle)
+        #: draft id -> the weights the pool serves of it (the latest published, or reloaded from its
+        #: checkpoints); never the training copy, which a round is changing and may yet reject
         self.served: dict[str, tuple[dict, int]] = {}
         self.forks: dict[str, dict] = {}  # draft id -> the parent (and its version) it started from
-        for d in self._known_drafts(root / "checkpoints"):
+        self.used: OrderedDict[str, None] = OrderedDict()  # drafts in memory, least recently used first
+        for d in known:
             self._trainer(d)  # reloads its latest checkpoint (or the newest good one)
-        self.served = {d: (t.state(), t.version) for d, t in self.learner.trainers.items() if t.version > 0}
         #: what a restart has to tell the draft pool: every draft's latest weights (a version
         #: checkpointed just before a crash may never have been broadcast)
         self.announce = [(d, state, v) for d, (state, v) in self.served.items()]
         self.background.start()
 
     @staticmethod
-    def _known_drafts(ckpt) -> list[str]:
+    def _known_drafts(ckpt, most: int | None = None) -> list[str]:
+        """Drafts with checkpoints, least recently checkpointed first: all, or the newest ``most``
+        of them with the general draft always among them (first)."""
         from urllib.parse import unquote
 
-        return sorted(unquote(p.name) for p in ckpt.iterdir() if p.is_dir()) if ckpt.is_dir() else []
+        if not ckpt.is_dir():
+            return []
+        folders = sorted((p for p in ckpt.iterdir() if p.is_dir()), key=lambda p: (_mtime(p), p.name))
+        names = [unquote(p.name) for p in folders]
+        if most is not None and len(names) > most:
+            pinned = [GENERAL] if GENERAL in names else []
+            rest = [d for d in names if d != GENERAL]
+            names = pinned + rest[max(0, len(rest) - (most - len(pinned))):]
+        return names
+
+    def _checkpointed(self, draft_id: str) -> bool:
+        return (Path(self.trainer_cfg.checkpoint_dir) / draft_folder(draft_id)).is_dir()
+
+    def _park_idle(self) -> None:
+        """Between rounds (the learner thread): while more than ``learner.max_drafts`` drafts are in
+        memory, take the least recently used one out (never the general draft); it comes back from
+        its checkpoints and logs when it is next used."""
+        with self._lock:
+            while len(self.learner.trainers) > self.cfg.learner.max_drafts:
+                idle = next((d for d in self.used if d != GENERAL and d in self.learner.trainers), None)
+                if idle is None:
+                    return
+                self.learner.park(idle)
+                self.used.pop(idle)
+                self.served.pop(idle, None)  # its weights are in its checkpoint
+                self.meter.inc("osd_learner_parked_total")
+                log.info("draft %r: idle, parked on disk (%d drafts in memory)", idle, len(self.learner.trainers))
 
     def _trainer(self, draft_id: str) -> DraftTrainer:
         """The draft's trainer, made the first time the draft is loaded or sends a record: from its
@@ -94,7 +133,9 @@ class LearnerServer:
                 self.subscribers[draft_id] = [functools.partial(self._publish, draft_id)]
                 base, keep = self.starts.get(start_domain(draft_id, self.starts), (self.base, self.keep_ids))
                 extra, parent = {}, fork_parent(draft_id, self.starts)
-                new = not (Path(self.trainer_cfg.checkpoint_dir) / draft_folder(draft_id)).is_dir()
+                new = not self._checkpointed(draft_id)
+                if new and parent is not None and parent not in self.learner.trainers and self._checkpointed(parent):
+                    self._trainer(parent)  # a parked parent: back in memory, its published weights with it
                 if new and parent in self.served:
                     state, version = self.served[parent]
                     base = copy.deepcopy(base)
@@ -102,11 +143,14 @@ class LearnerServer:
                     extra = {"version": 1, "origin": {"forked_from": parent, "parent_version": version}}
                 t = self.learner.add_trainer(DraftTrainer(draft_id, base, self.trainer_cfg, keep_ids=keep,
                                                           target_head=self.target_head, **extra))
-                if extra:
+                if t.version > 0:  # reloaded (a restart, or parked), or a fork: what the pool serves
                     self.served[draft_id] = (t.state(), t.version)
+                if extra:
                     self.forks[draft_id] = {"parent": parent, "parent_version": version}
                     log.info("draft %r: forked from %r v%d, served as v%d", draft_id, parent, version, t.version)
                     self.meter.event("fork", draft=draft_id, parent=parent, parent_version=version, version=t.version)
+            self.used[draft_id] = None
+            self.used.move_to_end(draft_id)
             return self.learner.trainers[draft_id]
 
     def _count_round(self, rep: RoundReport) -> None:
@@ -189,7 +233,7 @@ class LearnerServer:
 
     def rollback(self, draft_id: str, version: int) -> dict:
         """Serve the weights of checkpoint ``version`` again, published under a new version."""
-        t = self.learner.trainers.get(draft_id)
+        t = self._trainer(draft_id) if self._checkpointed(draft_id) else None  # a parked draft comes back
         with self.background.exclusive:  # not in the middle of a round on these weights
             if t is None or version not in t.versions():  # checked here: a round may just have pruned it
                 raise ValueError(f"draft {draft_id!r} has no checkpoint v{version}")
@@ -202,6 +246,7 @@ class LearnerServer:
         m.inc("osd_learner_records_dropped_total", s.dropped - self._dropped)
         self._dropped = s.dropped
         m.set("osd_learner_paused", float(s.paused))
+        m.set("osd_learner_drafts_in_memory", len(self.learner.trainers))
         for d, t in list(self.learner.trainers.items()):
             m.set("osd_draft_version", t.version, draft=d)
             if d in self.learner.shards:
@@ -217,6 +262,7 @@ class LearnerServer:
                            "traffic": self.learner.traffic(d), "forked_from": self.forks.get(d)}
                        for d, t in list(self.learner.trainers.items())}
         s["settings"] = {k: getattr(self.trainer_cfg, k) for k in self.TUNABLE}
+        s["parked"] = sorted(set(self._known_drafts(Path(self.trainer_cfg.checkpoint_dir))) - set(s["drafts"]))
         return json_safe(s)
 
 

@@ -90,6 +90,7 @@ class BackgroundLearner:
         cfg: BackgroundConfig = BackgroundConfig(),
         on_round: Callable[[RoundReport], Any] | None = None,
         store_on_submit: bool = False,
+        between_rounds: Callable[[], Any] | None = None,
     ):
         self.learner = learner
         self.subscribers = subscribers
@@ -99,6 +100,9 @@ class BackgroundLearner:
         #: store each record in the caller's thread before :meth:`submit` returns (durable when the
         #: shards are on disk); the learner thread then only counts it. False: both in the thread
         self.store_on_submit = store_on_submit
+        #: housekeeping in the learner thread after every look for a round, holding ``exclusive``
+        #: (e.g. taking idle drafts out of memory: never in the middle of a round)
+        self.between_rounds = between_rounds
         self._queue: queue.Queue[ReplayRecord] = queue.Queue(maxsize=cfg.queue_max)
         self._stop = threading.Event()
         self._paused = threading.Event()
@@ -212,6 +216,11 @@ class BackgroundLearner:
                 self._stats.observed += n
         return n
 
+    def _housekeeping(self) -> None:
+        if self.between_rounds is not None:
+            with self.exclusive:
+                self.between_rounds()
+
     def _run(self) -> None:
         try:
             if self.cfg.nice:
@@ -222,11 +231,13 @@ class BackgroundLearner:
         while not self._stop.is_set():
             try:
                 self._drain()
-                if self._should_yield() or self._busy():
+                if self._should_yield() or self._busy():  # paused or serving: no round, housekeeping still
+                    self._housekeeping()
                     time.sleep(self.cfg.poll_s)
                     continue
                 with self.exclusive:
                     rep = self.learner.maybe_train(self.subscribers)
+                self._housekeeping()
                 if rep is None:
                     time.sleep(self.cfg.poll_s)
                 else:

@@ -70,7 +70,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from heapq import heapify, heappop, heappush
 from pathlib import Path
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Iterable, Iterator, Literal, Sequence
 from urllib.parse import quote, unquote
 
 import numpy as np
@@ -922,17 +922,25 @@ class ShardSet:
     def __init__(self, cfg: ShardConfig):
         self.cfg = cfg
         self.shards: dict[str, ReplayShard] = {}
-        self._lock = threading.Lock()  # two threads asking for a new draft's shard open one log
+        self._lock = threading.RLock()  # two threads asking for a new draft's shard open one log; drop and delete_tenant hold it
 
     @classmethod
-    def open(cls, cfg: ShardConfig) -> "ShardSet":
-        """A set with every shard log found in ``cfg.dir`` reloaded."""
+    def open(cls, cfg: ShardConfig, drafts: Iterable[str] | None = None) -> "ShardSet":
+        """A set with the shard logs found in ``cfg.dir`` reloaded: every one, or only those of
+        ``drafts`` (the others stay on disk until their draft asks for its shard)."""
         out = cls(cfg)
-        if cfg.dir is not None and Path(cfg.dir).is_dir():
-            for p in sorted(Path(cfg.dir).glob("shard-*.log")):
-                draft_id = unquote(p.name[len("shard-") : -len(".log")])
+        wanted = None if drafts is None else set(drafts)
+        for draft_id in out.logged():
+            if wanted is None or draft_id in wanted:
                 out.shard(draft_id)
         return out
+
+    def logged(self) -> list[str]:
+        """Draft ids with a shard log in ``cfg.dir``, open or not."""
+        d = self.cfg.dir
+        if d is None or not Path(d).is_dir():
+            return []
+        return [unquote(p.name[len("shard-") : -len(".log")]) for p in sorted(Path(d).glob("shard-*.log"))]
 
     def shard(self, draft_id: str) -> ReplayShard:
         s = self.shards.get(draft_id)
@@ -959,15 +967,24 @@ class ShardSet:
         return self.shard(record.draft_id).append(record)
 
     def delete_tenant(self, tenant: str) -> int:
-        """Delete every record of ``tenant`` from every shard (memory and disk); returns how many."""
-        return sum(s.delete_where(lambda r: r.tenant == tenant) for s in list(self.shards.values()))
+        """Delete every record of ``tenant`` from every shard (memory and disk), those closed on
+        disk too (each opened, cleaned and closed again); returns how many."""
+        with self._lock:  # no shard is closed under it
+            n = sum(s.delete_where(lambda r: r.tenant == tenant) for s in list(self.shards.values()))
+            for draft_id in self.logged():
+                if draft_id not in self.shards:
+                    with ReplayShard.open(self.cfg, draft_id) as s:
+                        n += s.delete_where(lambda r: r.tenant == tenant)
+        return n
 
     def drop(self, draft_id: str, delete: bool = True) -> None:
-        """Forget a retired draft's shard: close it and (``delete``) remove its log from disk."""
-        s = self.shards.pop(draft_id, None)
-        if s is None:
-            return
-        s.close()
+        """Forget a draft's shard: close it and (``delete``: a retired draft) remove its log from
+        disk; kept, the log reopens when the draft next asks for its shard."""
+        with self._lock:
+            s = self.shards.pop(draft_id, None)
+            if s is None:
+                return
+            s.close()
         if delete and s.path is not None:
             s.path.unlink(missing_ok=True)
 

@@ -612,18 +612,20 @@ class OnlineLearner:
         trainers: Iterable[DraftTrainer] = (),
         should_yield: Callable[[], bool] | None = None,
         pause: Callable[[], None] | None = None,
+        open_drafts: Iterable[str] | None = None,
     ):
         self.cfg = cfg
         if shards is None:
             shards = ShardConfig()
-        # every shard already on disk is reopened now (a restart trains on, and deletes from, all of them)
-        self.shards = shards if isinstance(shards, ShardSet) else ShardSet.open(shards)
+        # the shards already on disk are reopened now (a restart trains on, and deletes from, them):
+        # every one, or those of ``open_drafts`` (the others when their draft comes back)
+        self.shards = shards if isinstance(shards, ShardSet) else ShardSet.open(shards, open_drafts)
         #: the trainers' held-back records, persisted beside the shards (``<dir>/holdout``) when
         #: the shards are: a restarted learner gates against the same records
         scfg = self.shards.cfg
         self.holdouts = ShardSet.open(scfg.model_copy(update={
             "dir": scfg.dir / "holdout" if scfg.dir is not None else None,
-            "eviction": "fifo", "max_records": cfg.holdout_max}))
+            "eviction": "fifo", "max_records": cfg.holdout_max}), open_drafts)
         self._store_lock = threading.Lock()
         self.trainers: dict[str, DraftTrainer] = {}
         for t in trainers:
@@ -640,10 +642,22 @@ class OnlineLearner:
 
     def add_trainer(self, trainer: DraftTrainer) -> DraftTrainer:
         d = trainer.draft_id
-        if not trainer.holdout and d in self.holdouts:  # reopened from disk: a restart
+        if not trainer.holdout and (d in self.holdouts or d in self.holdouts.logged()):  # a restart, or parked
             trainer.holdout = deque(self.holdouts[d].records(), maxlen=trainer.holdout.maxlen)
         self.trainers[d] = trainer
         return trainer
+
+    def park(self, draft_id: str) -> None:
+        """Take an idle draft out of memory: its trainer (its checkpoints stay on disk), replay shard
+        and held-back records (their logs stay on disk). Its next record reopens the shard; a
+        trainer reloaded from its checkpoints (``add_trainer``) takes its held-back records back.
+        Call it between rounds; only for shards kept on disk."""
+        if self.shards.cfg.dir is None:
+            raise ValueError("parking a draft needs its shards on disk (ShardConfig.dir)")
+        with self._store_lock:  # no record is being stored in the shards closed here
+            self.remove_trainer(draft_id, drop_shard=False)
+            self.shards.drop(draft_id, delete=False)
+            self.holdouts.drop(draft_id, delete=False)
 
     def remove_trainer(self, draft_id: str, drop_shard: bool = True) -> None:
         """A retired draft: forget its trainer, traffic window and (``drop_shard``) replay shard."""
@@ -700,7 +714,7 @@ class OnlineLearner:
         busiest draft from taking every round: a draft just trained waits until new traffic
         arrives, and the others, forked drafts with little traffic too, get their turn."""
         best, best_score = None, -1.0
-        for d in self.trainers:
+        for d in list(self.trainers):  # a copy: another thread may add a trainer meanwhile
             if d not in self.shards or len(self.shards[d]) == 0:
                 continue
             score = self._pending[d] * (1.0 - self.traffic(d)["acceptance"])

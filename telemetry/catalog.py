@@ -109,6 +109,8 @@ CATALOG: dict[str, Family] = _families(
     Family("osd_learner_broadcast_seconds", "histogram", "Publishing new weights to every draft replica", (),
            LATENCY_BUCKETS),
     Family("osd_learner_paused", "gauge", "1 while an operator has paused training"),
+    Family("osd_learner_drafts_in_memory", "gauge", "Drafts whose trainer, replay shard and held-back records the learner holds in memory"),
+    Family("osd_learner_parked_total", "counter", "Idle drafts taken out of the learner's memory (back from disk when used again)"),
     Family("osd_draft_version", "gauge", "Latest published version of each draft", ("draft",)),
 )
 

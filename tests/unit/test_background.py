@@ -318,3 +318,33 @@ def test_round_reports_add_up_in_the_stats_by_hand(target):
     s = bg.stats()
     assert (s.rounds, s.steps, s.published, s.rejected, s.yielded_rounds) == (4, 5, 2, 1, 1)
     assert s.train_seconds == pytest.approx(0.6) and s.last_round == reports[-1].to_dict() and seen == reports
+
+
+def test_housekeeping_runs_between_rounds_holding_the_lock_even_while_paused_or_busy(target):
+    """``between_rounds`` is called from the learner thread with ``exclusive`` held (never in the
+    middle of a round), after each look for a round, and also while the learner is paused or
+    requests are live, when no round runs."""
+    import threading
+
+    calls, busy = [], threading.Event()
+    bg = None
+
+    def housekeeping():
+        got = []
+        t = threading.Thread(target=lambda: got.append(bg.exclusive.acquire(blocking=False)))
+        t.start()
+        t.join()
+        calls.append((threading.current_thread().name, not got[0], bg._paused.is_set(), busy.is_set()))
+
+    bg = BackgroundLearner(_learner(target), busy=busy.is_set, cfg=BackgroundConfig(poll_s=0.001),
+                           between_rounds=housekeeping)
+    with bg:
+        assert _wait(lambda: len(calls) >= 2)
+        bg.pause()
+        n = len(calls)
+        assert _wait(lambda: any(paused for *_, paused, _ in calls[n:]))
+        bg.resume()
+        busy.set()
+        n = len(calls)
+        assert _wait(lambda: any(b for *_, b in calls[n:]))
+    assert all(name == "osd-learner" and held for name, held, _, _ in calls)

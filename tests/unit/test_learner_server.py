@@ -24,9 +24,9 @@ def folder(tmp_path_factory, make_llama, make_tokenizer):
     return save_tiny_model(tmp_path_factory.mktemp("tiny-model"), make_llama, make_tokenizer)
 
 
-def learner_cfg(folder, state_dir, **trainer):
+def learner_cfg(folder, state_dir, learner=None, **trainer):
     return app_config(folder, learner={"enabled": True, "state_dir": str(state_dir), "trainer": {**TRAINER, **trainer},
-                                       "background": {"nice": 0, "threads": 1}})
+                                       "background": {"nice": 0, "threads": 1}, **(learner or {})})
 
 
 class Published:
@@ -346,3 +346,46 @@ def test_latest_answers_the_published_weights_not_a_round_in_progress(served):
         got, v = server.latest(GENERAL)
         assert v == version and all(np.array_equal(got[n], state[n]) for n in state)
         trainer.restore(snap)
+
+
+def test_idle_drafts_are_parked_on_disk_and_come_back_when_used(folder, tmp_path):
+    """``learner.max_drafts``: beyond it the least recently used draft (never the general one) leaves
+    the learner's memory between rounds, counted and listed as parked; asked for again (a replica
+    loading it, or its next record) it comes back at the version it had, its weights and replay
+    records with it; deleting a tenant reaches its records while it is parked; a restart loads the
+    general draft and the most recently checkpointed others up to the bound, the rest stay parked."""
+    import numpy as np
+
+    from drafts.build import load_draft
+
+    cfg = learner_cfg(folder, tmp_path / "learner", learner={"max_drafts": 2})
+    server = LearnerServer(cfg, publish=Published())
+    pool, loop = LocalPool(cfg, learner=Handle(server)), Loop()
+    try:
+        for d in (GENERAL, "a", "b"):
+            serve_requests(pool, loop, 2, draft_id=d, tenant="alice")
+            wait_for(lambda: server.latest(d) is not None)
+        wait_for(lambda: "a" not in server.learner.trainers)  # a, b and general: a was used least recently
+        assert sorted(server.learner.trainers) == sorted([GENERAL, "b"]) and server.stats()["parked"] == ["a"]
+        assert "a" not in server.learner.shards and "a" not in server.served and list(server.used) == [GENERAL, "b"]
+        assert counter(server.meter, "osd_learner_parked_total") == 1
+        assert server.telemetry()["gauges"][("osd_learner_drafts_in_memory", ())] == 2
+        state, version = server.latest("a")  # a replica loads it: back from its checkpoint
+        assert version >= 1 and "a" in server.learner.trainers
+        _, _, meta = load_draft(server.learner.trainers["a"].ckpt_root / f"v{version}")
+        saved = server.learner.trainers["a"].state()
+        assert all(np.array_equal(state[n], saved[n]) for n in saved) and meta["version"] == version
+        wait_for(lambda: "b" not in server.learner.trainers)  # now b is the idle one
+        assert len(server.learner.shards["a"]) == 2  # its records came back with it
+        assert server.delete_tenant("alice")["deleted"]["shards"] == 6  # general's, a's and b's (parked) two each
+        serve_requests(pool, loop, 1, draft_id="b", tenant="bob")  # its next record brings b back
+        assert "b" in server.learner.trainers and [r.tenant for r in server.learner.shards["b"].records()] == ["bob"]
+    finally:
+        server.background.stop()
+        loop.close()
+    again = LearnerServer(cfg, publish=Published())
+    try:
+        assert sorted(again.learner.trainers) == sorted([GENERAL, "b"]) and again.stats()["parked"] == ["a"]
+        assert "a" not in again.learner.shards and {d for d, _, _ in again.announce} <= {GENERAL, "b"}
+    finally:
+        again.background.stop()

@@ -812,3 +812,39 @@ def test_dropping_a_shard_deletes_its_log_only_when_asked(tmp_path):
     assert len(ss) == 0
     assert shard_path(tmp_path, "keep").exists() and not shard_path(tmp_path, "gone").exists()
     assert set(ShardSet.open(cfg)) == {"keep"}
+
+
+def test_a_set_opens_only_the_logs_asked_for_and_the_others_on_first_use(tmp_path):
+    """``ShardSet.open(cfg, drafts)``: those drafts' logs reloaded now, the others stay on disk
+    (listed by ``logged``) until their draft asks for its shard; a closed log (``drop(delete=False)``)
+    reopens with its records."""
+    cfg = ShardConfig(max_bytes=10 * REC_BYTES, dir=tmp_path)
+    with ShardSet(cfg) as ss:
+        for i, d in enumerate(["a", "b/c", "a", "z"]):
+            ss.append(make_record(i, draft_id=d))
+    some = ShardSet.open(cfg, ["a", "not-on-disk"])
+    assert set(some) == {"a"} and len(some["a"]) == 2
+    assert sorted(some.logged()) == ["a", "b/c", "z"]
+    assert len(some["b/c"]) == 1 and set(some) == {"a", "b/c"}  # opened when asked for
+    some.drop("a", delete=False)
+    assert "a" not in some and "a" in some.logged()
+    assert [r.seq for r in some["a"].records()] == [0, 1]
+    some.close()
+    assert set(ShardSet.open(cfg, [])) == set() and set(ShardSet.open(cfg)) == {"a", "b/c", "z"}
+    assert ShardSet(ShardConfig()).logged() == [] and ShardSet(ShardConfig(dir=tmp_path / "none")).logged() == []
+
+
+def test_deleting_a_tenant_reaches_the_logs_of_closed_shards(tmp_path):
+    """A draft's shard closed on disk (its draft parked) still loses the tenant's records: opened,
+    cleaned and closed again; an open one as before."""
+    cfg = ShardConfig(max_bytes=100 * REC_BYTES, dir=tmp_path)
+    ss = ShardSet(cfg)
+    for i in range(9):  # tenants t0, t1, t2 in turn
+        ss.append(make_record(i, draft_id="open" if i % 2 else "closed"))
+    ss.drop("closed", delete=False)
+    assert ss.delete_tenant("t1") == 3  # t1: records 1, 4, 7 (4 in closed, 1 and 7 in open)
+    assert "closed" not in ss  # closed again
+    assert b'"t1"' not in shard_path(tmp_path, "closed").read_bytes()
+    assert b'"t1"' not in shard_path(tmp_path, "open").read_bytes()
+    assert sorted(r.tenant for r in ss["closed"].records()) == ["t0", "t0", "t2", "t2"]
+    ss.close()

@@ -848,3 +848,35 @@ def test_a_draft_ids_checkpoint_folder_is_one_name_that_reads_back():
     for draft_id in ("general@team/a", "c0/en", "..", ".", "a b%c", "../../etc"):
         name = draft_folder(draft_id)
         assert "/" not in name and name not in (".", "..") and unquote(name) == draft_id, draft_id
+
+
+def test_a_parked_draft_leaves_memory_and_comes_back_whole(setup, tmp_path):
+    """``park``: the draft's trainer, shard and held-back records leave memory (their files stay);
+    a trainer reloaded from its checkpoints gets its held-back records back, the next record
+    reopens its shard with the records it had; its tenant's records can still be deleted while it
+    is parked; the other draft is untouched. Without shards on disk, parking is refused."""
+    draft, recs = setup
+    cfg = _cfg(tmp_path / "ckpt", holdout_fraction=0.5, holdout_max=8)
+    ol = OnlineLearner(cfg, ShardConfig(dir=tmp_path / "shards"), [DraftTrainer("a", draft, cfg), DraftTrainer("b", draft, cfg)])
+    tagged = [dataclasses.replace(r, request_id=f"r{i}", tenant="t1" if i % 2 else "t2") for i, r in enumerate(recs[:12])]
+    for r in tagged:
+        ol.observe(_with_draft(r, "a"))
+        ol.observe(_with_draft(r, "b"))
+    shard_a = {r.request_id for r in ol.shards["a"].records()}
+    held_a = {r.request_id for r in ol.trainers["a"].holdout}
+    assert shard_a and held_a
+    ol.park("a")
+    assert "a" not in ol.trainers and "a" not in ol.shards and "a" not in ol.holdouts
+    assert "b" in ol.trainers and "b" in ol.shards and ol.pick_draft() == "b"
+    assert ol.shards["a"] is not None and {r.request_id for r in ol.shards["a"].records()} == shard_a  # reopens
+    ol.shards.drop("a", delete=False)
+    ol.delete_tenant("t1")  # while parked
+    back = ol.add_trainer(DraftTrainer("a", draft, cfg))
+    assert {r.request_id for r in back.holdout} == {i for i in held_a if int(i[1:]) % 2 == 0}
+    assert ol.store(_with_draft(dataclasses.replace(tagged[0], request_id="new", context="student"), "a")) == "shard"
+    assert {r.request_id for r in ol.shards["a"].records()} == {i for i in shard_a if int(i[1:]) % 2 == 0} | {"new"}
+    ol.close()
+    mem = OnlineLearner(cfg, ShardConfig(), [DraftTrainer("m", draft, _cfg())])
+    with pytest.raises(ValueError, match="needs its shards on disk"):
+        mem.park("m")
+    assert "m" in mem.trainers
