@@ -138,7 +138,9 @@ class DraftPool:
         self.view = TargetView(target, self.verifier.release)
         self.learner = learner_handle  # finished requests' replay records go there (None: no learning)
         del target  # split: the weights live in the Target deployment only
-        self.published: dict[str, tuple[dict, int]] = {}  # draft id -> (state dict, version)
+        #: draft id -> (state dict, version): those of the drafts loaded here, and of at most
+        #: ``drafts_per_replica`` others, most recent last (another asks the learner when it loads)
+        self.published: OrderedDict[str, tuple[dict, int]] = OrderedDict()
         # drafts loaded in this replica; whoever loads them holds them (multiplexing's LRU cache)
         self.engines: weakref.WeakValueDictionary[str, SpeculativeEngine] = weakref.WeakValueDictionary()
         # recent finished outputs by draft id, this replica's and the others': (request id, scope, int32 ids)
@@ -153,13 +155,16 @@ class DraftPool:
             self.verify_s = await self.verifier.handle.verify_costs.remote()
         start = self.starts.get(start_domain(draft_id, self.starts), self.base)
         engine = SpeculativeEngine(self.view, self.tokenizer, copy.deepcopy(start), self.cfg.engine)
-        if self.learner is not None and engine.learned_draft is not None and draft_id not in self.published:
+        weights = self.published.get(draft_id)
+        if self.learner is not None and engine.learned_draft is not None and weights is None:
             # the newest weights (after a restart), or a new draft's fork of its parent's
             latest = await self.learner.latest.remote(draft_id)
-            if latest is not None and latest[1] > self.published.get(draft_id, ({}, 0))[1]:  # a broadcast may have come first
-                self.published[draft_id] = latest
-        if draft_id in self.published and engine.learned_draft is not None:
-            engine.swap_draft(*self.published[draft_id])
+            weights = self.published.get(draft_id)  # a broadcast may have come meanwhile
+            if latest is not None and latest[1] > (weights or ({}, 0))[1]:
+                weights = latest
+                self._keep(draft_id, latest)
+        if weights is not None and engine.learned_draft is not None:
+            engine.swap_draft(*weights)
         if engine.learns_from_traffic:  # what was served of this draft before it loaded here
             for rid, scope, ids in self.served.get(draft_id, ()):
                 engine.add_served(rid, ids, scope)
@@ -176,11 +181,22 @@ class DraftPool:
 
             state = ray.get(state)
         if version > self.published.get(draft_id, ({}, 0))[1]:
-            self.published[draft_id] = (state, version)
+            self._keep(draft_id, (state, version))
             engine = self.engines.get(draft_id)
             if engine is not None and engine.learned_draft is not None:
                 engine.stage_draft(state, version)
         return self.published[draft_id][1] if draft_id in self.published else 0
+
+    def _keep(self, draft_id: str, published: tuple[dict, int]) -> None:
+        """Keep a draft's published weights; beyond ``drafts_per_replica`` entries the least
+        recently published of the drafts not loaded here are forgotten (a replica would otherwise
+        hold a copy of every draft the learner ever published)."""
+        self.published[draft_id] = published
+        self.published.move_to_end(draft_id)
+        for d in [d for d in self.published if d not in self.engines]:
+            if len(self.published) <= self.cfg.drafts.drafts_per_replica:
+                break
+            del self.published[d]
 
     # -- outputs shared between replicas (suffix trees) -----------------------------------------
     def _remember(self, draft_id: str, item: tuple) -> None:

@@ -321,3 +321,25 @@ def test_a_split_replica_is_ready_only_when_its_target_answers(folder, loop):
     pool.verifier = RemoteVerifier(Handle(Silent(0)))
     with pytest.raises(asyncio.TimeoutError):
         loop.run(pool.ready(timeout_s=0.1))
+
+
+def test_a_replica_keeps_the_published_weights_of_few_drafts_it_does_not_hold(folder, loop):
+    """Broadcasts reach every replica for every draft: beyond ``drafts_per_replica`` entries the
+    least recently published weights of drafts not loaded here are forgotten (a loaded draft's
+    never), and a forgotten draft asks the learner when it loads."""
+    cfg = app_config(folder, drafts={"drafts_per_replica": 2})
+    probe = LocalPool(cfg)
+    state = {k: v.clone() for k, v in loop.run(probe.engine_for(GENERAL)).learned_draft.runner.model.state_dict().items()}
+    learner = Recorder(latest=(state, 7))
+    pool = LocalPool(cfg, learner=Handle(learner))
+    loop.run(pool.loaded("held"))  # loaded (asked the learner: v7)
+    assert list(pool.published) == ["held"] and learner.asked == ["held"]
+    for i, d in enumerate(["x", "y", "z"]):
+        pool.load_weights(d, [state], 10 + i)
+    assert list(pool.published) == ["held", "z"]  # x and y forgotten, the loaded one kept
+    pool.load_weights("held", [state], 8)
+    assert list(pool.published) == ["z", "held"]
+    assert pool.load_weights("w", [state], 20) == 20 and list(pool.published) == ["held", "w"]
+    assert loop.run(pool.engine_for("w")).draft_version == 20 and learner.asked == ["held"]  # kept: not asked
+    assert loop.run(pool.engine_for("x")).draft_version == 7 and learner.asked == ["held", "x"]  # from the learner
+    assert list(pool.published) == ["held", "x"]  # x pushed w out: w's engine is gone
