@@ -102,7 +102,7 @@ class LearnerServer:
         if most is not None and len(names) > most:
             pinned = [GENERAL] if GENERAL in names else []
             rest = [d for d in names if d != GENERAL]
-            names = pinned + rest[max(0, len(rest) - (most - len(pinned))):]
+            names = pinned + rest[len(names) - most :]  # the newest most - len(pinned)
         return names
 
     def _checkpointed(self, draft_id: str) -> bool:

@@ -479,9 +479,11 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "the floor of a try's time limit once the deadline has passed, where the next check gives up anyway",
     ("deployments/drafts.py", "DraftPool.load_weights", "if version > self.published.get(draft_id, ({}, 0))[1]:", "version > self.published.get(draft_id, ({}, 0))[1] -> version >= self.published.get(draft_id, ({}, 0))[1]"):
         "versions are unique per draft: the same version again carries the same weights, and the engine installs only a newer version than it runs",
-    ("deployments/drafts.py", "DraftPool.engine_for", "if latest is not None and latest[1] > self.published.get(draft_id, ({}, 0))[1]:  # a broadcast may have come first",
-     "latest[1] > self.published.get(draft_id, ({}, 0))[1] -> latest[1] >= self.published.get(draft_id, ({}, 0))[1]"):
+    ("deployments/drafts.py", "DraftPool.engine_for", "if latest is not None and latest[1] > (weights or ({}, 0))[1]:",
+     "latest[1] > (weights or ({}, 0))[1] -> latest[1] >= (weights or ({}, 0))[1]"):
         "versions are unique per draft: a broadcast of the version the learner answered carries the same weights",
+    ("deployments/learner.py", "LearnerServer._known_drafts", "if most is not None and len(names) > most:", "len(names) > most -> len(names) >= most"):
+        "with exactly most drafts the cut keeps them all (rest[len(names) - most:] is the whole list)",
     ("deployments/learner.py", "LearnerServer._trainer", "base.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()}, strict=True)", "True -> False"):
         "the parent's published state and the fork are the same configured draft (a draft with a start of its own forks nothing): every key matches, strict or not",
     ("deployments/ingress.py", "Ingress._decode", "return self.tokenizer.decode([i for i in ids if 0 <= i < len(self.tokenizer)])", "0 <= i < len(self.tokenizer) -> 0 <= i <= len(self.tokenizer)"):

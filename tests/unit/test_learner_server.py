@@ -389,3 +389,28 @@ def test_idle_drafts_are_parked_on_disk_and_come_back_when_used(folder, tmp_path
         assert "a" not in again.learner.shards and {d for d, _, _ in again.announce} <= {GENERAL, "b"}
     finally:
         again.background.stop()
+
+
+def test_a_new_draft_of_a_parked_tenant_general_draft_forks_it_from_disk(folder, tmp_path):
+    """An isolated tenant's general draft that was parked comes back from its checkpoints when a
+    new draft of that tenant forks it: the fork starts from its published weights, not the
+    configured draft."""
+    import numpy as np
+
+    cfg = learner_cfg(folder, tmp_path / "learner", learner={"max_drafts": 2})
+    server = LearnerServer(cfg, publish=Published())
+    pool, loop = LocalPool(cfg, learner=Handle(server)), Loop()
+    try:
+        iso = f"{GENERAL}@iso"
+        for d in (GENERAL, iso):
+            serve_requests(pool, loop, 2, draft_id=d, tenant="iso")
+            wait_for(lambda: server.latest(d) is not None)
+        state, version = server.latest(iso)
+        server.latest("other")  # a third draft: the tenant's general draft is the idle one
+        wait_for(lambda: iso not in server.learner.trainers)
+        forked, v = server.latest("c1@iso")
+        assert v == 1 and server.forks["c1@iso"] == {"parent": iso, "parent_version": version}
+        assert all(np.array_equal(forked[n], state[n]) for n in state)
+    finally:
+        server.background.stop()
+        loop.close()
