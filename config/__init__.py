@@ -439,9 +439,14 @@ class TargetServeConfig(_Strict):
 class DraftPoolConfig(_Strict):
     """The draft replicas: each holds up to ``drafts_per_replica`` drafts (Ray Serve model
     multiplexing by draft id, least recently used unloaded) and runs the speculative loop of its
-    requests. Every draft id starts from ``engine.draft`` until the learner publishes weights."""
+    requests. A draft loads with the weights the learner answers for it (its latest version, or a
+    new draft's fork of its general draft), else with its starting draft (``engine.draft``, or its
+    domain's ``domain_checkpoints`` entry)."""
 
     drafts_per_replica: int = Field(default=4, ge=1)
+    #: a replica loading a draft waits this long for the learner's answer; past it (the learner
+    #: restarting) the draft serves its starting weights until the learner publishes again
+    learner_wait_s: float = Field(default=5.0, gt=0.0)
     #: requests in flight per replica (each is a coroutine; verification is what they wait on)
     max_ongoing: int = Field(default=16, ge=1)
     #: a request whose target replica died waits this long for a replacement (its sequence is

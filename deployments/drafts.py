@@ -158,7 +158,13 @@ class DraftPool:
         weights = self.published.get(draft_id)
         if self.learner is not None and engine.learned_draft is not None and weights is None:
             # the newest weights (after a restart), or a new draft's fork of its parent's
-            latest = await self.learner.latest.remote(draft_id)
+            try:
+                latest = await asyncio.wait_for(self.learner.latest.remote(draft_id), self.cfg.drafts.learner_wait_s)
+            except (asyncio.TimeoutError, RayActorError, ActorUnavailableError) as e:  # serving never waits on learning
+                log.warning("draft %r: no answer from the learner (%s); serving its starting weights", draft_id,
+                            type(e).__name__)
+                self.meter.inc("osd_draft_pool_learner_unanswered_total", draft=draft_id)
+                latest = None
             weights = self.published.get(draft_id)  # a broadcast may have come meanwhile
             if latest is not None and latest[1] > (weights or ({}, 0))[1]:
                 weights = latest

@@ -84,6 +84,8 @@ CATALOG: dict[str, Family] = _families(
     Family("osd_draft_pool_drafts_loaded", "gauge", "Drafts loaded across the draft pool's replicas"),
     Family("osd_draft_pool_outputs_shared_total", "counter", "Finished outputs a draft replica sent to the others' "
            "suffix trees, or received from them (what a starting replica takes in included)", ("direction",)),
+    Family("osd_draft_pool_learner_unanswered_total", "counter",
+           "Drafts loaded with their starting weights because the learner did not answer in time", ("draft",)),
     # -- target ----------------------------------------------------------------------------------
     Family("osd_target_queue_depth", "gauge", "Verify calls waiting for or in the target's batched forward"),
     Family("osd_target_kv_caches", "gauge", "Sequences whose KV cache the target holds"),

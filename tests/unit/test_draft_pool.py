@@ -343,3 +343,24 @@ def test_a_replica_keeps_the_published_weights_of_few_drafts_it_does_not_hold(fo
     assert loop.run(pool.engine_for("w")).draft_version == 20 and learner.asked == ["held"]  # kept: not asked
     assert loop.run(pool.engine_for("x")).draft_version == 7 and learner.asked == ["held", "x"]  # from the learner
     assert list(pool.published) == ["held", "x"]  # x pushed w out: w's engine is gone
+
+
+def test_a_draft_loads_with_its_starting_weights_when_the_learner_does_not_answer(folder, loop):
+    """A learner that does not answer within ``drafts.learner_wait_s`` (restarting) does not hold
+    the request up: the draft loads with its starting weights, counted; a later load asks again."""
+    import asyncio
+
+    class Slow(Recorder):
+        async def latest(self, draft_id):
+            self.asked.append(draft_id)
+            await asyncio.sleep(30)
+
+    learner = Slow()
+    pool = LocalPool(app_config(folder, drafts={"learner_wait_s": 0.2}), learner=Handle(learner))
+    t0 = time.perf_counter()
+    engine = loop.run(pool.engine_for("c1/en"))
+    assert time.perf_counter() - t0 < 5 and engine.draft_version == 0 and "c1/en" not in pool.published
+    assert counter(pool.meter, "osd_draft_pool_learner_unanswered_total", draft="c1/en") == 1
+    learner.__class__ = Recorder  # answering again
+    learner._latest = ({k: v.clone() for k, v in engine.learned_draft.runner.model.state_dict().items()}, 3)
+    assert loop.run(pool.engine_for("c1/en")).draft_version == 3 and learner.asked == ["c1/en", "c1/en"]
