@@ -537,7 +537,9 @@ class LearnerServeConfig(_Strict):
     ``shard_max_bytes``: per-draft replay bound. ``max_drafts``: drafts held in memory (a trainer
     with its optimiser, a replay shard, held-back records); beyond it the least recently used is
     parked on disk (checkpoints and logs) and comes back when it is next used (the general draft is
-    never parked)."""
+    never parked). ``max_parked``: parked drafts kept on disk; beyond it the least recently
+    checkpointed is forgotten (checkpoints, replay and held-back logs deleted: a draft the router
+    retired leaves nothing behind; one used again starts anew, as a fork of its general draft)."""
 
     enabled: bool = True
     state_dir: str | None = None
@@ -546,6 +548,7 @@ class LearnerServeConfig(_Strict):
     background: dict = Field(default_factory=lambda: {"nice": 19, "threads": 1})
     shard_max_bytes: int = Field(default=64 << 20, gt=0)
     max_drafts: int = Field(default=12, ge=1)
+    max_parked: int = Field(default=48, ge=0)
 
     def root(self) -> Path:
         return Path(self.state_dir) if self.state_dir else cache_dir() / "serve"

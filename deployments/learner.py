@@ -14,6 +14,7 @@ import copy
 import functools
 import logging
 import math
+import shutil
 import threading
 import time
 from collections import OrderedDict
@@ -112,16 +113,34 @@ class LearnerServer:
         """Between rounds (the learner thread): while more than ``learner.max_drafts`` drafts are in
         memory, take the least recently used one out (never the general draft); it comes back from
         its checkpoints and logs when it is next used."""
+        parked = False
         with self._lock:
             while len(self.learner.trainers) > self.cfg.learner.max_drafts:
                 idle = next((d for d in self.used if d != GENERAL and d in self.learner.trainers), None)
                 if idle is None:
-                    return
+                    break
                 self.learner.park(idle)
                 self.used.pop(idle)
                 self.served.pop(idle, None)  # its weights are in its checkpoint
                 self.meter.inc("osd_learner_parked_total")
                 log.info("draft %r: idle, parked on disk (%d drafts in memory)", idle, len(self.learner.trainers))
+                parked = True
+            if parked:  # only parking adds parked drafts
+                self._forget_oldest()
+
+    def _forget_oldest(self) -> None:
+        """Beyond ``learner.max_parked`` parked drafts, delete the least recently checkpointed ones:
+        checkpoints, replay and held-back logs (the draft, if used again, starts anew)."""
+        ckpt = Path(self.trainer_cfg.checkpoint_dir)
+        parked = [d for d in self._known_drafts(ckpt) if d not in self.learner.trainers and d != GENERAL]
+        for d in parked[: max(0, len(parked) - self.cfg.learner.max_parked)]:
+            self.learner.remove_trainer(d)  # its shard and held-back logs deleted, open or not
+            shutil.rmtree(ckpt / draft_folder(d), ignore_errors=True)
+            for table in (self.served, self.forks, self.subscribers):
+                table.pop(d, None)
+            self.meter.inc("osd_learner_forgotten_total")
+            self.meter.event("forget", draft=d)
+            log.info("draft %r: parked longest, forgotten (checkpoints and logs deleted)", d)
 
     def _trainer(self, draft_id: str) -> DraftTrainer:
         """The draft's trainer, made the first time the draft is loaded or sends a record: from its

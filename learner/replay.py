@@ -978,15 +978,15 @@ class ShardSet:
         return n
 
     def drop(self, draft_id: str, delete: bool = True) -> None:
-        """Forget a draft's shard: close it and (``delete``: a retired draft) remove its log from
-        disk; kept, the log reopens when the draft next asks for its shard."""
+        """Forget a draft's shard: close it (if open) and (``delete``: a retired draft) remove its
+        log from disk, open or not; kept, the log reopens when the draft next asks for its shard."""
         with self._lock:
             s = self.shards.pop(draft_id, None)
-            if s is None:
-                return
-            s.close()
-        if delete and s.path is not None:
-            s.path.unlink(missing_ok=True)
+            if s is not None:
+                s.close()
+        path = shard_path(self.cfg.dir, draft_id) if self.cfg.dir is not None else None
+        if delete and path is not None:  # closed before (a parked draft) or not: its log goes
+            path.unlink(missing_ok=True)
 
     def stats(self) -> dict[str, dict]:
         """Per draft id: records, bytes, appended, evicted (and log_bytes, compactions)."""

@@ -113,6 +113,7 @@ CATALOG: dict[str, Family] = _families(
     Family("osd_learner_paused", "gauge", "1 while an operator has paused training"),
     Family("osd_learner_drafts_in_memory", "gauge", "Drafts whose trainer, replay shard and held-back records the learner holds in memory"),
     Family("osd_learner_parked_total", "counter", "Idle drafts taken out of the learner's memory (back from disk when used again)"),
+    Family("osd_learner_forgotten_total", "counter", "Parked drafts deleted from disk, the least recently checkpointed beyond max_parked"),
     Family("osd_draft_version", "gauge", "Latest published version of each draft", ("draft",)),
 )
 

@@ -414,3 +414,30 @@ def test_a_new_draft_of_a_parked_tenant_general_draft_forks_it_from_disk(folder,
     finally:
         server.background.stop()
         loop.close()
+
+
+def test_beyond_max_parked_the_longest_parked_draft_is_forgotten(folder, tmp_path):
+    """``learner.max_parked``: parked drafts beyond it, the least recently checkpointed first, are
+    deleted from disk (checkpoints, replay log), counted; the general draft never is. Used again,
+    a forgotten draft starts anew, as a fork of the general draft."""
+    from learner.replay import shard_path
+
+    root = tmp_path / "learner"
+    cfg = learner_cfg(folder, root, learner={"max_drafts": 2, "max_parked": 1})
+    server = LearnerServer(cfg, publish=Published())
+    pool, loop = LocalPool(cfg, learner=Handle(server)), Loop()
+    try:
+        for d in (GENERAL, "a", "b", "c"):
+            serve_requests(pool, loop, 2, draft_id=d)
+            wait_for(lambda: server.latest(d) is not None)
+        wait_for(lambda: not (root / "checkpoints" / "a").exists())  # parked: a, then b; a forgotten
+        assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["b", "c", GENERAL]
+        assert not shard_path(root / "shards", "a").exists() and shard_path(root / "shards", "b").exists()
+        assert server.stats()["parked"] == ["b"] and sorted(server.learner.trainers) == ["c", GENERAL]
+        assert counter(server.meter, "osd_learner_forgotten_total") == 1
+        assert [e["draft"] for e in server.meter._events if e["kind"] == "forget"] == ["a"]
+        _, version = server.latest("a")  # anew: a fork of the general draft's latest
+        assert version == 1 and server.forks["a"]["parent"] == GENERAL and len(server.learner.shards["a"]) == 0
+    finally:
+        server.background.stop()
+        loop.close()
