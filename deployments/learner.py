@@ -85,6 +85,7 @@ class LearnerServer:
         self.used: OrderedDict[str, None] = OrderedDict()  # drafts in memory, least recently used first
         for d in known:
             self._trainer(d)  # reloads its latest checkpoint (or the newest good one)
+        self._forget_oldest()  # a bound lowered since the last run
         #: what a restart has to tell the draft pool: every draft's latest weights (a version
         #: checkpointed just before a crash may never have been broadcast)
         self.announce = [(d, state, v) for d, (state, v) in self.served.items()]

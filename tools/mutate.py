@@ -482,6 +482,10 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     ("deployments/drafts.py", "DraftPool.engine_for", "if latest is not None and latest[1] > (weights or ({}, 0))[1]:",
      "latest[1] > (weights or ({}, 0))[1] -> latest[1] >= (weights or ({}, 0))[1]"):
         "versions are unique per draft: a broadcast of the version the learner answered carries the same weights",
+    ("deployments/learner.py", "LearnerServer._park_idle", "parked = False", "False -> True"):
+        "when to look, not what is forgotten: the bound is enforced at start and after every park, so with nothing newly parked nothing is beyond it (looking anyway only lists the folder again)",
+    ("deployments/learner.py", "LearnerServer._forget_oldest", "shutil.rmtree(ckpt / draft_folder(d), ignore_errors=True)", "True -> False"):
+        "the folder was just listed and only the learner thread deletes drafts: removing a folder the process wrote succeeds either way",
     ("deployments/learner.py", "LearnerServer._known_drafts", "if most is not None and len(names) > most:", "len(names) > most -> len(names) >= most"):
         "with exactly most drafts the cut keeps them all (rest[len(names) - most:] is the whole list)",
     ("deployments/learner.py", "LearnerServer._trainer", "base.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()}, strict=True)", "True -> False"):

@@ -441,3 +441,10 @@ def test_beyond_max_parked_the_longest_parked_draft_is_forgotten(folder, tmp_pat
     finally:
         server.background.stop()
         loop.close()
+    assert len(list((root / "checkpoints").iterdir())) > 2  # parked drafts on disk beside the two in memory
+    again = LearnerServer(learner_cfg(folder, root, learner={"max_drafts": 2, "max_parked": 0}), publish=Published())
+    try:  # a lower bound at the next start: the drafts it does not load go at once
+        assert not again.stats()["parked"] and len(again.learner.trainers) == 2
+        assert sorted(p.name for p in (root / "checkpoints").iterdir()) == sorted(again.learner.trainers)
+    finally:
+        again.background.stop()
