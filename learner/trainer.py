@@ -626,7 +626,7 @@ class OnlineLearner:
         self.holdouts = ShardSet.open(scfg.model_copy(update={
             "dir": scfg.dir / "holdout" if scfg.dir is not None else None,
             "eviction": "fifo", "max_records": cfg.holdout_max}), open_drafts)
-        self._store_lock = threading.Lock()
+        self._store_lock = threading.RLock()  # a record stored, or a shard closed (park, remove_trainer)
         self.trainers: dict[str, DraftTrainer] = {}
         for t in trainers:
             self.add_trainer(t)
@@ -660,13 +660,15 @@ class OnlineLearner:
             self.holdouts.drop(draft_id, delete=False)
 
     def remove_trainer(self, draft_id: str, drop_shard: bool = True) -> None:
-        """A retired draft: forget its trainer, traffic window and (``drop_shard``) replay shard."""
-        self.trainers.pop(draft_id, None)
-        self._recent.pop(draft_id, None)
-        self._pending.pop(draft_id, None)
-        if drop_shard:
-            self.shards.drop(draft_id)
-            self.holdouts.drop(draft_id)
+        """A retired draft: forget its trainer, traffic window and (``drop_shard``) replay shard and
+        held-back records, their logs deleted (open or not)."""
+        with self._store_lock:  # no record is being stored in a shard closed here
+            self.trainers.pop(draft_id, None)
+            self._recent.pop(draft_id, None)
+            self._pending.pop(draft_id, None)
+            if drop_shard:
+                self.shards.drop(draft_id)
+                self.holdouts.drop(draft_id)
 
     # -- traffic ----------------------------------------------------------------------------------
     def observe(self, record: ReplayRecord) -> None:

@@ -880,3 +880,27 @@ def test_a_parked_draft_leaves_memory_and_comes_back_whole(setup, tmp_path):
     with pytest.raises(ValueError, match="needs its shards on disk"):
         mem.park("m")
     assert "m" in mem.trainers
+
+
+def test_closing_a_shard_waits_for_a_record_being_stored(setup, tmp_path):
+    """Parking or removing a draft closes its shard files: neither does so while a record is being
+    stored (``store`` holds the same lock), so no record is written to a closed file."""
+    import threading
+
+    draft, recs = setup
+    cfg = _cfg()
+    ol = OnlineLearner(cfg, ShardConfig(dir=tmp_path), [DraftTrainer("a", draft, cfg), DraftTrainer("b", draft, cfg)])
+    for d in ("a", "b"):
+        ol.observe(_with_draft(recs[0], d))
+    with ol._store_lock:  # a record being stored
+        park = threading.Thread(target=ol.park, args=("a",))
+        remove = threading.Thread(target=ol.remove_trainer, args=("b",))
+        for t in (park, remove):
+            t.start()
+            t.join(0.3)
+            assert t.is_alive()
+        assert {"a", "b"} <= set(ol.trainers) and "a" in ol.shards and "b" in ol.shards
+    park.join(10)
+    remove.join(10)
+    assert not ol.trainers and "a" not in ol.shards and "b" not in ol.shards
+    ol.close()
