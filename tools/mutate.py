@@ -482,6 +482,8 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     ("deployments/drafts.py", "DraftPool.engine_for", "if latest is not None and latest[1] > (weights or ({}, 0))[1]:",
      "latest[1] > (weights or ({}, 0))[1] -> latest[1] >= (weights or ({}, 0))[1]"):
         "versions are unique per draft: a broadcast of the version the learner answered carries the same weights",
+    ("workloads/__init__.py", "_sample", "if k >= len(pool):", "k >= len(pool) -> k > len(pool)"):
+        "with k equal to the pool's size rng.sample(pool, k) is a uniformly random permutation as the shuffle is: another seeded order, the same records",
     ("deployments/learner.py", "LearnerServer._park_idle", "parked = False", "False -> True"):
         "when to look, not what is forgotten: the bound is enforced at start and after every park, so with nothing newly parked nothing is beyond it (looking anyway only lists the folder again)",
     ("deployments/learner.py", "LearnerServer._forget_oldest", "shutil.rmtree(ckpt / draft_folder(d), ignore_errors=True)", "True -> False"):
