@@ -3,7 +3,7 @@
 ``serve run serve_config.yaml`` calls :func:`build_app` with the YAML's ``args``; ``osd serve``
 calls :func:`build` with the same config and the YAML's per-deployment options.
 
-    Ingress --route--> Router
+    Ingress --route--> Router --retired drafts--> Learner
         \\--/metrics, /v1/stats--> Metrics <--telemetry (pulled every sample_s)-- every replica
         \\--stream (multiplexed by draft id)--> DraftPool --verify (batched)--> Target
                                                      \\--replay records--> Learner --weights (broadcast)--> DraftPool
@@ -30,9 +30,9 @@ def build(cfg: AppConfig, options: dict[str, dict] | None = None) -> Application
     def dep(d):
         return d.options(**opts[d.name]) if d.name in opts else d
 
-    router = dep(RouterDeployment).bind(cfg.router, cfg.replica_grpc_host, cfg.metrics,
-                                        str(cfg.learner.root() / "router"), cfg.router_save_s)
     learner = dep(Learner).bind(cfg) if cfg.learner.enabled and cfg.engine.draft.kind not in ("ngram", "none") else None
+    router = dep(RouterDeployment).bind(cfg.router, cfg.replica_grpc_host, cfg.metrics,
+                                        str(cfg.learner.root() / "router"), cfg.router_save_s, learner)
     target = dep(Target).bind(cfg.engine.model, cfg.target, cfg.engine.k.k_max, cfg.replica_grpc_host, cfg.metrics) \
         if cfg.placement == "split" else None
     pool = dep(DraftPoolDeployment).bind(cfg, target, learner)

@@ -83,6 +83,7 @@ class LearnerServer:
         self.served: dict[str, tuple[dict, int]] = {}
         self.forks: dict[str, dict] = {}  # draft id -> the parent (and its version) it started from
         self.used: OrderedDict[str, None] = OrderedDict()  # drafts in memory, least recently used first
+        self.retiring: set[str] = set()  # drafts the router retired, parked at the next look (with tenants' copies)
         for d in known:
             self._trainer(d)  # reloads its latest checkpoint (or the newest good one)
         self._forget_oldest()  # a bound lowered since the last run
@@ -116,18 +117,32 @@ class LearnerServer:
         its checkpoints and logs when it is next used."""
         parked = False
         with self._lock:
+            retired, self.retiring = self.retiring, set()
+            for d in [d for d in self.used if d.partition("@")[0] in retired - {GENERAL}]:
+                self._park(d, "retired by the router")
+                parked = True
             while len(self.learner.trainers) > self.cfg.learner.max_drafts:
                 idle = next((d for d in self.used if d != GENERAL and d in self.learner.trainers), None)
                 if idle is None:
                     break
-                self.learner.park(idle)
-                self.used.pop(idle)
-                self.served.pop(idle, None)  # its weights are in its checkpoint
-                self.meter.inc("osd_learner_parked_total")
-                log.info("draft %r: idle, parked on disk (%d drafts in memory)", idle, len(self.learner.trainers))
+                self._park(idle, "idle")
                 parked = True
             if parked:  # only parking adds parked drafts
                 self._forget_oldest()
+
+    def _park(self, draft_id: str, why: str) -> None:
+        self.learner.park(draft_id)
+        self.used.pop(draft_id)
+        self.served.pop(draft_id, None)  # its weights are in its checkpoint
+        self.meter.inc("osd_learner_parked_total")
+        log.info("draft %r: %s, parked on disk (%d drafts in memory)", draft_id, why, len(self.learner.trainers))
+
+    def retire(self, draft_ids: list[str]) -> int:
+        """Drafts the router retired (and every tenant's copy of them): out of memory between
+        rounds, parked as an idle draft is; a draft used again comes back. Returns how many ids."""
+        with self._lock:
+            self.retiring |= set(draft_ids)
+        return len(draft_ids)
 
     def _forget_oldest(self) -> None:
         """Beyond ``learner.max_parked`` parked drafts, delete the least recently checkpointed ones:

@@ -25,8 +25,9 @@ class RouterServer:
     memory only. Without a saved state, ``cfg.examples`` (if set) trains the domain classifier."""
 
     def __init__(self, cfg: RouterConfig, max_batch: int = 16, batch_wait_s: float = 0.002,
-                 metrics: MetricsConfig | None = None, state_dir: str | None = None):
+                 metrics: MetricsConfig | None = None, state_dir: str | None = None, on_retire=None):
         torch.set_num_threads(cfg.threads)
+        self.on_retire = on_retire  # the drafts the router retired, handed on (to the learner, which parks them)
         self.meter = replica_meter("Router", metrics or MetricsConfig())
         self.router = Router(cfg)
         self.state_dir = state_dir
@@ -57,10 +58,16 @@ class RouterServer:
         return self.router.summary()
 
     def telemetry(self) -> dict:
-        """Spawn / retire events since the last call become counts and dashboard events."""
+        """Spawn / retire events since the last call become counts and dashboard events; the
+        retired drafts' ids go to ``on_retire``."""
+        retired = []
         for ev in self.router.events():
             self.meter.inc("osd_router_draft_events_total", kind=ev.kind)
             self.meter.event(ev.kind, draft=ev.draft_id, domain=ev.domain, reason=ev.reason)
+            if ev.kind == "retire":
+                retired.append(ev.draft_id)
+        if retired and self.on_retire is not None:
+            self.on_retire(retired)
         self.meter.set("osd_router_clusters", len(self.router.clusters.clusters))
         self.meter.set("osd_router_drafts", len(self.router.drafts))
         return self.meter.snapshot()
@@ -69,11 +76,12 @@ class RouterServer:
 @serve.deployment(name="Router", max_ongoing_requests=64)
 class RouterDeployment(RouterServer):
     def __init__(self, cfg: RouterConfig, grpc_host: str | None = "127.0.0.1", metrics: MetricsConfig | None = None,
-                 state_dir: str | None = None, save_every_s: float = 30.0):
+                 state_dir: str | None = None, save_every_s: float = 30.0, learner=None):
         bind_replica_grpc(grpc_host)
         if state_dir is not None:  # one folder per application (two apps may share a state folder)
             state_dir = str(Path(state_dir) / serve.get_replica_context().app_name)
-        super().__init__(cfg, metrics=metrics, state_dir=state_dir if save_every_s > 0 else None)
+        on_retire = (lambda ids: learner.retire.remote(ids)) if learner is not None else None  # fire and forget
+        super().__init__(cfg, metrics=metrics, state_dir=state_dir if save_every_s > 0 else None, on_retire=on_retire)
         if self.state_dir is not None:
             self._saver = asyncio.get_running_loop().create_task(self._save_every(save_every_s))
 

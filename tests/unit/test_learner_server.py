@@ -448,3 +448,23 @@ def test_beyond_max_parked_the_longest_parked_draft_is_forgotten(folder, tmp_pat
         assert sorted(p.name for p in (root / "checkpoints").iterdir()) == sorted(again.learner.trainers)
     finally:
         again.background.stop()
+
+
+def test_a_draft_the_router_retires_is_parked_with_every_tenants_copy(served):
+    """``retire``: the router's retired drafts (and isolated tenants' copies of them) leave memory
+    at the learner thread's next look, parked, not deleted; the general draft is never parked, and
+    a retired draft used again comes back at its version."""
+    server, published, pool, loop = served
+    for d in (GENERAL, "c1/en", "c1/en@iso", "c2/en"):
+        serve_requests(pool, loop, 2, draft_id=d)
+        wait_for(lambda: server.latest(d) is not None)
+    assert server.retire(["c1/en", GENERAL, "never-seen"]) == 3
+    wait_for(lambda: "c1/en" not in server.learner.trainers and "c1/en@iso" not in server.learner.trainers)
+    assert sorted(server.learner.trainers) == ["c2/en", GENERAL] and server.stats()["parked"] == ["c1/en", "c1/en@iso"]
+    assert counter(server.meter, "osd_learner_parked_total") == 2
+    from pathlib import Path
+
+    from learner.trainer import draft_folder, latest_checkpoint
+
+    version = latest_checkpoint(Path(server.trainer_cfg.checkpoint_dir) / draft_folder("c1/en"))
+    assert version >= 1 and server.latest("c1/en")[1] == version and "c1/en" in server.learner.trainers

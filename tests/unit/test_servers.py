@@ -109,3 +109,20 @@ def test_the_router_fits_its_examples_only_when_it_names_domains(tmp_path):
 def test_the_routers_meter_follows_the_metrics_config():
     assert RouterServer(RouterConfig(mode="clusters")).meter.enabled
     assert not RouterServer(RouterConfig(mode="clusters"), metrics=MetricsConfig(enabled=False)).meter.enabled
+
+
+def test_the_drafts_the_router_retires_are_handed_on_once(loop):
+    """The retire events a telemetry pull collects go to ``on_retire`` (the learner, in the app) as
+    one list of draft ids; spawns do not, and nothing is handed on twice."""
+    from router.router import DraftEvent
+
+    handed = []
+    server = RouterServer(RouterConfig(mode="clusters"), on_retire=handed.append)
+    server.router._events += [DraftEvent("spawn", "c1-en", "c1/en", GENERAL, "busy"),
+                              DraftEvent("retire", "c0-en", "c0/en", None, "idle"),
+                              DraftEvent("retire", "d-sql", "sql", None, "room")]
+    server.telemetry()
+    server.telemetry()
+    assert handed == [["c0-en", "d-sql"]]
+    assert counter(server.meter, "osd_router_draft_events_total", kind="retire") == 2
+    RouterServer(RouterConfig(mode="clusters")).telemetry()  # no one to hand them to: fine
