@@ -468,3 +468,21 @@ def test_a_draft_the_router_retires_is_parked_with_every_tenants_copy(served):
 
     version = latest_checkpoint(Path(server.trainer_cfg.checkpoint_dir) / draft_folder("c1/en"))
     assert version >= 1 and server.latest("c1/en")[1] == version and "c1/en" in server.learner.trainers
+
+
+def test_a_retired_draft_beyond_max_parked_is_forgotten_at_once(folder, tmp_path):
+    """Parking a retired draft counts towards ``max_parked`` as parking an idle one does: with no
+    room for parked drafts, the router's retired draft is deleted from disk right away."""
+    root = tmp_path / "learner"
+    server = LearnerServer(learner_cfg(folder, root, learner={"max_parked": 0}), publish=Published())
+    pool, loop = LocalPool(server.cfg, learner=Handle(server)), Loop()
+    try:
+        for d in (GENERAL, "x"):
+            serve_requests(pool, loop, 2, draft_id=d)
+            wait_for(lambda: server.latest(d) is not None)
+        server.retire(["x"])
+        wait_for(lambda: not (root / "checkpoints" / "x").exists())
+        assert counter(server.meter, "osd_learner_forgotten_total") == 1 and GENERAL in server.learner.trainers
+    finally:
+        server.background.stop()
+        loop.close()
