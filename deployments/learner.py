@@ -18,7 +18,6 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
-from pathlib import Path
 
 import torch
 from pydantic import ValidationError
@@ -52,7 +51,8 @@ class LearnerServer:
         torch.set_num_threads(1)
         root = cfg.learner.root()
         self.cfg = cfg
-        self.trainer_cfg = LearnerConfig(**{**cfg.learner.trainer, "checkpoint_dir": root / "checkpoints"})
+        self.ckpt_dir = root / "checkpoints"  # one folder per draft (learner.trainer.draft_folder)
+        self.trainer_cfg = LearnerConfig(**{**cfg.learner.trainer, "checkpoint_dir": self.ckpt_dir})
         target = load_weights(cfg.engine.model)
         tok = load_tokenizer(cfg.engine.model.name)
         learned = learned_draft(build_proposer(cfg.engine.draft, target, tok))
@@ -68,7 +68,7 @@ class LearnerServer:
         shards = ShardConfig(dir=root / "shards", max_bytes=cfg.learner.shard_max_bytes)
         # at most max_drafts drafts in memory: after a restart the most recently checkpointed ones
         # (the general draft always); the others stay parked on disk until they are used again
-        known = self._known_drafts(root / "checkpoints", cfg.learner.max_drafts)
+        known = self._known_drafts(self.ckpt_dir, cfg.learner.max_drafts)
         self.learner = OnlineLearner(self.trainer_cfg, shards, open_drafts=known)
         self.meter = replica_meter("Learner", cfg.metrics)
         self._dropped = 0
@@ -109,7 +109,11 @@ class LearnerServer:
         return names
 
     def _checkpointed(self, draft_id: str) -> bool:
-        return (Path(self.trainer_cfg.checkpoint_dir) / draft_folder(draft_id)).is_dir()
+        return (self.ckpt_dir / draft_folder(draft_id)).is_dir()
+
+    def _parked(self) -> list[str]:
+        """Drafts with checkpoints that are not in memory, least recently checkpointed first."""
+        return [d for d in self._known_drafts(self.ckpt_dir) if d not in self.learner.trainers]
 
     def _park_idle(self) -> None:
         """Between rounds (the learner thread): while more than ``learner.max_drafts`` drafts are in
@@ -147,11 +151,10 @@ class LearnerServer:
     def _forget_oldest(self) -> None:
         """Beyond ``learner.max_parked`` parked drafts, delete the least recently checkpointed ones:
         checkpoints, replay and held-back logs (the draft, if used again, starts anew)."""
-        ckpt = Path(self.trainer_cfg.checkpoint_dir)
-        parked = [d for d in self._known_drafts(ckpt) if d not in self.learner.trainers and d != GENERAL]
+        parked = [d for d in self._parked() if d != GENERAL]
         for d in parked[: max(0, len(parked) - self.cfg.learner.max_parked)]:
             self.learner.remove_trainer(d)  # its shard and held-back logs deleted, open or not
-            shutil.rmtree(ckpt / draft_folder(d), ignore_errors=True)
+            shutil.rmtree(self.ckpt_dir / draft_folder(d), ignore_errors=True)
             for table in (self.served, self.forks, self.subscribers):
                 table.pop(d, None)
             self.meter.inc("osd_learner_forgotten_total")
@@ -297,7 +300,7 @@ class LearnerServer:
                            "traffic": self.learner.traffic(d), "forked_from": self.forks.get(d)}
                        for d, t in list(self.learner.trainers.items())}
         s["settings"] = {k: getattr(self.trainer_cfg, k) for k in self.TUNABLE}
-        s["parked"] = sorted(set(self._known_drafts(Path(self.trainer_cfg.checkpoint_dir))) - set(s["drafts"]))
+        s["parked"] = sorted(self._parked())
         return json_safe(s)
 
 
