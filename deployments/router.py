@@ -49,7 +49,9 @@ class RouterServer:
         return True
 
     async def _route_batch(self, texts: list[str]) -> list[Route]:
-        return self.router.route_batch(texts)
+        routes = self.router.route_batch(texts)
+        self._events()  # handed on as they happen, whether or not anyone pulls telemetry
+        return routes
 
     def observe(self, route: Route, accepted: int, proposed: int) -> None:
         self.router.observe(route, accepted, proposed)
@@ -57,9 +59,11 @@ class RouterServer:
     def summary(self) -> dict:
         return self.router.summary()
 
-    def telemetry(self) -> dict:
-        """Spawn / retire events since the last call become counts and dashboard events; the
-        retired drafts' ids go to ``on_retire``."""
+    def _events(self) -> None:
+        """The router's spawn / retire events since the last look become counts and dashboard events
+        (in the meter, until the next telemetry pull); the retired drafts' ids go to ``on_retire``.
+        Called after every routing batch, so the learner hears of a retired draft at once and the
+        router keeps no backlog of events when metrics are off (nobody pulls)."""
         retired = []
         for ev in self.router.events():
             self.meter.inc("osd_router_draft_events_total", kind=ev.kind)
@@ -68,6 +72,10 @@ class RouterServer:
                 retired.append(ev.draft_id)
         if retired and self.on_retire is not None:
             self.on_retire(retired)
+
+    def telemetry(self) -> dict:
+        """The meter's snapshot, with the events since the last pull and the router's gauges."""
+        self._events()
         self.meter.set("osd_router_clusters", len(self.router.clusters.clusters))
         self.meter.set("osd_router_drafts", len(self.router.drafts))
         return self.meter.snapshot()

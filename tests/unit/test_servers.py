@@ -106,6 +106,26 @@ def test_the_router_fits_its_examples_only_when_it_names_domains(tmp_path):
     assert not RouterServer(RouterConfig(mode="both")).router.classifier.fitted  # no examples: nothing named
 
 
+def test_a_draft_the_router_retires_while_routing_is_handed_on_with_no_telemetry_pull(loop):
+    """With metrics off nobody pulls telemetry: a cluster's draft retired while routing still
+    reaches ``on_retire`` (the learner) after that routing call, and the router keeps no backlog
+    of events."""
+    cfg = RouterConfig(mode="clusters", min_cluster_size=2, spawn_min_records=2, spawn_min_tokens=1, spawn_alpha=1.0,
+                       idle_retire_records=6, explore_rate=0.0)
+    handed = []
+    server = RouterServer(cfg, metrics=MetricsConfig(enabled=False), on_retire=handed.extend)
+    for _ in range(6):
+        route = loop.run(server.route("SELECT name FROM users WHERE id = 3"))
+        server.observe(route, 0, 8)
+    spawned = [d for d in server.router.drafts if d != GENERAL]
+    assert len(spawned) == 1 and handed == []
+    for _ in range(8):  # other traffic only: the SQL cluster goes idle and its draft is retired
+        loop.run(server.route("Bonjour, comment allez-vous aujourd'hui ?"))
+    assert spawned[0] not in server.router.drafts
+    assert handed == spawned  # handed on by routing itself, once
+    assert server.router._events == []
+
+
 def test_the_routers_meter_follows_the_metrics_config():
     assert RouterServer(RouterConfig(mode="clusters")).meter.enabled
     assert not RouterServer(RouterConfig(mode="clusters"), metrics=MetricsConfig(enabled=False)).meter.enabled
