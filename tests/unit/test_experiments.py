@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -159,6 +160,10 @@ def test_paired_gain_by_hand():
     g = paired_gain(res, "online")  # second half: differences 1/4 and 2/4
     assert g["n"] == 2 and g["mean"] == pytest.approx(0.375) and g["se"] == pytest.approx(0.125)
     assert paired_gain(res, "online", start=0)["mean"] == pytest.approx((1 + 0 + 0.25 + 0.5) / 4)
+    one = paired_gain(res, "online", start=3)  # one difference: a mean, no standard error
+    assert one["n"] == 1 and one["mean"] == pytest.approx(0.5) and math.isnan(one["se"])
+    none = paired_gain(res, "online", start=4)
+    assert none["n"] == 0 and math.isnan(none["mean"]) and math.isnan(none["se"])
     res["methods"]["online"]["rows"][0]["i"] = 9
     with pytest.raises(ValueError, match="same records"):
         paired_gain(res, "online")
@@ -257,3 +262,87 @@ def test_the_report_gives_per_token_acceptance_per_segment():
     assert "alpha per 2 requests: 0.250 / 0.000" in text
     assert "per-token" not in report({"methods": {"static": {"rows": [{k: v for k, v in r.items() if k != "rejected"}
                                                                       for r in rows]}}}, segment=2)  # stored without rejections
+
+
+def test_a_methods_summary_and_speedups_by_hand():
+    """Per-request rows -> the figures an experiment reports: alpha = summed accepted / summed
+    proposed (whole, second half, last ``window`` rows, per domain), per-token acceptance, tokens/s,
+    and each method's speedup over the target alone."""
+    from bench.experiments import _speedups, _summary, token_acceptance
+
+    def row(d, acc, prop, rej, tokens, s):
+        return {"domain": d, "accepted": acc, "proposed": prop, "rejected": rej, "tokens": tokens, "seconds": s}
+
+    rows = [row("a", 1, 4, 3, 4, 1.0), row("b", 4, 4, 0, 8, 1.0), row("a", 2, 4, 2, 6, 2.0),
+            row("b", 0, 4, 4, 2, 1.0), row("a", 3, 4, 1, 6, 1.0)]
+    s = _summary({"rows": rows}, window=2)
+    assert s["mean_alpha"] == pytest.approx(10 / 20)
+    assert s["second_half_alpha"] == pytest.approx(5 / 12)  # rows 2.. of 5
+    assert s["final_alpha"] == pytest.approx(3 / 8)  # the last 2 rows
+    assert s["mean_alpha_domain"] == {"a": pytest.approx(6 / 12), "b": pytest.approx(4 / 8)}
+    assert s["final_alpha_domain"] == {"a": pytest.approx(5 / 8), "b": pytest.approx(4 / 8)}
+    assert s["token_acceptance"] == pytest.approx(10 / (10 + 10))
+    assert s["second_half_token_acceptance"] == pytest.approx(5 / (5 + 7))
+    assert s["token_acceptance_domain"] == {"a": pytest.approx(6 / 12), "b": pytest.approx(4 / 8)}
+    assert s["tokens_per_s"] == pytest.approx(26 / 6) and s["second_half_tokens_per_s"] == pytest.approx(14 / 4)
+    assert s["tokens_per_s_domain"] == {"a": pytest.approx(16 / 4), "b": pytest.approx(10 / 2)}
+    assert token_acceptance([{"accepted": 1, "proposed": 4}]) is None  # stored before rejections were kept
+    assert token_acceptance([row("a", 0, 0, 0, 1, 1.0)]) is None  # nothing drafted
+
+    target = _summary({"rows": [row("a", 0, 0, 0, 2, 1.0), row("b", 0, 0, 0, 2, 2.0), row("a", 0, 0, 0, 2, 1.0)]}, 2)
+    out = {"target": target, "online": s, "idle": {**s, "tokens_per_s": None, "second_half_tokens_per_s": 0.0,
+                                                  "tokens_per_s_domain": {"a": None, "b": 5.0, "c": 3.0}}}
+    _speedups(out)
+    # a domain without a figure, or one the target-only run did not serve: no speedup
+    assert out["idle"]["speedup_domain"] == {"a": None, "b": pytest.approx(5.0), "c": None}
+    assert target["speedup"] == 1.0
+    assert s["speedup"] == pytest.approx((26 / 6) / (6 / 4))
+    assert s["second_half_speedup"] == pytest.approx((14 / 4) / (4 / 3))
+    assert s["speedup_domain"] == {"a": pytest.approx(4 / 2), "b": pytest.approx(5 / 1)}
+    assert out["idle"]["speedup"] is None and out["idle"]["second_half_speedup"] is None
+    no_target = {"online": dict(s)}
+    no_target["online"].pop("speedup")
+    _speedups(no_target)
+    assert "speedup" not in no_target["online"]  # no target-only method: nothing to compare with
+
+
+def test_stream_items_from_every_record_shape():
+    from bench.experiments import _norm
+    from workloads import WorkloadRecord
+
+    assert _norm([WorkloadRecord("t", "sql", "en", "s"), {"prompt": "p", "domain": "math"}, {"text": "u"},
+                  ("q", "code"), ("q", 3), ("a", "b", "c"), [1, 2, 3], "bare"]) == [
+        ("t", "sql"), ("p", "math"), ("u", "unknown"), ("q", "code"), (("q", 3), "unknown"),
+        (("a", "b", "c"), "unknown"), ([1, 2, 3], "unknown"), ("bare", "unknown")]
+    with pytest.raises(ValueError, match="without 'text'"):
+        _norm([{"domain": "x"}])
+    with pytest.raises(ValueError, match="no records"):
+        _norm([])
+
+
+def test_replica_methods_offline_shares_and_round_budgets():
+    import time
+
+    from bench.experiments import _RoundBudget, _check_common, _offline_count, _replicas_of
+
+    assert _replicas_of("suffix@1") == (1, True) and _replicas_of("suffix-split@3") == (3, False)
+    assert _replicas_of("suffix") is None and _replicas_of("online@2") is None
+    for bad in ("suffix@0", "suffix@x", "suffix-split@-1"):
+        with pytest.raises(ValueError, match="unknown method"):
+            _replicas_of(bad)
+    assert _offline_count("offline", 40) == 40 and _offline_count("offline@50", 40) == 20
+    assert _offline_count("offline@1", 40) == 1 and _offline_count("offline@100", 40) == 40
+    for bad in ("offline@0", "offline@101", "offline@x"):
+        with pytest.raises(ValueError, match="unknown method"):
+            _offline_count(bad, 40)
+    _check_common(["online"], 1, 1, 1)
+    for args in (([], 1, 1, 1), (["online"], 0, 1, 1), (["online"], 1, 0, 1), (["online"], 1, 1, 0)):
+        with pytest.raises(ValueError):
+            _check_common(*args)
+    assert _RoundBudget(None)() is False
+    budget = _RoundBudget(0.05)
+    assert budget() is False
+    time.sleep(0.06)
+    assert budget() is True
+    budget.start()
+    assert budget() is False

@@ -170,6 +170,8 @@ def test_counterfactual_counts_by_hand():
     assert run(right, 6, 6, 4, False) == (4, 4)
     # every step rejected: k proposed while 4 fit, then 3, 2, 1, then a step with none
     assert run(wrong, 6, 6, 4, False) == (0, 4 + 4 + 3 + 2 + 1)
+    # an output cut short of max_tokens but not at EOS (the context window): counted to its end
+    assert run(wrong, 2, 10, 4, False) == (0, 8)
     # EOS at output index 2: the draft that agrees keeps going past it (the engine compares all k)
     assert run(right, 2, 10, 4, True) == (4, 4)
     # ... and one that is wrong at the EOS: 2 accepted, the target's EOS ends it
@@ -187,12 +189,19 @@ def eos_target(make_llama):
 def _engines(eos_target, make_engine, draft_proposer, make_llama, k):
     from speculative import ModelRunner
 
+    from drafts.build import restrict_head
+
     target = ModelRunner(eos_target, name="target")  # shared, as in the experiment
     drafts = {"t1": truncated_draft(eos_target, 1), "t2": truncated_draft(eos_target, 2),
               "copy": copy.deepcopy(eos_target), "other": make_llama(1, 7)}  # copy: agrees with the target
+    # a copy whose head covers the vocabulary in another order: its ids go through the vocab map
+    V = eos_target.config.vocab_size
+    keep = torch.randperm(V, generator=torch.Generator().manual_seed(0))
+    maps = {"mapped": keep}
+    drafts["mapped"] = restrict_head(copy.deepcopy(eos_target), keep)
     out = {}
     for d, m in drafts.items():
-        eng = make_engine(draft_proposer(m), model=eos_target, k=k)
+        eng = make_engine(draft_proposer(m, maps.get(d)), model=eos_target, k=k)
         eng.target = target
         out[d] = eng
     return out
@@ -228,8 +237,16 @@ def test_counterfactual_equals_what_serving_each_draft_measures(eos_target, make
 
 
 def test_oracle_skipped_with_the_controller_or_adaptive_k(target, make_engine, draft_proposer):
-    from bench.mixture import counterfactual_skip_reason
+    from bench.mixture import alpha_by_draft, counterfactual_skip_reason
     from config import KPolicyConfig
+
+    plain = make_engine(draft_proposer(truncated_draft(target, 1)), k=3)
+    assert counterfactual_skip_reason(plain, params=SamplingParams(max_tokens=8)) is None
+    for params in (SamplingParams(temperature=0.8, max_tokens=8), SamplingParams(stop=["x"], max_tokens=8),
+                   SamplingParams(ignore_eos=True, max_tokens=8)):
+        assert "not greedy" in counterfactual_skip_reason(plain, params=params)
+        with pytest.raises(ValueError, match="greedy"):
+            alpha_by_draft({"general": plain}, [1, 2], [3], "length", params)
 
     eng = make_engine(draft_proposer(truncated_draft(target, 1)), k=KPolicyConfig(k_max=4))
     assert "adaptive" in counterfactual_skip_reason(eng)
@@ -355,6 +372,12 @@ def test_mode_oracle_is_the_best_fixed_draft_per_label():
     assert m["mode_oracle_alpha"] == pytest.approx((2 + 5 + 2 + 4) / 32)
     assert m["routed_vs_mode_oracle"] == pytest.approx((10 / 32) / (13 / 32))
     assert oracle_summary(rows)["oracle_alpha"] >= m["mode_oracle_alpha"]  # per request >= per mode
+    # equal totals accepted: the draft that proposed fewer, then the name
+    tie = [{"label": "a", "draft": "y", "accepted": 3, "proposed": 8,
+            "alpha_by_draft": {"x": [3, 6], "y": [3, 8], "z": [3, 8], "w": [1, 8]}}]
+    assert mode_oracle(tie)["mode_oracle_drafts"] == {"a": "x"}
+    tie[0]["alpha_by_draft"].pop("x")
+    assert mode_oracle(tie)["mode_oracle_drafts"] == {"a": "z"}
 
 
 # -- a starting draft of its own per named domain ------------------------------------------------------
@@ -497,3 +520,93 @@ def test_a_drafts_fork_parent_by_hand():
              "d-code@alice": "general@alice", "..": "general"}
     assert {d: fork_parent(d, doms) for d in cases} == cases
     assert fork_parent("d-sql", set()) == "general"
+
+
+# -- the stream and the figures routing is judged by, by hand ---------------------------------------
+
+
+def test_a_records_mode_and_whether_a_route_names_it():
+    """chat is split by language, other domains are not; the router's "chat" is chat in the base
+    language only; a record without a domain or language is unknown / und."""
+    from bench.mixture import label_of, same_mode
+
+    assert label_of(WorkloadRecord("x", "chat", "es", "t")) == "chat/es"
+    assert label_of(WorkloadRecord("x", "sql", "es", "t")) == "sql"
+    assert label_of(object()) == "unknown"
+    assert label_of(WorkloadRecord("x", "chat", "", "t")) == "chat/und"
+    assert same_mode("sql", "sql") and same_mode("chat/es", "chat/es") and same_mode("chat", "chat/en")
+    assert not same_mode("chat", "chat/es") and not same_mode("sql", "code") and not same_mode("c3/en", "chat/en")
+    assert same_mode("chat", "chat/fr", base_lang="fr") and not same_mode("chat", "chat/en", base_lang="fr")
+
+
+def test_the_mixed_stream_caps_each_mode_in_order_and_shuffles_by_seed():
+    from bench.mixture import label_of, mixed_stream
+
+    recs = (_recs(SQL, "sql", "en", "") + _recs(EN, "chat", "en", "") + _recs(ES, "chat", "es", ""))
+    capped = mixed_stream(recs, 3, seed=0)
+    assert sorted(r.text for r in capped) == sorted(SQL[:3] + EN[:3] + ES[:3])  # the first 3 of each mode
+    assert mixed_stream(recs, 3, seed=0) == capped  # seeded
+    assert mixed_stream(recs, 3, seed=1) != capped and sorted(map(id, mixed_stream(recs, 3, 1))) == sorted(map(id, capped))
+    assert [label_of(r) for r in capped] != sorted(label_of(r) for r in capped)  # mixed, not in blocks
+    whole = mixed_stream(recs, None, seed=0)
+    assert len(whole) == len(recs) and sorted(map(id, whole)) == sorted(map(id, recs))
+    assert len(mixed_stream(recs, 100, seed=0)) == len(recs)
+
+
+def _row(label, draft, by):
+    a, p = by[draft]
+    return {"label": label, "draft": draft, "accepted": a, "proposed": p, "alpha_by_draft": by}
+
+
+def test_the_per_request_oracle_by_hand():
+    """The oracle takes the draft that accepted most; ties go to the routed draft, then to the one
+    that proposed fewer, then to the name; alphas are summed accepted over summed proposed."""
+    from bench.mixture import _oracle_pick, _ratio, oracle_summary
+
+    assert _oracle_pick(_row("a", "x", {"x": [2, 8], "y": [3, 8]})) == ("y", 3, 8)
+    assert _oracle_pick(_row("a", "y", {"x": [3, 8], "y": [3, 8]})) == ("y", 3, 8)  # tie: the routed one
+    assert _oracle_pick(_row("a", "z", {"x": [3, 6], "y": [3, 8], "z": [1, 8]})) == ("x", 3, 6)  # fewer proposed
+    assert _oracle_pick(_row("a", "z", {"y": [3, 8], "x": [3, 8], "z": [1, 8]})) == ("y", 3, 8)  # then the name
+    assert _ratio(1.0, 2.0) == 0.5 and _ratio(None, 2.0) is None and _ratio(1.0, None) is None
+    assert _ratio(1.0, 0.0) is None
+
+    rows = [_row("a", "x", {"x": [2, 8], "y": [4, 8]}), _row("a", "x", {"x": [6, 8], "y": [1, 8]}),
+            _row("b", "y", {"x": [0, 4], "y": [1, 4]})]
+    s = oracle_summary(rows)
+    assert (s["routed_accepted"], s["oracle_accepted"], s["n"], s["oracle_other"]) == (9, 11, 3, 1)
+    assert s["routed_alpha"] == pytest.approx(9 / 20) and s["oracle_alpha"] == pytest.approx(11 / 20)
+    assert s["routed_vs_oracle"] == pytest.approx(9 / 11) and s["accepted_vs_oracle"] == pytest.approx(9 / 11)
+    empty = oracle_summary([])
+    assert empty["routed_alpha"] is None and empty["routed_vs_oracle"] is None and empty["n"] == 0
+
+
+def test_a_methods_oracle_fields_whole_second_half_and_per_label():
+    from bench.mixture import ORACLE_TARGET, _oracle_fields, recompute_oracle
+
+    rows = [_row("a", "x", {"x": [1, 8], "y": [5, 8]}), _row("b", "x", {"x": [4, 8], "y": [4, 8]}),
+            _row("a", "x", {"x": [6, 8], "y": [6, 8]}), _row("b", "y", {"x": [2, 8], "y": [3, 8]})]
+    f = _oracle_fields(rows, ["a", "b"], 2, None, 1)
+    assert f["routed_alpha"] == {"all": pytest.approx(14 / 32), "second_half": pytest.approx(9 / 16)}
+    assert f["oracle_alpha"] == {"all": pytest.approx(18 / 32), "second_half": pytest.approx(9 / 16)}
+    assert f["routed_vs_oracle"]["second_half"] == pytest.approx(1.0)
+    assert f["oracle_met"] == {"all": 14 / 18 >= ORACLE_TARGET, "second_half": True}
+    assert f["oracle_other"] == {"all": 1, "second_half": 0}
+    assert f["mode_oracle_drafts"]["all"] == {"a": "y", "b": "y"}
+    assert f["oracle_label"]["a"]["routed_alpha"] == {"all": pytest.approx(7 / 16), "second_half": pytest.approx(6 / 8)}
+    assert f["oracle_label"]["b"]["oracle_alpha"] == {"all": pytest.approx(7 / 16), "second_half": pytest.approx(3 / 8)}
+    assert f["counterfactual_mismatches"] == 1 and f["oracle_skipped"] is None
+    at_target = [_row("a", "x", {"x": [19, 40], "y": [20, 40]})]  # routed / oracle exactly the target
+    assert (19 / 40) / (20 / 40) == ORACLE_TARGET == 0.95
+    assert _oracle_fields(at_target, ["a"], 0, None, 0)["oracle_met"] == {"all": True, "second_half": True}
+    skipped = _oracle_fields(rows, ["a", "b"], 2, "adaptive k", 0)
+    assert skipped["oracle_skipped"] == "adaptive k" and skipped["routed_alpha"] is None
+
+    result = {"methods": {"both": {"rows": rows, "counterfactual_mismatches": 1, "routed_alpha": "stale"},
+                          "older": {"rows": rows, "counterfactual_mismatches": None},
+                          "single": {"rows": [dict(rows[0], alpha_by_draft={})], "routed_alpha": "kept"}}}
+    recompute_oracle(result)
+    assert result["methods"]["both"]["routed_alpha"] == f["routed_alpha"]
+    assert result["methods"]["both"]["counterfactual_mismatches"] == 1
+    assert result["methods"]["older"]["counterfactual_mismatches"] == 0  # not recorded: none
+    assert result["methods"]["both"]["oracle_label"] == f["oracle_label"]
+    assert result["methods"]["single"]["routed_alpha"] == "kept"  # no counterfactual rows: left as it was
