@@ -162,6 +162,11 @@ def test_paired_gain_by_hand():
     assert paired_gain(res, "online", start=0)["mean"] == pytest.approx((1 + 0 + 0.25 + 0.5) / 4)
     one = paired_gain(res, "online", start=3)  # one difference: a mean, no standard error
     assert one["n"] == 1 and one["mean"] == pytest.approx(0.5) and math.isnan(one["se"])
+    res["methods"]["online"]["rows"][3]["proposed"] = 0  # a request that drafted nothing: left out
+    assert paired_gain(res, "online", start=2)["n"] == 1
+    res["methods"]["online"]["rows"][3]["proposed"] = 4
+    res["methods"]["static"]["rows"][3]["proposed"] = 0
+    assert paired_gain(res, "online", start=2)["n"] == 1
     none = paired_gain(res, "online", start=4)
     assert none["n"] == 0 and math.isnan(none["mean"]) and math.isnan(none["se"])
     res["methods"]["online"]["rows"][0]["i"] = 9
@@ -332,6 +337,7 @@ def test_replica_methods_offline_shares_and_round_budgets():
             _replicas_of(bad)
     assert _offline_count("offline", 40) == 40 and _offline_count("offline@50", 40) == 20
     assert _offline_count("offline@1", 40) == 1 and _offline_count("offline@100", 40) == 40
+    assert _offline_count("offline@30", 1000) == 300 and _offline_count("offline@1", 10) == 1  # at least one
     for bad in ("offline@0", "offline@101", "offline@x"):
         with pytest.raises(ValueError, match="unknown method"):
             _offline_count(bad, 40)
