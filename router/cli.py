@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["supervised", "clusters", "both"], default="both")
     p.add_argument("--confidence-threshold", type=float, default=None)
     p.add_argument("--max-tokens", type=int, default=None, help="MiniLM input length (RouterConfig.max_tokens)")
+    p.add_argument("--tail-embedding", action=argparse.BooleanOptionalAction, default=None,
+                   help="embed a long text's last word pieces too (RouterConfig.tail_embedding; default: the config's, on)")
     p.add_argument("--quantize", action=argparse.BooleanOptionalAction, default=None,
                    help="int8 MiniLM (RouterConfig.quantize; default: the config's, int8)")
     p.add_argument("--backend", choices=["torch", "onnx"], default=None,
@@ -143,7 +145,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         if args.quantize is not None:
             overrides["quantize"] = args.quantize
         for key in ("confidence_threshold", "max_tokens", "typical_quantile", "typical_k", "backend", "embed_cache",
-                    "lexical", "background", "background_filter", "background_relabel"):
+                    "lexical", "background", "background_filter", "background_relabel", "tail_embedding"):
             if getattr(args, key) is not None:
                 overrides[key] = getattr(args, key)
         if args.open_domains is not None:

@@ -315,11 +315,15 @@ class OnnxEmbedder:
         length and run in padded batches of up to ``batch_size`` texts and ``batch_tokens``
         word pieces (one at a time when quantized)."""
         ids = self.tokenizer(list(texts), truncation=True, max_length=self.max_tokens)["input_ids"]
+        return self.encode_ids(ids, batch_size)
+
+    def encode_ids(self, ids: Sequence[Sequence[int]], batch_size: int = 32) -> np.ndarray:
+        """``encode`` of texts already turned into word-piece ids (special tokens included)."""
         lens = np.array([len(x) for x in ids])
         order = np.argsort(lens, kind="stable")
         size = 1 if self.one_at_a_time else batch_size
         pad = self.tokenizer.pad_token_id or 0
-        out = np.empty((len(texts), EMBED_DIM), dtype=np.float32)
+        out = np.empty((len(ids), EMBED_DIM), dtype=np.float32)
         i = 0
         while i < len(order):
             j = i + 1  # lengths grow along ``order``: the last text of a batch is its longest
@@ -491,8 +495,45 @@ class FeatureExtractor:
         return out
 
     def _encode(self, texts: list[str]) -> np.ndarray:
-        """[n, 384] unit vectors of distinct non-empty cleaned texts (no cache)."""
-        return self.model.encode(
-            texts, batch_size=1 if self.cfg.quantize else self.cfg.batch_size, normalize_embeddings=True,
-            convert_to_numpy=True, show_progress_bar=False,
-        ).astype(np.float32, copy=False)
+        """[n, 384] unit vectors of distinct non-empty cleaned texts (no cache). With
+        ``tail_embedding``, a text longer than ``max_tokens`` word pieces is the normalised mean of
+        the embeddings of its first and of its last ``max_tokens`` pieces."""
+        batch = 1 if self.cfg.quantize else self.cfg.batch_size
+        vecs = self.model.encode(texts, batch_size=batch, normalize_embeddings=True, convert_to_numpy=True,
+                                 show_progress_bar=False).astype(np.float32, copy=False)  # the heads
+        tails = self._tails(texts) if self.cfg.tail_embedding else {}
+        if tails:
+            rows = list(tails)
+            both = vecs[rows] + self._encode_ids(list(tails.values()), batch)  # [len(rows), 384]
+            vecs[rows] = both / np.linalg.norm(both, axis=1, keepdims=True)
+        return vecs
+
+    def _tails(self, texts: list[str]) -> dict[int, list[int]]:
+        """{row: word-piece ids of the text's last ``max_tokens`` pieces, specials included} for the
+        texts longer than the embedder reads; the cut moves forward to the start of a word."""
+        tok = self.model.tokenizer
+        n = self.cfg.max_tokens - 2  # [CLS] ... [SEP]
+        out = {}
+        for i, pieces in enumerate(tok(texts, add_special_tokens=False, verbose=False)["input_ids"]):
+            if len(pieces) <= n:
+                continue
+            start = len(pieces) - n
+            names = tok.convert_ids_to_tokens(pieces[start: start + 8])
+            start += next((j for j, name in enumerate(names) if not name.startswith("##")), 0)
+            out[i] = [tok.cls_token_id, *pieces[start:], tok.sep_token_id]
+        return out
+
+    def _encode_ids(self, ids: list[list[int]], batch: int) -> np.ndarray:
+        """[n, 384] unit vectors of word-piece id lists, on either backend."""
+        if isinstance(self.model, OnnxEmbedder):
+            return self.model.encode_ids(ids, batch)
+        import torch
+
+        out = np.empty((len(ids), EMBED_DIM), dtype=np.float32)
+        with torch.inference_mode():
+            for r, x in enumerate(ids):  # one at a time: no padding, the same as a text of these pieces
+                t = torch.tensor([x])
+                emb = self.model({"input_ids": t, "attention_mask": torch.ones_like(t),
+                                  "token_type_ids": torch.zeros_like(t)})["sentence_embedding"][0]
+                out[r] = torch.nn.functional.normalize(emb, dim=0).numpy()
+        return out

@@ -57,7 +57,8 @@ RUNTIME_FIELDS = {"threads", "embed_cache", "batch_size"}
 UNKNOWN = "unknown"  # domain of queries routed by a fallback
 NAMED = "d-"  # prefix of a named domain's own draft: d-sql, d-chat-es (no "/": draft ids go in URLs)
 ON_NGRAMS = "classifier: n-grams"  # reason of a query the n-gram gate routed (not embedded)
-_FORMAT = 3  # 2: the classifier keeps its examples and typicality thresholds; 3: lexical features, background
+_FORMAT = 4  # 2: the classifier keeps its examples and typicality thresholds; 3: lexical features, background;
+# 4: long texts embedded by their first and last pieces (saved embeddings of older formats differ)
 log = logging.getLogger(__name__)
 
 

@@ -81,6 +81,46 @@ def test_a_texts_embedding_does_not_depend_on_its_batch(cache_root, quantize):
     np.testing.assert_allclose(other, single[0], atol=atol, rtol=0)
 
 
+CODE_AFTER_TASK = ("Read the statement, then the code. " * 30
+                   + "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)")
+
+
+@pytest.mark.parametrize("backend", ["onnx", "torch"])
+def test_a_long_text_is_the_mean_of_its_first_and_its_last_pieces(cache_root, backend):
+    """Past ``max_tokens`` word pieces a text's feature is the normalised mean of the embeddings of
+    its first and its last ``max_tokens`` pieces (the cut moved to the start of a word); a text
+    that fits is embedded once, as without the tail."""
+    def fx(**kw):
+        return FeatureExtractor(RouterConfig(backend=backend, quantize=False, embed_cache=0, **kw))
+
+    with_tail, head_only = fx(), fx(tail_embedding=False)
+    tok = with_tail.model.tokenizer
+    pieces = tok(CODE_AFTER_TASK, add_special_tokens=False)["input_ids"]
+    assert len(pieces) > 128
+    last = tok.decode(pieces[-126:])  # 126 pieces + [CLS] + [SEP]: the last word whole here
+    head, tail = head_only.embed([CODE_AFTER_TASK, last])
+    want = (head + tail) / np.linalg.norm(head + tail)
+    got = with_tail.embed([CODE_AFTER_TASK, TEXTS[1], TEXTS[5]])
+    np.testing.assert_allclose(got[0], want, atol=1e-5)
+    assert float(got[0] @ head) < 0.95  # the tail moved it
+    np.testing.assert_allclose(got[1], head_only.embed([TEXTS[1]])[0], atol=1e-6)  # fits: as before
+    # a repeated sentence: its tail reads like its head, the feature nearly the head's
+    assert float(got[2] @ head_only.embed([TEXTS[5]])[0]) > 0.98
+
+
+def test_the_tail_starts_at_a_word_and_holds_max_tokens_pieces(cache_root):
+    fx = FeatureExtractor(RouterConfig(max_tokens=8, embed_cache=0))
+    tok = fx.model.tokenizer
+    text = "short words then unbelievably extraordinarily long ones"
+    # short words then un ##bel ##ie ##va ##bly extra ##ord ##ina ##rily long ones: 14 pieces
+    tails = fx._tails([text, text + " too", "two words", "one two three four five six"])
+    assert list(tails) == [0, 1]  # six pieces fit in eight with [CLS] and [SEP]
+    assert all(ids[0] == tok.cls_token_id and ids[-1] == tok.sep_token_id for ids in tails.values())
+    assert tok.convert_ids_to_tokens(tails[0][1:-1]) == ["extra", "##ord", "##ina", "##rily", "long", "ones"]
+    # the last six would start inside "extraordinarily": from the next word on
+    assert tok.convert_ids_to_tokens(tails[1][1:-1]) == ["long", "ones", "too"]
+
+
 def test_empty_texts_are_zeros(cache_root):
     got = onnx_fx().embed(["", "  \n\t", "\x00\x01", "hello", ""])
     assert not got[[0, 1, 2, 4]].any()

@@ -410,11 +410,14 @@ def test_a_router_with_the_background_class_sends_a_domain_it_was_not_told_of_to
     no_math = [r for r in train if r.domain != "math"]
     texts = [r.text for r in no_math + general]
     labels = [r.domain for r in no_math] + [BACKGROUND] * len(general)
-    math = held_out["gsm-symbolic"] + held_out["mathgenerator"]
+    by = _by_source(load_workload(DATA / "open.jsonl"), 30)
+    math = by["gsm-symbolic"] + by["mathgenerator"]
     with_bg = Router(RouterConfig(), extractor).fit(texts, labels)
     without = Router(RouterConfig(background=False), extractor).fit([r.text for r in no_math], [r.domain for r in no_math])
     went_with, went_without = _outcomes(with_bg, math), _outcomes(without, math)
-    assert went_with["cluster"] >= 17 and went_with["cluster"] >= went_without["cluster"] + 6, (went_with, went_without)
+    n = len(math)  # 60: measured 58 against 38 to clusters
+    assert went_with["cluster"] >= 0.85 * n and went_with["cluster"] >= went_without["cluster"] + 0.2 * n, (
+        went_with, went_without)
     assert with_bg.classifier.background_dropped > 0  # ShareGPT's code and SQL requests
     assert _outcomes(with_bg, held_out["dbgpt-example"])["sql"] >= 9  # a new source of a named domain still named
 
