@@ -567,6 +567,17 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "a learning round yields once its time is up: on a clock read at nanosecond resolution, elapsed time exactly equal to the budget is not a case a run can meet or a test can arrange",
     ("workloads/open_set.py", "parse_mathgenerator", "members = [n for n in zf.namelist() if n.startswith(\"mathgenerator/\") and n.endswith(\".py\")]"):
         "more of the wheel extracted into the temporary folder (its other .py files, mathgenerator's data files): only the mathgenerator package is imported from it, and it imports the same modules",
+    # the router's embedder: ids run in batches, a long text's tail
+    ("router/features.py", "OnnxEmbedder.encode_ids", "size = 1 if self.one_at_a_time else batch_size", "1 -> 0"):
+        "a batch takes its first text before the size is compared (j starts at i + 1): a size of 0 runs one text at a time as 1 does",
+    ("router/features.py", "OnnxEmbedder.encode_ids", "pad = self.tokenizer.pad_token_id or 0"):
+        "MiniLM's pad id is 0, and padded positions are masked out of attention and of the mean pooling: any pad id gives the same vectors",
+    ("router/features.py", "FeatureExtractor._encode", "show_progress_bar=False).astype(np.float32, copy=False)  # the heads"):
+        "a progress bar on stderr, or a copy of an array that is float32 already: the same vectors",
+    ("router/features.py", "FeatureExtractor._encode", "vecs = self.model.encode(texts, batch_size=batch, normalize_embeddings=True, convert_to_numpy=True,", "True -> False"):
+        "(normalize_embeddings) both embedders end in a normalisation of their own (the ONNX graph's, sentence-transformers' Normalize module of all-MiniLM-L6-v2): unit vectors either way",
+    ("router/features.py", "FeatureExtractor._tails", 'for i, pieces in enumerate(tok(texts, add_special_tokens=False, verbose=False)["input_ids"]):', "False -> True"):
+        "verbose only logs that a text is longer than the model reads: the same ids",
 }
 
 SWAP_BIN = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult,

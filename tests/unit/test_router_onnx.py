@@ -119,6 +119,18 @@ def test_the_tail_starts_at_a_word_and_holds_max_tokens_pieces(cache_root):
     assert tok.convert_ids_to_tokens(tails[0][1:-1]) == ["extra", "##ord", "##ina", "##rily", "long", "ones"]
     # the last six would start inside "extraordinarily": from the next word on
     assert tok.convert_ids_to_tokens(tails[1][1:-1]) == ["long", "ones", "too"]
+    # a word start is looked for among the next eight pieces only; none there: the cut stays
+    word = "xqzvbnmkltrwpqzx"  # x ##q ##z ##vb ##n ##m ##k ##lt ##r ##w ##p ##q ##z ##x
+    ten = " one two three four five six seven eight nine ten"
+    assert len(tok.tokenize(word)) == 14 and len(tok.tokenize(ten)) == 10
+
+    def tail(max_tokens, text):
+        fx_ = FeatureExtractor(RouterConfig(max_tokens=max_tokens, embed_cache=0))
+        return tok.convert_ids_to_tokens(fx_._tails([text])[0][1:-1])
+
+    assert tail(8, "hello " + word) == ["##r", "##w", "##p", "##q", "##z", "##x"]  # no word start: mid-word
+    assert tail(19, "hello " + word + ten) == ten.split()  # the next word 7 pieces on: found
+    assert tail(20, "hello " + word + ten)[:2] == ["##k", "##lt"]  # 8 pieces on: past the look, mid-word
 
 
 def test_empty_texts_are_zeros(cache_root):
