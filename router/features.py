@@ -497,30 +497,48 @@ class FeatureExtractor:
     def _encode(self, texts: list[str]) -> np.ndarray:
         """[n, 384] unit vectors of distinct non-empty cleaned texts (no cache). With
         ``tail_embedding``, a text longer than ``max_tokens`` word pieces is the normalised mean of
-        the embeddings of its first and of its last ``max_tokens`` pieces."""
+        the embeddings of its first and of its last ``max_tokens`` pieces. The onnx backend is fed
+        the ids cut from one uncut tokenization (what its own ``encode`` would cut them to), so a
+        text is tokenized once for its head and its tail."""
         batch = 1 if self.cfg.quantize else self.cfg.batch_size
-        vecs = self.model.encode(texts, batch_size=batch, normalize_embeddings=True, convert_to_numpy=True,
-                                 show_progress_bar=False).astype(np.float32, copy=False)  # the heads
-        tails = self._tails(texts) if self.cfg.tail_embedding else {}
+        onnx = isinstance(self.model, OnnxEmbedder)
+        pieces = self._pieces(texts) if onnx or self.cfg.tail_embedding else []
+        if onnx:
+            vecs = self.model.encode_ids([self._wrap(p[: self.cfg.max_tokens - 2]) for p in pieces], batch)
+        else:
+            vecs = self.model.encode(texts, batch_size=batch, normalize_embeddings=True, convert_to_numpy=True,
+                                     show_progress_bar=False).astype(np.float32, copy=False)
+        tails = self._tails_of(pieces) if self.cfg.tail_embedding else {}
         if tails:
             rows = list(tails)
             both = vecs[rows] + self._encode_ids(list(tails.values()), batch)  # [len(rows), 384]
             vecs[rows] = both / np.linalg.norm(both, axis=1, keepdims=True)
         return vecs
 
+    def _pieces(self, texts: list[str]) -> list[list[int]]:
+        """Each text's word-piece ids, uncut, without [CLS] and [SEP]."""
+        return self.model.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+
+    def _wrap(self, pieces: list[int]) -> list[int]:
+        tok = self.model.tokenizer
+        return [tok.cls_token_id, *pieces, tok.sep_token_id]
+
     def _tails(self, texts: list[str]) -> dict[int, list[int]]:
         """{row: word-piece ids of the text's last ``max_tokens`` pieces, specials included} for the
         texts longer than the embedder reads; the cut moves forward to the start of a word."""
-        tok = self.model.tokenizer
+        return self._tails_of(self._pieces(texts))
+
+    def _tails_of(self, pieces: list[list[int]]) -> dict[int, list[int]]:
+        """``_tails`` of texts already tokenized (``_pieces``)."""
         n = self.cfg.max_tokens - 2  # [CLS] ... [SEP]
         out = {}
-        for i, pieces in enumerate(tok(texts, add_special_tokens=False, verbose=False)["input_ids"]):
-            if len(pieces) <= n:
+        for i, p in enumerate(pieces):
+            if len(p) <= n:
                 continue
-            start = len(pieces) - n
-            names = tok.convert_ids_to_tokens(pieces[start: start + 8])
+            start = len(p) - n
+            names = self.model.tokenizer.convert_ids_to_tokens(p[start: start + 8])
             start += next((j for j, name in enumerate(names) if not name.startswith("##")), 0)
-            out[i] = [tok.cls_token_id, *pieces[start:], tok.sep_token_id]
+            out[i] = self._wrap(p[start:])
         return out
 
     def _encode_ids(self, ids: list[list[int]], batch: int) -> np.ndarray:
