@@ -104,8 +104,8 @@ class FeatureDraft(nn.Module):
         B, T, _ = x.shape
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
         if attention_mask is None and T > 1:
-            attention_mask = _causal(T, past, x.dtype)[None, None].expand(B, 1, T, past + T)
-        cache_position = torch.arange(past, past + T)
+            attention_mask = _causal(T, past, x.dtype, x.device)[None, None].expand(B, 1, T, past + T)
+        cache_position = torch.arange(past, past + T, device=x.device)
         pos_emb = self.rotary_emb(x, position_ids)
         h = self.layer(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
                        use_cache=past_key_values is not None, cache_position=cache_position, position_embeddings=pos_emb)
@@ -261,14 +261,16 @@ class FeatureRunner:
             raise ValueError(f"{self.name}: sequence {seq_id!r} has {have} cached pairs, cannot start at {start}")
         if start < have:
             cache.crop(start - have)  # negative: drop the (have - start) pairs past start
-        ids = torch.tensor([tokens], dtype=torch.long)  # [1, T]
-        pos = torch.arange(start, start + len(tokens))[None]  # [1, T]
+        dev = self.model.fc.weight.device
+        ids = torch.tensor([tokens], dtype=torch.long, device=dev)  # [1, T]
+        pos = torch.arange(start, start + len(tokens), device=dev)[None]  # [1, T]
+        features = features.to(dev)
         fused = features if own else self.model.fuse_features(features)  # [T, H]
         return self.model(fused[None], ids, pos, past_key_values=cache)[0]  # [T, H]
 
     @torch.inference_mode()
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        return self._head(h).float()  # [T, V_draft]
+        return self._head(h).float().cpu()  # [T, V_draft], on the CPU (acceptance runs there), like ModelRunner
 
     def release(self, seq_id: str) -> None:
         self._caches.pop(seq_id, None)
@@ -301,7 +303,7 @@ class FeatureDraftProposer(DraftModelProposer):
         if kept.shape[0] != start:  # a gap (features of earlier positions never came): start over when they do
             self._feats.pop(seq_id, None)
             return
-        self._feats[seq_id] = torch.cat([kept, features.float()])
+        self._feats[seq_id] = torch.cat([kept, features.detach().float().cpu()])  # kept on the CPU, like the records
         self._valid[seq_id] = min(self._valid.get(seq_id, 0), start)  # pairs from here on used other features
 
     def propose(self, seq_id, tokens, choose_k, params, gen) -> Proposal:
