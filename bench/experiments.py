@@ -124,6 +124,7 @@ def stream(
     win: deque[tuple[int, int]] = deque(maxlen=window)
     dwin: dict[str, deque[tuple[int, int]]] = {}
     rows, curve, dcurve = [], [], {}
+    by_source: dict[str, dict] = {}
     t_start = time.perf_counter()
     requests = _Conversation(engine, items, turns)
     total = len(items) * turns  # requests
@@ -131,7 +132,7 @@ def stream(
         counted = SpecStats()
         replica = replicas.route() if replicas is not None else None
         rec, acc, prop, gen = serve_recorded(engine, prompt, params, domain=domain, draft_id=DRAFT_ID, sources=sources,
-                                             stats=counted)
+                                             stats=counted, by_source=by_source)
         requests.send(gen.text)  # the next turn of a conversation answers it
         if replicas is not None:
             replicas.finished(i, gen.token_ids, domain)
@@ -162,7 +163,7 @@ def stream(
                 v = row["draft_version"]
                 log(f"[{label}] {i}/{total} {domain}: alpha {row['alpha'] if row['alpha'] is None else round(row['alpha'], 3)}"
                     f" window {a if a is None else round(a, 3)} (draft v{v}, {time.perf_counter() - t_start:.1f}s)")
-    return {"rows": rows, "curve": curve, "domain_curves": dcurve}
+    return {"rows": rows, "curve": curve, "domain_curves": dcurve, "by_source": by_source}
 
 
 class _Replicas:
@@ -369,12 +370,23 @@ def _run_methods(
             entry["reports"] = [r.to_dict() for r in reps]
             learner.close()
         entry.update(_summary(res, window))
-        entry.update(curve=res["curve"], domain_curves=res["domain_curves"], rows=res["rows"])
+        entry.update(curve=res["curve"], domain_curves=res["domain_curves"], rows=res["rows"], by_source=res["by_source"],
+                     costs=_costs(engine))
         if m == "controller":
             entry["picks"] = dict(engine.proposer.picks)
         out[m] = entry
     _speedups(out)
     return out
+
+
+def _costs(engine) -> dict:
+    """The engine's cost model as the stream left it: v(j) (verifying j tokens over one) and c per
+    source (draft seconds per token over one target step), what the k policy and the controller
+    decided by."""
+    costs = engine.costs
+    return {"v": {str(j): costs.relative_verify(j) for j in sorted(costs.verify_s)},
+            "c": {src: costs.c(src) for src in sorted(costs.draft_s)},
+            "verify_s": {str(j): s for j, s in sorted(costs.verify_s.items())}}
 
 
 #: methods that replace the token draft with another proposer (see the module docstring)
@@ -625,7 +637,22 @@ def report(result: dict, segment: int = 20) -> str:
                 ratio = {d: v / base[d] for d, v in speed.items() if v and base.get(d)}
             lines.append("  tokens/s: " + ", ".join(f"{d} {v:.1f}" + (f" ({ratio[d]:.3f}x)" if d in ratio else "")
                                                      for d, v in speed.items() if v))
+        if e.get("by_source"):
+            lines.append("  steps by source (mean seconds a step): " + "; ".join(
+                _step_line(src, st) for src, st in sorted(e["by_source"].items(), key=lambda kv: -kv[1]["steps"])))
+        if e.get("costs", {}).get("v"):
+            c = e["costs"]
+            lines.append("  cost model at the end: v(j) " + ", ".join(f"{j}: {v:.2f}" for j, v in c["v"].items())
+                         + "".join(f"; c {src} {v:.3f}" for src, v in c["c"].items()))
     return "\n".join(lines)
+
+
+def _step_line(source: str, st: dict) -> str:
+    """One source's steps of ``by_source`` for :func:`report`."""
+    n = st["steps"]
+    text = f"{source} {n}" + (f" ({st['accepted']}/{st['proposed']} accepted)" if st["proposed"] else "")
+    text += f", target {1000 * st['target_s'] / n:.1f} ms"
+    return text + (f" + draft {1000 * st['draft_s'] / n:.1f} ms" if st["draft_s"] else "")
 
 
 # ---------------------------------------------------------------------------------------------

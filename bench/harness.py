@@ -16,6 +16,8 @@ from speculative.stats import SpecStats
 #: every proposer source whose drafted steps count in a stream's alpha: the learned draft's
 #: (token or feature) and the model-free ones
 ANY_SOURCE = LEARNED_SOURCES + ("ngram", "suffix")
+#: what ``serve_recorded(by_source=...)`` adds up per source
+STEP_FIELDS = ("steps", "proposed", "accepted", "draft_s", "target_s")
 
 
 def _draft_of(engine):
@@ -49,11 +51,13 @@ def _f(v) -> str:
 
 def serve_recorded(engine, prompt, params: SamplingParams, *, domain: str | None = None, draft_id: str = "draft",
                    probs_dtype: torch.dtype = torch.float32, sources: tuple[str, ...] = ("draft",),
-                   stats: SpecStats | None = None):
+                   stats: SpecStats | None = None, by_source: dict | None = None):
     """Serve one request (text or token ids) to the end in scope ``domain``; returns
     ``(ReplayRecord, accepted, proposed, Generation)`` with accepted / proposed counted over the
     steps that ``sources`` drafted (default: the learned draft's); ``stats``, when given, observes
-    those same steps (rejections too)."""
+    those same steps (rejections too). ``by_source``, when given, adds up every step by the source
+    that drafted it ("none": a plain step; "prefill": the step that also scored the prompt):
+    steps, tokens proposed and accepted, draft and target seconds."""
     b = RecordBuilder(probs_dtype=probs_dtype)
     counted = stats if stats is not None else SpecStats()
     before = (counted.accepted, counted.proposed)
@@ -62,6 +66,11 @@ def serve_recorded(engine, prompt, params: SamplingParams, *, domain: str | None
         b.add(res)
         if res.source in sources:
             counted.observe(res.proposed, res.accepted, len(res.emitted), res.draft_s, res.target_s)
+        if by_source is not None:
+            key = "prefill" if res.start == len(tokens) else res.source
+            s = by_source.setdefault(key, dict.fromkeys(STEP_FIELDS, 0))
+            for f, v in zip(STEP_FIELDS, (1, res.proposed, res.accepted, res.draft_s, res.target_s)):
+                s[f] += v
 
     tokens = engine.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
     gen = engine.generate(list(tokens), params, on_step=on_step, scope=domain)

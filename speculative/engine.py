@@ -218,7 +218,9 @@ class SpeculativeEngine:
         if scope is not None and scope in self.scope_policy:
             self.scope_policy.move_to_end(scope)
             prior.update({s: e.value for s, e in self.scope_policy[scope].alpha.items()})
-        self.requests[rid] = RequestState(rid, params, tokens, len(tokens), KPolicy(self.cfg.k, self.costs, prior), gen, scope)
+        home = self._scope_policy(scope) if scope is not None else self.global_policy  # its probe schedule is shared
+        policy = KPolicy(self.cfg.k, self.costs, prior, probes=home.probes)
+        self.requests[rid] = RequestState(rid, params, tokens, len(tokens), policy, gen, scope)
         if self.proposer is not None:
             self.proposer.begin(rid, list(tokens), scope)
         return rid
@@ -473,6 +475,12 @@ class SpeculativeEngine:
         if self.learned_draft is None:
             raise RuntimeError("this engine has no learned draft to update")
         self.learned_draft.load_state_dict(state, version)
+        self._probe_sooner()
+
+    def _probe_sooner(self) -> None:
+        """New draft weights: every scope probes the learned draft after half its current gap."""
+        for pol in (self.global_policy, *self.scope_policy.values()):
+            pol.probes.sooner(self.learned_draft.sources)
 
     def stage_draft(self, state: dict, version: int) -> None:
         """Thread-safe hand-over of new draft weights: the next :meth:`step` installs them before
@@ -495,6 +503,7 @@ class SpeculativeEngine:
             staged, self._staged = self._staged, None
         if staged is not None and staged[1] > self.learned_draft.version:
             self.learned_draft.load_state_dict(*staged)
+            self._probe_sooner()
 
 
 def _timed(fn, *args) -> float:

@@ -12,7 +12,8 @@ which with free verification (v = 1) is the paper's formula. k = 0 gives S = 1: 
 We pick argmax_k S(k). a is a decayed count estimate (Beta prior); costs are moving averages of
 what the engine measures, so the policy calibrates itself to the machine. While k = 0 is chosen
 the draft is re-probed with k = 1 at exponentially backed-off intervals, so a draft that improves
-(the learner swaps in new weights) is noticed, at a bounded cost.
+(the learner swaps in new weights) is noticed, at a bounded cost; the requests of one scope share
+the intervals, so a new request does not re-probe from the start what its scope found useless.
 """
 
 from __future__ import annotations
@@ -98,16 +99,55 @@ class AcceptanceEstimate:
         return (self.prior * self.strength + self.accepted) / (self.strength + self.trials)
 
 
-class KPolicy:
-    """Adaptive k for one request (or one draft), one acceptance estimate per proposer source."""
+@dataclass
+class ProbeSchedule:
+    """When a source held at k = 0 is probed with one token: after ``gap`` steps at k = 0 (at first
+    ``probe_every``), the gap doubling while probes fail, up to ``MAX_PROBE_GAP``; a step that
+    drafts for real starts it over. The engine gives the requests of one scope one schedule, so a
+    draft that the scope's traffic found useless is not probed again from the short gap by every
+    new request; new draft weights halve the gap (:meth:`sooner`): a learner publishing every few
+    requests would otherwise bring the short gap back each time, and the probes with it."""
 
-    def __init__(self, cfg: KPolicyConfig, costs: CostModel, prior: dict[str, float] | None = None):
+    probe_every: int
+    idle: dict[str, int] = field(default_factory=dict)  # steps at k = 0 since the last probe
+    gap: dict[str, int] = field(default_factory=dict)
+
+    def drafted(self, source: str) -> None:
+        self.idle[source] = 0
+        self.gap[source] = self.probe_every
+
+    def due(self, source: str) -> bool:
+        """One more step at k = 0 for ``source``: whether it is probed now instead."""
+        idle = self.idle.get(source, 0) + 1
+        gap = self.gap.get(source, self.probe_every)
+        if idle >= gap:  # probe with one token; back off while probes keep failing
+            self.idle[source] = 0
+            self.gap[source] = min(gap * 2, MAX_PROBE_GAP)
+            return True
+        self.idle[source] = idle
+        return False
+
+    def sooner(self, sources) -> None:
+        for source in sources:
+            if source in self.gap:
+                self.gap[source] = max(self.probe_every, self.gap[source] // 2)
+
+
+#: the longest gap between probes of a source held at k = 0 (steps)
+MAX_PROBE_GAP = 256
+
+
+class KPolicy:
+    """Adaptive k for one request (or one draft), one acceptance estimate per proposer source;
+    ``probes``: the probe schedule it shares (default: one of its own)."""
+
+    def __init__(self, cfg: KPolicyConfig, costs: CostModel, prior: dict[str, float] | None = None,
+                 probes: ProbeSchedule | None = None):
         self.cfg = cfg
         self.costs = costs
         self.prior = prior or {}
         self.alpha: dict[str, AcceptanceEstimate] = {}
-        self._idle: dict[str, int] = {}  # steps at k = 0 since the last probe
-        self._probe_gap: dict[str, int] = {}
+        self.probes = probes if probes is not None else ProbeSchedule(cfg.probe_every)
 
     def estimate(self, source: str) -> AcceptanceEstimate:
         if source not in self.alpha:
@@ -131,17 +171,9 @@ class KPolicy:
             return self.cfg.fixed_k
         k = self.best_k(self.estimate(source).value, self.costs.c(source))
         if k > 0:
-            self._idle[source] = 0
-            self._probe_gap[source] = self.cfg.probe_every
+            self.probes.drafted(source)
             return k
-        idle = self._idle.get(source, 0) + 1
-        gap = self._probe_gap.get(source, self.cfg.probe_every)
-        if idle >= gap:  # probe the draft with one token; back off while probes keep failing
-            self._idle[source] = 0
-            self._probe_gap[source] = min(gap * 2, 256)
-            return 1
-        self._idle[source] = idle
-        return 0
+        return 1 if self.probes.due(source) else 0
 
     def observe(self, source: str, proposed: int, accepted: int) -> None:
         self.estimate(source).observe(proposed, accepted)

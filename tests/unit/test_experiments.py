@@ -225,6 +225,31 @@ def test_other_proposers_as_methods_with_speed_and_conversations(factory):
 
     text = report(res, segment=2)
     assert "alpha by turn" in text and f"suffix: alpha {sum(r['accepted'] for r in ms['suffix']['rows']) / sum(r['proposed'] for r in ms['suffix']['rows']):.3f}" in text
+    # every step, added up by the source that drafted it; the first step of each request apart
+    drafting = {"target": set(), "lookup": {"ngram"}, "suffix": {"suffix"}, "controller": {"suffix", "ngram", "draft"}}
+    for m, e in ms.items():
+        bs = e["by_source"]
+        assert set(bs) <= drafting[m] | {"none", "prefill"}, m
+        assert bs["prefill"]["steps"] == 2 * len(recs), m  # one a request
+        assert sum(st["accepted"] for st in bs.values()) == sum(r["accepted"] for r in e["rows"]), m
+        assert sum(st["proposed"] for st in bs.values()) == sum(r["proposed"] for r in e["rows"]), m
+        assert all(st["target_s"] > 0 for st in bs.values()) and bs.get("none", {}).get("draft_s", 0) == 0, m
+        tokens = sum(r["tokens"] for r in e["rows"])
+        assert sum(st["steps"] + st["accepted"] for st in bs.values()) >= tokens, m  # a step emits up to accepted + 1
+        assert set(e["costs"]["v"]) >= {"1"} and all(v >= 1.0 for v in e["costs"]["v"].values()), m
+    picks, bs = ctl["picks"], ctl["by_source"]
+    assert all(bs.get(src, {"steps": 0})["steps"] <= n for src, n in picks.items())
+    assert sum(picks.values()) - sum(bs[src]["steps"] for src in picks if src in bs) <= bs["prefill"]["steps"]
+    assert set(ctl["costs"]["c"]) >= {"draft"}
+    assert "steps by source (mean seconds a step): " in text and "cost model at the end: v(j) 1: 1.00" in text
+
+
+def test_a_source_s_steps_as_the_report_gives_them():
+    from bench.experiments import _step_line
+
+    st = {"steps": 4, "proposed": 10, "accepted": 6, "draft_s": 0.002, "target_s": 0.1}
+    assert _step_line("suffix", st) == "suffix 4 (6/10 accepted), target 25.0 ms + draft 0.5 ms"
+    assert _step_line("none", {"steps": 2, "proposed": 0, "accepted": 0, "draft_s": 0.0, "target_s": 0.05}) == "none 2, target 25.0 ms"
 
 
 def test_a_stream_of_several_files_keeps_each_text_once_and_the_sources_asked_for(make_llama, make_tokenizer, tmp_path):

@@ -8,7 +8,7 @@ import pytest
 
 from config import KPolicyConfig, SamplingParams
 from speculative import CostModel, KPolicy, expected_speedup, expected_tokens
-from speculative.kpolicy import AcceptanceEstimate
+from speculative.kpolicy import AcceptanceEstimate, ProbeSchedule
 
 
 # -- closed forms ---------------------------------------------------------------------------------
@@ -229,4 +229,69 @@ def test_probe_gap_backs_off_to_256():
     est.prior = 0.1
     for _ in range(2000):
         policy.choose("d")
-    assert policy._probe_gap["d"] == 256
+    assert policy.probes.gap["d"] == 256
+
+
+def test_probe_schedule_by_hand():
+    sched = ProbeSchedule(probe_every=2)
+    assert [sched.due("d") for _ in range(8)] == [False, True, False, False, False, True, False, False]
+    assert sched.gap["d"] == 8 and sched.idle["d"] == 2
+    sched.drafted("d")  # a real draft starts the gap over
+    assert (sched.idle["d"], sched.gap["d"]) == (0, 2)
+    assert [sched.due("d") for _ in range(2)] == [False, True]
+    assert [sched.due("d") for _ in range(6)] == [False, False, False, True, False, False]  # gap 4, then 8
+    assert [sched.due("x") for _ in range(2)] == [False, True] and sched.gap["x"] == 4
+    sched.sooner(["d", "y"])  # new weights: the gap of the sources named halves; idle steps are kept
+    assert (sched.gap["d"], sched.idle["d"], sched.gap["x"]) == (4, 2, 4) and "y" not in sched.gap
+    assert [sched.due("d") for _ in range(2)] == [False, True]
+    sched.gap["d"] = 3
+    sched.sooner(["d"])  # never below probe_every
+    assert sched.gap["d"] == 2
+
+
+def test_policies_sharing_a_schedule_back_off_together():
+    shared = ProbeSchedule(probe_every=3)
+    first, second = (KPolicy(KPolicyConfig(k_max=1, probe_every=3), _two_state_policy().costs, prior={"d": 0.1},
+                             probes=shared) for _ in range(2))
+    assert [first.choose("d") for _ in range(3)] == [0, 0, 1]
+    assert [second.choose("d") for _ in range(6)] == [0, 0, 0, 0, 0, 1]  # not again after 3: the gap doubled
+    alone = KPolicy(KPolicyConfig(k_max=1, probe_every=3), _two_state_policy().costs, prior={"d": 0.1})
+    assert alone.probes is not shared and [alone.choose("d") for _ in range(3)] == [0, 0, 1]
+
+
+def test_a_scope_s_requests_share_one_probe_schedule_and_new_weights_shorten_it(random_draft, draft_proposer,
+                                                                                 make_engine, prompts):
+    """A useless draft in one scope: later requests of the scope do not re-probe it from the short
+    gap, as every request did with a schedule of its own; a request of another scope does; new
+    draft weights halve every schedule's gap."""
+    engine = make_engine(draft_proposer(random_draft), k=KPolicyConfig(k_max=4, probe_every=4, prior_alpha=0.95, ema=1e-12))
+    engine.costs.verify_s.update({j: 0.010 * (1 + 0.3 * (j - 1)) for j in range(1, 6)})
+    engine.costs.draft_s["draft"] = 0.002
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    def ks(scope):
+        out: list[int] = []
+        engine.generate(prompts[0], params, on_step=lambda r: out.append(r.proposed), scope=scope)
+        return out
+
+    first = ks("code")
+    assert first[0] > 0 and 1 in first[10:], first  # learns the draft is useless, probes it
+    later = [ks("code") for _ in range(4)]
+    probes = sum(k > 0 for run in later for k in run[1:])  # after each request's first step (its prefill)
+    assert probes <= 3, later  # 4 x 24 steps: a schedule per request would probe at least twice in each
+    rids = [engine.add_request(prompts[0], params, scope=s) for s in ("code", "code", "sql", None)]
+    pols = [engine.requests[r].policy for r in rids]
+    assert pols[0].probes is pols[1].probes is engine.scope_policy["code"].probes
+    assert pols[2].probes is engine.scope_policy["sql"].probes is not pols[0].probes
+    assert pols[3].probes is engine.global_policy.probes
+    gaps = {s: engine.scope_policy[s].probes.gap.get("draft") for s in ("code", "sql")}
+    assert gaps["code"] > 4 and engine.global_policy.probes.gap.get("draft") is None
+    engine.scope_policy["sql"].probes.gap["draft"] = 64
+    engine.swap_draft(engine.learned_draft.runner.model.state_dict(), engine.draft_version + 1)
+    assert engine.scope_policy["code"].probes.gap["draft"] == max(4, gaps["code"] // 2)
+    assert engine.scope_policy["sql"].probes.gap["draft"] == 32
+    engine.stage_draft(engine.learned_draft.runner.model.state_dict(), engine.draft_version + 1)
+    engine.install_staged()  # weights installed between steps: the same
+    assert engine.scope_policy["sql"].probes.gap["draft"] == 16
+    for r in rids:
+        engine.release(r)
