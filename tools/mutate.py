@@ -145,8 +145,10 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     # the shift order
     "bench/experiments.py": ("bench.experiments", {"_norm", "token_acceptance", "_summary", "_speedups", "paired_gain",
                                                    "_offline_count", "order_blocks", "_check_common", "unseen_by",
-                                                   "_RoundBudget", "_replicas_of"},
+                                                   "_RoundBudget", "_replicas_of", "_costs", "_step_line", "stream"},
                              ["tests/unit/test_experiments.py", "tests/unit/test_mixture.py"]),
+    # one request served and recorded as the experiments count it (alpha, steps by source)
+    "bench/harness.py": ("bench.harness", {"serve_recorded"}, ["tests/unit/test_experiments.py", "tests/unit/test_mixture.py"]),
     "deployments/target.py": ("deployments.target", {"BatchedTarget"},
                               ["tests/unit/test_target_server.py", "tests/unit/test_draft_pool.py"]),
 }
@@ -161,6 +163,11 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     ("speculative/sampling.py", "warp_logits", "if params.top_k and params.top_k < logits.shape[-1]:"):
         "top_k <= V instead of < V: with top_k = V the k-th largest logit is the smallest, and masking the "
         "logits below it removes nothing",
+    ("speculative/engine.py", "SpeculativeEngine.add_request",
+     "if not params.greedy and params.seed is None:  # seeded requests race with (seed, position) noise"):
+        "'or' instead of 'and' also gives greedy and seeded requests a generator, which nothing draws from: "
+        "greedy acceptance takes the argmax and seeded requests (draft and target) the race noise of "
+        "(seed, position); only unseeded sampling reads st.generator",
     ("speculative/engine.py", "SpeculativeEngine.step", "if self.proposer is not None and budget > 0:"):
         "budget >= 0 instead of > 0: with a budget of 0 the k policy is capped at min(k, 0) = 0 and every "
         "proposer returns no tokens for k <= 0",

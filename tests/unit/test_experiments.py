@@ -215,6 +215,7 @@ def test_other_proposers_as_methods_with_speed_and_conversations(factory):
         assert [r["turn"] for r in e["rows"]] == [1, 2] * len(recs), m
         assert e["tokens_per_s"] > 0 and e["speedup"] > 0 and set(e["speedup_domain"]) <= set(TEXTS)
     assert ms["target"]["speedup"] == 1.0 and sum(r["proposed"] for r in ms["target"]["rows"]) == 0
+    assert {r["draft_version"] for m in ("target", "lookup", "suffix") for r in ms[m]["rows"]} == {0}  # no learned draft
     second = [r for r in ms["suffix"]["rows"] if r["turn"] == 2]
     assert sum(r["accepted"] for r in second) > 0  # the answer, re-sent, is drafted from
     ctl = ms["controller"]
@@ -377,3 +378,54 @@ def test_replica_methods_offline_shares_and_round_budgets():
     assert budget() is True
     budget.start()
     assert budget() is False
+
+
+def test_serve_recorded_counts_only_its_own_request_into_shared_stats(factory):
+    from bench.harness import serve_recorded
+    from config import SamplingParams
+    from speculative.stats import SpecStats
+
+    engine, stats, params = factory(), SpecStats(), SamplingParams(max_tokens=8, ignore_eos=True)
+    first = serve_recorded(engine, TEXTS["code"][0], params, stats=stats)
+    second = serve_recorded(engine, TEXTS["math"][0], params, stats=stats)
+    assert first[2] > 0 and second[2] > 0
+    assert (first[1] + second[1], first[2] + second[2]) == (stats.accepted, stats.proposed)
+
+
+def test_stream_evaluates_every_eval_every_requests_and_at_the_last(factory):
+    """The window curves get a point every ``eval_every`` requests and one at the last request (a
+    conversation's turns are requests)."""
+    from bench.experiments import stream
+
+    items = [(r["text"], r["domain"]) for r in RECORDS[:3]]
+    res = stream(factory(), items, max_tokens=4, eval_every=2, window=2, ignore_eos=True, log=None)
+    assert [i for i, _ in res["curve"]] == [2, 3]
+    res = stream(factory(), items, max_tokens=4, eval_every=4, window=2, ignore_eos=True, log=None, turns=2)
+    assert [i for i, _ in res["curve"]] == [4, 6] and len(res["rows"]) == 6
+    assert sorted(i for c in res["domain_curves"].values() for i, _ in c) == [4, 6]
+
+
+def test_stream_starts_the_round_budget_before_each_round(factory):
+    """A learner's round gets its own ``seconds_per_round``: the budget starts again after every
+    request, before the learner may train."""
+    from bench.experiments import DRAFT_ID, _RoundBudget, stream
+    from bench.harness import _draft_of
+    from learner.replay import ShardConfig
+    from learner.trainer import DraftTrainer, OnlineLearner
+
+    class Counted(_RoundBudget):
+        starts = 0
+
+        def start(self):
+            self.starts += 1
+            super().start()
+
+    engine, budget = factory(), Counted(60.0)
+    dp = _draft_of(engine)
+    learner = OnlineLearner(LCFG, ShardConfig(), [DraftTrainer(DRAFT_ID, dp.runner.model, LCFG)], should_yield=budget)
+    try:
+        res = stream(engine, [(r["text"], r["domain"]) for r in RECORDS[:3]], max_tokens=4, learner=learner, budget=budget,
+                     ignore_eos=True, log=None)
+    finally:
+        learner.close()
+    assert budget.starts == 3 and any("round" in r for r in res["rows"])

@@ -295,3 +295,20 @@ def test_a_scope_s_requests_share_one_probe_schedule_and_new_weights_shorten_it(
     assert engine.scope_policy["sql"].probes.gap["draft"] == 16
     for r in rids:
         engine.release(r)
+
+
+def test_a_request_starts_from_its_scope_s_acceptance_and_its_scope_moves_last(random_draft, draft_proposer, make_engine,
+                                                                               prompts):
+    engine = make_engine(draft_proposer(random_draft), k=KPolicyConfig(k_max=4))
+    engine.global_policy.observe("draft", 4, 4)  # engine-wide the draft was right ...
+    for s in ("code", "sql"):
+        engine._scope_policy(s)
+    engine.scope_policy["code"].observe("draft", 4, 0)  # ... in code wrong at once
+    params = SamplingParams(max_tokens=4)
+    code, other = engine.add_request(prompts[0], params, scope="code"), engine.add_request(prompts[0], params)
+    assert engine.requests[code].policy.prior["draft"] == pytest.approx(engine.scope_policy["code"].estimate("draft").value)
+    assert engine.requests[other].policy.prior["draft"] == pytest.approx(engine.global_policy.estimate("draft").value)
+    assert engine.scope_policy["code"].estimate("draft").value < 0.5 < engine.global_policy.estimate("draft").value
+    assert list(engine.scope_policy) == ["sql", "code"]  # most recently seen last: the oldest is evicted first
+    for r in (code, other):
+        engine.release(r)
