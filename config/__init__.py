@@ -331,7 +331,7 @@ class RouterConfig(_Strict):
     max_tokens: int = Field(default=128, ge=8, le=512)
     #: A text longer than ``max_tokens`` word pieces is embedded twice, its first and its last
     #: ``max_tokens`` pieces, and its feature is the normalised mean: the code after a long task
-    #: statement, the question after a schema. Leave-one-source-out recall of CodeI/O 0.67 -> 0.92
+    #: statement, the question after a schema. Leave-one-source-out recall of CodeI/O 0.67 -> 0.94
     #: (docs/routing.md); a long text costs a second embedding.
     tail_embedding: bool = True
     #: MiniLM runtime. "onnx": onnxruntime on a graph exported once from the torch model (cached

@@ -523,13 +523,10 @@ class FeatureExtractor:
         tok = self.model.tokenizer
         return [tok.cls_token_id, *pieces, tok.sep_token_id]
 
-    def _tails(self, texts: list[str]) -> dict[int, list[int]]:
-        """{row: word-piece ids of the text's last ``max_tokens`` pieces, specials included} for the
-        texts longer than the embedder reads; the cut moves forward to the start of a word."""
-        return self._tails_of(self._pieces(texts))
-
     def _tails_of(self, pieces: list[list[int]]) -> dict[int, list[int]]:
-        """``_tails`` of texts already tokenized (``_pieces``)."""
+        """{row: word-piece ids of the text's last ``max_tokens`` pieces, specials included} for the
+        texts (tokenized by ``_pieces``) longer than the embedder reads; the cut moves forward to
+        the start of a word."""
         n = self.cfg.max_tokens - 2  # [CLS] ... [SEP]
         out = {}
         for i, p in enumerate(pieces):

@@ -215,10 +215,11 @@ class SpeculativeEngine:
                 gen = torch.Generator()
                 gen.seed()  # fresh entropy for this request only; the global RNG is untouched
         prior = {s: e.value for s, e in self.global_policy.alpha.items()}
-        if scope is not None and scope in self.scope_policy:
+        home = self.global_policy  # whose probe schedule the request shares: its scope's, else the engine's
+        if scope is not None:
+            home = self._scope_policy(scope)
             self.scope_policy.move_to_end(scope)
-            prior.update({s: e.value for s, e in self.scope_policy[scope].alpha.items()})
-        home = self._scope_policy(scope) if scope is not None else self.global_policy  # its probe schedule is shared
+            prior.update({s: e.value for s, e in home.alpha.items()})
         policy = KPolicy(self.cfg.k, self.costs, prior, probes=home.probes)
         self.requests[rid] = RequestState(rid, params, tokens, len(tokens), policy, gen, scope)
         if self.proposer is not None:

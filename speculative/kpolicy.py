@@ -99,6 +99,10 @@ class AcceptanceEstimate:
         return (self.prior * self.strength + self.accepted) / (self.strength + self.trials)
 
 
+#: the longest gap between probes of a source held at k = 0 (steps)
+MAX_PROBE_GAP = 256
+
+
 @dataclass
 class ProbeSchedule:
     """When a source held at k = 0 is probed with one token: after ``gap`` steps at k = 0 (at first
@@ -131,10 +135,6 @@ class ProbeSchedule:
         for source in sources:
             if source in self.gap:
                 self.gap[source] = max(self.probe_every, self.gap[source] // 2)
-
-
-#: the longest gap between probes of a source held at k = 0 (steps)
-MAX_PROBE_GAP = 256
 
 
 class KPolicy:

@@ -113,7 +113,7 @@ def test_the_tail_starts_at_a_word_and_holds_max_tokens_pieces(cache_root):
     tok = fx.model.tokenizer
     text = "short words then unbelievably extraordinarily long ones"
     # short words then un ##bel ##ie ##va ##bly extra ##ord ##ina ##rily long ones: 14 pieces
-    tails = fx._tails([text, text + " too", "two words", "one two three four five six"])
+    tails = fx._tails_of(fx._pieces([text, text + " too", "two words", "one two three four five six"]))
     assert list(tails) == [0, 1]  # six pieces fit in eight with [CLS] and [SEP]
     assert all(ids[0] == tok.cls_token_id and ids[-1] == tok.sep_token_id for ids in tails.values())
     assert tok.convert_ids_to_tokens(tails[0][1:-1]) == ["extra", "##ord", "##ina", "##rily", "long", "ones"]
@@ -126,7 +126,7 @@ def test_the_tail_starts_at_a_word_and_holds_max_tokens_pieces(cache_root):
 
     def tail(max_tokens, text):
         fx_ = FeatureExtractor(RouterConfig(max_tokens=max_tokens, embed_cache=0))
-        return tok.convert_ids_to_tokens(fx_._tails([text])[0][1:-1])
+        return tok.convert_ids_to_tokens(fx_._tails_of(fx_._pieces([text]))[0][1:-1])
 
     assert tail(8, "hello " + word) == ["##r", "##w", "##p", "##q", "##z", "##x"]  # no word start: mid-word
     assert tail(19, "hello " + word + ten) == ten.split()  # the next word 7 pieces on: found
