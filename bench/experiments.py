@@ -640,11 +640,27 @@ def report(result: dict, segment: int = 20) -> str:
         if e.get("by_source"):
             lines.append("  steps by source (mean seconds a step): " + "; ".join(
                 _step_line(src, st) for src, st in sorted(e["by_source"].items(), key=lambda kv: -kv[1]["steps"])))
+        net = _net_seconds(e.get("by_source") or {})
+        if net:
+            lines.append("  seconds saved against plain steps (tokens x a plain step - time spent): "
+                         + ", ".join(f"{src} {v:+.2f}" for src, v in net.items()))
         if e.get("costs", {}).get("v"):
             c = e["costs"]
             lines.append("  cost model at the end: v(j) " + ", ".join(f"{j}: {v:.2f}" for j, v in c["v"].items())
                          + "".join(f"; c {src} {v:.3f}" for src, v in c["c"].items()))
     return "\n".join(lines)
+
+
+def _net_seconds(by_source: dict) -> dict[str, float]:
+    """What each drafting source of ``by_source`` saved: the tokens its steps emitted (steps +
+    accepted) at the mean time of a plain step ("none"), minus the draft and target seconds they
+    took. Negative: plain decoding would have been faster. Empty without plain steps to compare."""
+    plain = by_source.get("none")
+    if not plain or not plain["steps"]:
+        return {}
+    t = plain["target_s"] / plain["steps"]
+    return {src: (st["steps"] + st["accepted"]) * t - st["draft_s"] - st["target_s"]
+            for src, st in sorted(by_source.items(), key=lambda kv: -kv[1]["steps"]) if src not in ("none", "prefill")}
 
 
 def _step_line(source: str, st: dict) -> str:

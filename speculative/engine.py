@@ -479,9 +479,11 @@ class SpeculativeEngine:
         self._probe_sooner()
 
     def _probe_sooner(self) -> None:
-        """New draft weights: every scope probes the learned draft after half its current gap."""
+        """New draft weights: every scope where the learned draft is within reach of paying (its
+        optimistic acceptance beats the break-even at today's costs) probes it after half its
+        current gap; elsewhere the gap stands, since a probe there buys no information worth its cost."""
         for pol in (self.global_policy, *self.scope_policy.values()):
-            pol.probes.sooner(self.learned_draft.sources)
+            pol.probes.sooner([s for s in self.learned_draft.sources if pol.within_reach(s)])
 
     def stage_draft(self, state: dict, version: int) -> None:
         """Thread-safe hand-over of new draft weights: the next :meth:`step` installs them before

@@ -13,7 +13,8 @@ We pick argmax_k S(k). a is a decayed count estimate (Beta prior); costs are mov
 what the engine measures, so the policy calibrates itself to the machine. While k = 0 is chosen
 the draft is re-probed with k = 1 at exponentially backed-off intervals, so a draft that improves
 (the learner swaps in new weights) is noticed, at a bounded cost; the requests of one scope share
-the intervals, so a new request does not re-probe from the start what its scope found useless.
+the intervals, so a new request does not re-probe from the start what its scope found useless. New
+weights bring the next probe closer only where the draft is within reach of paying.
 """
 
 from __future__ import annotations
@@ -98,9 +99,17 @@ class AcceptanceEstimate:
     def value(self) -> float:
         return (self.prior * self.strength + self.accepted) / (self.strength + self.trials)
 
+    def upper(self, z: float) -> float:
+        """An optimistic a: the estimate plus ``z`` standard deviations of its Beta posterior (whose
+        weight, prior strength + decayed trials, is at most about 11, so it stays wide)."""
+        a = self.value
+        return min(1.0, a + z * (a * (1.0 - a) / (self.strength + self.trials + 1.0)) ** 0.5)
+
 
 #: the longest gap between probes of a source held at k = 0 (steps)
 MAX_PROBE_GAP = 256
+#: how optimistic "within reach" is (:meth:`KPolicy.within_reach`): standard deviations above the estimate
+REACH_Z = 2.0
 
 
 @dataclass
@@ -161,6 +170,13 @@ class KPolicy:
     def best_speedup(self, source: str) -> float:
         """max over k of S(k) for ``source`` now: what the controller ranks by."""
         return max(self.speedups(self.estimate(source).value, self.costs.c(source)))
+
+    def within_reach(self, source: str) -> bool:
+        """Whether drafting with ``source`` could pay at an optimistic acceptance (:data:`REACH_Z`
+        deviations above the estimate) at today's costs: new draft weights shorten the probe gap of
+        a source only then, so that a draft that cannot pay on this machine (its break-even
+        acceptance far above what it reaches) is not probed again after every publication."""
+        return self.best_k(self.estimate(source).upper(REACH_Z), self.costs.c(source)) > 0
 
     def best_k(self, a: float, c: float) -> int:
         scores = self.speedups(a, c)

@@ -243,6 +243,7 @@ def test_other_proposers_as_methods_with_speed_and_conversations(factory):
     assert sum(picks.values()) - sum(bs[src]["steps"] for src in picks if src in bs) <= bs["prefill"]["steps"]
     assert set(ctl["costs"]["c"]) >= {"draft"}
     assert "steps by source (mean seconds a step): " in text and "cost model at the end: v(j) 1: 1.00" in text
+    assert "seconds saved against plain steps (tokens x a plain step - time spent): suffix " in text
 
 
 def test_a_source_s_steps_as_the_report_gives_them():
@@ -251,6 +252,20 @@ def test_a_source_s_steps_as_the_report_gives_them():
     st = {"steps": 4, "proposed": 10, "accepted": 6, "draft_s": 0.002, "target_s": 0.1}
     assert _step_line("suffix", st) == "suffix 4 (6/10 accepted), target 25.0 ms + draft 0.5 ms"
     assert _step_line("none", {"steps": 2, "proposed": 0, "accepted": 0, "draft_s": 0.0, "target_s": 0.05}) == "none 2, target 25.0 ms"
+
+
+def test_seconds_each_source_saved_against_plain_steps_by_hand():
+    from bench.experiments import _net_seconds
+
+    bs = {"none": {"steps": 10, "proposed": 0, "accepted": 0, "draft_s": 0.0, "target_s": 0.4},  # 40 ms a plain step
+          "draft": {"steps": 2, "proposed": 2, "accepted": 0, "draft_s": 0.04, "target_s": 0.12},  # 2 tokens in 160 ms
+          "suffix": {"steps": 4, "proposed": 10, "accepted": 6, "draft_s": 0.002, "target_s": 0.24},  # 10 in 242 ms
+          "prefill": {"steps": 3, "proposed": 3, "accepted": 0, "draft_s": 0.0, "target_s": 0.9}}
+    net = _net_seconds(bs)
+    assert list(net) == ["suffix", "draft"]  # most steps first; plain steps and prefills are not drafting sources
+    assert net["suffix"] == pytest.approx(10 * 0.04 - 0.242) and net["draft"] == pytest.approx(2 * 0.04 - 0.16)
+    assert _net_seconds({k: v for k, v in bs.items() if k != "none"}) == {}
+    assert _net_seconds({"none": dict(bs["none"], steps=0), "draft": bs["draft"]}) == {}
 
 
 def test_a_stream_of_several_files_keeps_each_text_once_and_the_sources_asked_for(make_llama, make_tokenizer, tmp_path):

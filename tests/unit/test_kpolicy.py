@@ -249,6 +249,33 @@ def test_probe_schedule_by_hand():
     assert sched.gap["d"] == 2
 
 
+def test_upper_acceptance_by_hand():
+    est = AcceptanceEstimate(prior=0.5)
+    assert est.upper(0.5) == pytest.approx(0.5 + 0.5 * (0.25 / 2) ** 0.5)  # the prior alone: weight 1
+    assert est.upper(2.0) == 1.0  # capped
+    est.observe(4, 1)  # 1 accepted, 1 failure: (0.5 + 1) / (1 + 2) = 0.5, weight 3
+    assert est.upper(2.0) == pytest.approx(0.5 + 2 * (0.25 / 4) ** 0.5)
+    est.observe(4, 0)  # decayed: accepted 0.9, trials 0.9 * 2 + 1 = 2.8: a = 1.4 / 3.8, weight 3.8
+    assert est.upper(1.0) == pytest.approx(1.4 / 3.8 + ((1.4 / 3.8) * (2.4 / 3.8) / 4.8) ** 0.5)
+    assert est.upper(0.0) == est.value
+    assert AcceptanceEstimate(prior=0.0).upper(2.0) == 0.0
+
+
+def test_within_reach_is_break_even_at_the_optimistic_acceptance():
+    """v(j) = 1 + 0.5 (j - 1), c = 0.2: one token pays from a > 0.7 (1 + a > 1.7), more never earlier."""
+    costs = CostModel(verify_s={j: 0.01 * (1 + 0.5 * (j - 1)) for j in range(1, 8)}, draft_s={"d": 0.002})
+    policy = KPolicy(KPolicyConfig(k_max=6), costs, prior={"d": 0.1})
+    est = policy.estimate("d")
+    for _ in range(30):  # probes that fail: a -> ~0.01 with weight ~11, upper ~0.07
+        est.observe(1, 0)
+    assert est.upper(2.0) < 0.7 and not policy.within_reach("d")
+    est.accepted, est.trials = 6.0, 7.0  # a = 0.76 after lucky steps
+    assert policy.within_reach("d")
+    est.accepted, est.trials = 4.0, 7.0  # a = 0.51, upper = 0.51 + 2 * sqrt(0.25 / 9) = 0.84: optimistic, within
+    assert est.value < 0.7 < est.upper(2.0) and policy.within_reach("d")
+    assert KPolicy(KPolicyConfig(k_max=6), CostModel(), prior={"d": 0.01}).within_reach("d")  # costs unknown: free
+
+
 def test_policies_sharing_a_schedule_back_off_together():
     shared = ProbeSchedule(probe_every=3)
     first, second = (KPolicy(KPolicyConfig(k_max=1, probe_every=3), _two_state_policy().costs, prior={"d": 0.1},
@@ -263,7 +290,7 @@ def test_a_scope_s_requests_share_one_probe_schedule_and_new_weights_shorten_it(
                                                                                  make_engine, prompts):
     """A useless draft in one scope: later requests of the scope do not re-probe it from the short
     gap, as every request did with a schedule of its own; a request of another scope does; new
-    draft weights halve every schedule's gap."""
+    draft weights halve the gap of every schedule where the draft is within reach of paying."""
     engine = make_engine(draft_proposer(random_draft), k=KPolicyConfig(k_max=4, probe_every=4, prior_alpha=0.95, ema=1e-12))
     engine.costs.verify_s.update({j: 0.010 * (1 + 0.3 * (j - 1)) for j in range(1, 6)})
     engine.costs.draft_s["draft"] = 0.002
@@ -287,12 +314,23 @@ def test_a_scope_s_requests_share_one_probe_schedule_and_new_weights_shorten_it(
     gaps = {s: engine.scope_policy[s].probes.gap.get("draft") for s in ("code", "sql")}
     assert gaps["code"] > 4 and engine.global_policy.probes.gap.get("draft") is None
     engine.scope_policy["sql"].probes.gap["draft"] = 64
-    engine.swap_draft(engine.learned_draft.runner.model.state_dict(), engine.draft_version + 1)
-    assert engine.scope_policy["code"].probes.gap["draft"] == max(4, gaps["code"] // 2)
+    weights = engine.learned_draft.runner.model.state_dict()
+    # verification dearer (v(2) = 1.5: one token pays from a > 0.7): in code the draft is out of reach
+    # (its optimistic a, ~0.5 after the failed probes, is below break-even), so its gap stands; sql
+    # never tried it (the prior, 0.95): its gap halves
+    engine.costs.verify_s.update({j: 0.010 * (1 + 0.5 * (j - 1)) for j in range(1, 6)})
+    assert not engine.scope_policy["code"].within_reach("draft") and engine.scope_policy["sql"].within_reach("draft")
+    engine.swap_draft(weights, engine.draft_version + 1)
+    assert engine.scope_policy["code"].probes.gap["draft"] == gaps["code"]
     assert engine.scope_policy["sql"].probes.gap["draft"] == 32
-    engine.stage_draft(engine.learned_draft.runner.model.state_dict(), engine.draft_version + 1)
+    engine.stage_draft(weights, engine.draft_version + 1)
     engine.install_staged()  # weights installed between steps: the same
     assert engine.scope_policy["sql"].probes.gap["draft"] == 16
+    engine.costs.verify_s.update({j: 0.010 for j in range(1, 6)})  # verification free, the draft nearly so:
+    engine.costs.draft_s["draft"] = 1e-5  # now within reach in code too, and new weights halve its gap
+    assert engine.scope_policy["code"].within_reach("draft")
+    engine.swap_draft(weights, engine.draft_version + 1)
+    assert engine.scope_policy["code"].probes.gap["draft"] == max(4, gaps["code"] // 2)
     for r in rids:
         engine.release(r)
 
