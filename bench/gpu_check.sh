@@ -5,7 +5,8 @@
 # held-out prompts of that domain) | shift | speed (bench with the starting draft) | proposers (suffix
 # tree, target-only and the controller on prompts none saw, per domain: results/suffix/run.sh speed) |
 # turns (the same in 3-turn conversations: results/suffix/run.sh turns) | feature (the feature-conditioned
-# draft learning online from the one-layer truncated target: results/suffix/run.sh feature).
+# draft learning online from the one-layer truncated target: results/suffix/run.sh feature) | turns-k
+# (the suffix tree alone in those conversations at k_max KT, default 16).
 # Each of the last three logs to $OUT/<stage>.log and prints its table; sizes NP (48 prompts), NT (20
 # conversations), NF (80 prompts). prepare: dequantise the GGUF once (cached), so that no timed stage
 # pays it. On one H100: prepare ~20 s, proposers (NP=48) 3 min, turns (NT=20) 2.5 min, feature about
@@ -53,6 +54,10 @@ for stage in "$@"; do
     turns)
       $X --n $NT --turns 3 --k 6 --adaptive --methods suffix,target,controller --json "$OUT/turns.json" >"$OUT/turns.log" 2>&1
       tail -n 6 "$OUT/turns.log" ;;
+    turns-k)  # the suffix tree alone in the same conversations at a larger k_max (KT, 16): on a GPU verifying
+              # 7-10 tokens costs about what 2-5 do, so long matches may pay where on a CPU they do not
+      $X --n $NT --turns 3 --k ${KT:-16} --adaptive --methods suffix,target --json "$OUT/turns_k${KT:-16}.json" >"$OUT/turns_k.log" 2>&1
+      tail -n 5 "$OUT/turns_k.log" ;;
     feature)
       $X --n $NF --k 4 --methods static,online --draft-kind feature --json "$OUT/feature.json" >"$OUT/feature.log" 2>&1
       tail -n 5 "$OUT/feature.log" ;;
