@@ -640,6 +640,10 @@ def report(result: dict, segment: int = 20) -> str:
         if e.get("by_source"):
             lines.append("  steps by source (mean seconds a step): " + "; ".join(
                 _step_line(src, st) for src, st in sorted(e["by_source"].items(), key=lambda kv: -kv[1]["steps"])))
+        other = _other_seconds(rows, e.get("by_source") or {})
+        if other is not None:
+            lines.append(f"  outside the draft and target calls (the engine's and proposers' own work): "
+                         f"{other[0]:.2f} s, {1000 * other[1]:.2f} ms a step")
         net = _net_seconds(e.get("by_source") or {})
         if net:
             lines.append("  seconds saved against plain steps (tokens x a plain step - time spent): "
@@ -649,6 +653,16 @@ def report(result: dict, segment: int = 20) -> str:
             lines.append("  cost model at the end: v(j) " + ", ".join(f"{j}: {v:.2f}" for j, v in c["v"].items())
                          + "".join(f"; c {src} {v:.3f}" for src, v in c["c"].items()))
     return "\n".join(lines)
+
+
+def _other_seconds(rows: list[dict], by_source: dict) -> tuple[float, float] | None:
+    """The requests' wall seconds not spent inside a draft or target call, in all and a step: what
+    proposing, accepting and bookkeeping cost (None without steps or without request times)."""
+    steps = sum(st["steps"] for st in by_source.values())
+    if not steps or not all("seconds" in r for r in rows):
+        return None
+    other = sum(r["seconds"] for r in rows) - sum(st["draft_s"] + st["target_s"] for st in by_source.values())
+    return other, other / steps
 
 
 def _net_seconds(by_source: dict) -> dict[str, float]:

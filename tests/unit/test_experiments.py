@@ -244,6 +244,7 @@ def test_other_proposers_as_methods_with_speed_and_conversations(factory):
     assert set(ctl["costs"]["c"]) >= {"draft"}
     assert "steps by source (mean seconds a step): " in text and "cost model at the end: v(j) 1: 1.00" in text
     assert "seconds saved against plain steps (tokens x a plain step - time spent): suffix " in text
+    assert "outside the draft and target calls (the engine's and proposers' own work): " in text
 
 
 def test_a_source_s_steps_as_the_report_gives_them():
@@ -265,6 +266,12 @@ def test_seconds_each_source_saved_against_plain_steps_by_hand():
     assert list(net) == ["suffix", "draft"]  # most steps first; plain steps and prefills are not drafting sources
     assert net["suffix"] == pytest.approx(10 * 0.04 - 0.242) and net["draft"] == pytest.approx(2 * 0.04 - 0.16)
     assert _net_seconds({k: v for k, v in bs.items() if k != "none"}) == {}
+    from bench.experiments import _other_seconds
+
+    rows = [{"seconds": 1.0}, {"seconds": 1.5}]  # 2.5 s of requests; the steps' calls took 1.702 s, 19 steps
+    other = _other_seconds(rows, bs)
+    assert other == pytest.approx((2.5 - 1.702, (2.5 - 1.702) / 19))
+    assert _other_seconds(rows, {}) is None and _other_seconds([{"accepted": 1}], bs) is None
     assert _net_seconds({"none": dict(bs["none"], steps=0), "draft": bs["draft"]}) == {}
 
 
