@@ -101,7 +101,10 @@ class AcceptanceEstimate:
 
     def upper(self, z: float) -> float:
         """An optimistic a: the estimate plus ``z`` standard deviations of its Beta posterior (whose
-        weight, prior strength + decayed trials, is at most about 11, so it stays wide)."""
+        weight, prior strength + decayed trials, is at most about 11, so it stays wide). A normal
+        approximation: near a = 0 the posterior's right tail is longer (after five failed probes from
+        the prior 0.6, its 97.7% quantile is 0.48 where this gives 0.38), so a draft there counts
+        as out of reach sooner; its backed-off probes still notice one that got better."""
         a = self.value
         return min(1.0, a + z * (a * (1.0 - a) / (self.strength + self.trials + 1.0)) ** 0.5)
 
