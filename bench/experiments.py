@@ -50,7 +50,7 @@ from learner.replay import LEARNED_SOURCES, ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
 from speculative.stats import SpecStats
 
-from .harness import ANY_SOURCE, _alpha, _draft_of, _f, _force_k, real_engine_factory, rows_alpha, serve_recorded
+from .harness import ANY_SOURCE, STEP_FIELDS, _alpha, _draft_of, _f, _force_k, real_engine_factory, rows_alpha, serve_recorded
 
 __all__ = ["run_online", "run_shift", "plot", "main", "order_blocks", "stream", "format_table", "serve_recorded"]
 
@@ -124,7 +124,7 @@ def stream(
     win: deque[tuple[int, int]] = deque(maxlen=window)
     dwin: dict[str, deque[tuple[int, int]]] = {}
     rows, curve, dcurve = [], [], {}
-    by_source: dict[str, dict] = {}
+    by_domain: dict[str, dict[str, dict]] = {}  # domain -> source -> step sums
     t_start = time.perf_counter()
     requests = _Conversation(engine, items, turns)
     total = len(items) * turns  # requests
@@ -132,7 +132,7 @@ def stream(
         counted = SpecStats()
         replica = replicas.route() if replicas is not None else None
         rec, acc, prop, gen = serve_recorded(engine, prompt, params, domain=domain, draft_id=DRAFT_ID, sources=sources,
-                                             stats=counted, by_source=by_source)
+                                             stats=counted, by_source=by_domain.setdefault(domain, {}))
         requests.send(gen.text)  # the next turn of a conversation answers it
         if replicas is not None:
             replicas.finished(i, gen.token_ids, domain)
@@ -163,7 +163,19 @@ def stream(
                 v = row["draft_version"]
                 log(f"[{label}] {i}/{total} {domain}: alpha {row['alpha'] if row['alpha'] is None else round(row['alpha'], 3)}"
                     f" window {a if a is None else round(a, 3)} (draft v{v}, {time.perf_counter() - t_start:.1f}s)")
-    return {"rows": rows, "curve": curve, "domain_curves": dcurve, "by_source": by_source}
+    return {"rows": rows, "curve": curve, "domain_curves": dcurve, "by_source": _sum_steps(by_domain.values()),
+            "by_domain_source": by_domain}
+
+
+def _sum_steps(parts) -> dict[str, dict]:
+    """Several ``by_source`` dicts (source -> step sums) added up into one."""
+    out: dict[str, dict] = {}
+    for part in parts:
+        for src, st in part.items():
+            acc = out.setdefault(src, dict.fromkeys(STEP_FIELDS, 0))
+            for f in STEP_FIELDS:
+                acc[f] += st[f]
+    return out
 
 
 class _Replicas:
@@ -371,7 +383,7 @@ def _run_methods(
             learner.close()
         entry.update(_summary(res, window))
         entry.update(curve=res["curve"], domain_curves=res["domain_curves"], rows=res["rows"], by_source=res["by_source"],
-                     costs=_costs(engine))
+                     by_domain_source=res["by_domain_source"], costs=_costs(engine))
         if m == "controller":
             entry["picks"] = dict(engine.proposer.picks)
         out[m] = entry
@@ -648,6 +660,10 @@ def report(result: dict, segment: int = 20) -> str:
         if net:
             lines.append("  seconds saved against plain steps (tokens x a plain step - time spent): "
                          + ", ".join(f"{src} {v:+.2f}" for src, v in net.items()))
+            per = {d: _net_seconds(bs) for d, bs in (e.get("by_domain_source") or {}).items()}
+            if any(per.values()):
+                lines.append("  the same by domain: " + "; ".join(
+                    f"{d} " + ", ".join(f"{src} {v:+.2f}" for src, v in n.items()) for d, n in per.items() if n))
         if e.get("costs", {}).get("v"):
             c = e["costs"]
             lines.append("  cost model at the end: v(j) " + ", ".join(f"{j}: {v:.2f}" for j, v in c["v"].items())

@@ -238,12 +238,20 @@ def test_other_proposers_as_methods_with_speed_and_conversations(factory):
         tokens = sum(r["tokens"] for r in e["rows"])
         assert sum(st["steps"] + st["accepted"] for st in bs.values()) >= tokens, m  # a step emits up to accepted + 1
         assert set(e["costs"]["v"]) >= {"1"} and all(v >= 1.0 for v in e["costs"]["v"].values()), m
+        per = e["by_domain_source"]  # the same steps by domain, which add up to them
+        assert set(per) == {r["domain"] for r in e["rows"]}, m
+        for d, dbs in per.items():
+            assert dbs["prefill"]["steps"] == sum(r["domain"] == d for r in e["rows"]), (m, d)
+            assert sum(st["accepted"] for st in dbs.values()) == sum(r["accepted"] for r in e["rows"] if r["domain"] == d)
+        for src, st in bs.items():
+            assert all(sum(per[d].get(src, {}).get(f, 0) for d in per) == pytest.approx(st[f]) for f in st), (m, src)
     picks, bs = ctl["picks"], ctl["by_source"]
     assert all(bs.get(src, {"steps": 0})["steps"] <= n for src, n in picks.items())
     assert sum(picks.values()) - sum(bs[src]["steps"] for src in picks if src in bs) <= bs["prefill"]["steps"]
     assert set(ctl["costs"]["c"]) >= {"draft"}
     assert "steps by source (mean seconds a step): " in text and "cost model at the end: v(j) 1: 1.00" in text
     assert "seconds saved against plain steps (tokens x a plain step - time spent): suffix " in text
+    assert "  the same by domain: " in text
     assert "outside the draft and target calls (the engine's and proposers' own work): " in text
 
 
@@ -253,6 +261,19 @@ def test_a_source_s_steps_as_the_report_gives_them():
     st = {"steps": 4, "proposed": 10, "accepted": 6, "draft_s": 0.002, "target_s": 0.1}
     assert _step_line("suffix", st) == "suffix 4 (6/10 accepted), target 25.0 ms + draft 0.5 ms"
     assert _step_line("none", {"steps": 2, "proposed": 0, "accepted": 0, "draft_s": 0.0, "target_s": 0.05}) == "none 2, target 25.0 ms"
+
+
+def test_step_sums_of_several_parts_add_up_by_hand():
+    from bench.experiments import _sum_steps
+
+    a = {"none": {"steps": 2, "proposed": 0, "accepted": 0, "draft_s": 0.0, "target_s": 0.5}}
+    b = {"none": {"steps": 1, "proposed": 0, "accepted": 0, "draft_s": 0.0, "target_s": 0.25},
+         "draft": {"steps": 3, "proposed": 4, "accepted": 2, "draft_s": 0.1, "target_s": 0.3}}
+    out = _sum_steps([a, b])
+    assert out == {"none": {"steps": 3, "proposed": 0, "accepted": 0, "draft_s": 0.0, "target_s": 0.75},
+                   "draft": b["draft"]}
+    assert out["draft"] is not b["draft"] and a["none"]["steps"] == 2  # the parts are left as they were
+    assert _sum_steps([]) == {}
 
 
 def test_seconds_each_source_saved_against_plain_steps_by_hand():
