@@ -649,14 +649,15 @@ def report(result: dict, segment: int = 20) -> str:
                 ratio = {d: v / base[d] for d, v in speed.items() if v and base.get(d)}
             lines.append("  tokens/s: " + ", ".join(f"{d} {v:.1f}" + (f" ({ratio[d]:.3f}x)" if d in ratio else "")
                                                      for d, v in speed.items() if v))
-        if e.get("by_source"):
+        steps = e.get("by_source") or {}
+        if steps:
             lines.append("  steps by source (mean seconds a step): " + "; ".join(
-                _step_line(src, st) for src, st in sorted(e["by_source"].items(), key=lambda kv: -kv[1]["steps"])))
-        other = _other_seconds(rows, e.get("by_source") or {})
+                _step_line(src, st) for src, st in sorted(steps.items(), key=lambda kv: -kv[1]["steps"])))
+        other = _other_seconds(rows, steps)
         if other is not None:
             lines.append(f"  outside the draft and target calls (the engine's and proposers' own work): "
                          f"{other[0]:.2f} s, {1000 * other[1]:.2f} ms a step")
-        net = _net_seconds(e.get("by_source") or {})
+        net = _net_seconds(steps)
         if net:
             lines.append("  seconds saved against plain steps (tokens x a plain step - time spent): "
                          + ", ".join(f"{src} {v:+.2f}" for src, v in net.items()))

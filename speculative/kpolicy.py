@@ -103,7 +103,7 @@ class AcceptanceEstimate:
         """An optimistic a: the estimate plus ``z`` standard deviations of its Beta posterior (whose
         weight, prior strength + decayed trials, is at most about 11, so it stays wide). A normal
         approximation: near a = 0 the posterior's right tail is longer (after five failed probes from
-        the prior 0.6, its 97.7% quantile is 0.48 where this gives 0.38), so a draft there counts
+        the prior 0.6, Beta(0.6, 4.5), its 97.7% quantile is 0.48 where this gives 0.38), so a draft there counts
         as out of reach sooner; its backed-off probes still notice one that got better."""
         a = self.value
         return min(1.0, a + z * (a * (1.0 - a) / (self.strength + self.trials + 1.0)) ** 0.5)
@@ -121,8 +121,9 @@ class ProbeSchedule:
     ``probe_every``), the gap doubling while probes fail, up to ``MAX_PROBE_GAP``; a step that
     drafts for real starts it over. The engine gives the requests of one scope one schedule, so a
     draft that the scope's traffic found useless is not probed again from the short gap by every
-    new request; new draft weights halve the gap (:meth:`sooner`): a learner publishing every few
-    requests would otherwise bring the short gap back each time, and the probes with it."""
+    new request. New draft weights may halve the gap (:meth:`sooner`; the engine does so only where
+    the draft is within reach of paying, :meth:`KPolicy.within_reach`): restarting it instead would
+    bring the short gap back with every publication of a learner publishing every few requests."""
 
     probe_every: int
     idle: dict[str, int] = field(default_factory=dict)  # steps at k = 0 since the last probe
