@@ -40,7 +40,7 @@ import sys
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 import torch
 
@@ -119,6 +119,57 @@ def stream(
     train (subscriber: ``engine.swap_draft``). Alpha counts the steps ``sources`` drafted. With
     ``turns`` > 1 every item is a conversation of that many requests; with ``replicas`` each
     request is drafted by one replica's proposer. Returns per-request rows and the window curves."""
+    return _drain(stream_requests(engine, items, max_tokens=max_tokens, learner=learner, budget=budget,
+                                  eval_every=eval_every, window=window, ignore_eos=ignore_eos, log=log, label=label,
+                                  sources=sources, turns=turns, replicas=replicas))
+
+
+def _drain(requests: Iterator[None]) -> Any:
+    """Run a generator to its end and return what it returns."""
+    while True:
+        try:
+            next(requests)
+        except StopIteration as done:
+            return done.value
+
+
+def interleave(runs: Sequence[Iterator[None]]) -> list:
+    """Advance ``runs`` (generators of :func:`stream_requests`) one request each in turn until all end;
+    what each returned, in order. Each round starts one run later than the last, so that no run
+    always follows the same one. Drift in the machine's speed then falls on every run alike."""
+    out: list = [None] * len(runs)
+    live = list(range(len(runs)))
+    turn = 0
+    while live:
+        shift = turn % len(live)
+        for i in live[shift:] + live[:shift]:
+            try:
+                next(runs[i])
+            except StopIteration as done:
+                out[i] = done.value
+                live.remove(i)
+        turn += 1
+    return out
+
+
+def stream_requests(
+    engine,
+    items: list[tuple[Any, str]],
+    *,
+    max_tokens: int,
+    learner: OnlineLearner | None = None,
+    budget: _RoundBudget | None = None,
+    eval_every: int = 1,
+    window: int = 20,
+    ignore_eos: bool = False,
+    log: Callable[[str], None] | None = print,
+    label: str = "",
+    sources: tuple[str, ...] = ("draft",),
+    turns: int = 1,
+    replicas: _Replicas | None = None,
+) -> Generator[None, None, dict]:
+    """:func:`stream` as a generator that yields after each request (and its learner round) and
+    returns the same result: what :func:`interleave` advances."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
     subs = [engine.swap_draft] if engine.learned_draft is not None else []
     win: deque[tuple[int, int]] = deque(maxlen=window)
@@ -131,6 +182,7 @@ def stream(
     for i, (prompt, domain, turn) in enumerate(requests, start=1):
         counted = SpecStats()
         replica = replicas.route() if replicas is not None else None
+        started = time.time()
         rec, acc, prop, gen = serve_recorded(engine, prompt, params, domain=domain, draft_id=DRAFT_ID, sources=sources,
                                              stats=counted, by_source=by_domain.setdefault(domain, {}))
         requests.send(gen.text)  # the next turn of a conversation answers it
@@ -139,7 +191,7 @@ def stream(
         draft = engine.learned_draft
         row = {"i": i, "domain": domain, "accepted": acc, "proposed": prop, "rejected": counted.rejected,
                "alpha": _alpha(acc, prop),
-               "tokens": len(gen.token_ids), "seconds": gen.seconds, "turn": turn,
+               "tokens": len(gen.token_ids), "seconds": gen.seconds, "started": started, "turn": turn,
                "draft_version": int(draft.version) if draft is not None else 0}
         if replica is not None:
             row["replica"] = replica
@@ -163,6 +215,7 @@ def stream(
                 v = row["draft_version"]
                 log(f"[{label}] {i}/{total} {domain}: alpha {row['alpha'] if row['alpha'] is None else round(row['alpha'], 3)}"
                     f" window {a if a is None else round(a, 3)} (draft v{v}, {time.perf_counter() - t_start:.1f}s)")
+        yield
     return {"rows": rows, "curve": curve, "domain_curves": dcurve, "by_source": _sum_steps(by_domain.values()),
             "by_domain_source": by_domain}
 
@@ -329,8 +382,11 @@ def _run_methods(
     log,
     adaptive: bool = False,
     turns: int = 1,
+    interleaved: bool = False,
 ) -> dict:
-    out = {}
+    """Each method's stream on a fresh engine, one method after another or, ``interleaved``, request
+    by request in turn (:func:`interleave`; every engine is built first)."""
+    out, runs = {}, []
     for m in methods:
         engine = engine_factory()
         if adaptive:  # the engine's k policy (k_max = k), on costs measured now
@@ -369,26 +425,37 @@ def _run_methods(
             entry["rounds"] = entry["accepted_rounds"] = 1
         elif m != "static":
             raise ValueError(f"unknown method {m!r}")
-        res = stream(engine, items, max_tokens=max_tokens, learner=learner, budget=budget, eval_every=eval_every,
-                     window=window, ignore_eos=ignore_eos, log=log, label=m, sources=sources, turns=turns,
-                     replicas=replicas)
-        if learner is not None:
-            reps = learner.reports
-            entry["training_seconds"] = sum(r.seconds for r in reps)
-            entry["rounds"] = len(reps)
-            entry["accepted_rounds"] = sum(1 for r in reps if r.accepted and r.steps > 0)
-            entry["rejected_rounds"] = sum(1 for r in reps if not r.accepted)
-            entry["versions_published"] = sum(1 for r in reps if r.version is not None)
-            entry["reports"] = [r.to_dict() for r in reps]
-            learner.close()
-        entry.update(_summary(res, window))
-        entry.update(curve=res["curve"], domain_curves=res["domain_curves"], rows=res["rows"], by_source=res["by_source"],
-                     by_domain_source=res["by_domain_source"], costs=_costs(engine))
-        if m == "controller":
-            entry["picks"] = dict(engine.proposer.picks)
-        out[m] = entry
+        run = stream_requests(engine, items, max_tokens=max_tokens, learner=learner, budget=budget,
+                              eval_every=eval_every, window=window, ignore_eos=ignore_eos, log=log, label=m,
+                              sources=sources, turns=turns, replicas=replicas)
+        if interleaved:
+            runs.append((m, engine, entry, learner, run))
+        else:  # this method's whole stream before the next method's engine is built
+            out[m] = _finish_method(m, engine, entry, learner, _drain(run), window)
+    if interleaved:
+        for (m, engine, entry, learner, _), res in zip(runs, interleave([r[-1] for r in runs])):
+            out[m] = _finish_method(m, engine, entry, learner, res, window)
     _speedups(out)
     return out
+
+
+def _finish_method(m: str, engine, entry: dict, learner, res: dict, window: int) -> dict:
+    """A method's entry of the result from its stream ``res``: learner rounds, summary, rows, steps."""
+    if learner is not None:
+        reps = learner.reports
+        entry["training_seconds"] = sum(r.seconds for r in reps)
+        entry["rounds"] = len(reps)
+        entry["accepted_rounds"] = sum(1 for r in reps if r.accepted and r.steps > 0)
+        entry["rejected_rounds"] = sum(1 for r in reps if not r.accepted)
+        entry["versions_published"] = sum(1 for r in reps if r.version is not None)
+        entry["reports"] = [r.to_dict() for r in reps]
+        learner.close()
+    entry.update(_summary(res, window))
+    entry.update(curve=res["curve"], domain_curves=res["domain_curves"], rows=res["rows"], by_source=res["by_source"],
+                 by_domain_source=res["by_domain_source"], costs=_costs(engine))
+    if m == "controller":
+        entry["picks"] = dict(engine.proposer.picks)
+    return entry
 
 
 def _costs(engine) -> dict:
@@ -447,12 +514,14 @@ def run_online(
     log: Callable[[str], None] | None = print,
     adaptive: bool = False,
     turns: int = 1,
+    interleaved: bool = False,
 ) -> dict:
     """Alpha over the stream for static / online / offline (bound trained on ALL prompts) /
     ``offline@<pct>`` (trained on the first pct% only: over the rest of the stream it measures
     what offline training on this domain's earlier prompts carries over to new ones).
 
     ``engine_factory()`` must return a fresh engine with a fresh copy of the same starting draft.
+    ``interleaved``: the methods serve the stream request by request in turn (:func:`interleave`).
     ``k``: fixed draft length (None keeps the engine's policy). ``seconds_per_round``: wall budget
     of one online round (None: ``learner_cfg.steps_per_round`` steps). ``distill_cfg``: the
     offline bound's training (default: 3 epochs, lr = learner lr x 10, <= 120 s).
@@ -461,7 +530,8 @@ def run_online(
     offline = {m: [p for p, _ in items[: _offline_count(m, len(items))]] for m in methods if m.startswith("offline")}
     return _run_stream("online", engine_factory, items, learner_cfg, methods, offline, {}, eval_every=eval_every,
                        max_tokens=max_tokens, k=k, window=window, seconds_per_round=seconds_per_round,
-                       distill_cfg=distill_cfg, ignore_eos=ignore_eos, log=log, adaptive=adaptive, turns=turns)
+                       distill_cfg=distill_cfg, ignore_eos=ignore_eos, log=log, adaptive=adaptive, turns=turns,
+                       interleaved=interleaved)
 
 
 def paired_gain(result: dict, method: str, base: str = "static", start: int | None = None) -> dict:
@@ -519,6 +589,7 @@ def run_shift(
     log: Callable[[str], None] | None = print,
     adaptive: bool = False,
     turns: int = 1,
+    interleaved: bool = False,
 ) -> dict:
     """Domain-shift stream (blocks in ``order``): static, online, and ``offline@<pct>`` drafts
     trained on the first ``fraction`` of the stream. ``boundaries`` mark the blocks."""
@@ -530,11 +601,13 @@ def run_shift(
     extra = {"order": [b["domain"] for b in bounds], "boundaries": bounds, "fractions": list(fractions)}
     return _run_stream("shift", engine_factory, items, learner_cfg, methods, offline, extra, eval_every=eval_every,
                        max_tokens=max_tokens, k=k, window=window, seconds_per_round=seconds_per_round,
-                       distill_cfg=distill_cfg, ignore_eos=ignore_eos, log=log, adaptive=adaptive, turns=turns)
+                       distill_cfg=distill_cfg, ignore_eos=ignore_eos, log=log, adaptive=adaptive, turns=turns,
+                       interleaved=interleaved)
 
 
 def _run_stream(experiment, engine_factory, items, learner_cfg, methods, offline, extra, *, eval_every, max_tokens,
-                k, window, seconds_per_round, distill_cfg, ignore_eos, log, adaptive=False, turns=1) -> dict:
+                k, window, seconds_per_round, distill_cfg, ignore_eos, log, adaptive=False, turns=1,
+                interleaved=False) -> dict:
     """What online and shift share: the default offline training, the methods' runs, the report."""
     _check_common(methods, eval_every, window, max_tokens)
     distill_cfg = distill_cfg or DistillConfig(max_tokens=max_tokens, seconds=120.0, epochs=3, warmup_steps=0,
@@ -542,8 +615,9 @@ def _run_stream(experiment, engine_factory, items, learner_cfg, methods, offline
     res = _run_methods(engine_factory, items, methods, learner_cfg, offline_prompts=offline, distill_cfg=distill_cfg,
                        max_tokens=max_tokens, k=k, eval_every=eval_every, window=window,
                        seconds_per_round=seconds_per_round, ignore_eos=ignore_eos, log=log, adaptive=adaptive,
-                       turns=turns)
-    return {"experiment": experiment, "n_records": len(items), "turns": turns, "adaptive": adaptive, **extra,
+                       turns=turns, interleaved=interleaved)
+    return {"experiment": experiment, "n_records": len(items), "turns": turns, "adaptive": adaptive,
+            "interleaved": interleaved, **extra,
             "domains": list(dict.fromkeys(d for _, d in items)), "max_tokens": max_tokens, "k": k,
             "eval_every": eval_every, "window": window, "learner": json.loads(learner_cfg.model_dump_json()),
             "distill": json.loads(distill_cfg.model_dump_json()), "methods": res}
@@ -653,6 +727,8 @@ def report(result: dict, segment: int = 20) -> str:
         if steps:
             lines.append("  steps by source (mean seconds a step): " + "; ".join(
                 _step_line(src, st) for src, st in sorted(steps.items(), key=lambda kv: -kv[1]["steps"])))
+        if (per_step := _tokens_per_step(rows, steps)) is not None:
+            lines.append(f"  tokens a target step: {per_step:.3f} (what the machine's speed does not move)")
         other = _other_seconds(rows, steps)
         if other is not None:
             lines.append(f"  outside the draft and target calls (the engine's and proposers' own work): "
@@ -670,6 +746,13 @@ def report(result: dict, segment: int = 20) -> str:
             lines.append("  cost model at the end: v(j) " + ", ".join(f"{j}: {v:.2f}" for j, v in c["v"].items())
                          + "".join(f"; c {src} {v:.3f}" for src, v in c["c"].items()))
     return "\n".join(lines)
+
+
+def _tokens_per_step(rows: list[dict], by_source: dict) -> float | None:
+    """Output tokens over target steps (every step is one target call): a method's gain that no
+    change in the machine's speed moves (None without steps)."""
+    steps = sum(st["steps"] for st in by_source.values())
+    return sum(r["tokens"] for r in rows) / steps if steps else None
 
 
 def _other_seconds(rows: list[dict], by_source: dict) -> tuple[float, float] | None:
@@ -725,6 +808,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--k", type=int, default=4, help="fixed draft length (with --adaptive: the k policy's k_max)")
         p.add_argument("--adaptive", action="store_true", help="the engine's adaptive k policy instead of a fixed k")
         p.add_argument("--turns", type=int, default=1, help="requests per record: a conversation re-sending its history")
+        p.add_argument("--interleave", action="store_true",
+                       help="serve the methods request by request in turn (all engines built first), so that drift in "
+                            "the machine's speed falls on every method alike; default: one method after another")
         p.add_argument("--eval-every", type=int, default=1)
         p.add_argument("--window", type=int, default=10, help="moving-window size (records)")
         p.add_argument("--methods", default=None,
@@ -906,7 +992,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     methods = tuple(args.methods.split(",")) if args.methods else None
     common = dict(eval_every=args.eval_every, max_tokens=args.max_tokens, k=args.k, window=args.window,
                   seconds_per_round=args.seconds_per_round, distill_cfg=dcfg, log=log, adaptive=args.adaptive,
-                  turns=args.turns)
+                  turns=args.turns, interleaved=args.interleave)
     if args.cmd == "online":
         result = run_online(factory, records, lcfg, methods=methods or ("static", "online", "offline"), **common)
     else:

@@ -6,11 +6,13 @@
 # tree, target-only and the controller on prompts none saw, per domain: results/suffix/run.sh speed) |
 # turns (the same in 3-turn conversations: results/suffix/run.sh turns) | feature (the feature-conditioned
 # draft learning online from the one-layer truncated target: results/suffix/run.sh feature) | turns-k
-# (the suffix tree alone in those conversations at k_max KT, default 16).
+# (the suffix tree alone in those conversations at k_max KT, default 16; CT=1 adds the controller).
 # Each of the last three logs to $OUT/<stage>.log and prints its table; sizes NP (48 prompts), NT (20
 # conversations), NF (80 prompts). prepare: dequantise the GGUF once (cached), so that no timed stage
 # pays it. On one H100: prepare ~20 s, proposers (NP=48) 3 min, turns (NT=20) 2.5 min, feature about
 # 2 s a record and method. A machine without network: bench/offline_setup.sh first.
+# The proposer stages serve their methods interleaved, request by request (--interleave): a plain step's
+# time on the H100 moved by 15-25% between methods run one after another. IL= (empty) runs them so.
 # SMOKE=1 runs the same commands with tiny sizes (DEVICE=cpu works too) to check the script.
 set -euo pipefail
 G=${G:?path of the target .gguf}
@@ -23,6 +25,7 @@ OSD="${PYTHON:-python3} -m osd.cli"
 if [ "${SMOKE:-0}" = 1 ]; then R=2; N=6; NB=2; T=8; OFF=3; NP=4; NT=4; NF=4; TP=8
 else R=25; N=${N:-150}; NB=${NB:-30}; T=32; OFF=${OFF:-45}; NP=${NP:-48}; NT=${NT:-20}; NF=${NF:-80}; TP=48; fi
 X="$OSD experiment online --target $G --device $DEVICE --workload bench/data/workload.jsonl --max-tokens $TP --window 10 --eval-every 2 --quantize ${QUANT:-auto}"
+IL=${IL---interleave}
 LEARN="--max-tokens $T --k 4 --train-every 4 --batch-records 16 --steps-per-round 8 --lr 1e-3 --gate-margin 0.02
        --window 20 --offline-seconds $OFF --offline-epochs 3 --offline-lr 1e-3 --head-vocab 8192 --threads 4"
 for stage in "$@"; do
@@ -49,14 +52,14 @@ for stage in "$@"; do
     prepare)
       ${PYTHON:-python3} -c "from speculative.models import resolve_model_folder; print(resolve_model_folder('$G')[0])" ;;
     proposers)
-      $X --n $NP --k 6 --adaptive --methods suffix,target,controller --json "$OUT/proposers.json" >"$OUT/proposers.log" 2>&1
+      $X --n $NP --k 6 --adaptive --methods suffix,target,controller $IL --json "$OUT/proposers.json" >"$OUT/proposers.log" 2>&1
       tail -n 6 "$OUT/proposers.log" ;;
     turns)
-      $X --n $NT --turns 3 --k 6 --adaptive --methods suffix,target,controller --json "$OUT/turns.json" >"$OUT/turns.log" 2>&1
+      $X --n $NT --turns 3 --k 6 --adaptive --methods suffix,target,controller $IL --json "$OUT/turns.json" >"$OUT/turns.log" 2>&1
       tail -n 6 "$OUT/turns.log" ;;
     turns-k)  # the suffix tree alone in the same conversations at a larger k_max (KT, 16): on a GPU verifying
               # 7-10 tokens costs about what 2-5 do, so long matches may pay where on a CPU they do not
-      $X --n $NT --turns 3 --k ${KT:-16} --adaptive --methods suffix,target --json "$OUT/turns_k${KT:-16}.json" >"$OUT/turns_k.log" 2>&1
+      $X --n $NT --turns 3 --k ${KT:-16} --adaptive --methods suffix,target${CT:+,controller} $IL --json "$OUT/turns_k${KT:-16}.json" >"$OUT/turns_k.log" 2>&1
       tail -n 5 "$OUT/turns_k.log" ;;
     feature)
       $X --n $NF --k 4 --methods static,online --draft-kind feature --json "$OUT/feature.json" >"$OUT/feature.log" 2>&1

@@ -253,6 +253,9 @@ def test_other_proposers_as_methods_with_speed_and_conversations(factory):
     assert "seconds saved against plain steps (tokens x a plain step - time spent): suffix " in text
     assert "  the same by domain: " in text
     assert "outside the draft and target calls (the engine's and proposers' own work): " in text
+    steps = sum(st["steps"] for st in ms["suffix"]["by_source"].values())
+    per = sum(r["tokens"] for r in ms["suffix"]["rows"]) / steps
+    assert f"  tokens a target step: {per:.3f} (what the machine's speed does not move)" in text
 
 
 def test_a_source_s_steps_as_the_report_gives_them():
@@ -315,12 +318,66 @@ def test_a_stream_of_several_files_keeps_each_text_once_and_the_sources_asked_fo
     assert main(["online", "--workload", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--sources", "stdlib",
                  "humaneval", "champ", "gsm", "--n", "10", "--max-tokens", "4", "--k", "2", "--methods", "static,online",
                  "--target", folder, "--draft-kind", "feature", "--feature-loss", "1.0", "--train-every", "2",
-                 "--batch-records", "2", "--threads", "1", "--quiet", "--json", str(out)]) == 0
+                 "--batch-records", "2", "--threads", "1", "--interleave", "--quiet", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["workload"] == f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}"
     # code: f (once), g; math: the champ and the gsm records; chat's source not asked for
     assert [r["domain"] for r in res["methods"]["static"]["rows"]] == ["code", "math", "code", "math"]
     assert res["methods"]["online"]["rounds"] == 2
+    assert res["interleaved"] is True  # --interleave: the two methods took turns, request by request
+    static, online = ([r["started"] for r in res["methods"][m]["rows"]] for m in ("static", "online"))
+    assert all(max(a, b) < min(c, d) for a, b, c, d in zip(static, online, static[1:], online[1:]))
+
+
+def test_interleave_advances_each_run_a_request_in_turn_by_hand():
+    """Three runs of 3, 1 and 2 requests: each round serves every live run once, starting one run
+    later than the round before; a run that ends drops out, and what each returned comes back in
+    the runs' order."""
+    from bench.experiments import interleave
+
+    served = []
+
+    def run(name, n):
+        for i in range(n):
+            served.append(f"{name}{i}")
+            yield
+        return name * n
+
+    assert interleave([run("a", 3), run("b", 1), run("c", 2)]) == ["aaa", "b", "cc"]
+    # round 0 from a; round 1 from b (which ends), then c, a; round 2 from the first live run again
+    assert served == ["a0", "b0", "c0", "c1", "a1", "a2"]
+    assert interleave([]) == []
+
+
+def test_interleaved_methods_serve_the_same_stream_in_turns(factory):
+    """target, lookup and suffix interleaved over two-turn conversations: every method's request i
+    starts before any method's request i + 1, and each method serves what it serves alone (the same
+    token counts; the suffix tree still drafts the re-sent answer), its own steps apart."""
+    recs = RECORDS[:4]
+    kw = dict(methods=("target", "lookup", "suffix"), max_tokens=12, k=4, window=3, ignore_eos=True, log=None, turns=2)
+    apart = run_online(factory, recs, LCFG, **kw)
+    both = run_online(factory, recs, LCFG, interleaved=True, **kw)
+    assert both["interleaved"] is True and apart["interleaved"] is False
+    starts = [[r["started"] for r in both["methods"][m]["rows"]] for m in kw["methods"]]
+    assert all(max(col) < min(nxt) for col, nxt in zip(zip(*starts), list(zip(*starts))[1:]))
+    seq = [[r["started"] for r in apart["methods"][m]["rows"]] for m in kw["methods"]]
+    assert seq[0][-1] < seq[1][0] < seq[1][-1] < seq[2][0]  # one method after another
+    for m in kw["methods"]:
+        a, b = apart["methods"][m], both["methods"][m]
+        assert [(r["domain"], r["turn"], r["tokens"]) for r in a["rows"]] == [(r["domain"], r["turn"], r["tokens"]) for r in b["rows"]]
+        assert b["by_source"]["prefill"]["steps"] == 2 * len(recs)
+    assert sum(r["accepted"] for r in both["methods"]["suffix"]["rows"] if r["turn"] == 2) > 0
+    assert sum(r["proposed"] for r in both["methods"]["target"]["rows"]) == 0
+
+
+def test_tokens_a_target_step_by_hand():
+    from bench.experiments import _tokens_per_step
+
+    bs = {"none": {"steps": 6, "proposed": 0, "accepted": 0, "draft_s": 0.0, "target_s": 0.3},
+          "suffix": {"steps": 4, "proposed": 9, "accepted": 5, "draft_s": 0.0, "target_s": 0.2}}
+    rows = [{"tokens": 8}, {"tokens": 7}]
+    assert _tokens_per_step(rows, bs) == pytest.approx(15 / 10)
+    assert _tokens_per_step(rows, {}) is None
 
 
 def test_the_report_gives_per_token_acceptance_per_segment():
