@@ -728,7 +728,7 @@ def report(result: dict, segment: int = 20) -> str:
             lines.append("  steps by source (mean seconds a step): " + "; ".join(
                 _step_line(src, st) for src, st in sorted(steps.items(), key=lambda kv: -kv[1]["steps"])))
         if (per_step := _tokens_per_step(rows, steps)) is not None:
-            lines.append(f"  tokens a target step: {per_step:.3f} (what the machine's speed does not move)")
+            lines.append(f"  tokens a target step: {per_step:.3f} (counted, not timed)")
         other = _other_seconds(rows, steps)
         if other is not None:
             lines.append(f"  outside the draft and target calls (the engine's and proposers' own work): "
@@ -749,8 +749,8 @@ def report(result: dict, segment: int = 20) -> str:
 
 
 def _tokens_per_step(rows: list[dict], by_source: dict) -> float | None:
-    """Output tokens over target steps (every step is one target call): a method's gain that no
-    change in the machine's speed moves (None without steps)."""
+    """Output tokens over target steps (every step is one target call): a method's gain counted,
+    not timed; the machine's speed moves it only through the k policy's choices (None without steps)."""
     steps = sum(st["steps"] for st in by_source.values())
     return sum(r["tokens"] for r in rows) / steps if steps else None
 

@@ -255,7 +255,7 @@ def test_other_proposers_as_methods_with_speed_and_conversations(factory):
     assert "outside the draft and target calls (the engine's and proposers' own work): " in text
     steps = sum(st["steps"] for st in ms["suffix"]["by_source"].values())
     per = sum(r["tokens"] for r in ms["suffix"]["rows"]) / steps
-    assert f"  tokens a target step: {per:.3f} (what the machine's speed does not move)" in text
+    assert f"  tokens a target step: {per:.3f} (counted, not timed)" in text
 
 
 def test_a_source_s_steps_as_the_report_gives_them():
