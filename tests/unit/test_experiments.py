@@ -346,6 +346,9 @@ def test_interleave_advances_each_run_a_request_in_turn_by_hand():
     assert interleave([run("a", 3), run("b", 1), run("c", 2)]) == ["aaa", "b", "cc"]
     # round 0 from a; round 1 from b (which ends), then c, a; round 2 from the first live run again
     assert served == ["a0", "b0", "c0", "c1", "a1", "a2"]
+    served.clear()  # equal runs: the first of each round moves on by one, a, b, c, then a again
+    assert interleave([run("a", 4), run("b", 4), run("c", 4)]) == ["aaaa", "bbbb", "cccc"]
+    assert [x[0] for x in served] == list("abc" "bca" "cab" "abc")
     assert interleave([]) == []
 
 
