@@ -99,29 +99,9 @@ class _RoundBudget:
         return self.seconds is not None and time.perf_counter() - self.t0 > self.seconds
 
 
-def stream(
-    engine,
-    items: list[tuple[Any, str]],
-    *,
-    max_tokens: int,
-    learner: OnlineLearner | None = None,
-    budget: _RoundBudget | None = None,
-    eval_every: int = 1,
-    window: int = 20,
-    ignore_eos: bool = False,
-    log: Callable[[str], None] | None = print,
-    label: str = "",
-    sources: tuple[str, ...] = ("draft",),
-    turns: int = 1,
-    replicas: _Replicas | None = None,
-) -> dict:
-    """Stream ``items`` through ``engine`` (greedy); with a learner, observe each request's record and
-    train (subscriber: ``engine.swap_draft``). Alpha counts the steps ``sources`` drafted. With
-    ``turns`` > 1 every item is a conversation of that many requests; with ``replicas`` each
-    request is drafted by one replica's proposer. Returns per-request rows and the window curves."""
-    return _drain(stream_requests(engine, items, max_tokens=max_tokens, learner=learner, budget=budget,
-                                  eval_every=eval_every, window=window, ignore_eos=ignore_eos, log=log, label=label,
-                                  sources=sources, turns=turns, replicas=replicas))
+def stream(engine, items: list[tuple[Any, str]], **kw: Any) -> dict:
+    """:func:`stream_requests` (same arguments) run to its end: per-request rows and the window curves."""
+    return _drain(stream_requests(engine, items, **kw))
 
 
 def _drain(requests: Iterator[None]) -> Any:
@@ -168,8 +148,12 @@ def stream_requests(
     turns: int = 1,
     replicas: _Replicas | None = None,
 ) -> Generator[None, None, dict]:
-    """:func:`stream` as a generator that yields after each request (and its learner round) and
-    returns the same result: what :func:`interleave` advances."""
+    """Stream ``items`` through ``engine`` (greedy); with a learner, observe each request's record and
+    train (subscriber: ``engine.swap_draft``). Alpha counts the steps ``sources`` drafted. With
+    ``turns`` > 1 every item is a conversation of that many requests; with ``replicas`` each
+    request is drafted by one replica's proposer. A generator: it yields after each request (and
+    its learner round), which :func:`interleave` advances, and returns per-request rows and the
+    window curves (:func:`stream` runs it to its end)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
     subs = [engine.swap_draft] if engine.learned_draft is not None else []
     win: deque[tuple[int, int]] = deque(maxlen=window)
