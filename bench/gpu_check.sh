@@ -7,8 +7,8 @@
 # turns (the same in 3-turn conversations: results/suffix/run.sh turns) | feature (the feature-conditioned
 # draft learning online from the one-layer truncated target: results/suffix/run.sh feature) | turns-k
 # (the suffix tree alone in those conversations at k_max KT, default 16; CT=1 adds the controller).
-# Each of the last three logs to $OUT/<stage>.log and prints its table; sizes NP (48 prompts), NT (20
-# conversations), NF (80 prompts). prepare: dequantise the GGUF once (cached), so that no timed stage
+# proposers, turns, turns-k and feature log to $OUT/<stage>.log (turns-k: turns_k.log) and print their
+# tables; sizes NP (48 prompts), NT (20 conversations), NF (80 prompts). prepare: dequantise the GGUF once (cached), so that no timed stage
 # pays it. On one H100: prepare ~20 s, proposers (NP=48) 3 min, turns (NT=20) 2.5 min, feature about
 # 2 s a record and method. A machine without network: bench/offline_setup.sh first.
 # The proposer stages serve their methods interleaved, request by request (--interleave): a plain step's
@@ -57,8 +57,8 @@ for stage in "$@"; do
     turns)
       $X --n $NT --turns 3 --k 6 --adaptive --methods suffix,target,controller $IL --json "$OUT/turns.json" >"$OUT/turns.log" 2>&1
       tail -n 6 "$OUT/turns.log" ;;
-    turns-k)  # the suffix tree alone in the same conversations at a larger k_max (KT, 16): on a GPU verifying
-              # 7-10 tokens costs about what 2-5 do, so long matches may pay where on a CPU they do not
+    turns-k)  # the suffix tree (CT=1: and the controller) in the same conversations at a larger k_max (KT, 16):
+              # on a GPU verifying 7-17 tokens costs about what 2-5 do, so long matches pay where on a CPU they do not
       $X --n $NT --turns 3 --k ${KT:-16} --adaptive --methods suffix,target${CT:+,controller} $IL --json "$OUT/turns_k${KT:-16}.json" >"$OUT/turns_k.log" 2>&1
       tail -n 5 "$OUT/turns_k.log" ;;
     feature)
