@@ -14,9 +14,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Iterable
@@ -26,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from config import ControllerConfig, DraftConfig, ModelConfig
+from speculative.publish import publish_folder
 from speculative.models import ModelLoadError, check_same_vocab, load_tokenizer, load_weights
 from speculative.proposers import ChainedProposer, ControllerProposer, DraftModelProposer, NgramProposer
 from speculative.fast import make_runner
@@ -150,30 +148,25 @@ def frequent_token_ids(
 
 # -- checkpoints -----------------------------------------------------------------------------------
 def save_draft(draft: PreTrainedModel, path: str | Path, keep_ids: torch.Tensor | None = None, meta: dict | None = None):
-    """Write a draft atomically: config + weights + keep_ids + meta in one folder."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
-    try:
-        feature = getattr(draft, "uses_features", False)  # a FeatureDraft keeps its own head
-        state = {k: v.detach().contiguous().clone() for k, v in draft.state_dict().items()}
-        if draft.config.tie_word_embeddings and not feature:
-            state.pop("lm_head.weight", None)
+    """Write a draft atomically: config + weights + keep_ids + meta in one folder, by the rule of
+    ``speculative.publish`` (one writer under the parent's lock, fsynced, renamed into place; a
+    draft saved again over ``path`` is swapped in whole, so ``path`` always names a whole draft)."""
+    feature = getattr(draft, "uses_features", False)  # a FeatureDraft keeps its own head
+    state = {k: v.detach().contiguous().clone() for k, v in draft.state_dict().items()}
+    if draft.config.tie_word_embeddings and not feature:
+        state.pop("lm_head.weight", None)
+    info = {
+        "arch": "feature" if feature else "causal_lm",
+        "config": draft.config.to_dict(),
+        "keep_ids": keep_ids.tolist() if keep_ids is not None else None,
+        "meta": meta or {},
+    }
+
+    def write(tmp: Path) -> None:
         save_file(state, tmp / DRAFT_WEIGHTS)
-        info = {
-            "arch": "feature" if feature else "causal_lm",
-            "config": draft.config.to_dict(),
-            "keep_ids": keep_ids.tolist() if keep_ids is not None else None,
-            "meta": meta or {},
-        }
         (tmp / DRAFT_META).write_text(json.dumps(info))
-        tmp.chmod(0o755)  # mkdtemp makes it 0700
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+
+    publish_folder(path, write, complete=lambda p: (p / DRAFT_META).is_file(), replace=True)
 
 
 def load_draft(path: str | Path) -> tuple[PreTrainedModel, torch.Tensor | None, dict]:

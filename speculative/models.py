@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from config import EMBEDDED_TARGET, ModelConfig, cache_dir, content_key
+from speculative.publish import publish_folder
 
 log = logging.getLogger(__name__)
 
@@ -55,29 +53,32 @@ def _gguf_cache_folder(gguf: Path) -> Path:
     return cache_dir() / "models" / f"{gguf.stem}-{content_key(gguf, length=12)}"
 
 
+def _complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file()
+
+
 def _dequantise_gguf(gguf: Path, dest: Path) -> None:
-    """Load a GGUF file with transformers and save it as plain float32 safetensors at ``dest``."""
-    log.warning("dequantising %s once (about 30 s); cached at %s", gguf.name, dest)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    quantised = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    # save_pretrained refuses a GGUF-loaded model: copy its weights into a fresh model whose
-    # config carries no quantization_config.
-    cfg = quantised.config.to_dict()
-    cfg.pop("quantization_config", None)
-    cfg = type(quantised.config).from_dict(cfg)
-    plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    plain.load_state_dict(quantised.state_dict())
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".tmp-"))
-    try:
+    """Load a GGUF file with transformers and save it as plain float32 safetensors at ``dest``.
+
+    Replicas starting together on an empty cache all get here: one converts while the others
+    wait for its lock, then find the folder complete and load it (``speculative.publish``).
+    """
+
+    def write(tmp: Path) -> None:
+        log.warning("dequantising %s once (about 30 s); cached at %s", gguf.name, dest)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        quantised = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # save_pretrained refuses a GGUF-loaded model: copy its weights into a fresh model whose
+        # config carries no quantization_config.
+        cfg = quantised.config.to_dict()
+        cfg.pop("quantization_config", None)
+        cfg = type(quantised.config).from_dict(cfg)
+        plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        plain.load_state_dict(quantised.state_dict())
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)  # atomic: a half-written cache is never picked up
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+
+    publish_folder(dest, write, complete=_complete)
 
 
 def resolve_model_folder(name: str) -> tuple[str, dict]:
@@ -102,7 +103,7 @@ def resolve_model_folder(name: str) -> tuple[str, dict]:
         else:
             return name, {}  # a Hugging Face id
     folder = _gguf_cache_folder(gguf)
-    if not (folder / "config.json").exists():
+    if not _complete(folder):
         _dequantise_gguf(gguf, folder)
     return str(folder), {}
 

@@ -429,8 +429,6 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         'one more id chosen is cut again: the first n in the order chosen are kept (sorted after the cut)',
     ('drafts/build.py', 'truncated_draft', 'missing = draft.load_state_dict({k: v.clone() for k, v in target.state_dict().items() if k in own}, strict=False)', 'False -> True'):
         "the dict given holds only the draft's own keys, and every one of them is in the target (its first layers): strict loading finds nothing missing or unexpected either",
-    ('drafts/build.py', 'save_draft', 'shutil.rmtree(tmp, ignore_errors=True)', 'True -> False'):
-        'the folder was just made by mkdtemp and written by this process: removing it raises nothing either way',
     ('router/features.py', 'onnx_dir', 'weights = content_key(model_path / "model.safetensors", model_path / "config.json", length=64)'):
         'the folder is named by a hash of the key: a digest of another length names another folder, found again the same way',
     ('router/features.py', '_export_onnx', 'e = (h * w).sum(1) / w.sum(1).clamp(min=1e-9)  # [b, 384]'):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from config import NgramConfig, SamplingParams
-from drafts.build import fresh_draft, frequent_token_ids, load_draft, restrict_head, save_draft, truncated_draft
+from drafts.build import DRAFT_WEIGHTS, fresh_draft, frequent_token_ids, load_draft, restrict_head, save_draft, truncated_draft
 from speculative import ModelLoadError, NgramProposer
 
 
@@ -177,7 +177,40 @@ def test_save_load_round_trip(target, prompts, tmp_path):
     # saving again over the same path replaces it
     save_draft(truncated_draft(target, 1), tmp_path / "d")
     assert load_draft(tmp_path / "d")[0].config.num_hidden_layers == 1
-    assert [p.name for p in tmp_path.iterdir()] == ["d"]  # no temporary folders left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".publish.lock", "d"]  # no temporary folders left behind
+
+
+def test_a_draft_saved_again_is_always_whole_to_a_reader_and_a_killed_saves_leftovers_go(target, tmp_path):
+    """While one thread saves a draft over the same path again and again, another loads it without
+    ever finding the path missing or half-written; a temporary folder left by a save that was
+    killed is removed by the next save."""
+    import threading
+
+    draft = truncated_draft(target, 1)
+    save_draft(draft, tmp_path / "d")
+    (tmp_path / ".tmp-d-killed").mkdir()
+    (tmp_path / ".tmp-d-killed" / DRAFT_WEIGHTS).write_bytes(b"cut")
+    done, errors, loads = threading.Event(), [], [0]
+
+    def read():
+        while not done.is_set():
+            try:
+                load_draft(tmp_path / "d")
+                loads[0] += 1
+            except Exception as e:  # noqa: BLE001 - collected for the assertion
+                errors.append(f"{type(e).__name__}: {e}")
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(40):
+            save_draft(draft, tmp_path / "d")
+    finally:
+        done.set()
+        reader.join()
+    assert not errors, errors[:3]
+    assert loads[0] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".publish.lock", "d"]
 
 
 def test_save_load_round_trip_restricted_head(target, keep, prompts, tmp_path):

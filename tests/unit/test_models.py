@@ -121,3 +121,71 @@ def test_a_draft_with_another_vocabulary_is_refused_with_what_differs(make_token
                                                  "2 with different ids"):
         check_same_vocab(target, draft)
     check_same_vocab(target, make_tokenizer(name="t2", chars=list("abc")))
+
+
+# -- the dequantised cache, filled by several processes at once -------------------------------------
+class _FakeGGUF:
+    """Stands in for transformers' GGUF loading in a child process: "dequantising" any .gguf gives
+    the tiny Llama and its tokenizer saved in ``TINY`` (after a pause, so that every process is
+    converting at once); everything else goes to transformers."""
+
+    TINY = ""
+
+    def __init__(self, real):
+        self.real = real
+
+    def from_pretrained(self, path, *args, gguf_file=None, **kw):
+        if gguf_file:
+            import time
+
+            time.sleep(1.0)
+            return self.real.from_pretrained(self.TINY)
+        return self.real.from_pretrained(path, *args, **kw)
+
+    def from_config(self, *args, **kw):
+        return self.real.from_config(*args, **kw)
+
+
+def _start_on_the_cache(cache: str, gguf: str, tiny: str, barrier, results) -> None:
+    import os
+    import traceback
+
+    os.environ["OSD_CACHE_DIR"] = cache
+    import speculative.models as m
+
+    _FakeGGUF.TINY = tiny
+    m.AutoTokenizer, m.AutoModelForCausalLM = _FakeGGUF(m.AutoTokenizer), _FakeGGUF(m.AutoModelForCausalLM)
+    barrier.wait()
+    try:
+        model, tok = m.load_model(ModelConfig(name=gguf))
+        results.put(("ok", len(tok), model.config.num_hidden_layers))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        results.put(("failed", f"{type(e).__name__}: {e}", traceback.format_exc()))
+
+
+def test_processes_starting_together_on_an_empty_cache_all_load_the_one_conversion(tmp_path, folder):
+    """Four processes find no converted model and start converting at once: one converts under the
+    lock, the others wait, find the folder complete and load it; none fails, nothing is left
+    behind but the folder (and the lock file); a temporary folder of a killed converter found at
+    start is removed."""
+    import multiprocessing as mp
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"not really a gguf")
+    cache = tmp_path / "cache"
+    (cache / "models" / ".tmp-m-crashed").mkdir(parents=True)  # a converter killed half way
+    (cache / "models" / ".tmp-m-crashed" / "model.safetensors").write_bytes(b"cut")
+    ctx = mp.get_context("spawn")
+    n = 4
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_start_on_the_cache, args=(str(cache), str(gguf), str(folder), barrier, results))
+             for _ in range(n)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(60)
+    failed = [g for g in got if g[0] != "ok"]
+    assert not failed, failed[0][2]
+    assert got == [("ok", 128, 3)] * n
+    assert sorted(p.name for p in (cache / "models").iterdir()) == [".publish.lock", _gguf_cache_folder(gguf).name]
