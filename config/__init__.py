@@ -523,7 +523,8 @@ class TenantKey(_Strict):
 class AuthConfig(_Strict):
     """API keys and tenants. Keys come from ``keys_file`` (YAML or JSON: a list of TenantKey) and
     from the environment variable named by ``keys_env`` (``tenant:key,tenant:key``, hashed at start),
-    the admin key from ``admin_key_env``. With no key at all the server is open (and says so)."""
+    the admin key from ``admin_key_env``. With no key at all the server is open (and says so);
+    open on an HTTP host beyond loopback only with ``allow_open: true``, else it refuses to start."""
 
     keys: tuple[TenantKey, ...] = ()
     keys_file: str | None = None
@@ -532,6 +533,9 @@ class AuthConfig(_Strict):
     default_limits: TenantLimits = TenantLimits(requests_per_minute=600, tokens_per_minute=200_000, max_concurrent=16)
     #: every tenant's traffic trains only that tenant's drafts (see ``TenantKey.isolate_training``)
     isolate_training: bool = False
+    #: serve without any key although Serve's HTTP host is beyond loopback (every client that can
+    #: reach it then has operator rights); without it such a start is refused
+    allow_open: bool = False
 
 
 class LearnerServeConfig(_Strict):

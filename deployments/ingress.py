@@ -23,7 +23,7 @@ from .drafts import GenerateRequest
 from .loopback import bind_replica_grpc, replica_meter
 from .protocol import ChatRequest, CompletionRequest, TargetUnavailable, error_body, new_id, now
 from .resume import resuming
-from .tenants import Admission, Tenants
+from .tenants import Admission, Tenants, refuse_open
 
 log = logging.getLogger("osd.ingress")
 
@@ -140,18 +140,24 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
 class Ingress:
     """Undecorated: the deployment below adds Serve and FastAPI."""
 
-    def __init__(self, cfg: AppConfig, router, pool, learner=None, tenants: Tenants | None = None, metrics=None):
+    def __init__(self, cfg: AppConfig, router, pool, learner=None, tenants: Tenants | None = None, metrics=None,
+                 http_host: str | None = None):
+        """``http_host``: the host Serve's HTTP proxies bind (None: not served over HTTP); with no
+        key configured and a host beyond loopback the ingress refuses to start
+        (:func:`deployments.tenants.refuse_open`) unless ``auth.allow_open``."""
         self.cfg = cfg
         self.router = router
         self.pool = pool
         self.learner = learner
         self.metrics = metrics  # the Metrics deployment (None: metrics off)
         self.tenants = tenants if tenants is not None else Tenants(cfg.auth)
+        refuse_open(cfg.auth, self.tenants.open, http_host)
         self.meter = replica_meter("Ingress", cfg.metrics)
         self.running = 0
         self.tokenizer = load_tokenizer(cfg.engine.model.name)  # token-id prompts, as text for the router
         if self.tenants.open:
-            log.warning("no API keys configured: the server is open to every client that can reach it")
+            log.warning("no API keys configured: the server is open to every client that can reach it (HTTP host %s)",
+                        http_host or "none")
 
     def _operator(self, request: Request) -> Admission:
         """Operator endpoints: the admin key (or anyone, on a server without keys)."""
@@ -448,12 +454,25 @@ def _body_schema(model) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
+def serve_http_host() -> str | None:
+    """The host Serve's HTTP proxies bind (``http_options.host``), from the Serve controller; None
+    outside a running Serve (one process, tests)."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    return None if client is None else client.http_config.host
+
+
 @serve.deployment(name="Ingress", max_ongoing_requests=128)
 @serve.ingress(api)
 class IngressDeployment(Ingress):
     def __init__(self, cfg: AppConfig, router, pool, learner=None, metrics=None):
         bind_replica_grpc(cfg.replica_grpc_host)
-        super().__init__(cfg, router, pool, learner, metrics=metrics)
+        super().__init__(cfg, router, pool, learner, metrics=metrics, http_host=serve_http_host())
 
     @api.get("/health")
     def health(self) -> dict:

@@ -82,18 +82,23 @@ def start(config: str | Path = DEFAULT_CONFIG, port: int | None = None, num_cpus
         time.sleep(0.5)
 
 
-def examples(url: str, model: str) -> str:
+def examples(url: str, model: str, open_: bool) -> str:
+    """What ``osd serve`` prints once ready; ``open_``: no API key is configured (said only then)."""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Write a haiku about the sea."}], "max_tokens": 48})
+    auth = "" if open_ else " -H \"Authorization: Bearer $OSD_KEY\""
+    key = "'none'" if open_ else "os.environ['OSD_KEY']"
+    imports = "import openai" if open_ else "import openai, os"
+    keys = ("No API keys are configured: the server is open to anyone on this machine (it listens on 127.0.0.1 only).\n"
+            if open_ else "API keys are required (Authorization: Bearer <key>); OSD_KEY above stands for one of yours.\n")
     return f"""osd-serve is ready at {url}  (OpenAI-compatible: {url}/v1)
 
-  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
        -d '{body}'
 
-  python -c "import openai; c = openai.OpenAI(base_url='{url}/v1', api_key='none'); \\
+  python -c "{imports}; c = openai.OpenAI(base_url='{url}/v1', api_key={key}); \\
 print(c.completions.create(model='{model}', prompt='def fib(n):', max_tokens=32, temperature=0).choices[0].text)"
 
-No API keys are configured: the server is open to anyone on this machine (it listens on 127.0.0.1 only).
-Stop with Ctrl-C (or SIGTERM)."""
+{keys}Stop with Ctrl-C (or SIGTERM)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,9 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--placement", choices=["split", "colocated"], default=None)
     args = ap.parse_args(argv)
     _, cfg, _ = read_config(args.config)
+    from .tenants import load_keys
+
+    open_ = not load_keys(cfg.auth)  # the replicas read the same config and environment
     t0 = time.perf_counter()
     url = start(args.config, args.port, args.num_cpus, args.placement)
-    print(examples(url, cfg.ingress.model_name))
+    print(examples(url, cfg.ingress.model_name, open_))
     print(f"(cold start {time.perf_counter() - t0:.0f} s)", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
 import os
 import time
@@ -28,14 +29,51 @@ def digest(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
+#: how to give the server keys (said by every refusal to start open)
+HOW_TO_SET_KEYS = ("set API keys: OSD_API_KEYS='tenant:key[,tenant:key]' and OSD_ADMIN_KEY='<operator key>' in the "
+                   "server's environment, or auth.keys_file (a YAML/JSON list of {tenant, key_sha256}) or auth.keys "
+                   "in the config")
+
+
+class OpenServerError(RuntimeError):
+    """The server would start without keys where clients beyond this machine can reach it."""
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether an HTTP bind host is reachable from this machine only (None: not served over HTTP
+    by Serve, as in one process)."""
+    if host is None or host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name other than localhost may resolve to any interface
+
+
+def refuse_open(cfg: AuthConfig, open_: bool, http_host: str | None) -> None:
+    """Refuse to start without keys on an HTTP host beyond loopback unless ``auth.allow_open``."""
+    if open_ and not is_loopback(http_host) and not cfg.allow_open:
+        raise OpenServerError(
+            f"refusing to start without API keys while Serve's HTTP host is {http_host!r} (beyond loopback): every "
+            f"client that can reach it would have operator rights. {HOW_TO_SET_KEYS}; or bind http_options.host to "
+            "127.0.0.1; or set auth.allow_open: true to serve it open on purpose.")
+
+
 def load_keys(cfg: AuthConfig, environ: dict | None = None) -> list[TenantKey]:
-    """Every key the config names: inline, from its file, from the environment."""
+    """Every key the config names: inline, from its file, from the environment. A keys file that
+    names no key is an error (an empty file must not leave the server open)."""
     env = os.environ if environ is None else environ
     keys = list(cfg.keys)
     if cfg.keys_file:
         text = Path(cfg.keys_file).read_text()
         rows = json.loads(text) if cfg.keys_file.endswith(".json") else yaml.safe_load(text)
-        keys += [TenantKey.model_validate(r) for r in rows or []]
+        if not rows:
+            raise ValueError(f"auth.keys_file {cfg.keys_file} names no key (a list of {{tenant, key_sha256}} is "
+                             "expected); remove auth.keys_file to serve without it")
+        if not isinstance(rows, list):
+            raise ValueError(f"auth.keys_file {cfg.keys_file}: expected a list of {{tenant, key_sha256}}, "
+                             f"got {type(rows).__name__}")
+        keys += [TenantKey.model_validate(r) for r in rows]
     for item in filter(None, (env.get(cfg.keys_env) or "").split(",")):
         tenant, sep, key = item.strip().partition(":")
         if not sep or not tenant or not key:

@@ -478,6 +478,30 @@ def test_an_open_server_lets_anyone_operate(folder):
     assert got == 404 and err["error"]["message"] == "this application runs without a learner"
 
 
+def test_an_ingress_without_keys_behind_a_public_host_refuses_to_start(folder):
+    """Serve's HTTP host beyond loopback and no key: the ingress does not start (its message says
+    how to set keys) unless ``auth.allow_open``; with keys, or on loopback, it starts."""
+    from deployments.ingress import Ingress
+    from deployments.tenants import OpenServerError
+
+    open_cfg = app_config(folder, auth={"keys": []})
+    with pytest.raises(OpenServerError, match="refusing to start without API keys while Serve's HTTP host is '0.0.0.0'.*"
+                                              "OSD_API_KEYS"):
+        Ingress(open_cfg, None, None, http_host="0.0.0.0")
+    assert Ingress(open_cfg, None, None, http_host="127.0.0.1").tenants.open
+    assert Ingress(app_config(folder, auth={"keys": [], "allow_open": True}), None, None, http_host="0.0.0.0").tenants.open
+    assert not Ingress(app_config(folder), None, None, http_host="0.0.0.0").tenants.open
+
+
+def test_osd_serve_says_the_server_is_open_only_when_it_is(monkeypatch):
+    from deployments.launch import examples
+
+    said = examples("http://127.0.0.1:8000", MODEL, open_=True)
+    assert "No API keys are configured" in said and "api_key='none'" in said
+    said = examples("http://127.0.0.1:8000", MODEL, open_=False)
+    assert "No API keys" not in said and "Authorization: Bearer $OSD_KEY" in said
+
+
 def test_metrics_and_stats(folder):
     a = App(app_config(folder), metrics=True)
     got, _, _ = run(answer_of(a.ingress.prometheus(request(key=KEY))))

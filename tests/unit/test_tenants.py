@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from config import AuthConfig, TenantKey, TenantLimits
-from deployments.tenants import Bucket, Tenants, digest, load_keys
+from deployments.tenants import Bucket, OpenServerError, Tenants, digest, is_loopback, load_keys, refuse_open
 
 
 class Clock:
@@ -162,3 +162,38 @@ def test_over_two_limits_the_longer_wait_is_the_one_reported():
     refused = t.admit("Bearer sk-alice")
     assert refused.status == 429 and "requests per minute" in refused.message
     assert refused.retry_after == pytest.approx(60.0)
+
+
+# -- no open server by accident ----------------------------------------------------------------------
+def test_without_keys_a_host_beyond_loopback_is_refused_unless_allowed():
+    """No key configured: loopback (or no HTTP at all) starts open; any other bind host is refused
+    with a message that says how to set keys, unless ``auth.allow_open``. With a key nothing is
+    refused."""
+    for host in (None, "127.0.0.1", "127.0.0.53", "localhost", "::1", "[::1]"):
+        assert is_loopback(host)
+        refuse_open(AuthConfig(), True, host)
+    for host in ("0.0.0.0", "::", "10.1.2.3", "192.168.0.7", "myhost.example"):
+        assert not is_loopback(host)
+        with pytest.raises(OpenServerError, match=r"without API keys .*OSD_API_KEYS=.*OSD_ADMIN_KEY=.*auth.keys_file.*"
+                                                  r"auth.allow_open: true"):
+            refuse_open(AuthConfig(), True, host)
+        refuse_open(AuthConfig(allow_open=True), True, host)  # open on purpose
+        refuse_open(AuthConfig(), False, host)  # keys configured
+
+
+@pytest.mark.parametrize("name,text", [("keys.yaml", ""), ("keys.yaml", "# nobody yet\n"), ("keys.yaml", "[]"),
+                                       ("keys.json", "[]"), ("keys.json", "null")])
+def test_an_empty_keys_file_is_an_error_not_an_open_server(tmp_path, name, text):
+    f = tmp_path / name
+    f.write_text(text)
+    with pytest.raises(ValueError, match="names no key"):
+        load_keys(AuthConfig(keys_file=str(f)), {})
+    with pytest.raises(ValueError, match="names no key"):
+        Tenants(AuthConfig(keys_file=str(f)))
+
+
+def test_a_keys_file_that_is_not_a_list_is_an_error(tmp_path):
+    f = tmp_path / "keys.yaml"
+    f.write_text(f"tenant: bob\nkey_sha256: {digest('sk-bob')}\n")
+    with pytest.raises(ValueError, match="expected a list"):
+        load_keys(AuthConfig(keys_file=str(f)), {})
