@@ -441,6 +441,30 @@ class TargetServeConfig(_Strict):
     cache_ttl_s: float = Field(default=300.0, gt=0.0)
 
 
+class LoopConfig(_Strict):
+    """The engine loop of a replica (``speculative.scheduler.EngineLoop``): one target forward a
+    step for every running request, admitted against a KV budget.
+
+    ``kv_cache_bytes`` of keys and values (``kv_dtype``, in blocks of ``block_tokens`` positions)
+    bound what the running requests may cache together: a request is admitted when its prompt +
+    max_tokens (+ a step's drafts) fit what the others have not reserved; otherwise it waits, and
+    after ``queue_timeout_s`` it is answered 503 with Retry-After (never an out-of-memory kill).
+    A step feeds the target at most about ``step_tokens`` tokens: every running request's
+    speculative step first, then prompts in chunks of at most ``prefill_chunk`` (a long prompt
+    does not stall the others for its whole prefill)."""
+
+    kv_cache_bytes: int = Field(default=512 << 20, ge=1 << 20)
+    kv_dtype: Literal["float16", "bfloat16"] = "float16"
+    block_tokens: int = Field(default=16, ge=1, le=1024)
+    max_running: int = Field(default=16, ge=1, le=1024)
+    max_waiting: int = Field(default=256, ge=0)
+    queue_timeout_s: float = Field(default=30.0, gt=0.0)
+    step_tokens: int = Field(default=256, ge=8)
+    prefill_chunk: int = Field(default=128, ge=8)
+    #: a runner that pads its batches (Hugging Face eager): calls longer than this run apart
+    padded_batch_tokens: int = Field(default=64, ge=1)
+
+
 class DraftPoolConfig(_Strict):
     """The draft replicas: each holds up to ``drafts_per_replica`` drafts (Ray Serve model
     multiplexing by draft id, least recently used unloaded) and runs the speculative loop of its
@@ -566,12 +590,13 @@ class LearnerServeConfig(_Strict):
 class AppConfig(_Strict):
     """The whole application, as ``serve_config.yaml`` gives it (``args:`` of the app).
 
-    placement ``split``: draft replicas call the target deployment once per step (one hop,
-    batched across requests and replicas); ``colocated``: each draft replica holds its own target
-    and batches the verify calls of its own requests (no hop, one target copy per replica).
+    placement ``colocated`` (the default): each replica of the pool is an engine replica, the
+    target plus the drafts it serves, whose engine loop (``loop``) steps every request together in
+    one target forward; scale by replicas (one target copy each). ``split``: draft replicas run a
+    loop per request and call the Target deployment once per step (one hop a step, batched there).
     """
 
-    placement: Literal["split", "colocated"] = "split"
+    placement: Literal["split", "colocated"] = "colocated"
     #: host of each replica's inter-deployment gRPC listener (Ray binds all interfaces); null: Ray's default
     replica_grpc_host: str | None = "127.0.0.1"
     engine: EngineConfig = EngineConfig(
@@ -579,6 +604,7 @@ class AppConfig(_Strict):
         draft=DraftConfig(kind="truncated", num_layers=2, ngram_first=True),
     )
     target: TargetServeConfig = TargetServeConfig()
+    loop: LoopConfig = LoopConfig()
     drafts: DraftPoolConfig = DraftPoolConfig()
     router: RouterConfig = RouterConfig(mode="clusters")
     #: how often the router deployment saves its state (under ``<learner state_dir>/router/<app>``,

@@ -8,9 +8,11 @@ draft id lands on a replica that already holds that draft, replicas load drafts 
 unload the least recently used, and operators scale one deployment. Published weights reach every
 replica through ``DeploymentHandle.broadcast`` and are installed between steps.
 
-Transport only: one step is the engine's ``propose`` (local draft), the target's ``verify``
-(another deployment, batched there; or this replica's own target when co-located) and the
-engine's ``accept``.
+Transport only. Co-located (the default), a replica is an engine replica: the target and the drafts
+it serves, with one :class:`speculative.scheduler.EngineLoop` stepping every request of every
+draft together (one target forward a step); a request here is a queue of the loop's events. Split,
+each request runs its own loop: the engine's ``propose`` (local draft), the Target deployment's
+``verify`` (one hop a step, batched there) and the engine's ``accept``.
 
 Suffix trees see the whole pool's traffic: each replica broadcasts the outputs it finished (every
 ``drafts.share_outputs_s``) to the others, whose engines of the same draft id take them in
@@ -41,11 +43,13 @@ from router.router import GENERAL, start_domain
 from speculative import RequestError, SpeculativeEngine, TargetRows, VerifyCall
 from speculative.detokenize import Detokenizer
 from speculative.engine import time_verify
+from speculative.fast import make_runner, resolve_quantize
+from speculative.kvcache import kv_bytes_per_token
 from speculative.models import encode_messages, encode_prompt, eos_token_ids, load_tokenizer, load_weights
+from speculative.scheduler import EngineLoop, Failed, Finished, Overloaded, Sequence, Started, Step
 
 from .loopback import NodeInfo, bind_replica_grpc, replica_meter
 from .protocol import TargetUnavailable
-from .target import BatchedTarget
 
 log = logging.getLogger("osd.drafts")
 
@@ -129,13 +133,27 @@ class DraftPool:
         self.starts = domain_proposers(cfg.engine.draft, target, self.tokenizer, quantize=cfg.engine.model.quantize)
         self.meter = replica_meter("DraftPool", cfg.metrics)
         self.running = 0
+        self.loop: EngineLoop | None = None  # co-located: the engine loop over this replica's target
         if cfg.placement == "colocated":
-            self.verifier = BatchedTarget(cfg.engine.model, cfg.target, weights=target, meter=self.meter)
-            self.verify_s = time_verify(self.verifier.runner, cfg.engine.k.k_max)
+            threads = cfg.target.num_threads or cfg.engine.model.num_threads
+            if threads:
+                torch.set_num_threads(threads)
+            runtime = resolve_quantize(cfg.engine.model.quantize, target)
+            per_token = kv_bytes_per_token(target.config, runtime, cfg.loop.kv_dtype, cfg.engine.model.dtype)
+            budget = cfg.loop.kv_cache_bytes // per_token
+            k_max = cfg.engine.k.k_max
+            runner = make_runner(target, cfg.engine.model.quantize, name="target",
+                                 kv_tokens=budget + 2 * (64 + k_max + 1), kv_dtype=cfg.loop.kv_dtype)  # + calibration
+            self.kv_bytes_per_token = per_token
+            self.verify_s = time_verify(runner, k_max)
+            self.loop = EngineLoop(runner, cfg.loop, budget, k_max, on_step=self._count_forward)
+            self.loop.start(name=f"engine-loop-{id(self):x}")
+            self.verifier = None
+            self.view = TargetView(target, runner.release)
         else:
             self.verifier = RemoteVerifier(target_handle, cfg.drafts.target_wait_s)
             self.verify_s = None  # asked of the target deployment when the first draft loads
-        self.view = TargetView(target, self.verifier.release)
+            self.view = TargetView(target, self.verifier.release)
         self.learner = learner_handle  # finished requests' replay records go there (None: no learning)
         del target  # split: the weights live in the Target deployment only
         #: draft id -> (state dict, version): those of the drafts loaded here, and of at most
@@ -233,7 +251,7 @@ class DraftPool:
             self._remember(draft_id, (rid, scope, ids))
             engine = self.engines.get(draft_id)
             if engine is not None:
-                engine.add_served(rid, ids, scope)
+                await self._on_engine(lambda e=engine, r=rid, i=ids, s=scope: e.add_served(r, i, s))
         self.meter.inc("osd_draft_pool_outputs_shared_total", len(items), direction="received")
         return len(items)
 
@@ -242,8 +260,14 @@ class DraftPool:
         and of those in its loaded engine's suffix trees (None when not loaded here); async: read
         on the loop that appends to them."""
         engine = self.engines.get(draft_id)
-        return {"kept": [rid for rid, _, _ in self.served.get(draft_id, ())],
-                "trees": None if engine is None else sorted(engine.served_ids())}
+        trees = None if engine is None else await self._on_engine(lambda: sorted(engine.served_ids()))
+        return {"kept": [rid for rid, _, _ in self.served.get(draft_id, ())], "trees": trees}
+
+    async def _on_engine(self, fn):
+        """``fn()`` where the engines run: on the engine loop's thread between two steps (co-located), else here."""
+        if self.loop is None:
+            return fn()
+        return await asyncio.wrap_future(self.loop.call(fn))
 
     async def kept(self) -> list[tuple]:
         """Every output this replica keeps, ``(draft id, request id, scope, ids)``, oldest draft first."""
@@ -274,7 +298,7 @@ class DraftPool:
 
     async def ready(self, timeout_s: float = 3.0) -> bool:
         """This replica answers and so does the target it verifies with (split placement)."""
-        if isinstance(self.verifier, RemoteVerifier):
+        if self.verifier is not None:
             await self.verifier.ready(timeout_s)
         return True
 
@@ -284,9 +308,24 @@ class DraftPool:
     def telemetry(self) -> dict:
         self.meter.set("osd_draft_pool_requests_running", self.running)
         self.meter.set("osd_draft_pool_drafts_loaded", len(self.engines))
-        if isinstance(self.verifier, BatchedTarget):
-            self.verifier.gauges()
+        if self.loop is not None:
+            m, loop = self.meter, self.loop
+            m.set("osd_engine_requests_waiting", loop.queued)
+            m.set("osd_engine_kv_reserved_tokens", loop.reserved)
+            m.set("osd_engine_kv_capacity_tokens", loop.budget_tokens)
+            m.set("osd_engine_kv_bytes_per_token", self.kv_bytes_per_token)
+            m.set("osd_target_kv_caches", len(loop.running))
+            m.set("osd_target_queue_depth", loop.queued)
         return self.meter.snapshot()
+
+    def _count_forward(self, calls: int, tokens: int, seconds: float) -> None:
+        """One target forward of the engine loop (called on its thread; the meter is thread-safe)."""
+        m = self.meter
+        m.inc("osd_target_batches_total")
+        m.inc("osd_target_verify_calls_total", calls)
+        m.inc("osd_target_verified_tokens_total", tokens)
+        m.observe("osd_target_batch_size", calls)
+        m.observe("osd_target_forward_seconds", seconds)
 
     def _count_step(self, res, labels: dict, waited_s: float) -> None:
         """One speculative step into the meter (vLLM's spec-decode counters, with our labels)."""
@@ -322,42 +361,51 @@ class DraftPool:
         return encode_prompt(self.tokenizer, req.prompt or "", chat_template=False)
 
     async def generate(self, req: GenerateRequest, engine: SpeculativeEngine, draft_id: str = GENERAL):
-        """Stream one request: first ``{"prompt_tokens"}`` (or ``{"error"}``), then ``{"text",
-        "tokens"}`` per step, then ``{"finish_reason", "usage"}``."""
+        """Stream one request: first ``{"prompt_tokens"}`` (or ``{"error"}``, with ``status`` 503 and
+        ``retry_after`` when the replica is overloaded), then ``{"text", "tokens"}`` per step, then
+        ``{"finish_reason", "usage"}``."""
         try:
-            # scope: per-domain acceptance priors and suffix trees (an isolated tenant has its own engine)
-            rid = engine.add_request(self._prompt_ids(req), req.params, req.request_id, scope=req.domain)
+            prompt = self._prompt_ids(req)
         except RequestError as e:
             yield {"error": str(e)}
             return
-        st, detok = engine.requests[rid], Detokenizer(self.tokenizer, req.params.stop)
-        if req.resume:  # the same request after a replica failure: its output so far is context
-            engine.resume(rid, req.resume)
-            detok.update(st.output)  # the text sent before (final text depends on the ids only)
+        # scope: per-domain acceptance priors and suffix trees (an isolated tenant has its own engine)
+        events = self._loop_events(req, engine, prompt) if self.loop is not None else self._own_events(req, engine, prompt)
+        first = await events.__anext__()
+        if isinstance(first, Failed):
+            if isinstance(first.error, Overloaded):
+                self.meter.inc("osd_engine_requests_overloaded_total")
+                yield {"error": str(first.error), "status": 503, "retry_after": first.error.retry_after_s}
+            else:
+                yield {"error": str(first.error)}
+            return
+        detok = Detokenizer(self.tokenizer, req.params.stop)
+        output = list(req.resume)  # the output so far (resumed: what was sent before is context)
+        if output:
+            detok.update(output)  # the text sent before (final text depends on the ids only)
         labels = {"tenant": req.tenant or "anonymous", "domain": req.domain, "language": req.lang, "draft": draft_id}
         self.running += 1
         record = RecordBuilder() if self.learner is not None and engine.learned_draft is not None else None
         waited = 0.0  # seconds this request waited on verification (hop + batching + target compute)
         try:
-            yield {"prompt_tokens": st.prompt_len}
-            while not st.finished:
-                pending = engine.propose(rid)  # 1. draft (here)
-                t0 = time.perf_counter()
-                rows = await self.verifier.verify(pending.call)  # 2. verify (the target, batched)
-                if rows is None:  # the target dropped this cache (TTL, LRU, restart): send it whole
-                    whole = replace(pending.call, start=0, tokens=st.tokens[: pending.call.start] + pending.call.tokens)
-                    rows = await self.verifier.verify(whole)
-                wait = time.perf_counter() - t0
+            yield {"prompt_tokens": first.prompt_tokens}
+            async for ev in events:
+                if isinstance(ev, Failed):
+                    raise ev.error
+                if isinstance(ev, Finished):
+                    st = ev.state
+                    break
+                res, wait = ev.result, ev.waited
                 waited += wait
-                res = engine.accept(pending, rows)  # 3. accept (here)
                 self._count_step(res, labels, wait)
                 if record is not None:
                     record.add(res)
-                text = detok.finish(st.output) if st.finished else detok.update(st.output)
+                output += res.emitted
+                text = detok.finish(output) if res.finished else detok.update(output)
                 yield {"text": text, "tokens": res.emitted}
             s = st.stats
             if engine.learns_from_traffic and st.output:  # the other replicas' suffix trees learn it too
-                self._finished(draft_id, rid, req.domain, st.output)
+                self._finished(draft_id, req.request_id, req.domain, st.output)
             if record is not None and s.drafts:  # the draft proposed: its misses are signal
                 self.learner.record.remote(record.finish(st.tokens, st.prompt_len, req.domain, req.tenant, draft_id))
             yield {
@@ -387,6 +435,57 @@ class DraftPool:
             }
         finally:
             self.running -= 1
+            await events.aclose()
+
+    async def _loop_events(self, req: GenerateRequest, engine: SpeculativeEngine, prompt: list[int]):
+        """Co-located: the request joins the replica's engine loop; its events come back through a
+        queue fed from the loop's thread. A consumer that stops (the client left) cancels it there."""
+        queue: asyncio.Queue = asyncio.Queue()
+        aloop = asyncio.get_running_loop()
+        seq = Sequence(engine, req.request_id, prompt, req.params, lambda ev: aloop.call_soon_threadsafe(queue.put_nowait, ev),
+                       scope=req.domain, resume=list(req.resume))
+        self.loop.submit(seq)
+        done, last = False, time.perf_counter()
+        try:
+            while not done:
+                ev = await queue.get()
+                done = isinstance(ev, (Finished, Failed))
+                if isinstance(ev, Step):  # waited: since the previous step (the loop's whole step, all requests)
+                    now = time.perf_counter()
+                    ev.waited, last = now - last, now
+                yield ev
+        finally:
+            if not done:
+                self.loop.cancel(seq)
+
+    async def _own_events(self, req: GenerateRequest, engine: SpeculativeEngine, prompt: list[int]):
+        """Split: this request's own loop, with one hop to the Target deployment per step."""
+        try:
+            rid = engine.add_request(prompt, req.params, req.request_id, scope=req.domain)
+        except RequestError as e:
+            yield Failed(e)
+            return
+        st = engine.requests[rid]
+        try:
+            try:
+                if req.resume:  # the same request after a replica failure: its output so far is context
+                    engine.resume(rid, req.resume)
+            except RequestError as e:
+                yield Failed(e)
+                return
+            yield Started(st.prompt_len)
+            while not st.finished:
+                pending = engine.propose(rid)  # 1. draft (here)
+                t0 = time.perf_counter()
+                rows = await self.verifier.verify(pending.call)  # 2. verify (the target, batched)
+                if rows is None:  # the target dropped this cache (TTL, LRU, restart): send it whole
+                    whole = replace(pending.call, start=0, tokens=st.tokens[: pending.call.start] + pending.call.tokens)
+                    rows = await self.verifier.verify(whole)
+                ev = Step(engine.accept(pending, rows))  # 3. accept (here)
+                ev.waited = time.perf_counter() - t0
+                yield ev
+            yield Finished(st)
+        finally:
             engine.release(rid)
 
 
@@ -424,7 +523,8 @@ class DraftPoolDeployment(DraftPool, NodeInfo):
 
     async def preload(self, draft_id: str) -> int:
         """Load a draft now (e.g. after a restart, before traffic); returns the version it runs."""
-        return (await self._load(draft_id)).install_staged()
+        engine = await self._load(draft_id)
+        return await self._on_engine(engine.install_staged)
 
     async def stream(self, req: GenerateRequest):
         draft_id = serve.get_multiplexed_model_id() or GENERAL

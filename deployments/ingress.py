@@ -325,6 +325,9 @@ class Ingress:
         draft_id = f"{route.draft_id}@{tenant}" if self.tenants.isolated(tenant) else route.draft_id
         stream = self.pool.options(multiplexed_model_id=draft_id, stream=True).stream.remote(gen)
         first = await stream.__anext__()
+        if "error" in first and first.get("status") == 503:  # the replica is overloaded: retry later
+            return JSONResponse(error_body(first["error"], "server_error", code="overloaded"), status_code=503,
+                                headers={"Retry-After": str(max(1, math.ceil(first.get("retry_after", 1))))}), 0
         if "error" in first:
             return _error(400, first["error"]), 0
         stream = self._resuming(stream, gen, draft_id, tenant)

@@ -269,6 +269,30 @@ class SpeculativeEngine:
         rows = self.target.verify([p.call for p in pending])
         return [self.accept(p, r) for p, r in zip(pending, rows)]
 
+    # -- chunked prefill (the engine loop spreads a long prompt over several steps) --------------
+    def uncached(self, request_id: str) -> int:
+        """Tokens of the request not yet in the target's cache (the whole prompt at first, then 1)."""
+        st = self.requests[request_id]
+        return len(st.tokens) - st.target_len
+
+    @property
+    def can_chunk_prefill(self) -> bool:
+        """A feature-conditioned draft reads the target's features at every position, which a
+        prefill chunk does not return: its prompts go whole."""
+        return not self.wants_features
+
+    def prefill_call(self, request_id: str, n: int) -> VerifyCall:
+        """The target call that caches the next ``n`` uncached prompt tokens (at least one stays
+        uncached: it is fed with the first draft, by :meth:`propose`); its row is not read."""
+        st = self.requests[request_id]
+        if not 0 < n < len(st.tokens) - st.target_len:
+            raise RequestError(f"a prefill chunk of {n} tokens does not fit the {self.uncached(request_id)} uncached")
+        return VerifyCall(request_id, st.target_len, st.tokens[st.target_len : st.target_len + n], 1, False, 1)
+
+    def prefilled(self, request_id: str, n: int) -> None:
+        """The chunk of :meth:`prefill_call` is in the target's cache."""
+        self.requests[request_id].target_len += n
+
     def propose(self, request_id: str) -> "PendingStep":
         """Phase 1: installs staged draft weights, asks the k policy for k and the proposer for
         d_1..d_k (with q), and states the target call that verifies them."""

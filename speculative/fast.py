@@ -16,12 +16,12 @@ whatever else shares the call. int4 is the default (``quantize: auto``), the hea
 Hugging Face's eager Llama around those kernels makes 211 linear calls a step, grows its cache with
 a ``torch.cat`` per layer and builds masks, so :class:`FastRunner` runs its own
 forward over the same weights: fused q/k/v and gate/up projections (121 kernel calls a step),
-KV caches preallocated per sequence, and sequences of a batch concatenated row-wise (ragged, no
+KV caches in fixed blocks of one preallocated 16-bit pool (:mod:`speculative.kvcache`), and sequences of a batch concatenated row-wise (ragged, no
 padding: the linear layers see every row of every sequence in one call; attention runs per
 sequence).
 
-Exactness: every op is row-wise except attention, which runs in float64 and is rounded to float32
-after, so a row's logits are the same (to ~1e-16 relative before that rounding) whether it is
+Exactness: every op is row-wise except attention, which runs in float64 over the cached keys and
+values (stored in 16 bits, rounded once when written) and is rounded to float32 after, so a row's logits are the same (to ~1e-16 relative before that rounding) whether it is
 decoded alone, verified with k others, prefilled with its prompt or batched with other sequences.
 The served target *is* this model: greedy speculative output equals its own target-only output,
 and rejection sampling draws from its distribution. The float32 Hugging Face model stays one flag
@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from .kvcache import BlockPool, SeqCache
 from .runner import ForwardCall, ModelRunner
 
 
@@ -121,31 +122,16 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class _Cache:
-    """One sequence's keys and values, all layers: [layers, 2, H_kv, capacity, D] float64."""
-
-    def __init__(self, layers: int, heads: int, dim: int, capacity: int):
-        self.kv = torch.zeros(layers, 2, heads, capacity, dim, dtype=torch.float64)
-        self.length = 0
-
-    def reserve(self, n: int) -> None:
-        cap = self.kv.shape[3]
-        if n > cap:
-            grown = torch.zeros(*self.kv.shape[:3], max(n, 2 * cap), self.kv.shape[4], dtype=torch.float64)
-            grown[:, :, :, : self.length] = self.kv[:, :, :, : self.length]
-            self.kv = grown
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-
 class FastRunner(ModelRunner):
     """A :class:`ModelRunner` (same calls: ``forward``, ``forward_batch``, ``verify``, caches by
     id) over an int4 / int8 copy of a Llama-style model. ``model`` stays the float model: what the
     learner trains and what :meth:`load_state_dict` loads into; the packed copy is rebuilt from it."""
 
+    ragged = True  # a batch's rows are concatenated, never padded: one forward costs its real tokens
+
     def __init__(self, model: PreTrainedModel, vocab_map: torch.Tensor | None = None, name: str = "model",
-                 bits: int = 4, initial_capacity: int = 256, head_bits: int = 8):
+                 bits: int = 4, head_bits: int = 8, kv_tokens: int = 32768, kv_dtype: str = "float16",
+                 block_tokens: int = 16):
         if bits not in (4, 8) or head_bits not in (4, 8):
             raise FastPathError(f"{name}: the fast path has int4 and int8 weights, not {bits} / {head_bits} bits")
         why = supports_fast_path(model)
@@ -157,9 +143,10 @@ class FastRunner(ModelRunner):
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
-        self.initial_capacity = initial_capacity
         self.bits, self.head_bits = bits, head_bits
-        self._caches: dict[str, _Cache] = {}  # type: ignore[assignment]
+        #: every sequence's keys and values: ``kv_tokens`` positions in all, in fixed blocks
+        self.pool = BlockPool(self.n_layers, self.n_kv, self.head_dim, kv_tokens, block_tokens, kv_dtype)
+        self._caches: dict[str, SeqCache] = {}  # type: ignore[assignment]
         self._quantise()
 
     def _quantise(self) -> None:
@@ -226,9 +213,8 @@ class FastRunner(ModelRunner):
             kv_new = torch.stack((qk[:, Hq:], heads[:, Hq + Hkv :])).transpose(1, 2)  # [2, Hkv, R, D]
             out, row = [], 0
             for c, cache, n in zip(calls, caches, lens):
-                kv = cache.kv[li]  # [2, Hkv, cap, D]
-                kv[:, :, c.start : c.start + n] = kv_new[:, :, row : row + n]
-                out.append(_attend(q[row : row + n], kv[:, :, : c.start + n], c.start))  # [n, Hq*D]
+                cache.write(li, c.start, kv_new[:, :, row : row + n])  # rounded to the pool's 16 bits
+                out.append(_attend(q[row : row + n], cache.read(li, c.start + n), c.start))  # [n, Hq*D]
                 row += n
             h = h + o_proj(torch.cat(out) if len(out) > 1 else out[0])
             g, u = gate_up(_rms(norm2, h)).split(gate_up.splits, dim=-1)  # [R, I] each
@@ -246,14 +232,23 @@ class FastRunner(ModelRunner):
             feats = None
         return list(logits.split([c.keep_last for c in calls])), feats
 
-    def _open(self, c: ForwardCall) -> _Cache:
+    def _open(self, c: ForwardCall) -> SeqCache:
         """The call's cache, cropped back to ``c.start`` (a new one at 0) with room for its tokens."""
         cache, _ = self._cached(c.seq_id, c.start, c.tokens)
         if cache is None:
-            cache = self._caches[c.seq_id] = _Cache(self.n_layers, self.n_kv, self.head_dim, self.initial_capacity)
+            cache = self._caches[c.seq_id] = SeqCache(self.pool)
         cache.length = c.start  # crop: positions past start are overwritten
         cache.reserve(c.start + len(c.tokens))
         return cache
+
+    def release(self, seq_id: str) -> None:
+        cache = self._caches.pop(seq_id, None)
+        if cache is not None:
+            cache.free()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.pool.bytes_per_token
 
 
 def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -297,15 +292,18 @@ def resolve_quantize(quantize: str, model: PreTrainedModel) -> str:
 
 
 def make_runner(model: PreTrainedModel, quantize: str = "none", vocab_map: torch.Tensor | None = None,
-                name: str = "model", draft: bool = False) -> ModelRunner:
+                name: str = "model", draft: bool = False, kv_tokens: int = 32768, kv_dtype: str = "float16"
+                ) -> ModelRunner:
     """The runner for ``model`` on the runtime ``quantize`` names (see :func:`resolve_quantize`).
     ``draft``: a draft's output head in the layers' bits too (the head is most of a small draft's
-    cost; a target keeps 8 bits there, see :meth:`FastRunner._quantise`)."""
+    cost; a target keeps 8 bits there, see :meth:`FastRunner._quantise`). ``kv_tokens`` positions
+    of all sequences together fit the fast path's KV pool, in ``kv_dtype``."""
     mode = resolve_quantize(quantize, model)
     if mode == "none":
         return ModelRunner(model, vocab_map, name)
     bits = 4 if mode == "int4" else 8
-    return FastRunner(model, vocab_map, name, bits=bits, head_bits=bits if draft else 8)
+    return FastRunner(model, vocab_map, name, bits=bits, head_bits=bits if draft else 8, kv_tokens=kv_tokens,
+                      kv_dtype=kv_dtype)
 
 
 def runtime_of(runner: ModelRunner) -> str:

@@ -86,6 +86,13 @@ CATALOG: dict[str, Family] = _families(
            "suffix trees, or received from them (what a starting replica takes in included)", ("direction",)),
     Family("osd_draft_pool_learner_unanswered_total", "counter",
            "Drafts loaded with their starting weights because the learner did not answer in time", ("draft",)),
+    # -- the engine loop of a replica (co-located placement) ---------------------------------------
+    Family("osd_engine_requests_waiting", "gauge", "Requests queued for admission (waiting for KV budget)"),
+    Family("osd_engine_kv_reserved_tokens", "gauge", "KV cache positions reserved by running requests"),
+    Family("osd_engine_kv_capacity_tokens", "gauge", "KV cache positions the replicas' budgets hold"),
+    Family("osd_engine_kv_bytes_per_token", "gauge", "Bytes of keys and values one cached position costs"),
+    Family("osd_engine_requests_overloaded_total", "counter",
+           "Requests answered 503 because they waited too long for KV budget or the queue was full"),
     # -- target ----------------------------------------------------------------------------------
     Family("osd_target_queue_depth", "gauge", "Verify calls waiting for or in the target's batched forward"),
     Family("osd_target_kv_caches", "gauge", "Sequences whose KV cache the target holds"),

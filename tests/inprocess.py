@@ -245,8 +245,8 @@ class LocalPool(DraftPool):
     """`DraftPoolDeployment.stream` without Serve's multiplexing: every draft it loads stays loaded.
     `fail_after`: the replica dies (RayActorError) after that many steps of a request, once."""
 
-    def __init__(self, cfg: AppConfig, learner=None, fail_after: int | None = None, fail_with=None):
-        super().__init__(cfg, None, learner)
+    def __init__(self, cfg: AppConfig, learner=None, fail_after: int | None = None, fail_with=None, target=None):
+        super().__init__(cfg, target, learner)
         self.held: dict = {}
         self.fail_after, self.fail_with = fail_after, fail_with
         self.requests: list = []

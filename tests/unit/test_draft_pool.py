@@ -16,6 +16,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from config import SamplingParams
 from deployments.drafts import GenerateRequest, RemoteVerifier
 from deployments.protocol import TargetUnavailable
+from deployments.target import Target
 from inprocess import Handle, LocalPool, app_config, counter, hist, save_tiny_model
 from router.router import GENERAL
 
@@ -121,7 +122,10 @@ def test_a_resumed_request_continues_after_the_tokens_already_sent(folder, loop)
 
 
 def test_a_dropped_cache_is_sent_whole_and_the_output_is_unchanged(folder, loop):
-    pool = LocalPool(app_config(folder))
+    """The split placement: a draft replica whose target (another deployment) dropped its cache."""
+    cfg = app_config(folder, placement="split")
+    target = Target.func_or_class(cfg.engine.model, cfg.target, cfg.engine.k.k_max, None)
+    pool = LocalPool(cfg, target=Handle(target))
     expect = loop.run(pool.serve(n=12))
     verify, calls = pool.verifier.verify, []
 

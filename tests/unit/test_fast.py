@@ -13,6 +13,7 @@ import torch
 from config import EngineConfig, KPolicyConfig, ModelConfig, SamplingParams
 from conftest import _char_tokenizer, tiny_llama
 from speculative import ForwardCall, ModelRunner, SpeculativeEngine, VerifyCall
+from speculative.kvcache import KVCacheFull
 from speculative.fast import FastPathError, FastRunner, Int4Linear, Int8Linear, make_runner, resolve_quantize, runtime_of
 from speculative.proposers import DraftModelProposer
 
@@ -77,17 +78,19 @@ def test_ragged_batch_with_cropping_equals_each_sequence_alone(bits):
             assert batched.cached_length(c.seq_id) == c.start + len(c.tokens)
     for i in range(5):  # the caches hold the same keys and values
         a, b = single._caches[f"s{i}"], batched._caches[f"s{i}"]
-        assert torch.equal(a.kv[:, :, :, : a.length], b.kv[:, :, :, : b.length])
+        assert a.length == b.length
+        for layer in range(3):
+            assert torch.equal(a.read(layer, a.length), b.read(layer, b.length))
 
 
 def test_cropping_equals_a_fresh_sequence_and_the_cache_grows():
-    r = FastRunner(_model(), bits=4, initial_capacity=8)
+    r = FastRunner(_model(), bits=4, block_tokens=8)
     ids = list(range(5, 45))
     r.forward("x", 0, ids[:30])
     r.forward("x", 30, [7, 8, 9, 10])  # rejected positions, overwritten next
     got = r.forward("x", 30, ids[30:], 10)
     assert torch.equal(got, r.forward("fresh", 0, ids, 10))
-    assert r._caches["x"].kv.shape[3] >= 40  # grown past its initial 8 positions
+    assert len(r._caches["x"].blocks) == 5  # 40 positions in blocks of 8
     with pytest.raises(ValueError, match="cannot start at"):
         r.forward("x", 41, [1])
     r.release("x")
@@ -229,17 +232,38 @@ def test_a_model_without_a_head_or_with_windowed_attention_is_refused():
         FastRunner(windowed)
 
 
-def test_the_cache_doubles_when_it_grows_and_keeps_what_it_holds():
-    """Amortised growth: a cache that runs out takes max(needed, twice its capacity) positions, so a
-    long generation reallocates O(log n) times; a call that exactly fills it does not grow it."""
-    r = FastRunner(_model(), bits=4, initial_capacity=4)
+def test_the_cache_grows_in_fixed_blocks_and_frees_them():
+    """A sequence takes one block of the pool at a time (never doubling); interleaved growth leaves
+    sequences on scattered blocks, which read back exactly as a fresh sequence computes them; a
+    released sequence returns its blocks, and a full pool refuses with KVCacheFull."""
+    r = FastRunner(_model(), bits=4, kv_tokens=64, block_tokens=4)
+    pool = r.pool
+    assert pool.num_blocks == 16 and pool.free_blocks == 16
     r.forward("x", 0, [5, 6, 7, 8])
-    assert r._caches["x"].kv.shape[3] == 4
-    r.forward("x", 4, [9])
-    assert r._caches["x"].kv.shape[3] == 8
+    assert len(r._caches["x"].blocks) == 1
+    r.forward("y", 0, [1, 2])
+    r.forward("x", 4, [9])  # x's second block comes after y's: x is no longer contiguous
+    assert len(r._caches["x"].blocks) == 2 and not r._caches["x"].contiguous
     r.forward("x", 5, list(range(10, 30)))
-    assert r._caches["x"].kv.shape[3] == 25
+    assert len(r._caches["x"].blocks) == 7  # 25 positions: ceil(25 / 4) blocks, not a doubling
     assert torch.equal(r.forward("x", 25, [3]), r.forward("fresh", 0, [5, 6, 7, 8, 9, *range(10, 30), 3]))
+    assert pool.bytes_per_token == 3 * 2 * 2 * 8 * 2  # layers x (k, v) x kv heads x head dim x 2 bytes
+    used = pool.num_blocks - pool.free_blocks
+    r.release("fresh")
+    assert pool.num_blocks - pool.free_blocks == used - 7
+    with pytest.raises(KVCacheFull):
+        r.forward("big", 0, list(range(2, 60)))
+    for s in ("x", "y", "big"):
+        r.release(s)
+    assert pool.free_blocks == pool.num_blocks
+
+
+def test_the_kv_cache_is_stored_in_16_bits():
+    for dtype, torch_dtype in (("float16", torch.float16), ("bfloat16", torch.bfloat16)):
+        r = FastRunner(_model(), bits=4, kv_dtype=dtype)
+        assert r.pool.kv.dtype == torch_dtype and r.pool.kv.element_size() == 2
+    with pytest.raises(ValueError, match="dtype"):
+        FastRunner(_model(), bits=4, kv_dtype="float64")
 
 
 @pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])

@@ -7,6 +7,7 @@ the same classes under Ray Serve over HTTP."""
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 import math
 
@@ -362,9 +363,32 @@ def test_a_client_leaving_mid_stream_is_a_499_and_ends_the_decoding(app):
     assert counter(app.ingress.meter, "osd_requests_total", tenant="alice", status=200) == 0
     assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
     pool = app.pools[0]
-    assert pool.running == 0 and all(not e.requests for e in pool.held.values())
+    for _ in range(200):  # the engine loop drops it at its next step boundary
+        if not pool.loop.running:
+            break
+        time.sleep(0.01)
+    assert pool.running == 0 and not pool.loop.running and all(not e.requests for e in pool.held.values())
+    assert pool.loop.reserved == 0
     bucket = app.ingress.tenants.tokens["alice"]
     assert bucket.level == bucket.rate  # it never got its usage: nothing charged
+
+
+def test_a_request_the_engine_replica_cannot_queue_is_a_503_with_retry_after(folder):
+    """One request runs at a time and none may wait: of two at once, one is served whole and the
+    other is answered 503 with Retry-After (retry later), and the replica's budget returns to zero."""
+    app = App(app_config(folder, loop={"max_running": 1, "max_waiting": 0}))
+
+    async def both():
+        body = {"prompt": "Hello world", "max_tokens": 30, "ignore_eos": True, "temperature": 0}
+        return await asyncio.gather(*(app.post(body) for _ in range(2)))
+    answers = run(both())
+    assert sorted(status for status, _, _ in answers) == [200, 503]
+    _, body, headers = next(a for a in answers if a[0] == 503)
+    assert body["error"]["code"] == "overloaded" and int(headers["retry-after"]) >= 1
+    _, ok, _ = next(a for a in answers if a[0] == 200)
+    assert ok["usage"]["completion_tokens"] == 30
+    assert app.pools[0].loop.reserved == 0
+    assert counter(app.pools[0].meter, "osd_engine_requests_overloaded_total") == 1
 
 
 # -- failures --------------------------------------------------------------------------------------

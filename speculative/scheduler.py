@@ -1,0 +1,311 @@
+"""One engine loop per model replica: every in-flight request's speculative step in one target forward.
+
+This is the loop that serving engines run (vLLM's scheduler, llama.cpp's server slots), with
+speculation inside it. Each :meth:`EngineLoop.step`:
+
+  1. **admit** waiting sequences, first come first served, while the KV budget (tokens) holds
+     their prompt + max_tokens + the draft's k; a sequence that does not fit waits, and past
+     ``queue_timeout_s`` it fails with :class:`Overloaded` (a 503 with Retry-After at the edge);
+  2. **plan**: every decoding sequence gets its step (the uncached token + k drafted), then
+     prompts take what is left of ``step_tokens`` in chunks (chunked prefill: a long prompt is
+     spread over several steps and never stalls the others for its whole prefill);
+  3. **propose**: each decoding sequence's engine drafts its k tokens (suffix tree, prompt
+     lookup or learned draft, k from its k policy);
+  4. **verify**: one ragged target forward over all of the step's calls;
+  5. **accept** per sequence, and hand each request its :class:`StepResult` through its sink.
+
+A request that is cancelled (its client left) or ends (EOS, stop string, max_tokens) leaves at
+the next step boundary, and its cache and budget are freed then.
+
+Each sequence belongs to a :class:`SpeculativeEngine` (its draft: engines of several drafts share
+one loop and one target); the engines' state is touched only by the thread that steps (other
+threads hand work over with :meth:`EngineLoop.call`).
+
+Lossless: the target's rows are batch-invariant on the fast path (see :mod:`speculative.fast`), so
+a sequence's output does not depend on which others share its steps: greedy output equals
+target-only output, and a seeded sample equals the seed's sample, under any concurrency.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from config import LoopConfig, SamplingParams
+
+from .engine import PendingStep, RequestError, RequestState, SpeculativeEngine, StepResult
+from .runner import ModelRunner, VerifyCall
+
+
+class Overloaded(RuntimeError):
+    """A request waited ``queue_timeout_s`` without fitting the KV budget (retry later)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+# -- what a request's sink receives, in order: Started, then Step..., then Finished (or Failed) ------
+@dataclass
+class Started:
+    prompt_tokens: int
+
+
+@dataclass
+class Step:
+    result: StepResult
+    waited: float = 0.0  # set by the consumer: seconds since its previous event
+
+
+@dataclass
+class Finished:
+    state: RequestState  # the request's final state (output, stats, finish reason); no longer stepped
+
+
+@dataclass
+class Failed:
+    error: Exception  # RequestError (the request as given), Overloaded, or what the step raised
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request handed to the loop. ``sink`` is called from the loop's thread with each event."""
+
+    engine: SpeculativeEngine
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    sink: Callable[[object], None]
+    scope: str | None = None
+    resume: list[int] = field(default_factory=list)  # output already sent by a replica that failed
+    enqueued: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+    reserved: int = 0  # KV tokens held in the budget while running
+
+    def need(self, k_max: int) -> int:
+        """KV positions it may hold at most: prompt + max_tokens, plus a step's draft tokens."""
+        return len(self.prompt) + self.params.max_tokens + k_max + 1
+
+
+class EngineLoop:
+    """The scheduler of one replica: sequences of any number of engines over one target runner."""
+
+    def __init__(self, target: ModelRunner, cfg: LoopConfig, budget_tokens: int, k_max: int,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_step: Callable[[int, int, float], None] | None = None):
+        self.target = target
+        self.cfg = cfg
+        self.budget_tokens = budget_tokens  # KV positions all running sequences may hold together
+        self.k_max = k_max
+        self.clock = clock
+        self.on_step = on_step  # (sequences, tokens, seconds) of each target forward, from the loop's thread
+        self.reserved = 0  # KV positions reserved by running sequences
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.steps = 0  # target forwards
+        self.calls = 0  # sequences' calls in them
+        self.tokens = 0  # tokens fed to them
+        self.last_batch = 0  # sequences in the last step
+        self.last_tokens = 0  # tokens the target took in the last step
+        self._inbox: list[Sequence] = []
+        self._calls: list[tuple[Callable[[], object], cf.Future]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- from any thread ------------------------------------------------------------------------
+    def submit(self, seq: Sequence) -> None:
+        with self._lock:
+            self._inbox.append(seq)
+        self._wake.set()
+
+    def cancel(self, seq: Sequence) -> None:
+        """The request's client left: it is dropped at the next step boundary."""
+        seq.cancelled = True
+        self._wake.set()
+
+    def call(self, fn: Callable[[], object]) -> cf.Future:
+        """Run ``fn`` on the loop's thread between two steps (the engines are single-threaded)."""
+        fut: cf.Future = cf.Future()
+        with self._lock:
+            self._calls.append((fn, fut))
+        self._wake.set()
+        if self._thread is None:  # not running in a thread (tests step by hand): run it now
+            self._run_calls()
+        return fut
+
+    @property
+    def queued(self) -> int:
+        return len(self.waiting) + len(self._inbox)
+
+    def start(self, name: str = "engine-loop") -> None:
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.running and not self.waiting and not self._inbox and not self._calls:
+                self._wake.wait(0.25)
+                self._wake.clear()
+            self._run_calls()
+            if not self.step() and self.waiting:  # nothing to run yet: let the queue's clock move
+                self._wake.wait(0.01)
+                self._wake.clear()
+
+    def _run_calls(self) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, []
+        for fn, fut in calls:
+            try:
+                fut.set_result(fn())
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def step(self) -> int:
+        """One iteration (see the module docstring); returns the number of sequences stepped."""
+        self._take_inbox()
+        self._drop_cancelled()
+        self._admit()
+        while len(self.waiting) > self.cfg.max_waiting:  # the queue is full: the newest are turned away
+            self.waiting.pop().sink(Failed(Overloaded(
+                f"{len(self.running)} requests are running and {self.cfg.max_waiting} queued on this replica; retry later")))
+        decode, prefill = self._plan()
+        if not decode and not prefill:
+            return 0
+        pending: list[tuple[Sequence, PendingStep]] = []
+        for seq in decode:  # propose (each engine its own drafts)
+            try:
+                pending.append((seq, seq.engine.propose(seq.request_id)))
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                self._fail(seq, e)
+        calls = [p.call for _, p in pending] + [call for _, call in prefill]
+        if not calls:
+            return 0
+        t0 = time.perf_counter()
+        try:  # verify: one forward for every sequence of the step
+            rows = self.target.verify(calls, max_batch_tokens=self._batch_tokens())
+        except Exception as e:  # noqa: BLE001 - the forward failed: every sequence in it fails
+            for seq in [s for s, _ in pending] + [s for s, _ in prefill]:
+                self._fail(seq, e)
+            return 0
+        self.last_batch, self.last_tokens = len(calls), sum(len(c.tokens) for c in calls)
+        self.steps, self.calls, self.tokens = self.steps + 1, self.calls + len(calls), self.tokens + self.last_tokens
+        if self.on_step is not None:
+            self.on_step(len(calls), self.last_tokens, time.perf_counter() - t0)
+        for (seq, p), r in zip(pending, rows):  # accept
+            try:
+                res = seq.engine.accept(p, r)
+            except Exception as e:  # noqa: BLE001
+                self._fail(seq, e)
+                continue
+            seq.sink(Step(res))
+            if res.finished:
+                self._finish(seq)
+        for seq, call in prefill:
+            seq.engine.prefilled(seq.request_id, len(call.tokens))
+        return len(calls)
+
+    def _batch_tokens(self) -> int:
+        # the fast path's batch is ragged (no padding): everything in one forward; a padded
+        # (Hugging Face) runner keeps long prefills apart so that they do not pad the others
+        return self.cfg.step_tokens if getattr(self.target, "ragged", False) else self.cfg.padded_batch_tokens
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            new, self._inbox = self._inbox, []
+        for seq in new:
+            if seq.need(self.k_max) > self.budget_tokens:
+                seq.sink(Failed(RequestError(
+                    f"prompt ({len(seq.prompt)} tokens) + max_tokens ({seq.params.max_tokens}) needs "
+                    f"{seq.need(self.k_max)} positions of KV cache; a replica holds {self.budget_tokens}")))
+            else:
+                self.waiting.append(seq)
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self.running if s.cancelled]:
+            self._release(seq)
+        if any(s.cancelled for s in self.waiting):
+            self.waiting = deque(s for s in self.waiting if not s.cancelled)
+        now = self.clock()
+        while self.waiting and now - self.waiting[0].enqueued > self.cfg.queue_timeout_s:
+            seq = self.waiting.popleft()
+            seq.sink(Failed(Overloaded(
+                f"the request waited {self.cfg.queue_timeout_s:g} s for KV cache on this replica "
+                f"({self.reserved} of {self.budget_tokens} positions held by {len(self.running)} requests); retry later")))
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.cfg.max_running:
+            seq = self.waiting[0]
+            need = seq.need(self.k_max)
+            if self.reserved + need > self.budget_tokens:
+                return  # first come, first served: later requests do not overtake it
+            self.waiting.popleft()
+            try:
+                seq.engine.add_request(seq.prompt, seq.params, seq.request_id, scope=seq.scope)
+            except Exception as e:  # noqa: BLE001 - a request that cannot be served as given
+                seq.sink(Failed(e))
+                continue
+            seq.reserved, self.reserved = need, self.reserved + need
+            self.running.append(seq)
+            st = seq.engine.requests[seq.request_id]
+            try:
+                if seq.resume:
+                    seq.engine.resume(seq.request_id, seq.resume)
+            except Exception as e:  # noqa: BLE001
+                self._fail(seq, e)
+                continue
+            seq.sink(Started(st.prompt_len))
+            if st.finished:  # the resumed output had already ended it
+                self._finish(seq)
+
+    def _plan(self) -> tuple[list[Sequence], list[tuple[Sequence, VerifyCall]]]:
+        """Who decodes this step, and which prompts prefill how much (the step's token budget:
+        decoding sequences first, one step each; prompts after, in chunks, oldest first)."""
+        budget = self.cfg.step_tokens
+        decode: list[Sequence] = []
+        prompts: list[tuple[Sequence, int]] = []
+        for seq in self.running:
+            uncached = seq.engine.uncached(seq.request_id)
+            if uncached + self.k_max <= self.cfg.prefill_chunk or not seq.engine.can_chunk_prefill:
+                decode.append(seq)
+                budget -= uncached + self.k_max
+            else:
+                prompts.append((seq, uncached))
+        prefill: list[tuple[Sequence, VerifyCall]] = []
+        for seq, uncached in prompts:
+            n = min(uncached - 1, self.cfg.prefill_chunk, budget)  # the last prompt token comes with the first draft
+            if n <= 0:
+                if prefill:
+                    continue  # no room this step: it waits for the next
+                n = min(uncached - 1, max(1, self.cfg.prefill_chunk // 4))  # the oldest prompt always moves
+            prefill.append((seq, seq.engine.prefill_call(seq.request_id, n)))
+            budget -= n
+        return decode, prefill
+
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        self._release(seq)
+        seq.sink(Failed(error))
+
+    def _finish(self, seq: Sequence) -> None:
+        st = seq.engine.requests.get(seq.request_id)
+        self._release(seq)
+        seq.sink(Finished(st))
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            seq.engine.release(seq.request_id)
+            self.reserved -= seq.reserved
+            seq.reserved = 0

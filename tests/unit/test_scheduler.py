@@ -1,0 +1,212 @@
+"""The engine loop (speculative.scheduler): every running request's step in one target forward.
+
+Hand-made cases (admission against the KV budget, the queue's timeout, cancellation, chunked
+prefill's per-step budget) and exactness under concurrency: a request's greedy output equals the
+target's own target-only output, and a seeded sample equals the seed's sample, whichever requests
+share its steps, join or leave."""
+
+from __future__ import annotations
+
+import torch
+
+from config import EngineConfig, KPolicyConfig, LoopConfig, SamplingParams
+from conftest import _char_tokenizer, tiny_llama
+from speculative import RequestError, SpeculativeEngine
+from speculative.fast import FastRunner
+from speculative.proposers import DraftModelProposer, NgramProposer
+from speculative.scheduler import EngineLoop, Failed, Finished, Overloaded, Sequence, Started, Step
+
+K = 3
+
+
+def _setup(budget: int = 4096, draft: bool = True, **loop):
+    target = FastRunner(tiny_llama(2, seed=0), name="target", bits=4, kv_tokens=budget + 64, block_tokens=8)
+    tok = _char_tokenizer()
+    cfg = EngineConfig(chat_template=False, k=KPolicyConfig(k_max=K, fixed_k=K))
+    proposer = DraftModelProposer(FastRunner(tiny_llama(1, seed=7), name="draft", bits=4), 128) if draft else NgramProposer()
+    spec = SpeculativeEngine(target, tok, proposer, cfg)
+    alone = SpeculativeEngine(target, tok, None, cfg)  # target-only, the reference
+    return EngineLoop(target, LoopConfig(**loop), budget, K), spec, alone
+
+
+def _prompts(n: int, seed: int = 0, lo: int = 4, hi: int = 40) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 128, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+
+
+class Client:
+    """What a request's sink sees, in order."""
+
+    def __init__(self):
+        self.events = []
+
+    def __call__(self, ev):
+        self.events.append(ev)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for e in self.events if isinstance(e, Step) for t in e.result.emitted]
+
+    @property
+    def done(self) -> bool:
+        return any(isinstance(e, (Finished, Failed)) for e in self.events)
+
+
+def _submit(loop, engine, prompt, params, rid, **kw) -> tuple[Sequence, Client]:
+    c = Client()
+    seq = Sequence(engine, rid, prompt, params, c, **kw)
+    loop.submit(seq)
+    return seq, c
+
+
+def _drain(loop, clients, limit=2000):
+    for _ in range(limit):
+        if all(c.done for c in clients):
+            return
+        loop.step()
+    raise AssertionError("the loop did not finish its requests")
+
+
+def test_greedy_output_under_any_concurrency_equals_target_only():
+    """1, 4 and 8 requests at once, joining at different steps: each equals target-only decoding;
+    every step verifies all running requests in one forward."""
+    loop, spec, alone = _setup()
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = _prompts(8)
+    want = [alone.generate(p, params).token_ids for p in prompts]
+    for conc in (1, 4, 8):
+        clients, batches = [], []
+        for i, p in enumerate(prompts[:conc]):
+            clients.append(_submit(loop, spec, p, params, f"c{conc}-{i}")[1])
+            loop.step()  # the next one joins a step later, mid-stream
+            batches.append(loop.last_batch)
+        _drain(loop, clients)
+        for i, c in enumerate(clients):
+            assert isinstance(c.events[0], Started) and isinstance(c.events[-1], Finished)
+            assert c.tokens == want[i], (conc, i)
+        assert max(batches) == conc  # they shared steps
+    assert sum(s.stats.proposed for c in clients for s in [c.events[-1].state]) > 0  # the draft proposed
+    assert loop.reserved == 0 and loop.target.pool.free_blocks == loop.target.pool.num_blocks
+
+
+def test_a_seeded_sample_does_not_depend_on_its_batch():
+    loop, spec, alone = _setup()
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    prompt = _prompts(1, seed=3)[0]
+    want = alone.generate(prompt, params).token_ids
+    _, solo = _submit(loop, spec, prompt, params, "solo")
+    _drain(loop, [solo])
+    others = [_submit(loop, spec, p, SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True), f"o{i}")[1]
+              for i, p in enumerate(_prompts(5, seed=4))]
+    loop.step()
+    _, mixed = _submit(loop, spec, prompt, params, "mixed")
+    _drain(loop, others + [mixed])
+    assert solo.tokens == mixed.tokens == want
+
+
+def test_requests_leaving_mid_batch_change_nobody_elses_output():
+    loop, spec, alone = _setup()
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    prompts = _prompts(4, seed=5)
+    want = [alone.generate(p, params).token_ids for p in prompts]
+    seqs = [_submit(loop, spec, p, params, f"r{i}") for i, p in enumerate(prompts)]
+    short = _submit(loop, spec, prompts[0], SamplingParams(max_tokens=3, ignore_eos=True), "short")[1]
+    for _ in range(4):
+        loop.step()
+    gone_seq, gone = seqs[1]
+    loop.cancel(gone_seq)  # its client left
+    _drain(loop, [c for i, (_, c) in enumerate(seqs) if i != 1] + [short])
+    for i, (_, c) in enumerate(seqs):
+        if i != 1:
+            assert c.tokens == want[i]
+    assert short.tokens == want[0][:3]
+    assert not gone.done and gone.tokens == want[1][: len(gone.tokens)]
+    assert "r1" not in spec.requests and loop.target.cached_length("r1") == 0  # freed at the step boundary
+    assert loop.reserved == 0 and loop.target.pool.free_blocks == loop.target.pool.num_blocks
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_within_the_step_budget():
+    """A 180-token prompt joins two decoding requests: it is cached over several steps of at most
+    ``prefill_chunk`` tokens; the decoding requests get a step every time, and no step feeds the
+    target more than its budget; the long request's output is still target-only's."""
+    loop, spec, alone = _setup(step_tokens=48, prefill_chunk=24)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    short = [_submit(loop, spec, p, params, f"s{i}")[1] for i, p in enumerate(_prompts(2, seed=6))]
+    for _ in range(3):
+        loop.step()
+    long_prompt = _prompts(1, seed=7, lo=180, hi=181)[0]
+    _, long_c = _submit(loop, spec, long_prompt, SamplingParams(max_tokens=8, ignore_eos=True), "long")
+    fed, steps_of_short = [], []
+    while not long_c.tokens:
+        before = [len(c.events) for c in short]
+        loop.step()
+        fed.append(loop.last_tokens)
+        steps_of_short.append([len(c.events) - b for c, b in zip(short, before)])
+    assert len(fed) >= 180 // 24  # spread over several steps
+    assert max(fed) <= 48 + 2 * (K + 1)  # the step's budget (decoders first; each at most 1 + k)
+    assert all(s == [1, 1] for s in steps_of_short)  # nobody stalled
+    _drain(loop, short + [long_c])
+    assert long_c.tokens == alone.generate(long_prompt, SamplingParams(max_tokens=8, ignore_eos=True)).token_ids
+
+
+def test_requests_beyond_the_kv_budget_wait_then_time_out_with_503():
+    """Budget 120 positions, each request needs 4 + 40 + k + 1 = 48: two run, the third waits (and
+    runs once one finishes); with a clock past the queue's timeout a waiting one fails Overloaded."""
+    now = [0.0]
+    loop, spec, _ = _setup(budget=120, queue_timeout_s=5.0)
+    loop.clock = lambda: now[0]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    clients = [_submit(loop, spec, [5, 6, 7, 8], params, f"q{i}", enqueued=0.0)[1] for i in range(3)]
+    loop.step()
+    assert [isinstance(c.events[0], Started) if c.events else None for c in clients] == [True, True, None]
+    assert loop.reserved == 96 and len(loop.waiting) == 1
+    _drain(loop, clients)  # the third ran after the first two finished
+    assert [len(c.tokens) for c in clients] == [40, 40, 40]
+    assert loop.reserved == 0
+
+    late = [_submit(loop, spec, [5, 6, 7, 8], params, f"t{i}", enqueued=now[0])[1] for i in range(3)]
+    loop.step()
+    now[0] += 6.0
+    loop.step()
+    failed = [c.events[-1] for c in late if isinstance(c.events[-1], Failed)]
+    assert len(failed) == 1 and isinstance(failed[0].error, Overloaded)
+    _drain(loop, [c for c in late if not c.done])
+    assert loop.reserved == 0 and loop.target.pool.free_blocks == loop.target.pool.num_blocks
+
+
+def test_past_max_waiting_the_newest_requests_are_turned_away():
+    loop, spec, _ = _setup(max_running=2, max_waiting=1)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    clients = [_submit(loop, spec, [5, 6, 7], params, f"w{i}")[1] for i in range(5)]
+    loop.step()
+    assert [type(c.events[-1]).__name__ if c.events else None for c in clients] == \
+        ["Step", "Step", None, "Failed", "Failed"]  # two run, one waits, the newest two are refused
+    assert all(isinstance(c.events[-1].error, Overloaded) for c in clients[3:])
+    _drain(loop, clients[:3])
+    assert clients[2].tokens and loop.reserved == 0
+
+
+def test_a_request_larger_than_the_whole_budget_is_refused_at_once():
+    loop, spec, _ = _setup(budget=64)
+    _, c = _submit(loop, spec, list(range(5, 40)), SamplingParams(max_tokens=40), "huge")
+    loop.step()
+    assert isinstance(c.events[-1], Failed) and isinstance(c.events[-1].error, RequestError)
+    assert "KV cache" in str(c.events[-1].error)
+    assert loop.reserved == 0 and not loop.running
+
+
+def test_the_loop_thread_serves_requests_and_runs_calls_between_steps():
+    loop, spec, alone = _setup(draft=False)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    loop.start()
+    try:
+        clients = [_submit(loop, spec, p, params, f"th{i}")[1] for i, p in enumerate(_prompts(3, seed=9))]
+        assert loop.call(lambda: len(spec.requests)).result(5) in range(0, 4)
+        for _ in range(500):
+            if all(c.done for c in clients):
+                break
+            loop.call(lambda: None).result(5)
+        for c, p in zip(clients, _prompts(3, seed=9)):
+            assert c.tokens == alone.generate(p, params).token_ids
+    finally:
+        loop.stop()
