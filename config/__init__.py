@@ -255,6 +255,10 @@ class KPolicyConfig(_Strict):
 #: Temperatures below this are greedy decoding (as in vLLM): dividing logits by a temperature near
 #: 0 overflows float32 (1e-40 gives inf - inf = NaN), and the law it approaches is the argmax anyway.
 GREEDY_BELOW = 1e-5
+#: a request's stop strings: at most this many, each at most this many characters (the stop check
+#: and the detokenizer keep this much text per request and search it at every step)
+MAX_STOPS = 4
+MAX_STOP_CHARS = 256
 
 
 class SamplingParams(_Strict):
@@ -278,6 +282,10 @@ class SamplingParams(_Strict):
     def _non_empty_stops(cls, v: list[str]) -> list[str]:
         if any(s == "" for s in v):
             raise ValueError("stop strings must be non-empty")
+        if len(v) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences")
+        if any(len(s) > MAX_STOP_CHARS for s in v):
+            raise ValueError(f"a stop sequence has at most {MAX_STOP_CHARS} characters")
         return v
 
     @property

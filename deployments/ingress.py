@@ -115,6 +115,8 @@ async def _json_body(request: Request, limit: int):
         return _error(400, "the body's JSON is nested too deeply")
     except json.JSONDecodeError as e:
         return _error(400, f"the body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})")
+    except ValueError:  # an integer of more than 4300 digits (Python's bound on converting it)
+        return _error(400, "the body holds a number too long to read")
 
 
 def _target_gone(e: BaseException) -> bool:

@@ -12,16 +12,22 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from config import SamplingParams
+from config import MAX_STOP_CHARS, MAX_STOPS, SamplingParams
 
 
 MAX_PROMPT_IDS = 32_768
+#: bounds on what else a client sizes (the body is at most ``ingress.max_body_bytes`` and the text of
+#: the prompt or the messages at most ``ingress.max_prompt_chars``): messages in a chat, content
+#: parts in a message, and the length of short string fields
+MAX_MESSAGES = 256
+MAX_CONTENT_PARTS = 64
+MAX_NAME_CHARS = 256
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
+    model: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
     max_tokens: int | None = Field(default=None, gt=0, strict=True)
     max_completion_tokens: int | None = Field(default=None, gt=0, strict=True)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
@@ -31,8 +37,8 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(default=1, strict=True)
     stream: bool = Field(default=False, strict=True)
-    stream_options: dict | None = None
-    user: str | None = None
+    stream_options: dict | None = Field(default=None, max_length=8)
+    user: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
     ignore_eos: bool = Field(default=False, strict=True)
 
     @field_validator("n")
@@ -46,8 +52,10 @@ class _Request(BaseModel):
     @classmethod
     def _stops(cls, v):
         stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence has at most {MAX_STOP_CHARS} characters")
         return stops
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
@@ -98,6 +106,13 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict]
 
+    @field_validator("content")
+    @classmethod
+    def _few_parts(cls, v):
+        if isinstance(v, list) and len(v) > MAX_CONTENT_PARTS:
+            raise ValueError(f"a message has at most {MAX_CONTENT_PARTS} content parts")
+        return v
+
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
@@ -110,7 +125,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(_Request):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
 
     def chat(self) -> list[dict]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]

@@ -41,12 +41,20 @@ def _common_prefix(a: str, b: str) -> int:
 def _stop_prefix_len(text: str, stop: list[str] | tuple[str, ...]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
     best = 0
+    last = text[-1:] or None
     for s in stop:
         for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
+            if s[n - 1] == last and text.endswith(s[:n]):  # the slice only where the last character matches
                 best = n
                 break
     return best
+
+
+#: tokens of left context decoded again before the first unsettled token: enough for every local
+#: effect of a decoder (a SentencePiece piece's leading space, WordPiece's cleanup of " ' s", the
+#: 2-4 byte-level tokens of one character), so that the text of the window past its context equals
+#: what a decode of the whole output has there
+CONTEXT_TOKENS = 6
 
 
 class Detokenizer:
@@ -54,37 +62,136 @@ class Detokenizer:
 
     ``update(ids)`` takes the whole output so far and returns the new text to show; ``finish(ids)``
     returns the remainder once the request has ended. ``"".join`` of every delta equals
-    ``final_text(tokenizer, ids, stop)``. Each update decodes the output twice (with and without its
-    newest token): O(n) per step in the tokenizer's native decoder, which for the outputs served
-    here (<= a few thousand tokens) costs far less than the model step it follows.
+    ``final_text(tokenizer, ids, stop)``.
+
+    Each update costs time linear in its new tokens, not in the output: the text of the tokens up to
+    an anchor is settled (unchanged by every token since) and never decoded again; an update decodes
+    the window from ``CONTEXT_TOKENS`` before the anchor to the end, with and without its newest
+    token, and searches for stop strings only in the text not yet shown (which never holds more than
+    the longest stop of text held back). Should a window's decode not extend its context's decode (a
+    decoder with a longer reach), that update decodes the whole output instead.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str] | tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
-        self.emitted = ""  # text already returned
+        self._keep = max((len(s) for s in self.stop), default=0)  # settled characters kept for the stop search
+        self._parts: list[str] = []  # text already returned, in pieces
+        self.emitted_len = 0
+        self.anchor = 0  # tokens whose text is settled
+        self.settled_len = 0  # characters of that text
+        self.tail = ""  # its last characters (at least the longest stop's, and what is not yet shown)
+
+    @property
+    def emitted(self) -> str:
+        """Text already returned."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def update(self, ids: list[int]) -> str:
         """New final text of the output ``ids`` (the whole output so far)."""
-        if not ids:
+        n = len(ids)
+        if not n:
             return ""
-        full = self._decode(ids)
-        stable = full[: _common_prefix(full, self._decode(ids[:-1]))]  # unchanged by the newest token
-        cut = cut_at_stop(stable, self.stop)
-        if cut == stable:  # no stop string complete yet: hold back what may become one
-            cut = stable[: len(stable) - _stop_prefix_len(stable, self.stop)]
-        return self._advance(cut.rstrip(REPLACEMENT))  # an incomplete character waits for its last bytes
+        if n <= self.anchor:  # a shorter output than already settled (not produced by the engine): start over
+            self.anchor = self.settled_len = 0
+            self.tail = ""
+        start = max(0, self.anchor - CONTEXT_TOKENS)
+        base = self._decode(ids[start : self.anchor]) if self.anchor > start else ""
+        full, without = self._decode(ids[start:n]), self._decode(ids[start : n - 1])
+        if not (full.startswith(base) and without.startswith(base)):  # a decoder reaching further back
+            self.anchor = self.settled_len = start = 0
+            self.tail, base = "", ""
+            full, without = self._decode(ids), self._decode(ids[:-1])
+        stable = full[: max(len(base), _common_prefix(full, without))][len(base) :]  # unchanged by the newest token
+        seg_start = self.settled_len - len(self.tail)  # ``seg``: the stable text from this character on
+        seg = self.tail + stable
+        shown = self.emitted_len - seg_start
+        cuts = [i for i in (seg.find(s, max(0, shown - len(s) + 1)) for s in self.stop) if i >= 0]
+        if cuts:
+            cut = seg[: min(cuts)]
+        else:  # no stop string complete yet: hold back what may become one
+            cut = seg[: len(seg) - _stop_prefix_len(seg[max(0, shown - self._keep) :], self.stop)]
+        delta = self._advance_by(cut.rstrip(REPLACEMENT), shown)  # an incomplete character waits for its last bytes
+        settled = without[len(base) :]
+        if len(_common_prefix_text(full, without)) >= len(without) and not settled.endswith(REPLACEMENT):
+            # the text of every token but the newest is settled: the next window starts after it
+            self.anchor, self.settled_len = n - 1, self.settled_len + len(settled)
+            self.tail = self.tail + settled
+        seg_start = self.settled_len - len(self.tail)
+        cut_from = min(self.emitted_len, self.settled_len - self._keep) - seg_start
+        if cut_from > 0:
+            self.tail = self.tail[cut_from:]
+        return delta
 
     def finish(self, ids: list[int]) -> str:
         """The rest of the text once the request has finished (EOS, stop string or length)."""
         return self._advance(final_text(self.tokenizer, ids, self.stop))
 
-    def _advance(self, text: str) -> str:
-        if len(text) <= len(self.emitted) or not text.startswith(self.emitted):
+    def _advance_by(self, seg_text: str, shown: int) -> str:
+        """``seg_text``: the text to show from the start of ``seg``, of which ``shown`` is shown."""
+        if len(seg_text) <= shown:
             return ""
-        delta = text[len(self.emitted) :]
-        self.emitted = text
+        delta = seg_text[shown:]
+        self._parts.append(delta)
+        self.emitted_len += len(delta)
         return delta
+
+    def _advance(self, text: str) -> str:
+        emitted = self.emitted
+        if len(text) <= len(emitted) or not text.startswith(emitted):
+            return ""
+        delta = text[len(emitted) :]
+        self._parts.append(delta)
+        self.emitted_len += len(delta)
+        return delta
+
+
+def _common_prefix_text(a: str, b: str) -> str:
+    return a[: _common_prefix(a, b)]
+
+
+class StopScanner:
+    """Whether a growing output holds one of its stop strings, in time linear in its new tokens.
+
+    The engine checks after every token. The output is decoded from ``CONTEXT_TOKENS`` before its
+    last settled token (one whose text ends in a complete character) to its end, and the stops
+    are searched for only in the settled text's last (longest stop - 1) characters followed by the
+    new text: a stop in the earlier text would have ended the request already. A window whose
+    decode does not extend its context's is decoded whole instead (a decoder with a longer reach).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str] | tuple[str, ...]):
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self._keep = max((len(s) for s in self.stop), default=1) - 1
+        self.anchor = 0  # output tokens whose text is settled
+        self.tail = ""  # the last ``_keep`` characters of that text
+        self.seen = 0  # output tokens checked
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def hit(self, tokens: list[int], start: int = 0) -> bool:
+        """Whether the output ``tokens[start:]`` (the whole output so far) holds a stop string."""
+        n = len(tokens) - start
+        if n < self.seen:  # the output was cut back: start over
+            self.anchor, self.tail = 0, ""
+        self.seen = n
+        lo = max(0, self.anchor - CONTEXT_TOKENS)
+        base = self._decode(tokens[start + lo : start + self.anchor]) if self.anchor > lo else ""
+        cur = self._decode(tokens[start + lo :])
+        if cur.startswith(base):
+            window = self.tail + cur[len(base) :]
+        else:  # a decoder reaching further back: the whole output, once
+            window = self._decode(tokens[start:])
+        if any(s in window for s in self.stop):
+            return True
+        if not window.endswith(REPLACEMENT):  # complete characters: settled
+            self.anchor = n
+            self.tail = window[len(window) - self._keep :] if self._keep else ""
+        return False

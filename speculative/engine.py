@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from config import EngineConfig, SamplingParams
 
-from .detokenize import final_text
+from .detokenize import StopScanner, final_text
 from .kpolicy import CostModel, KPolicy, StepChoice
 from .models import encode_prompt, eos_token_ids
 from .proposers import EMPTY, DraftModelProposer, Proposal, Proposer, learned_draft
@@ -383,12 +383,12 @@ class SpeculativeEngine:
         return out
 
     def _hit_stop(self, st: RequestState) -> bool:
-        """Whether the output's tail holds a stop string. A stop of B UTF-8 bytes spans at most B
-        tokens (a token is at least one byte; a CJK character or emoji can be 3-4 tokens), so the
-        last B + 8 tokens are decoded (the margin covers special tokens, which decode to nothing)."""
-        longest = max(len(s.encode("utf-8")) for s in st.params.stop)
-        tail = self.tokenizer.decode(st.output[-(longest + 8) :], skip_special_tokens=True)
-        return any(s in tail for s in st.params.stop)
+        """Whether the output holds a stop string, in time linear in the tokens since the last
+        check (``StopScanner``: a rolling decoded tail, kept with the request's state)."""
+        scan = st.__dict__.get("_stop_scan")
+        if scan is None:
+            scan = st.__dict__["_stop_scan"] = StopScanner(self.tokenizer, st.params.stop)
+        return scan.hit(st.tokens, st.prompt_len)
 
     def _observe(self, st: RequestState, prop: Proposal, n: int, emitted: int, fed: int, target_s: float, batch: int = 1) -> None:
         st.stats.observe(prop.k, n, emitted, prop.seconds, target_s)

@@ -24,6 +24,8 @@ from speculative.models import check_same_vocab, load_model
         ({"top_k": -1}, "top_k"),
         ({"stop": [""]}, "stop"),
         ({"stop": ["ok", ""]}, "stop"),
+        ({"stop": ["x" * 257]}, "stop"),  # the stop check keeps and searches this much text per request
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"max_token": 5}, "max_token"),  # typo: extra fields are refused, not ignored
     ],
 )

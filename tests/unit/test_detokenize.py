@@ -176,3 +176,39 @@ def test_held_back_stop_prefix_is_released_when_the_stop_does_not_complete(tok):
     rest = "".join(detok.update(ids[:n]) for n in range(len("say long") + 2, len(ids) + 1))
     assert shown + rest == "say long stor"
     assert shown + rest + detok.finish(ids) == "say long story"
+
+
+def _counting(tok):
+    """``tok`` whose decode records how many ids each call decodes."""
+    calls: list[int] = []
+    real = tok.decode
+
+    def decode(ids, *args, **kw):
+        calls.append(len(ids))
+        return real(ids, *args, **kw)
+
+    tok.decode = decode
+    return calls
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_each_update_decodes_a_bounded_window_however_long_the_output(name):
+    """Streaming a long output a token at a time (with four long stop strings that never occur)
+    decodes a bounded number of ids per update, not the whole output: the work per step does not
+    grow with the output, and the stream still equals the final text."""
+    tok = TOKENIZERS[name].__class__(tokenizer_object=TOKENIZERS[name].backend_tokenizer, eos_token="<eos>",
+                                     clean_up_tokenization_spaces=TOKENIZERS[name].clean_up_tokenization_spaces)
+    ids = tok(" ".join(TEXTS * 16), add_special_tokens=False)["input_ids"]
+    assert len(ids) > 1000
+    stops = ["\u2603" * 256, "zq" * 128, "\n\n\n\n" * 64, "\u00a7" * 200]  # none is in the text
+    calls = _counting(tok)
+    detok = Detokenizer(tok, stops)
+    deltas, per_update = [], []
+    for n in range(1, len(ids) + 1):
+        before = sum(calls)
+        deltas.append(detok.update(ids[:n]))
+        per_update.append(sum(calls) - before)
+    deltas.append(detok.finish(ids))
+    assert "".join(deltas) == final_text(tok, ids, stops)
+    assert max(per_update) <= 3 * 16, max(per_update)  # 3 decodes of the context and a few tokens
+    assert sum(per_update[-200:]) <= sum(per_update[:200]) * 1.5 + 50

@@ -212,6 +212,27 @@ def test_stop_detection_at_the_start_and_across_special_tokens(make_engine, tok)
     assert engine._hit_stop(st) and engine.text_of(st) == "a"
 
 
+def test_the_stop_check_decodes_only_the_new_tokens_however_long_the_output(make_engine, make_tokenizer):
+    """Four stop strings of 256 characters that never occur (a character outside the vocabulary),
+    240 tokens: the stop check after each token decodes a few tokens, not the longest stop's worth
+    nor the whole output, so the whole generation decodes a small multiple of its length (the
+    final text once included); a stop is still found where it completes."""
+    tok = make_tokenizer()
+    calls: list[int] = []
+    real = tok.decode
+    tok.decode = lambda ids, *a, **kw: calls.append(len(ids)) or real(ids, *a, **kw)
+    engine = make_engine(None, tokenizer=tok)
+    stops = ["\u03a9" * 256, "\u03a9a" * 128, "b\u03a9" * 128, "\u03a9" * 200]
+    gen = engine.generate(tok("Hello")["input_ids"], SamplingParams(max_tokens=240, ignore_eos=True, stop=stops))
+    assert len(gen.token_ids) == 240 and gen.finish_reason == "length"
+    assert sum(calls) <= 20 * 240, sum(calls)
+    text = gen.text
+    stop = text[200:203]
+    calls.clear()
+    gen2 = engine.generate(tok("Hello")["input_ids"], SamplingParams(max_tokens=240, ignore_eos=True, stop=[stop, *stops[:3]]))
+    assert gen2.finish_reason == "stop" and gen2.text == text[: text.find(stop)]
+
+
 # -- sampling ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["trunc1-k3", "restricted", "ngram", "chained"])
 def test_seeded_sampling_determinism(name, build, prompts):

@@ -502,6 +502,14 @@ def test_an_open_server_lets_anyone_operate(folder):
     assert got == 404 and err["error"]["message"] == "this application runs without a learner"
 
 
+def test_a_stop_string_too_long_and_a_number_too_long_are_400s(folder):
+    app = App(app_config(folder, ingress={"max_body_bytes": 8192}))
+    status, body, _ = run(app.post({"prompt": "Hi", "max_tokens": 4, "stop": ["x" * 257]}))
+    assert status == 400 and "at most 256 characters" in body["error"]["message"] and body["error"]["param"] == "stop"
+    status, body, _ = run(app.post(raw=b'{"prompt": "Hi", "seed": ' + b"9" * 4400 + b"}"))
+    assert status == 400 and "number too long" in body["error"]["message"]
+
+
 def test_an_ingress_without_keys_behind_a_public_host_refuses_to_start(folder):
     """Serve's HTTP host beyond loopback and no key: the ingress does not start (its message says
     how to set keys) unless ``auth.allow_open``; with keys, or on loopback, it starts."""

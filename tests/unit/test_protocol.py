@@ -50,6 +50,8 @@ def test_every_sampling_field_is_carried_over():
     ("stream", "yes"), ("stream", 1),
     ("ignore_eos", "true"),
     ("stop", ["a", "b", "c", "d", "e"]),
+    ("stop", "x" * 257), ("stop", ["a", "y" * 257]),  # bounded work per request: a stop's length is capped
+    ("user", "u" * 257), ("model", "m" * 257), ("stream_options", {str(i): True for i in range(9)}),
 ])
 def test_out_of_range_or_mistyped_fields_are_refused(field, value):
     with pytest.raises(ValidationError) as e:
@@ -60,6 +62,7 @@ def test_out_of_range_or_mistyped_fields_are_refused(field, value):
 @pytest.mark.parametrize("field, value", [
     ("max_tokens", 1), ("temperature", 0.0), ("temperature", 2.0), ("top_p", 1.0), ("top_p", 1e-6),
     ("top_k", 0), ("n", 1), ("stop", ["a", "b", "c", "d"]), ("stop", []), ("seed", -5),
+    ("stop", ["x" * 256] * 4), ("user", "u" * 256),
 ])
 def test_the_edges_of_each_range_are_accepted(field, value):
     completion(**{field: value})
@@ -125,3 +128,16 @@ def test_error_bodies_and_ids_have_openai_shapes():
         "message": "gone", "type": "server_error", "param": None, "code": "x"}
     a, b = new_id("chatcmpl"), new_id("chatcmpl")
     assert a.startswith("chatcmpl-") and len(a) == len("chatcmpl-") + 32 and a != b
+
+
+def test_a_chat_is_bounded_in_messages_and_content_parts():
+    from deployments.protocol import MAX_CONTENT_PARTS, MAX_MESSAGES, ChatRequest
+
+    ChatRequest.model_validate({"messages": [{"role": "user", "content": ""}] * MAX_MESSAGES})
+    with pytest.raises(ValidationError) as e:
+        ChatRequest.model_validate({"messages": [{"role": "user", "content": ""}] * (MAX_MESSAGES + 1)})
+    assert e.value.errors()[0]["loc"][0] == "messages"
+    part = {"type": "text", "text": "a"}
+    ChatRequest.model_validate({"messages": [{"role": "user", "content": [part] * MAX_CONTENT_PARTS}]})
+    with pytest.raises(ValidationError, match="at most 64 content parts"):
+        ChatRequest.model_validate({"messages": [{"role": "user", "content": [part] * (MAX_CONTENT_PARTS + 1)}]})
