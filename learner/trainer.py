@@ -109,6 +109,9 @@ class LearnerConfig(BaseModel):
     #: records per forward/backward inside a step (gradients accumulated: same step, smaller
     #: pieces); ``pause`` is checked between pieces. None: the whole batch at once
     micro_batch_records: int | None = Field(default=None, ge=1)
+    #: round reports kept (the newest; ``OnlineLearner.reports``): a long-running learner does not
+    #: keep one per round forever
+    keep_reports: int = Field(default=1024, ge=1)
     seed: int = 0
 
 
@@ -637,7 +640,7 @@ class OnlineLearner:
         self._pending: defaultdict[str, int] = defaultdict(int)  # rows observed per draft since its last round
         self._rng = random.Random(f"holdout:{cfg.seed}")
         self.observed = 0
-        self.reports: list[RoundReport] = []
+        self.reports: deque[RoundReport] = deque(maxlen=cfg.keep_reports)  # the newest rounds'
         self.training: str | None = None  # the draft whose round is running
 
     def add_trainer(self, trainer: DraftTrainer) -> DraftTrainer:

@@ -336,6 +336,19 @@ def test_pick_draft_prefers_lost_acceptance(setup):
     assert ol.pick_draft() == "a"
 
 
+def test_the_learner_keeps_only_its_newest_round_reports(setup):
+    draft, recs = setup
+    cfg = _cfg(train_every=4, steps_per_round=1, keep_reports=2)
+    ol = OnlineLearner(cfg, ShardConfig(), [DraftTrainer("d", draft, cfg)])
+    reports = []
+    for r in recs:
+        ol.observe(r)
+        rep = ol.maybe_train([])
+        if rep is not None:
+            reports.append(rep)
+    assert len(reports) == 4 and list(ol.reports) == reports[-2:]
+
+
 def test_online_learner_end_to_end(setup, target, make_engine, draft_proposer):
     draft, recs = setup
     serving = truncated_draft(target, 1)
@@ -351,7 +364,7 @@ def test_online_learner_end_to_end(setup, target, make_engine, draft_proposer):
         if rep is not None:
             reports.append(rep)
             at.append(i)
-    assert at == [4, 8, 12, 16] and ol.observed == len(recs) and ol.reports == reports  # every train_every records
+    assert at == [4, 8, 12, 16] and ol.observed == len(recs) and list(ol.reports) == reports  # every train_every records
     assert len(ol.trainers["d"].holdout) + len(ol.shards["d"]) == len(recs)
     assert got, [(r.steps, r.reason) for r in reports]
     assert got == [r.version for r in reports if r.accepted]
