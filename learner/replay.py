@@ -535,6 +535,23 @@ def shard_path(directory: Path, draft_id: str) -> Path:
     return Path(directory) / f"shard-{quote(draft_id, safe='')}.log"
 
 
+def _private_dir(path: Path) -> None:
+    """``path`` as a folder only its owner can enter (0700; made so if it was created wider)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o077:
+        path.chmod(0o700)
+
+
+def _open_private(path: Path, mode: str):
+    """Open for ``"ab"`` or ``"wb"`` a file only its owner can read (created 0600; an older, wider
+    one is narrowed): the records hold prompts and outputs."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if mode == "ab" else os.O_TRUNC)
+    fd = os.open(path, flags, 0o600)
+    if os.fstat(fd).st_mode & 0o077:
+        os.fchmod(fd, 0o600)
+    return os.fdopen(fd, mode)
+
+
 def _frame(payload: bytes) -> bytes:
     return _HEADER.pack(MAGIC, len(payload), zlib.crc32(payload)) + payload
 
@@ -565,12 +582,12 @@ class ReplayShard:
         self._compact_at = 0.0
         self._rewrite_after_replay = False
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _private_dir(self.path.parent)
             self._replay()
         self._rng = random.Random(f"{cfg.seed}:{draft_id}:{self.appended}")  # eviction decisions
         self._sample_rng = random.Random(f"sample:{cfg.seed}:{draft_id}:{self.appended}")
         if self.path is not None:
-            self._fh = open(self.path, "ab")
+            self._fh = _open_private(self.path, "ab")
             self._log_bytes = self.path.stat().st_size
             self._enforce_bound()
             self._set_compact_threshold()
@@ -714,7 +731,7 @@ class ReplayShard:
             return
         with self._lock:
             tmp = self.path.with_name(self.path.name + ".tmp")
-            with open(tmp, "wb") as f:
+            with _open_private(tmp, "wb") as f:
                 f.write(_frame(b"E" + json.dumps({"evict": [], "appended": self.appended}).encode()))
                 for rec in self._live.values():
                     f.write(_frame(b"R" + encode_record(rec)))
@@ -726,7 +743,7 @@ class ReplayShard:
             os.replace(tmp, self.path)
             if self.cfg.fsync:
                 _fsync_dir(self.path.parent)
-            self._fh = open(self.path, "ab")
+            self._fh = _open_private(self.path, "ab")
             self._log_bytes = self.path.stat().st_size
             self.compactions += 1
             self._set_compact_threshold()
@@ -838,7 +855,8 @@ class ReplayShard:
         if not skipped:
             return
         side = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time() * 1000)}")
-        side.write_bytes(b"".join(data[a:b] for a, b, _ in skipped))
+        with _open_private(side, "wb") as f:
+            f.write(b"".join(data[a:b] for a, b, _ in skipped))
         if len(skipped) == 1 and skipped[0][1] == len(data):  # a torn or damaged tail: cut it off
             os.truncate(self.path, skipped[0][0])
         else:
@@ -975,7 +993,26 @@ class ShardSet:
                 if draft_id not in self.shards:
                     with ReplayShard.open(self.cfg, draft_id) as s:
                         n += s.delete_where(lambda r: r.tenant == tenant)
+            self._remove_side_files()
         return n
+
+    def _remove_side_files(self) -> None:
+        """Copies of records outside the logs: damaged byte ranges set aside (``.corrupt-*``, which
+        may hold any tenant's records and cannot be read apart) and a compaction's temporary file
+        left by a crash (``.log.tmp``; an open shard's is removed under its lock, so never one
+        being written)."""
+        d = self.cfg.dir
+        if d is None or not Path(d).is_dir():
+            return
+        for p in sorted(Path(d).glob("shard-*.log.corrupt-*")):
+            p.unlink(missing_ok=True)
+        for p in sorted(Path(d).glob("shard-*.log.tmp")):
+            s = self.shards.get(unquote(p.name[len("shard-") : -len(".log.tmp")]))
+            if s is None:
+                p.unlink(missing_ok=True)
+            else:
+                with s._lock:
+                    p.unlink(missing_ok=True)
 
     def drop(self, draft_id: str, delete: bool = True) -> None:
         """Forget a draft's shard: close it (if open) and (``delete``: a retired draft) remove its

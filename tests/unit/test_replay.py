@@ -848,3 +848,47 @@ def test_deleting_a_tenant_reaches_the_logs_of_closed_shards(tmp_path):
     assert b'"t1"' not in shard_path(tmp_path, "open").read_bytes()
     assert sorted(r.tenant for r in ss["closed"].records()) == ["t0", "t0", "t2", "t2"]
     ss.close()
+
+
+def test_deleting_a_tenant_also_removes_set_aside_copies_and_leftover_temporary_logs(tmp_path):
+    """Damaged ranges set aside (``.corrupt-*``) and a crashed compaction's ``.log.tmp`` may hold the
+    tenant's records: deletion removes them too; the logs stay."""
+    cfg = ShardConfig(max_bytes=100 * REC_BYTES, dir=tmp_path)
+    ss = ShardSet(cfg)
+    for i in range(6):
+        ss.append(make_record(i, draft_id="a" if i % 2 else "b"))
+    log_a = shard_path(tmp_path, "a")
+    (tmp_path / f"{log_a.name}.corrupt-1700000000000").write_bytes(log_a.read_bytes())  # as replay sets aside
+    (tmp_path / f"{shard_path(tmp_path, 'b').name}.tmp").write_bytes(log_a.read_bytes())  # a compaction cut off
+    (tmp_path / f"{shard_path(tmp_path, 'gone').name}.tmp").write_bytes(log_a.read_bytes())  # of a shard not open
+    assert ss.delete_tenant("t1") == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([log_a.name, shard_path(tmp_path, "b").name])
+    assert not any(b'"t1"' in p.read_bytes() for p in tmp_path.iterdir())
+    ss.close()
+
+
+def test_shard_logs_are_private_to_their_owner(tmp_path):
+    """Records hold prompts and outputs: logs (and what compaction and replay write) are 0600 in a
+    0700 folder, whatever the umask; a folder or log made wider before is narrowed at open."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        d = tmp_path / "shards"
+        ss = ShardSet(ShardConfig(max_bytes=100 * REC_BYTES, dir=d))
+        for i in range(4):
+            ss.append(make_record(i, draft_id="a"))
+        ss["a"].compact()
+        ss.close()
+        mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+        assert mode(d) == 0o700 and mode(shard_path(d, "a")) == 0o600
+        d.chmod(0o755)
+        shard_path(d, "a").chmod(0o644)
+        with open(shard_path(d, "a"), "ab") as f:
+            f.write(b"torn")  # a damaged tail: set aside on replay
+        ss = ShardSet.open(ShardConfig(max_bytes=100 * REC_BYTES, dir=d), ["a"])
+        ss.close()
+        assert mode(d) == 0o700 and {p.name.split(".log")[-1][:8]: mode(p) for p in d.iterdir()} == {"": 0o600, ".corrupt": 0o600}
+    finally:
+        os.umask(old)
