@@ -35,6 +35,11 @@ HOW_TO_SET_KEYS = ("set API keys: OSD_API_KEYS='tenant:key[,tenant:key]' and OSD
                    "in the config")
 
 
+#: tenant names the server gives meanings of its own: the admin key's tenant, the metrics' label for
+#: tenants past their cap, an open server's clients, refused requests; a key may not use them
+RESERVED_TENANTS = frozenset({"admin", "other", "anonymous", "unauthenticated"})
+
+
 class OpenServerError(RuntimeError):
     """The server would start without keys where clients beyond this machine can reach it."""
 
@@ -79,6 +84,10 @@ def load_keys(cfg: AuthConfig, environ: dict | None = None) -> list[TenantKey]:
         if not sep or not tenant or not key:
             raise ValueError(f"{cfg.keys_env}: expected tenant:key[,tenant:key], got an item without ':'")
         keys.append(TenantKey(tenant=tenant, key_sha256=digest(key)))
+    reserved = sorted({k.tenant for k in keys} & RESERVED_TENANTS)
+    if reserved:
+        raise ValueError(f"tenant name(s) {', '.join(map(repr, reserved))} are reserved (the server's own: "
+                         f"{', '.join(sorted(RESERVED_TENANTS))}); name the tenant otherwise")
     if env.get(cfg.admin_key_env):
         keys.append(TenantKey(tenant="admin", key_sha256=digest(env[cfg.admin_key_env]), admin=True))
     return keys

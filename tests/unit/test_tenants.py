@@ -197,3 +197,18 @@ def test_a_keys_file_that_is_not_a_list_is_an_error(tmp_path):
     f.write_text(f"tenant: bob\nkey_sha256: {digest('sk-bob')}\n")
     with pytest.raises(ValueError, match="expected a list"):
         load_keys(AuthConfig(keys_file=str(f)), {})
+
+
+@pytest.mark.parametrize("name", ["admin", "other", "anonymous", "unauthenticated"])
+def test_the_servers_own_tenant_names_are_refused_for_keys(tmp_path, name):
+    """``admin`` would share the admin key's buckets, ``other`` is the metrics' overflow label:
+    refused from a keys file, inline keys and the environment; the admin key itself still loads."""
+    f = tmp_path / "keys.yaml"
+    f.write_text(f"- tenant: {name}\n  key_sha256: {digest('sk-x')}\n")
+    with pytest.raises(ValueError, match=f"'{name}' are reserved"):
+        load_keys(AuthConfig(keys_file=str(f)), {})
+    with pytest.raises(ValueError, match="reserved"):
+        load_keys(AuthConfig(keys=[TenantKey(tenant=name, key_sha256=digest("sk-x"))]), {})
+    with pytest.raises(ValueError, match="reserved"):
+        load_keys(AuthConfig(), {"OSD_API_KEYS": f"{name}:sk-x"})
+    assert [k.tenant for k in load_keys(AuthConfig(), {"OSD_ADMIN_KEY": "sk-root"})] == ["admin"]
