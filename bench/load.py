@@ -201,3 +201,50 @@ def format_load(res: dict) -> str:
         lines.append(f"burst of {b['requests']} at once: by status {b['by_status']}, {b['refused_with_retry_after']} refusals "
                      f"with Retry-After, {b['served_complete']} served complete")
     return "\n".join(lines)
+
+
+def run_long_prompts(url: str, key: str, model: str, texts: list[str], n: int, prompt_chars: int, max_tokens: int,
+                     sample_s: float = 0.5) -> dict:
+    """``n`` completions at once, each a prompt of about ``prompt_chars`` characters (workload texts
+    joined) and ``max_tokens`` tokens out (EOS ignored): the time they take, and the replicas' memory
+    growth per cached position, (peak RSS - RSS before) / sum(prompt + completion tokens)."""
+    joined = "\n\n".join(texts)
+    prompts = [(joined[i * 997 % len(joined):] + joined)[:prompt_chars] for i in range(n)]  # n different prompts
+    before = replica_rss_bytes()
+    memory, stop = [], threading.Event()
+
+    def sampler():
+        while not stop.is_set():
+            memory.append(replica_rss_bytes())
+            stop.wait(sample_s)
+
+    def one(i):
+        body = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        t0 = time.perf_counter()
+        r = requests.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=3600)
+        out = {"status": r.status_code, "seconds": time.perf_counter() - t0}
+        if r.status_code == 200:
+            out.update(r.json()["usage"])
+        return out
+
+    mem_thread = threading.Thread(target=sampler, daemon=True)
+    mem_thread.start()
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(n) as pool:
+        res = list(pool.map(one, range(n)))
+    wall = time.perf_counter() - t0
+    stop.set()
+    mem_thread.join(timeout=10)
+    ok = [r for r in res if r["status"] == 200]
+    cached = sum(r["prompt_tokens"] + r["completion_tokens"] for r in ok)
+    peak = max(memory + [before])
+    return {"requests": n, "ok": len(ok), "by_status": [r["status"] for r in res], "wall_s": wall,
+            "prompt_tokens": [r.get("prompt_tokens") for r in res], "completion_tokens": sum(r.get("completion_tokens", 0) for r in ok),
+            "rss_before_mib": before / 2**20, "rss_peak_mib": peak / 2**20, "cached_tokens": cached,
+            "kb_per_cached_token": (peak - before) / cached / 1e3 if cached else None}
+
+
+def format_long_prompts(res: dict) -> str:
+    return (f"{res['requests']} long prompts at once ({res['prompt_tokens']} prompt tokens), {res['ok']} ok in "
+            f"{res['wall_s']:.0f} s; replicas' RSS {res['rss_before_mib']:.0f} -> peak {res['rss_peak_mib']:.0f} MiB for "
+            f"{res['cached_tokens']} cached tokens: {res['kb_per_cached_token'] or float('nan'):.1f} KB per cached token")

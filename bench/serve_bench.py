@@ -9,7 +9,9 @@ by status. ``--inprocess`` also decodes the same prompts with the in-process eng
 config as the server's ``serve_config.yaml``, greedy, one at a time) for the ratio of concurrency 1
 to it. ``--metrics-cost R`` starts the server itself, with metrics off and on in turn, R rounds, and
 reports tokens/s on over off. ``--load SECONDS`` runs the bounded load test of
-:mod:`bench.load` instead. Loopback only.
+:mod:`bench.load` instead. ``--against URL`` sends the same prompts at the same concurrencies to
+another OpenAI-compatible server (e.g. llama.cpp's ``llama-server``) in the same run, level by
+level in turn (ours, then theirs, at each concurrency), and reports the ratio. Loopback only.
 """
 
 from __future__ import annotations
@@ -88,19 +90,22 @@ def run_level(client, model: str, records, concurrency: int, max_tokens: int, le
 
 
 def summarise_level(results, concurrency: int, wall: float) -> dict:
-    ok = [(rec, r) for rec, r in results if r["status"] == 200 and r["usage"]]
+    # a server that sends no usage (or no speculative extension): its tokens are the chunks it streamed
+    ok = [(rec, r) for rec, r in results if r["status"] == 200 and (r["usage"] or r["arrivals"])]
     errors: dict[str, int] = defaultdict(int)
     for _, r in results:
         if r["status"] != 200:
             errors[str(r["status"])] += 1
-    tokens = sum(r["usage"]["completion_tokens"] for _, r in ok)
+    tokens = sum(r["usage"]["completion_tokens"] if r["usage"] else len(r["arrivals"]) for _, r in ok)
     ttft = [r["arrivals"][0] for _, r in ok if r["arrivals"]]
     itl = [b - a for _, r in ok for a, b in zip(r["arrivals"], r["arrivals"][1:])]
     lat = [r["seconds"] for _, r in ok]
     by_domain: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     wait = target = steps = 0.0
     for rec, r in ok:
-        spec = r["usage"]["speculative"]
+        spec = (r["usage"] or {}).get("speculative")
+        if spec is None:
+            continue
         by_domain[rec.domain][0] += spec["accepted"]
         by_domain[rec.domain][1] += spec["proposed"]
         steps += spec["steps"]
@@ -259,6 +264,13 @@ def format_table(result: dict) -> str:
     c = {lv["concurrency"]: lv["tokens_per_s"] for lv in result["levels"]}
     if 1 in c and max(c) > 1 and c[1]:
         lines.append(f"aggregate tok/s at concurrency {max(c)} / concurrency 1 = {c[max(c)] / c[1]:.2f}")
+    if result.get("against"):
+        lines.append(f"against {result['against']['url']} (same prompts, same run, levels in turn):")
+        for ours, theirs in zip(result["levels"], result["against"]["levels"]):
+            a, b = ours["tokens_per_s"] or 0.0, theirs["tokens_per_s"] or 0.0
+            lines.append(f"  concurrency {ours['concurrency']}: ours {a:.1f} tok/s, theirs {b:.1f} tok/s "
+                         f"({theirs['ok']}/{theirs['requests']} ok, TTFT p50 {theirs['ttft_ms']['p50']} ms): "
+                         f"ratio {a / b if b else float('nan'):.2f}")
     return "\n".join(lines)
 
 
@@ -286,13 +298,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load", type=float, default=0, metavar="SECONDS",
                     help="instead: a bounded load test for SECONDS (bench/load.py): --clients threads, chat and "
                          "completions, streamed and not, then a --burst of requests at once")
+    ap.add_argument("--long-prompts", type=int, default=0, metavar="N",
+                    help="instead: N prompts of --prompt-chars characters at once (EOS ignored): their time and the "
+                         "replicas' memory growth per cached token")
+    ap.add_argument("--prompt-chars", type=int, default=12000)
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--burst", type=int, default=0, help="with --load: this many requests at once at the end")
+    ap.add_argument("--against", default=None, metavar="URL",
+                    help="another OpenAI-compatible server (e.g. llama-server) driven with the same prompts and "
+                         "concurrencies in the same run, level by level in turn")
+    ap.add_argument("--against-model", default=None, help="the model name to send to --against (default: its first)")
+    ap.add_argument("--against-key", default="none")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    host = urlparse(args.url).hostname
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        raise ValueError(f"bench-serve drives loopback servers only, not {host!r}")
+    for url in (args.url, args.against):
+        host = urlparse(url).hostname if url else "127.0.0.1"
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(f"bench-serve drives loopback servers only, not {host!r}")
     import openai
 
     client = openai.OpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=args.api_key, max_retries=0, timeout=300)
@@ -317,6 +339,17 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps({"url": args.url, "workload": args.workload, **res}, indent=1))
         return 0 if res["server_errors"] == 0 and res["complete"] == res["served"] else 1
+    if args.long_prompts:
+        from .load import format_long_prompts, run_long_prompts
+
+        texts = [r.text for r in load_workload(args.workload)]
+        res = run_long_prompts(args.url.rstrip("/"), args.api_key, model, texts, args.long_prompts, args.prompt_chars,
+                               args.max_tokens)
+        print(format_long_prompts(res))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps({"url": args.url, "workload": args.workload, **res}, indent=1))
+        return 0 if res["ok"] == res["requests"] else 1
     if args.curve:
         records = select(load_workload(args.workload), args.curve)
         curve = learning_curve(client, model, records, args.curve_concurrency, args.max_tokens, args.window)
@@ -328,7 +361,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     records = select(load_workload(args.workload), args.n)
     result = {"url": args.url, "model": model, "workload": args.workload, "n": len(records), "max_tokens": args.max_tokens,
-              "levels": [run_level(client, model, records, c, args.max_tokens, args.level_seconds) for c in args.concurrency]}
+              "levels": []}
+    other = None
+    if args.against:
+        other = openai.OpenAI(base_url=args.against.rstrip("/") + "/v1", api_key=args.against_key, max_retries=0, timeout=300)
+        result["against"] = {"url": args.against, "model": args.against_model or other.models.list().data[0].id,
+                             "levels": []}
+    for c in args.concurrency:  # with --against, each level on both servers in turn: drift falls on both alike
+        result["levels"].append(run_level(client, model, records, c, args.max_tokens, args.level_seconds))
+        if other is not None:
+            result["against"]["levels"].append(
+                run_level(other, result["against"]["model"], records, c, args.max_tokens, args.level_seconds))
     if args.inprocess:
         result["inprocess"] = inprocess_tokens_per_s(records, args.max_tokens, args.config)
         c1 = next((lv for lv in result["levels"] if lv["concurrency"] == 1), None)

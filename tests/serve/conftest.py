@@ -1,6 +1,7 @@
 """The live application, started once for the tests of this folder (loopback only): the shipped
-serve_config.yaml with keys for three tenants, two draft replicas, and the co-located placement as
-a second application under /colo. Helpers to call it over plain HTTP."""
+serve_config.yaml (engine replicas: the co-located placement) with keys for three tenants and two
+replicas, and the split placement (draft replicas calling a Target deployment) as a second
+application under /split. Helpers to call it over plain HTTP."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def server(tmp_path_factory):
     cfg_path = tmp_path_factory.mktemp("serve") / "serve_config.yaml"
     cfg_path.write_text(yaml.safe_dump(doc))
     url = launch.start(cfg_path, port=free_port(), temp_dir=str(tmp_path_factory.mktemp("ray")))
-    # the co-located placement as a second application on the same cluster, under /colo
+    # the split placement as a second application on the same cluster, under /split
     from ray import serve
 
     from config import AppConfig
@@ -76,9 +77,10 @@ def server(tmp_path_factory):
     # draft (reading the target's features in the replica), chosen per step by the controller
     engine = {**app["args"]["engine"], "draft": {"kind": "feature", "use_suffix": True, "ngram_first": True,
                                                  "controller": {"probe_every": 2}}}
-    colo = AppConfig.model_validate({**app["args"], "engine": engine, "placement": "colocated", "learner": {"enabled": False}})
+    split = AppConfig.model_validate({**app["args"], "engine": engine, "placement": "split", "learner": {"enabled": False}})
     small = {"ray_actor_options": {"num_cpus": 0.1}}
-    serve.run(build(colo, {"Ingress": small, "Router": small, "DraftPool": small}), name="colo", route_prefix="/colo")
+    serve.run(build(split, {"Ingress": small, "Router": small, "DraftPool": small, "Target": small}), name="split",
+              route_prefix="/split")
     yield url
     import ray
     from ray import serve

@@ -410,16 +410,16 @@ def test_operator_endpoint_needs_the_admin_key(server, client):
     assert any("general" in r for r in out["replicas"]) and out["acceptance"]
 
 
-def test_colocated_placement_greedy_concurrent_equals_target_only(server, reference):
-    """Target inside the draft replica (no hop), the controller over suffix tree, prompt lookup and
-    the feature-conditioned draft: concurrent greedy requests (each prompt twice) equal target-only,
-    and drafts were proposed."""
+def test_split_placement_greedy_concurrent_equals_target_only(server, reference):
+    """Draft replicas calling the Target deployment once a step, the controller over suffix tree,
+    prompt lookup and the feature-conditioned draft (reading the target's features across the hop):
+    concurrent greedy requests (each prompt twice) equal target-only, and drafts were proposed."""
     import openai
 
-    colo = openai.OpenAI(base_url=f"{server}/colo/v1", api_key=KEY, max_retries=0, timeout=120)
+    split = openai.OpenAI(base_url=f"{server}/split/v1", api_key=KEY, max_retries=0, timeout=120)
 
     def one(p):
-        return colo.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0)
+        return split.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0)
 
     with cf.ThreadPoolExecutor(4) as pool:
         got = list(pool.map(one, PROMPTS[:4] * 2))

@@ -23,7 +23,7 @@ def _start_stream(server: str, body: dict, key: str, timeout: float = 300, event
     """A streamed completion, read until ``events`` SSE events arrived: (connection, response, bytes so far)."""
     u = urlparse(server)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
-    conn.request("POST", "/v1/completions", json.dumps(body),
+    conn.request("POST", (u.path or "") + "/v1/completions", json.dumps(body),
                  {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
     resp = conn.getresponse()
     assert resp.status == 200
@@ -165,9 +165,10 @@ def test_a_draft_replica_killed_mid_stream_the_request_completes_unchanged(serve
 
 
 def test_the_target_restarting_mid_stream_the_request_waits_completes_unchanged_and_ready_reports_the_gap(server, reference):
-    """The target replica is killed while a greedy stream runs. /ready answers 503 (naming the
-    draft pool or target) until the replacement is up; the stream pauses, its sequence is sent
-    whole to the new replica, and the text equals target-only decoding; new requests succeed."""
+    """The split placement (/split): the Target replica is killed while a greedy stream runs. /ready
+    answers 503 (naming the draft pool or target) until the replacement is up; the stream pauses,
+    its sequence is sent whole to the new replica, and the text equals target-only decoding; new
+    requests succeed."""
     import threading
 
     from config import SamplingParams
@@ -177,14 +178,15 @@ def test_the_target_restarting_mid_stream_the_request_waits_completes_unchanged_
     prompt, n = "A brief history of the bicycle", 40
     want = reference.generate(prompt, SamplingParams(max_tokens=n)).text
     body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
-    conn, resp, raw = _start_stream(server, body, KEY)
-    assert _call(server + "/ready")[0] == 200
-    victim = _kill("Target")
+    app = server + "/split"
+    conn, resp, raw = _start_stream(app, body, KEY)
+    assert _call(app + "/ready")[0] == 200
+    victim = _kill("Target", "split")
     readiness, stop = [], threading.Event()
 
     def poll():
         while not stop.is_set():
-            status, out, _ = _call(server + "/ready")
+            status, out, _ = _call(app + "/ready")
             readiness.append((status, out.get("error", {}).get("message", "")))
             if status == 200 and any(s == 503 for s, _ in readiness):
                 return
@@ -200,8 +202,8 @@ def test_the_target_restarting_mid_stream_the_request_waits_completes_unchanged_
     gap = [m for s, m in readiness if s == 503]
     assert gap and "draft pool or target not ready" in gap[0], readiness[:5]
     assert readiness[-1][0] == 200, readiness[-3:]
-    assert _replica("Target") not in (None, victim)
-    out = _call(server + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+    assert _replica("Target", "split") not in (None, victim)
+    out = _call(app + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0})
     assert out[0] == 200 and want.startswith(out[1]["choices"][0]["text"])
 
 
@@ -277,18 +279,18 @@ def test_a_candidate_with_nan_weights_is_never_published(server):
     assert not any(e["kind"] == "publish" and e.get("draft") == draft for e in events)
 
 
-def _replica(deployment: str) -> str | None:
+def _replica(deployment: str, app: str = "osd") -> str | None:
     import ray
 
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if f"osd#{deployment}#" in a["name"]]
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if f"{app}#{deployment}#" in a["name"]]
     return names[0] if names else None
 
 
-def _kill(deployment: str) -> str:
+def _kill(deployment: str, app: str = "osd") -> str:
     """Kill the deployment's (one) replica as a crash would; Serve starts another."""
     import ray
 
-    victim = next(a for a in ray.util.list_named_actors(all_namespaces=True) if f"osd#{deployment}#" in a["name"])
+    victim = next(a for a in ray.util.list_named_actors(all_namespaces=True) if f"{app}#{deployment}#" in a["name"])
     ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
     return victim["name"]
 

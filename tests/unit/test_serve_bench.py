@@ -39,3 +39,16 @@ def test_ratio_line_when_concurrency_one_ran():
     lv = summarise_level([(WorkloadRecord("a", "code"), _ok([0.1], 1, 0, 0, 1, 1.0, 1.0, 0.1))], 1, 1.0)
     table = format_table({"levels": [lv, {**lv, "concurrency": 8, "tokens_per_s": 3.0}]})
     assert "aggregate tok/s at concurrency 8 / concurrency 1 = 3.00" in table
+
+
+def test_another_servers_level_without_the_speculative_usage_and_the_comparison_line():
+    """--against: a server whose usage has no speculative extension (llama-server), or no usage at
+    all (its streamed chunks count as tokens), is summarised; the table gives ours / theirs per level."""
+    rec = WorkloadRecord("a", "code")
+    plain = {"status": 200, "seconds": 0.5, "arrivals": [0.1, 0.2], "text": "xy", "usage": {"completion_tokens": 2}}
+    bare = {"status": 200, "seconds": 0.5, "arrivals": [0.1, 0.2, 0.3], "text": "xyz", "usage": None}
+    theirs = summarise_level([(rec, plain), (rec, bare)], 1, 1.0)
+    assert theirs["ok"] == 2 and theirs["output_tokens"] == 5 and theirs["alpha_by_domain"] == {} and theirs["steps"] == 0
+    ours = summarise_level([(rec, _ok([0.1], 10, 0, 0, 1, 1.0, 1.0, 0.1))], 1, 1.0)
+    table = format_table({"levels": [ours], "against": {"url": "http://127.0.0.1:9", "levels": [theirs]}})
+    assert "concurrency 1: ours 10.0 tok/s, theirs 5.0 tok/s (2/2 ok" in table and "ratio 2.00" in table
