@@ -25,6 +25,7 @@ import torch
 from config import DraftConfig, ModelConfig
 from drafts.build import build_draft_model
 from speculative.fast import FastPathError, make_runner, runtime_of
+from speculative.kvcache import kv_bytes_per_token
 from speculative.kpolicy import expected_speedup
 from speculative.models import encode_prompt, load_model
 from speculative.proposers import NgramProposer
@@ -121,7 +122,8 @@ def profile(target_name: str, workload: str, context: int = 128, max_verify: int
             t1 = verify[1]
             rel = {j: round(v / t1, 3) for j, v in verify.items()}
             entry = {"runtime": runtime_of(t_runner), "target_ms_per_step": round(1000 * t1, 2),
-                     "verify_cost_relative": rel, "drafts": {}}
+                     "verify_cost_relative": rel, "drafts": {},
+                     "kv_bytes_per_token": kv_bytes_per_token(target.config, path, eager_dtype=dtype)}
             del t_runner
             for name, draft, keep in options:
                 runner = make_runner(draft, path, keep, name="draft", draft=True)
@@ -157,7 +159,8 @@ def _llamacpp_path(target_name, ctx, extra, repeats, threads, skipped) -> dict |
 def format_profile(res: dict) -> str:
     lines = []
     for path, e in res["paths"].items():
-        lines.append(f"== {e['runtime']}: target {e['target_ms_per_step']:.1f} ms per step at context {res['context']}")
+        kv = f"; KV cache {e['kv_bytes_per_token']} bytes per token" if e.get("kv_bytes_per_token") else ""
+        lines.append(f"== {e['runtime']}: target {e['target_ms_per_step']:.1f} ms per step at context {res['context']}{kv}")
         lines.append("   v(j), j = 1..: " + ", ".join(f"{v:.2f}" for v in e["verify_cost_relative"].values()))
         lines.append(f"   {'draft':<24}{'ms/token':>10}{'c':>8}{'coverage':>10}  " + "  ".join(f"{a:>14}" for a in res["alphas"]))
         for name, d in e["drafts"].items():

@@ -296,3 +296,18 @@ def test_int4_packs_every_layer_whose_width_allows_groups_of_32():
     packed = FastRunner(odd, bits=4).layers[0]
     # qkv, o_proj and gate/up read 48 inputs (8 bits), down_proj reads 96 (4 bits)
     assert [type(m) for m in packed if isinstance(m, (Int4Linear, Int8Linear))] == [Int8Linear] * 3 + [Int4Linear]
+
+
+def test_bytes_per_cached_token_follow_the_runtime():
+    """What `osd profile` and /metrics report: 16-bit keys and values on the fast path, the model's
+    dtype on Hugging Face eager; SmolLM2-135M's shape (30 layers, 3 KV heads of 64) costs 23,040 bytes."""
+    from transformers import LlamaConfig
+
+    from speculative.kvcache import kv_bytes_per_token
+
+    tiny = _model().config
+    assert kv_bytes_per_token(tiny, "int4") == 3 * 2 * 2 * 8 * 2 == FastRunner(_model()).kv_bytes_per_token
+    assert kv_bytes_per_token(tiny, "none") == 3 * 2 * 2 * 8 * 4
+    smol = LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3)
+    assert kv_bytes_per_token(smol, "int4", "bfloat16") == 23_040
+    assert kv_bytes_per_token(smol, "none", eager_dtype="bfloat16") == 23_040
