@@ -81,6 +81,35 @@ class Timing:
         m.observe("osd_e2e_request_latency_seconds", end - self.t0, tenant=t)
 
 
+class Recent:
+    """Answers of fan-out calls (``/ready``, ``/v1/stats``) kept for ``ttl_s``: however often they
+    are asked, each reaches the replicas at most once a ``ttl_s`` per key; callers that arrive while
+    one is computed wait for it (one lock) instead of calling too. At most ``max_keys`` answers are
+    kept (the oldest go first); a call that raises is not kept."""
+
+    def __init__(self, ttl_s: float = 1.0, max_keys: int = 64, clock=time.monotonic):
+        self.ttl_s, self.max_keys, self.clock = ttl_s, max_keys, clock
+        self.answers: dict = {}  # key -> (time, answer), oldest first
+        self._lock: asyncio.Lock | None = None
+
+    def clear(self) -> None:
+        self.answers.clear()
+
+    async def get(self, key, compute):
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            hit = self.answers.get(key)
+            if hit is not None and self.clock() - hit[0] < self.ttl_s:
+                return hit[1]
+            value = await compute()
+            self.answers.pop(key, None)
+            self.answers[key] = (self.clock(), value)
+            while len(self.answers) > self.max_keys:
+                self.answers.pop(next(iter(self.answers)))
+            return value
+
+
 class Settle:
     """Ends a streamed request's accounting (tenant slot and tokens, in-flight count, metrics)
     exactly once: from the stream's own ``finally``, or when the stream object is dropped without
@@ -154,6 +183,7 @@ class Ingress:
         self.metrics = metrics  # the Metrics deployment (None: metrics off)
         self.tenants = tenants if tenants is not None else Tenants(cfg.auth)
         refuse_open(cfg.auth, self.tenants.open, http_host)
+        self.recent = Recent(1.0)  # /ready and /v1/stats: one fan-out a second at most
         self.meter = replica_meter("Ingress", cfg.metrics)
         self.running = 0
         self.tokenizer = load_tokenizer(cfg.engine.model.name)  # token-id prompts, as text for the router
@@ -203,7 +233,7 @@ class Ingress:
             return _error(404, "metrics are disabled on this server (metrics.enabled: false)")
         admin = adm.admin or self.tenants.open
         tenant = request.query_params.get("tenant") if admin else adm.tenant
-        return await self.metrics.stats.remote(tenant or None, admin)
+        return await self.recent.get(("stats", tenant or None, admin), lambda: self.metrics.stats.remote(tenant or None, admin))
 
     @staticmethod
     def dashboard_file(name: str):
@@ -215,15 +245,18 @@ class Ingress:
     async def ready(self, timeout_s: float = 5.0) -> JSONResponse:
         """Ready when the router, a draft replica and, through it, the target answer within
         ``timeout_s`` each; otherwise 503 naming the part that did not (e.g. while the target
-        replica restarts)."""
+        replica restarts). The answer is kept for a second (``Recent``)."""
+        body, status, headers = await self.recent.get(("ready", timeout_s), lambda: self._ready(timeout_s))
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    async def _ready(self, timeout_s: float) -> tuple[dict, int, dict | None]:
         for part, call in (("router", lambda: self.router.summary.remote()), ("draft pool or target", lambda: self.pool.ready.remote())):
             try:
                 await asyncio.wait_for(call(), timeout_s)
             except Exception as e:  # noqa: BLE001 - any failure means not ready
                 why = "no answer within %.0f s" % timeout_s if isinstance(e, asyncio.TimeoutError) else str(getattr(e, "cause", e))
-                return JSONResponse(error_body(f"{part} not ready: {why}", "server_error", code="not_ready"),
-                                    status_code=503, headers={"Retry-After": "5"})
-        return JSONResponse({"status": "ready"})
+                return error_body(f"{part} not ready: {why}", "server_error", code="not_ready"), 503, {"Retry-After": "5"}
+        return {"status": "ready"}, 200, None
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.cfg.ingress.model_name, "object": "model", "created": 0, "owned_by": "osd-serve"}]}

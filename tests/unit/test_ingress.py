@@ -461,6 +461,7 @@ def test_ready_names_the_part_that_does_not_answer(app):
     async def never():
         await asyncio.sleep(10)
     app.router.summary = never
+    app.ingress.recent.clear()  # each case below asks anew (an answer is kept for a second)
     status, body, headers = run(answer_of(app.ingress.ready(timeout_s=0.05)))
     assert status == 503 and headers["retry-after"] == "5" and body["error"]["code"] == "not_ready"
     assert body["error"]["message"] == "router not ready: no answer within 0 s"
@@ -469,8 +470,46 @@ def test_ready_names_the_part_that_does_not_answer(app):
     def broken(timeout_s=3.0):
         raise RuntimeError("pool down")
     app.pools[0].ready = broken
+    app.ingress.recent.clear()
     status, body, _ = run(answer_of(app.ingress.ready()))
     assert status == 503 and body["error"]["message"] == "draft pool or target not ready: pool down"
+
+
+def test_ready_and_stats_reach_the_replicas_at_most_once_a_second(folder):
+    """Many ``/ready`` and ``/v1/stats`` calls at once and in a row: each fans out to the replicas
+    once per second (per caller's scope for stats); a second later they ask again."""
+    a = App(app_config(folder), metrics=True)
+    now = [100.0]
+    a.ingress.recent.clock = lambda: now[0]
+    calls = {"summary": 0, "ready": 0, "stats": 0}
+
+    def counting(obj, name):
+        real = getattr(obj, name)
+
+        def call(*args, **kw):
+            calls[name] += 1
+            return real(*args, **kw)
+        setattr(obj, name, call)
+    counting(a.router, "summary")
+    counting(a.pools[0], "ready")
+    counting(a.metrics, "stats")
+
+    async def many():
+        readies = await asyncio.gather(*(answer_of(a.ingress.ready()) for _ in range(20)))
+        stats = await asyncio.gather(*(a.ingress.stats(request(None, key)) for key in [ADMIN] * 10 + [KEY] * 10))
+        return readies, stats
+    readies, stats = run(many())
+    assert {r[0] for r in readies} == {200} and calls["summary"] == 1 and calls["ready"] == 1
+    assert calls["stats"] == 2  # the admin's view and alice's, once each
+    assert stats[0] == stats[9] and stats[10] == stats[19]
+    now[0] += 0.5
+    run(answer_of(a.ingress.ready()))
+    run(a.ingress.stats(request(None, KEY)))
+    assert (calls["summary"], calls["stats"]) == (1, 2)
+    now[0] += 0.6  # past a second: asked again
+    run(answer_of(a.ingress.ready()))
+    run(a.ingress.stats(request(None, KEY)))
+    assert (calls["summary"], calls["ready"], calls["stats"]) == (2, 2, 3)
 
 
 async def answer_of(coro):
