@@ -53,7 +53,7 @@ def test_two_nodes_requests_and_broadcast(cluster, tmp_path):
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    cfg = AppConfig(learner={"state_dir": str(tmp_path / "learner")})
+    cfg = AppConfig(placement="split", learner={"state_dir": str(tmp_path / "learner")})  # the target on a node of its own
     options = {
         "Target": {"ray_actor_options": {"num_cpus": 0.5, "resources": {"tgt": 0.5}}},
         "DraftPool": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.25, "resources": {"pool": 1}}},
