@@ -471,6 +471,9 @@ class LoopConfig(_Strict):
     prefill_chunk: int = Field(default=128, ge=8)
     #: a runner that pads its batches (Hugging Face eager): calls longer than this run apart
     padded_batch_tokens: int = Field(default=64, ge=1)
+    #: when several requests share a step, cap their draft tokens where the batch's expected
+    #: tokens per second is highest (forward costs timed at start); False: each request's k policy alone
+    batch_k_cap: bool = True
 
 
 class DraftPoolConfig(_Strict):

@@ -46,7 +46,7 @@ from speculative.engine import time_verify
 from speculative.fast import make_runner, resolve_quantize
 from speculative.kvcache import kv_bytes_per_token
 from speculative.models import encode_messages, encode_prompt, eos_token_ids, load_tokenizer, load_weights
-from speculative.scheduler import EngineLoop, Failed, Finished, Overloaded, Sequence, Started, Step
+from speculative.scheduler import EngineLoop, Failed, Finished, Overloaded, Sequence, Started, Step, calibrate_step_cost
 
 from .loopback import NodeInfo, bind_replica_grpc, replica_meter
 from .protocol import TargetUnavailable
@@ -146,7 +146,8 @@ class DraftPool:
                                  kv_tokens=budget + 2 * (64 + k_max + 1), kv_dtype=cfg.loop.kv_dtype)  # + calibration
             self.kv_bytes_per_token = per_token
             self.verify_s = time_verify(runner, k_max)
-            self.loop = EngineLoop(runner, cfg.loop, budget, k_max, on_step=self._count_forward)
+            cost = calibrate_step_cost(runner) if cfg.loop.batch_k_cap else None
+            self.loop = EngineLoop(runner, cfg.loop, budget, k_max, on_step=self._count_forward, step_cost=cost)
             self.loop.start(name=f"engine-loop-{id(self):x}")
             self.verifier = None
             self.view = TargetView(target, runner.release)

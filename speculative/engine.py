@@ -269,6 +269,13 @@ class SpeculativeEngine:
         rows = self.target.verify([p.call for p in pending])
         return [self.accept(p, r) for p, r in zip(pending, rows)]
 
+    def acceptance(self, request_id: str) -> float:
+        """The request's best per-token acceptance estimate over its proposer's sources (0: none)."""
+        if self.proposer is None:
+            return 0.0
+        pol = self.requests[request_id].policy
+        return max((pol.estimate(s).value for s in self.proposer.sources), default=0.0)
+
     # -- chunked prefill (the engine loop spreads a long prompt over several steps) --------------
     def uncached(self, request_id: str) -> int:
         """Tokens of the request not yet in the target's cache (the whole prompt at first, then 1)."""
@@ -293,9 +300,10 @@ class SpeculativeEngine:
         """The chunk of :meth:`prefill_call` is in the target's cache."""
         self.requests[request_id].target_len += n
 
-    def propose(self, request_id: str) -> "PendingStep":
+    def propose(self, request_id: str, k_cap: int | None = None) -> "PendingStep":
         """Phase 1: installs staged draft weights, asks the k policy for k and the proposer for
-        d_1..d_k (with q), and states the target call that verifies them."""
+        d_1..d_k (with q), and states the target call that verifies them. ``k_cap``: at most this
+        many (the engine loop's limit when the step is shared with other sequences)."""
         if self._staged is not None:
             self._install_staged()
         st = self.requests.get(request_id)
@@ -304,6 +312,8 @@ class SpeculativeEngine:
         if st.finished:
             raise RequestError(f"request {request_id!r} has finished ({st.finish_reason})")
         budget = st.params.max_tokens - len(st.output) - 1  # drafting past max_tokens is wasted work
+        if k_cap is not None:
+            budget = min(budget, k_cap)
         prop: Proposal = EMPTY
         if self.proposer is not None and budget > 0:
             prop = self.proposer.propose(request_id, st.tokens, StepChoice(st.policy, budget), st.params, st.generator)

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .kvcache import BlockPool, SeqCache
+from .kvcache import BlockPool, SeqCache, as_float64
 from .runner import ForwardCall, ModelRunner
 
 
@@ -205,18 +205,16 @@ class FastRunner(ModelRunner):
         cos, sin = inner.rotary_emb(h[None], pos[None])  # [1, R, D] each
         cos, sin = cos[0][:, None], sin[0][:, None]  # [R, 1, D]
         Hq, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        plan = _AttentionPlan(calls, caches, lens, Hq, Hkv, D)
         outs: dict[int, torch.Tensor] = {}  # the layer outputs the features ask for
         for li, (norm1, qkv, o_proj, norm2, gate_up, down) in enumerate(self.layers):
             heads = qkv(_rms(norm1, h)).view(-1, Hq + 2 * Hkv, D)  # [R, Hq + 2 Hkv, D]: q, k, v heads
             qk = _rope(heads[:, : Hq + Hkv], cos, sin)  # [R, Hq + Hkv, D] (one rotation for q and k)
             q = qk[:, :Hq]  # [R, Hq, D]
             kv_new = torch.stack((qk[:, Hq:], heads[:, Hq + Hkv :])).transpose(1, 2)  # [2, Hkv, R, D]
-            out, row = [], 0
-            for c, cache, n in zip(calls, caches, lens):
-                cache.write(li, c.start, kv_new[:, :, row : row + n])  # rounded to the pool's 16 bits
-                out.append(_attend(q[row : row + n], cache.read(li, c.start + n), c.start))  # [n, Hq*D]
-                row += n
-            h = h + o_proj(torch.cat(out) if len(out) > 1 else out[0])
+            self.pool.kv[li][:, :, plan.slots_new] = kv_new.to(self.pool.kv.dtype)  # every call's new rows, in 16 bits
+            out = plan.attend(q, self.pool.kv[li], lambda i, end: caches[i].read(li, end))  # [R, Hq*D]
+            h = h + o_proj(out)
             g, u = gate_up(_rms(norm2, h)).split(gate_up.splits, dim=-1)  # [R, I] each
             h = h + down(nn.functional.silu(g) * u)
             if features and li in layers:
@@ -249,6 +247,73 @@ class FastRunner(ModelRunner):
     @property
     def kv_bytes_per_token(self) -> int:
         return self.pool.bytes_per_token
+
+
+#: calls of at most this many new tokens (decode and verify steps) attend together, padded to the
+#: longest of them; longer ones (prompt chunks) attend one by one (padding them would cost more)
+SMALL_CALL = 16
+
+
+class _AttentionPlan:
+    """The attention of one forward, its indices computed once for all layers: where each call's new
+    rows go in the pool (``slots_new``), and the padded layout in which the calls of at most
+    :data:`SMALL_CALL` rows attend in one batched product (one set of ops per layer however many
+    sequences share the step, instead of one per sequence). Padded keys are masked (their softmax
+    weight is exactly 0) and point at the sequence's own first slot (always written: finite);
+    padded query rows are computed and dropped. A lone small call attends unpadded."""
+
+    def __init__(self, calls, caches, lens, Hq: int, Hkv: int, D: int):
+        self.Hq, self.Hkv, self.D = Hq, Hkv, D
+        self.R = sum(lens)
+        row0 = [0]
+        for n in lens[:-1]:
+            row0.append(row0[-1] + n)
+        self.slots_new = torch.cat([cache.slots[c.start : c.start + n] for c, cache, n in zip(calls, caches, lens)])  # [R]
+        small = [i for i, n in enumerate(lens) if n <= SMALL_CALL]
+        if len(small) < 2:
+            small = []
+        self.one_by_one = [(i, row0[i], lens[i], calls[i].start) for i in range(len(calls)) if i not in set(small)]
+        self.small = bool(small)
+        if not small:
+            return
+        g = Hq // Hkv
+        ns = [lens[i] for i in small]
+        ends = [calls[i].start + lens[i] for i in small]  # [Bs] cached positions after the call
+        self.B, self.n, self.L = len(small), max(ns), max(ends)
+        ctx = torch.empty(self.B, self.L, dtype=torch.long)  # [Bs, L] slot of each key position
+        q_rows = torch.empty(self.B, self.n, dtype=torch.long)  # [Bs, n] row of each (padded) query
+        for b, i in enumerate(small):
+            slots = caches[i].slots
+            ctx[b, : ends[b]] = slots[: ends[b]]
+            ctx[b, ends[b] :] = slots[0]
+            q_rows[b] = row0[i] + torch.arange(self.n).clamp(max=lens[i] - 1)
+        self.ctx, self.q_rows = ctx.view(-1), q_rows.view(-1)
+        t = torch.arange(self.n).repeat(g)  # [g*n] each query row's index within its call
+        starts = torch.tensor([calls[i].start for i in small])  # [Bs]
+        # [Bs, 1, g*n, L]: True where a key is masked (after the query's own position, or padding)
+        self.masked = (torch.arange(self.L)[None, None, :] > (starts[:, None] + t[None, :])[:, :, None])[:, None]
+        keep = torch.cat([b * self.n + torch.arange(ns[b]) for b in range(self.B)])  # real rows of the padded output
+        self.keep, self.small_rows = keep, torch.cat([row0[i] + torch.arange(lens[i]) for i in small])
+
+    def attend(self, q: torch.Tensor, kv_layer: torch.Tensor, read) -> torch.Tensor:
+        """q: [R, Hq, D] float32; kv_layer: the pool's [2, Hkv, slots, D] (this layer's new rows
+        written); ``read(i, end)`` a call's keys and values [2, Hkv, end, D] float64 -> [R, Hq*D]."""
+        Hq, Hkv, D = self.Hq, self.Hkv, self.D
+        if not self.small and len(self.one_by_one) == 1:
+            i, _, _, start = self.one_by_one[0]
+            return _attend(q, read(i, start + q.shape[0]), start)
+        out = q.new_empty(self.R, Hq * D)
+        if self.small:
+            B, n, L, g = self.B, self.n, self.L, Hq // Hkv
+            kv = as_float64(kv_layer.index_select(2, self.ctx)).view(2, Hkv, B, L, D).transpose(1, 2)  # [2, Bs, Hkv, L, D]
+            qh = q[self.q_rows].view(B, n, Hq, D).double().transpose(1, 2).reshape(B, Hkv, g * n, D)  # [Bs, Hkv, g*n, D]
+            scores = (qh @ kv[0].transpose(-1, -2) * D**-0.5).masked_fill(self.masked, float("-inf"))  # [Bs, Hkv, g*n, L]
+            o = torch.softmax(scores, dim=-1) @ kv[1]  # [Bs, Hkv, g*n, D]
+            o = o.view(B, Hq, n, D).transpose(1, 2).reshape(B * n, Hq * D)  # [Bs*n, Hq*D]
+            out[self.small_rows] = o[self.keep].float()
+        for i, row, n, start in self.one_by_one:
+            out[row : row + n] = _attend(q[row : row + n], read(i, start + n), start)
+        return out
 
 
 def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

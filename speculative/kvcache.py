@@ -23,6 +23,12 @@ import torch
 KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def as_float64(x: torch.Tensor) -> torch.Tensor:
+    """16-bit keys and values for the float64 attention. float16 goes through float32: the same
+    values (both conversions are exact), about 3x faster on the CPU than float16 -> float64 at once."""
+    return (x.float() if x.dtype == torch.float16 else x).double()
+
+
 class KVCacheFull(RuntimeError):
     """The pool has no free block for a sequence's next positions."""
 
@@ -99,8 +105,8 @@ class SeqCache:
         """Keys and values of positions 0..end-1 of one layer, in float64: [2, H_kv, end, D]."""
         if self.contiguous:
             first = self.blocks[0] * self.pool.block_tokens
-            return self.pool.kv[layer][:, :, first : first + end].double()  # one slice, no gather
-        return self.pool.kv[layer].index_select(2, self.slots[:end]).double()
+            return as_float64(self.pool.kv[layer][:, :, first : first + end])  # one slice, no gather
+        return as_float64(self.pool.kv[layer].index_select(2, self.slots[:end]))
 
     def free(self) -> None:
         self.pool.give_back(self.blocks)

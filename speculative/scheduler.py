@@ -37,8 +37,63 @@ from typing import Callable
 
 from config import LoopConfig, SamplingParams
 
-from .engine import PendingStep, RequestError, RequestState, SpeculativeEngine, StepResult
-from .runner import ModelRunner, VerifyCall
+from .engine import PendingStep, RequestError, RequestState, SpeculativeEngine, StepResult, _calibration_ids
+from .kpolicy import expected_tokens
+from .runner import ForwardCall, ModelRunner, VerifyCall
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds of one target forward over ``tokens`` rows of ``seqs`` sequences, as a linear model
+    ``base + per_token * tokens + per_seq * seqs`` (least squares over timed forwards)."""
+
+    base: float
+    per_token: float
+    per_seq: float
+
+    def __call__(self, tokens: int, seqs: int) -> float:
+        return self.base + self.per_token * tokens + self.per_seq * seqs
+
+
+#: (sequences, tokens each) of the forwards :func:`calibrate_step_cost` times
+COST_GRID = ((1, 1), (1, 4), (1, 8), (2, 1), (4, 1), (4, 2), (8, 1), (8, 2))
+
+
+def calibrate_step_cost(runner: ModelRunner, context: int = 64, repeats: int = 2) -> StepCost:
+    """Time the runner's forward over the :data:`COST_GRID` shapes after ``context`` cached
+    positions (best of ``repeats``) and fit :class:`StepCost`."""
+    import numpy as np
+
+    ids, seqs = _calibration_ids(context + 8, runner.vocab_size), [f"__cost_{i}__" for i in range(8)]
+    rows, secs = [], []
+    try:
+        for s in seqs:
+            runner.forward(s, 0, ids[:context])
+        for b, n in COST_GRID:
+            calls = [ForwardCall(s, context, ids[context : context + n], 1) for s in seqs[:b]]
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                runner.forward_batch(calls)
+                best = min(best, time.perf_counter() - t0)
+            rows.append((1.0, b * n, b))
+            secs.append(best)
+    finally:
+        for s in seqs:
+            runner.release(s)
+    base, per_token, per_seq = np.linalg.lstsq(np.array(rows), np.array(secs), rcond=None)[0]
+    return StepCost(max(float(base), 0.0), max(float(per_token), 1e-6), max(float(per_seq), 0.0))
+
+
+def shared_k_cap(acceptance: list[float], fed: int, cost: StepCost, k_max: int) -> int:
+    """The most draft tokens a sequence may add to a step that ``len(acceptance)`` sequences share
+    (``fed``: the tokens they feed without drafts): the k that maximises the step's expected output
+    tokens per second, sum_i E[tokens](a_i, k) / cost(fed + B k, B). Alone, a request's own k policy
+    decides; shared, each draft token costs the whole batch its rows, so drafting pays only where
+    acceptance is high (a large batch decodes plain)."""
+    B = len(acceptance)
+    rate = [sum(expected_tokens(a, k) for a in acceptance) / cost(fed + B * k, B) for k in range(k_max + 1)]
+    return max(range(k_max + 1), key=lambda k: (rate[k], -k))
 
 
 class Overloaded(RuntimeError):
@@ -96,13 +151,15 @@ class EngineLoop:
 
     def __init__(self, target: ModelRunner, cfg: LoopConfig, budget_tokens: int, k_max: int,
                  clock: Callable[[], float] = time.monotonic,
-                 on_step: Callable[[int, int, float], None] | None = None):
+                 on_step: Callable[[int, int, float], None] | None = None, step_cost: StepCost | None = None):
         self.target = target
         self.cfg = cfg
         self.budget_tokens = budget_tokens  # KV positions all running sequences may hold together
         self.k_max = k_max
         self.clock = clock
         self.on_step = on_step  # (sequences, tokens, seconds) of each target forward, from the loop's thread
+        self.step_cost = step_cost  # None: each request's own k policy decides, shared step or not
+        self.last_k_cap: int | None = None
         self.reserved = 0  # KV positions reserved by running sequences
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -185,9 +242,10 @@ class EngineLoop:
         if not decode and not prefill:
             return 0
         pending: list[tuple[Sequence, PendingStep]] = []
+        cap = self._k_cap(decode, prefill)
         for seq in decode:  # propose (each engine its own drafts)
             try:
-                pending.append((seq, seq.engine.propose(seq.request_id)))
+                pending.append((seq, seq.engine.propose(seq.request_id, k_cap=cap)))
             except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                 self._fail(seq, e)
         calls = [p.call for _, p in pending] + [call for _, call in prefill]
@@ -216,6 +274,16 @@ class EngineLoop:
         for seq, call in prefill:
             seq.engine.prefilled(seq.request_id, len(call.tokens))
         return len(calls)
+
+    def _k_cap(self, decode: list[Sequence], prefill: list) -> int | None:
+        """The step's limit on each sequence's draft tokens (:func:`shared_k_cap`); None alone."""
+        cap = None
+        if self.step_cost is not None and len(decode) > 1:
+            acceptance = [s.engine.acceptance(s.request_id) for s in decode]
+            fed = sum(s.engine.uncached(s.request_id) for s in decode) + sum(len(c.tokens) for _, c in prefill)
+            cap = shared_k_cap(acceptance, fed, self.step_cost, self.k_max)
+        self.last_k_cap = cap
+        return cap
 
     def _batch_tokens(self) -> int:
         # the fast path's batch is ragged (no padding): everything in one forward; a padded

@@ -14,7 +14,8 @@ from conftest import _char_tokenizer, tiny_llama
 from speculative import RequestError, SpeculativeEngine
 from speculative.fast import FastRunner
 from speculative.proposers import DraftModelProposer, NgramProposer
-from speculative.scheduler import EngineLoop, Failed, Finished, Overloaded, Sequence, Started, Step
+from speculative.scheduler import (EngineLoop, Failed, Finished, Overloaded, Sequence, Started, Step, StepCost,
+                                   calibrate_step_cost, shared_k_cap)
 
 K = 3
 
@@ -210,3 +211,41 @@ def test_the_loop_thread_serves_requests_and_runs_calls_between_steps():
             assert c.tokens == alone.generate(p, params).token_ids
     finally:
         loop.stop()
+
+
+def test_the_shared_k_cap_by_hand():
+    """Expected tokens per second of the shared step: cheap rows and high acceptance draft deep,
+    dear rows or low acceptance decode plain, and more sequences mean less drafting."""
+    cheap, dear = StepCost(0.030, 0.0005, 0.002), StepCost(0.010, 0.004, 0.002)
+    assert shared_k_cap([0.8, 0.8], 2, cheap, 6) == 6
+    assert shared_k_cap([0.01, 0.01], 2, cheap, 6) == 0
+    assert shared_k_cap([0.4] * 8, 8, dear, 6) == 0
+    assert 0 < shared_k_cap([0.6] * 2, 2, dear, 6) < 6
+    # by hand: B = 2, a = 0.5, cost 0.01 + 0.004 T + 0.002 B: k = 0 gives 2 / 0.022 = 90.9 tokens/s,
+    # k = 1 gives 3 / 0.030 = 100, k = 2 gives 3.5 / 0.038 = 92.1: the cap is 1
+    assert shared_k_cap([0.5, 0.5], 2, dear, 6) == 1
+
+
+def test_a_shared_step_caps_drafting_and_keeps_every_output_exact():
+    """With a cost model where rows are dear, a full batch decodes plain (cap 0: nothing proposed
+    while it is shared), and every output still equals target-only; the calibration measures a
+    positive cost per token on the real runner."""
+    loop, spec, alone = _setup()
+    fitted = calibrate_step_cost(loop.target, context=16, repeats=1)
+    assert fitted.per_token > 0 and fitted(8, 1) > fitted(1, 1)
+    assert loop.target.pool.free_blocks == loop.target.pool.num_blocks  # its sequences released
+    loop.step_cost = StepCost(0.0, 1.0, 0.0)  # every row costs a second: drafting never pays in a shared step
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = _prompts(4, seed=11)
+    clients = [_submit(loop, spec, p, params, f"cap{i}")[1] for i, p in enumerate(prompts)]
+    seen, capped = [0] * len(clients), 0
+    while not all(c.done for c in clients):
+        loop.step()
+        new = [e for c, n in zip(clients, seen) for e in c.events[n:] if isinstance(e, Step)]
+        seen = [len(c.events) for c in clients]
+        if loop.last_k_cap == 0:  # shared: plain decoding
+            capped += 1
+            assert new and all(e.result.proposed == 0 for e in new)
+    assert capped >= 8
+    for c, p in zip(clients, prompts):
+        assert c.tokens == alone.generate(p, params).token_ids
