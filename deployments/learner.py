@@ -75,9 +75,12 @@ class LearnerServer:
         self.publish_fn = publish
         self.subscribers: dict[str, list] = {}  # draft id -> [publish to the pool]; one per trainer
         self._lock = threading.RLock()  # records arrive on several threads; one trainer per new draft
-        self.background = BackgroundLearner(self.learner, self.subscribers, cfg=BackgroundConfig(**cfg.learner.background),
+        background = BackgroundConfig(**cfg.learner.background)
+        self._last_record = float("-inf")  # monotonic time the last record arrived: traffic is flowing
+        self.background = BackgroundLearner(self.learner, self.subscribers, cfg=background,
                                             on_round=self._count_round, store_on_submit=True,
-                                            between_rounds=self._park_idle)
+                                            between_rounds=self._park_idle,
+                                            busy=lambda: time.monotonic() - self._last_record < background.quiet_s)
         #: draft id -> the weights the pool serves of it (the latest published, or reloaded from its
         #: checkpoints); never the training copy, which a round is changing and may yet reject
         self.served: dict[str, tuple[dict, int]] = {}
@@ -218,6 +221,7 @@ class LearnerServer:
         """A finished request's record (from a draft replica): stored in its shard (written and
         flushed) before this returns True, so that a learner killed afterwards loses none of the
         records it took; training happens later, in the learner thread."""
+        self._last_record = time.monotonic()
         self._trainer(record.draft_id)
         self.meter.inc("osd_learner_records_total", draft=record.draft_id)
         return self.background.submit(record)

@@ -45,6 +45,10 @@ class BackgroundConfig(BaseModel):
     threads: int = Field(default=1, ge=1)
     #: yield to live requests (pause between steps while ``busy()``); False trains regardless
     yield_to_requests: bool = True
+    #: a learner in another process than serving (the Learner deployment) counts serving as busy
+    #: until this many seconds after the last record arrived: on a small machine it trains in the
+    #: gaps of traffic, not against it (0: serving is never busy to it; serve_config.yaml sets 2)
+    quiet_s: float = Field(default=0.0, ge=0.0)
     #: how often the idle loop looks at the queue and at ``busy()``
     poll_s: float = Field(default=0.01, gt=0.0)
     #: bound of the hand-over queue; a full queue drops the record (counted), never blocks serving

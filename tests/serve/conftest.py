@@ -48,6 +48,7 @@ def server(tmp_path_factory):
     # rounds after every 8 records, and a gate that publishes any finite update: what is tested
     # here is the path (records -> rounds -> object store -> every replica), not the gate
     app["args"]["learner"]["trainer"].update(train_every=8, gate_margin=1.0, holdout_fraction=0.2)
+    app["args"]["learner"]["background"]["quiet_s"] = 0  # rounds as records come, not in gaps of traffic
     app["args"]["router_save_s"] = 5.0
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # the other core runs the in-process tests meanwhile: two OpenMP threads would stall

@@ -486,3 +486,22 @@ def test_a_retired_draft_beyond_max_parked_is_forgotten_at_once(folder, tmp_path
     finally:
         server.background.stop()
         loop.close()
+
+
+def test_with_quiet_s_the_learner_trains_only_in_the_gaps_of_traffic(folder, tmp_path):
+    """learner.background.quiet_s: while records keep arriving (traffic is flowing) no round runs;
+    once none arrived for quiet_s, the learner trains what it has."""
+    cfg = learner_cfg(folder, tmp_path / "learner", learner={"background": {"nice": 0, "threads": 1, "quiet_s": 1.5}})
+    published = Published()
+    server = LearnerServer(cfg, publish=published)
+    pool, loop = LocalPool(cfg, learner=Handle(server)), Loop()
+    try:
+        serve_requests(pool, loop, 4)
+        last = time.monotonic()
+        time.sleep(0.5)
+        assert published.got == [] and server.background._stats.rounds == 0  # within quiet_s of the last record
+        wait_for(lambda: len(published.got) >= 1, seconds=30)
+        assert time.monotonic() - last >= 1.5
+    finally:
+        server.background.stop()
+        loop.close()
