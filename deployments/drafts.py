@@ -370,6 +370,8 @@ class DraftPool:
         except RequestError as e:
             yield {"error": str(e)}
             return
+        if self.learner is not None:  # traffic: a learner sharing the machine keeps its rounds for the gaps
+            contextvars.Context().run(self.learner.touch.remote)  # fire and forget, outside this request's context
         # scope: per-domain acceptance priors and suffix trees (an isolated tenant has its own engine)
         events = self._loop_events(req, engine, prompt) if self.loop is not None else self._own_events(req, engine, prompt)
         first = await events.__anext__()

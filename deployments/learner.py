@@ -221,10 +221,15 @@ class LearnerServer:
         """A finished request's record (from a draft replica): stored in its shard (written and
         flushed) before this returns True, so that a learner killed afterwards loses none of the
         records it took; training happens later, in the learner thread."""
-        self._last_record = time.monotonic()
+        self.touch()
         self._trainer(record.draft_id)
         self.meter.inc("osd_learner_records_total", draft=record.draft_id)
         return self.background.submit(record)
+
+    def touch(self) -> None:
+        """Traffic is flowing (a request started or a record arrived): with ``background.quiet_s``
+        no round starts, and a running one pauses, until that long after the last touch."""
+        self._last_record = time.monotonic()
 
     def latest(self, draft_id: str) -> tuple[dict, int] | None:
         """The weights a replica loading ``draft_id`` serves: its latest published version, or for

@@ -37,7 +37,10 @@ class Recorder:
     """The learner's `record` as a replica calls it (fire and forget); keeps what arrived."""
 
     def __init__(self, latest=None):
-        self.records, self.asked, self._latest = [], [], latest
+        self.records, self.asked, self._latest, self.touched = [], [], latest, 0
+
+    def touch(self):
+        self.touched += 1
 
     def record(self, rec):
         self.records.append(rec)
@@ -147,6 +150,7 @@ def test_the_learner_gets_a_record_of_a_request_whose_draft_proposed(folder, loo
     pool = LocalPool(app_config(folder), learner=Handle(learner))
     items = loop.run(pool.serve(n=10, domain="sql", tenant="bob"))
     assert len(learner.records) == 1 and learner.asked == [GENERAL]  # a new replica asked for the latest weights
+    assert learner.touched == 1  # the request told the learner that traffic flows
     rec = learner.records[0]
     assert (rec.domain, rec.tenant, rec.draft_id) == ("sql", "bob", GENERAL)
     assert rec.prompt_len == 11 and len(rec.tokens) == 11 + 10
