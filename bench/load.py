@@ -27,12 +27,15 @@ import psutil
 import requests
 
 
-def replica_rss_bytes() -> int:
-    """The resident memory of the Ray Serve replica processes (and the proxy) on this machine."""
+def replica_rss_bytes(only: str | None = None) -> int:
+    """The resident memory of the Ray Serve replica processes (and the proxy) on this machine;
+    ``only``: of the replicas of that deployment (e.g. ``DraftPool``)."""
     total = 0
     for p in psutil.process_iter(["cmdline", "name"]):
         try:
             cmd = " ".join(p.info["cmdline"] or []) + " " + (p.info["name"] or "")
+            if only is not None and f":{only}" not in cmd:
+                continue
             if "ServeReplica" in cmd or "ProxyActor" in cmd or "ServeController" in cmd:
                 total += p.memory_info().rss
         except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -210,12 +213,13 @@ def run_long_prompts(url: str, key: str, model: str, texts: list[str], n: int, p
     growth per cached position, (peak RSS - RSS before) / sum(prompt + completion tokens)."""
     joined = "\n\n".join(texts)
     prompts = [(joined[i * 997 % len(joined):] + joined)[:prompt_chars] for i in range(n)]  # n different prompts
-    before = replica_rss_bytes()
-    memory, stop = [], threading.Event()
+    before, engine_before = replica_rss_bytes(), replica_rss_bytes("DraftPool")
+    memory, engine, stop = [], [], threading.Event()
 
     def sampler():
         while not stop.is_set():
             memory.append(replica_rss_bytes())
+            engine.append(replica_rss_bytes("DraftPool"))
             stop.wait(sample_s)
 
     def one(i):
@@ -237,14 +241,19 @@ def run_long_prompts(url: str, key: str, model: str, texts: list[str], n: int, p
     mem_thread.join(timeout=10)
     ok = [r for r in res if r["status"] == 200]
     cached = sum(r["prompt_tokens"] + r["completion_tokens"] for r in ok)
-    peak = max(memory + [before])
+    peak, engine_peak = max(memory + [before]), max(engine + [engine_before])
     return {"requests": n, "ok": len(ok), "by_status": [r["status"] for r in res], "wall_s": wall,
             "prompt_tokens": [r.get("prompt_tokens") for r in res], "completion_tokens": sum(r.get("completion_tokens", 0) for r in ok),
             "rss_before_mib": before / 2**20, "rss_peak_mib": peak / 2**20, "cached_tokens": cached,
-            "kb_per_cached_token": (peak - before) / cached / 1e3 if cached else None}
+            "kb_per_cached_token": (peak - before) / cached / 1e3 if cached else None,
+            # the engine replicas alone (the target's KV cache lives there)
+            "engine_rss_before_mib": engine_before / 2**20, "engine_rss_peak_mib": engine_peak / 2**20,
+            "engine_kb_per_cached_token": (engine_peak - engine_before) / cached / 1e3 if cached else None}
 
 
 def format_long_prompts(res: dict) -> str:
     return (f"{res['requests']} long prompts at once ({res['prompt_tokens']} prompt tokens), {res['ok']} ok in "
             f"{res['wall_s']:.0f} s; replicas' RSS {res['rss_before_mib']:.0f} -> peak {res['rss_peak_mib']:.0f} MiB for "
-            f"{res['cached_tokens']} cached tokens: {res['kb_per_cached_token'] or float('nan'):.1f} KB per cached token")
+            f"{res['cached_tokens']} cached tokens: {res['kb_per_cached_token'] or float('nan'):.1f} KB per cached token; "
+            f"engine replicas {res['engine_rss_before_mib']:.0f} -> {res['engine_rss_peak_mib']:.0f} MiB: "
+            f"{res['engine_kb_per_cached_token'] or float('nan'):.1f} KB per cached token")

@@ -461,7 +461,7 @@ class LoopConfig(_Strict):
     speculative step first, then prompts in chunks of at most ``prefill_chunk`` (a long prompt
     does not stall the others for its whole prefill)."""
 
-    kv_cache_bytes: int = Field(default=512 << 20, ge=1 << 20)
+    kv_cache_bytes: int = Field(default=1 << 30, ge=1 << 20)
     kv_dtype: Literal["float16", "bfloat16"] = "float16"
     block_tokens: int = Field(default=16, ge=1, le=1024)
     max_running: int = Field(default=16, ge=1, le=1024)

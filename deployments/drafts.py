@@ -504,12 +504,21 @@ class DraftPoolDeployment(DraftPool, NodeInfo):
             return await self.engine_for(draft_id)
 
         self._load = serve.multiplexed(max_num_models_per_replica=cfg.drafts.drafts_per_replica)(load)
+        if learner_handle is not None:  # a learner sharing the machine keeps its rounds for the gaps in traffic
+            self._touch_task = asyncio.get_running_loop().create_task(self._touch_while_running())
         if cfg.drafts.share_outputs_s > 0:
             ctx = serve.get_replica_context()
             self.name = ctx.replica_tag
             self.peers = serve.get_deployment_handle(ctx.deployment, ctx.app_name)
             # Serve runs the constructor on the replica's event loop: the task lives there
             self._share_task = asyncio.get_running_loop().create_task(self._share_every())
+
+    async def _touch_while_running(self) -> None:
+        """Every second while requests run here: tell the learner that traffic flows (fire and forget)."""
+        while True:
+            await asyncio.sleep(1.0)
+            if self.running:
+                self.learner.touch.remote()
 
     async def _share_every(self) -> None:
         try:

@@ -329,10 +329,20 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
+#: queries of one call attend this many at a time: a long prompt's scores ([H, rows, L] float64)
+#: stay tens of MB instead of growing with the square of its length
+ATTEND_ROWS = 256
+
+
 def _attend(q: torch.Tensor, kv: torch.Tensor, start: int) -> torch.Tensor:
     """Causal attention of ``n`` new queries at positions start.. over the L = start + n cached
-    positions, in float64 (see the module docstring). q: [n, Hq, D]; kv: [2, Hkv, L, D] -> [n, Hq*D]."""
-    n, Hq, D = q.shape
+    positions, in float64 (see the module docstring), :data:`ATTEND_ROWS` queries at a time.
+    q: [n, Hq, D]; kv: [2, Hkv, L, D] -> [n, Hq*D]."""
+    n = q.shape[0]
+    if n > ATTEND_ROWS:
+        return torch.cat([_attend(q[i : i + ATTEND_ROWS], kv[:, :, : start + min(n, i + ATTEND_ROWS)], start + i)
+                          for i in range(0, n, ATTEND_ROWS)])
+    Hq, D = q.shape[1], q.shape[2]
     Hkv, L = kv.shape[1], kv.shape[2]
     g = Hq // Hkv  # query heads per key/value head (grouped-query attention)
     qh = q.double().transpose(0, 1).reshape(Hkv, g * n, D)  # [Hkv, g*n, D]: head h*g+j, row t -> (h, j*n+t)

@@ -311,3 +311,20 @@ def test_bytes_per_cached_token_follow_the_runtime():
     smol = LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3)
     assert kv_bytes_per_token(smol, "int4", "bfloat16") == 23_040
     assert kv_bytes_per_token(smol, "none", eager_dtype="bfloat16") == 23_040
+
+
+def test_a_long_call_attends_in_chunks_of_queries_and_equals_token_by_token(monkeypatch):
+    """A prompt longer than ATTEND_ROWS attends a chunk of queries at a time (bounded memory): its
+    rows equal decoding the same tokens one by one."""
+    import speculative.fast as fast
+
+    monkeypatch.setattr(fast, "ATTEND_ROWS", 8)
+    r = FastRunner(_model(), bits=4)
+    ids = torch.randint(2, 128, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    softmax, rows = torch.softmax, []
+    monkeypatch.setattr(torch, "softmax", lambda x, dim: rows.append(x.shape[-2]) or softmax(x, dim=dim))
+    whole = r.forward("a", 0, ids, len(ids))  # 4 chunks of queries
+    monkeypatch.setattr(torch, "softmax", softmax)
+    assert max(rows) == 2 * 8  # query heads per KV head x ATTEND_ROWS: never the whole prompt's 2 x 30
+    one = [r.forward("c", 0, ids[:1])[0]] + [r.forward("c", i, [ids[i]])[0] for i in range(1, len(ids))]
+    assert torch.equal(whole, torch.stack(one))
