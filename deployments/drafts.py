@@ -17,7 +17,9 @@ each request runs its own loop: the engine's ``propose`` (local draft), the Targ
 Suffix trees see the whole pool's traffic: each replica broadcasts the outputs it finished (every
 ``drafts.share_outputs_s``) to the others, whose engines of the same draft id take them in
 (``SpeculativeEngine.add_served``); each replica also keeps the recent outputs of each draft id, so
-that a draft loaded later (after an unload, or on a new replica) starts with them.
+that a draft loaded later (after an unload, or on a new replica) starts with them. Each kept
+output carries its tenant, and the replica knows the tenant of every output its trees hold
+(``owners``): deleting a tenant's records (``forget_tenant``) reaches both.
 """
 
 from __future__ import annotations
@@ -162,11 +164,17 @@ class DraftPool:
         self.published: OrderedDict[str, tuple[dict, int]] = OrderedDict()
         # drafts loaded in this replica; whoever loads them holds them (multiplexing's LRU cache)
         self.engines: weakref.WeakValueDictionary[str, SpeculativeEngine] = weakref.WeakValueDictionary()
-        # recent finished outputs by draft id, this replica's and the others': (request id, scope, int32 ids)
+        # recent finished outputs by draft id, this replica's and the others':
+        # (request id, scope, int32 ids, tenant)
         self.served: OrderedDict[str, deque] = OrderedDict()
+        #: request id -> tenant of every output this replica's suffix trees or kept outputs may hold
+        #: (bounded: beyond what the trees of every loaded draft and the kept outputs can hold)
+        self.owners: OrderedDict[str, str | None] = OrderedDict()
+        sx = cfg.engine.draft.suffix
+        self.max_owners = sx.max_requests * sx.max_scopes * (cfg.drafts.drafts_per_replica + 1)
         self.peers = None  # the pool's handle, when outputs are shared (the deployment sets it)
         self.name = "replica"
-        self.outbox: list[tuple] = []  # (draft id, request id, scope, ids) not yet sent to the others
+        self.outbox: list[tuple] = []  # (draft id, request id, scope, ids, tenant) not yet sent to the others
 
     # -- drafts ----------------------------------------------------------------------------
     async def engine_for(self, draft_id: str) -> SpeculativeEngine:
@@ -191,7 +199,7 @@ class DraftPool:
         if weights is not None and engine.learned_draft is not None:
             engine.swap_draft(*weights)
         if engine.learns_from_traffic:  # what was served of this draft before it loaded here
-            for rid, scope, ids in self.served.get(draft_id, ()):
+            for rid, scope, ids, _ in self.served.get(draft_id, ()):
                 engine.add_served(rid, ids, scope)
         engine.calibrate(verify_s=self.verify_s)
         self.engines[draft_id] = engine
@@ -224,8 +232,17 @@ class DraftPool:
             del self.published[d]
 
     # -- outputs shared between replicas (suffix trees) -----------------------------------------
+    def _own(self, rid: str, tenant: str | None) -> None:
+        """Whose output request ``rid`` is (for ``forget_tenant``), oldest forgotten first."""
+        self.owners[rid] = tenant
+        self.owners.move_to_end(rid)
+        while len(self.owners) > self.max_owners:
+            self.owners.popitem(last=False)
+
     def _remember(self, draft_id: str, item: tuple) -> None:
-        """Keep a finished output of ``draft_id`` (bounded like a scope's tree: the oldest go first)."""
+        """Keep a finished output of ``draft_id``, ``(request id, scope, ids, tenant)`` (bounded like
+        a scope's tree: the oldest go first)."""
+        self._own(item[0], item[3])
         bounds = self.cfg.engine.draft.suffix
         q = self.served.get(draft_id)
         if q is None:
@@ -235,21 +252,21 @@ class DraftPool:
         self.served.move_to_end(draft_id)
         q.append(item)
 
-    def _finished(self, draft_id: str, rid: str, scope: str, output: list[int]) -> None:
-        item = (rid, scope, np.asarray(output, dtype=np.int32))
+    def _finished(self, draft_id: str, rid: str, scope: str, output: list[int], tenant: str | None = None) -> None:
+        item = (rid, scope, np.asarray(output, dtype=np.int32), tenant)
         self._remember(draft_id, item)
         if self.peers is not None:
             self.outbox.append((draft_id, *item))
             del self.outbox[: -self.cfg.engine.draft.suffix.max_requests]  # peers unreachable for long: the newest
 
     async def add_served(self, origin: str, items: list) -> int:
-        """Outputs another replica finished, ``(draft id, request id, scope, ids)``: into this
+        """Outputs another replica finished, ``(draft id, request id, scope, ids, tenant)``: into this
         replica's loaded engines of those drafts, and kept for drafts loaded later. A replica's own
         broadcast comes back to it and is ignored."""
         if origin == self.name:
             return 0
-        for draft_id, rid, scope, ids in items:
-            self._remember(draft_id, (rid, scope, ids))
+        for draft_id, rid, scope, ids, *rest in items:
+            self._remember(draft_id, (rid, scope, ids, rest[0] if rest else None))
             engine = self.engines.get(draft_id)
             if engine is not None:
                 await self._on_engine(lambda e=engine, r=rid, i=ids, s=scope: e.add_served(r, i, s))
@@ -262,7 +279,27 @@ class DraftPool:
         on the loop that appends to them."""
         engine = self.engines.get(draft_id)
         trees = None if engine is None else await self._on_engine(lambda: sorted(engine.served_ids()))
-        return {"kept": [rid for rid, _, _ in self.served.get(draft_id, ())], "trees": trees}
+        return {"kept": [item[0] for item in self.served.get(draft_id, ())], "trees": trees}
+
+    async def forget_tenant(self, tenant: str) -> dict:
+        """A tenant's records are deleted: its outputs leave this replica's kept outputs, its outbox
+        and the suffix trees of its loaded engines (on the engine loop's thread, between two steps),
+        so that no draft here proposes its text again. Returns how many left each."""
+        kept = 0
+        for q in self.served.values():
+            stay = [item for item in q if item[3] != tenant]
+            kept += len(q) - len(stay)
+            q.clear()
+            q.extend(stay)
+        self.outbox = [item for item in self.outbox if item[4] != tenant]
+        ids = {rid for rid, t in self.owners.items() if t == tenant}
+        trees = 0
+        for engine in list(self.engines.values()):
+            if engine.learns_from_traffic:
+                trees += await self._on_engine(lambda e=engine: e.forget_served(ids))
+        for rid in ids:
+            self.owners.pop(rid, None)
+        return {"kept": kept, "trees": trees}
 
     async def _on_engine(self, fn):
         """``fn()`` where the engines run: on the engine loop's thread between two steps (co-located), else here."""
@@ -271,7 +308,7 @@ class DraftPool:
         return await asyncio.wrap_future(self.loop.call(fn))
 
     async def kept(self) -> list[tuple]:
-        """Every output this replica keeps, ``(draft id, request id, scope, ids)``, oldest draft first."""
+        """Every output this replica keeps, ``(draft id, request id, scope, ids, tenant)``, oldest draft first."""
         return [(d, *item) for d, q in self.served.items() for item in q]
 
     async def catch_up(self) -> int:
@@ -279,7 +316,7 @@ class DraftPool:
         running replicas keep, so that its suffix trees do not start empty; returns how many."""
         if self.peers is None:
             return 0
-        seen = {(d, rid) for d, q in self.served.items() for rid, _, _ in q}
+        seen = {(d, item[0]) for d, q in self.served.items() for item in q}
         fresh = []
         for answer in await self.peers.broadcast("kept").results_async():
             for item in answer:
@@ -372,6 +409,8 @@ class DraftPool:
             return
         if self.learner is not None:  # traffic: a learner sharing the machine keeps its rounds for the gaps
             contextvars.Context().run(self.learner.touch.remote)  # fire and forget, outside this request's context
+        if engine.learns_from_traffic:  # its output joins the trees, even if it is cancelled: whose it is
+            self._own(req.request_id, req.tenant)
         # scope: per-domain acceptance priors and suffix trees (an isolated tenant has its own engine)
         events = self._loop_events(req, engine, prompt) if self.loop is not None else self._own_events(req, engine, prompt)
         first = await events.__anext__()
@@ -408,7 +447,7 @@ class DraftPool:
                 yield {"text": text, "tokens": res.emitted}
             s = st.stats
             if engine.learns_from_traffic and st.output:  # the other replicas' suffix trees learn it too
-                self._finished(draft_id, req.request_id, req.domain, st.output)
+                self._finished(draft_id, req.request_id, req.domain, st.output, req.tenant)
             if record is not None and s.drafts:  # the draft proposed: its misses are signal
                 self.learner.record.remote(record.finish(st.tokens, st.prompt_len, req.domain, req.tenant, draft_id))
             yield {

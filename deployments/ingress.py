@@ -276,6 +276,23 @@ class Ingress:
                 return _error(400, str(cause))
             raise
 
+    async def delete_tenant(self, request: Request, tenant: str):
+        """``DELETE /admin/tenants/{tenant}/records``: the learner's stored records of the tenant
+        (queue, replay shards, held-back set), and on every draft pool replica the outputs it keeps
+        and its suffix trees hold, so that no draft proposes the tenant's text again."""
+        adm = self._operator(request)
+        if adm.status != 200:
+            return _refused(adm)
+        out = {"tenant": tenant}
+        if self.learner is not None:
+            out = await self.learner_call(request, "delete_tenant", tenant)
+            if not isinstance(out, dict):
+                return out
+        replicas = await self.pool.broadcast("forget_tenant", tenant).results_async()
+        out["pool"] = {"replicas": len(replicas), "kept": sum(r["kept"] for r in replicas),
+                       "trees": sum(r["trees"] for r in replicas)}
+        return out
+
     async def rollback(self, request: Request, draft_id: str):
         body = await _json_body(request, ADMIN_BODY_BYTES)
         if isinstance(body, JSONResponse):
@@ -551,7 +568,7 @@ class IngressDeployment(Ingress):
 
     @api.delete("/admin/tenants/{tenant}/records")
     async def admin_delete_tenant(self, tenant: str, request: Request):
-        return await self.learner_call(request, "delete_tenant", tenant)
+        return await self.delete_tenant(request, tenant)
 
     @api.get("/admin/learner")
     async def admin_learner(self, request: Request):

@@ -495,6 +495,12 @@ class SpeculativeEngine:
         for p in self._learners_of_traffic():
             p.add_served(seq_id, output, scope)
 
+    def forget_served(self, seq_ids) -> int:
+        """Outputs of these requests leave the proposers that learn from traffic (their suffix
+        trees); returns how many left. Call it between steps, from the thread that steps."""
+        ids = set(seq_ids)
+        return sum(p.forget(ids) for p in self._learners_of_traffic() if hasattr(p, "forget"))
+
     def served_ids(self) -> set[str]:
         """Ids of the requests whose outputs the proposers that learn from traffic hold."""
         return set().union(*(p.cached_ids() for p in self._learners_of_traffic()))

@@ -186,6 +186,17 @@ class SuffixProposer:
         sc.add(seq_id, np.array(output, dtype=np.int32))
         sc.stop(seq_id)
 
+    def forget(self, seq_ids) -> int:
+        """The outputs of these requests leave every scope's tree (a tenant's records deleted);
+        returns how many left. A request still running here is not touched: a deletion reaches
+        the outputs of requests that ended before it."""
+        n = 0
+        for sc in self.scopes.values():
+            for rid in [r for r in sc.sizes if r in seq_ids and r not in sc.active]:
+                sc._evict(rid)
+                n += 1
+        return n
+
     # -- introspection ------------------------------------------------------------------------------
     def cached_ids(self) -> set[str]:
         """Ids of the requests whose outputs the trees hold, over all scopes."""

@@ -207,7 +207,7 @@ def replicas(folder, n: int) -> list:
 def test_finished_outputs_reach_the_other_replicas_and_a_new_replica_catches_up(folder, loop):
     a, b = replicas(folder, 2)
     loop.run(a.serve(n=8, request_id="q1", domain="code"))
-    assert [(d, rid, scope) for d, rid, scope, _ in a.outbox] == [(GENERAL, "q1", "code")]
+    assert [(d, rid, scope) for d, rid, scope, _, _ in a.outbox] == [(GENERAL, "q1", "code")]
     assert loop.run(b.share_served()) == 0  # nothing finished there: nothing sent
     assert not [c for c in a.peers.calls if c[0] == "broadcast:add_served"]
     assert loop.run(a.share_served()) == 1 and a.outbox == []
@@ -226,7 +226,7 @@ def test_finished_outputs_reach_the_other_replicas_and_a_new_replica_catches_up(
     c.peers = Handle(a, b, c)
     assert loop.run(c.catch_up()) == 2  # the same two outputs kept by a and b: taken once
     assert loop.run(c.served_ids(GENERAL))["kept"] == ["q1", "q2"] and loop.run(c.catch_up()) == 0
-    ids = dict((rid, arr) for _, rid, _, arr in loop.run(c.kept()))
+    ids = dict((rid, arr) for _, rid, _, arr, _ in loop.run(c.kept()))
     assert ids["q1"].dtype == np.int32 and len(ids["q1"]) == 8
 
 
@@ -234,10 +234,10 @@ def test_kept_outputs_are_bounded_per_draft_and_in_drafts(folder, loop):
     (a,) = replicas(folder, 1)
     for i in range(5):
         a._finished("d1", f"x{i}", "s", [1, 2, 3])
-    assert [rid for rid, _, _ in a.served["d1"]] == ["x2", "x3", "x4"]  # max_requests 3: the oldest go
+    assert [item[0] for item in a.served["d1"]] == ["x2", "x3", "x4"]  # max_requests 3: the oldest go
     assert [item[1] for item in a.outbox] == ["x2", "x3", "x4"]  # peers unreachable: the newest wait
     a._finished("d2", "y0", "s", [1])
-    a._remember("d1", ("x5", "s", np.array([1], dtype=np.int32)))  # d1 used again: d2 is now the oldest
+    a._remember("d1", ("x5", "s", np.array([1], dtype=np.int32), None))  # d1 used again: d2 is now the oldest
     a._finished("d3", "z0", "s", [1])
     assert list(a.served) == ["d1", "d3"]  # max_scopes 2: the least recently used draft goes
     alone = LocalPool(engine_cfg(folder, **SUFFIX))  # no peers: kept, nothing queued to send
@@ -250,7 +250,55 @@ def test_a_replicas_own_broadcast_is_ignored_and_outputs_of_unloaded_drafts_are_
     item = ("d1", "x", "s", np.array([1, 2], dtype=np.int32))
     assert loop.run(a.add_served(a.name, [item])) == 0 and "d1" not in a.served
     assert loop.run(a.add_served("other", [item, ("d2", "y", "s", np.array([3], dtype=np.int32))])) == 2
-    assert [rid for rid, _, _ in a.served["d1"]] == ["x"] and list(a.served) == ["d1", "d2"]
+    assert [item[0] for item in a.served["d1"]] == ["x"] and list(a.served) == ["d1", "d2"]
+
+
+def test_forgetting_a_tenant_reaches_kept_outputs_the_outbox_and_every_loaded_engines_trees(folder, loop):
+    """Deleting a tenant's records: its outputs leave every replica's kept outputs, the outbox not
+    yet sent and the suffix trees of the loaded engines (its own requests', those another replica
+    sent, and a request cancelled mid-way whose partial output joined a tree); other tenants' stay,
+    and a replica that starts afterwards takes in none of them. The trees change on the engine loop."""
+    import threading
+
+    cfg = engine_cfg(folder, draft={"kind": "suffix", "suffix": {"max_requests": 16, "max_scopes": 4}})
+    a, b = LocalPool(cfg), LocalPool(cfg)
+    a.name, b.name = "r0", "r1"
+    a.peers = b.peers = Handle(a, b)
+    loop.run(a.serve(n=8, request_id="al1", domain="code", tenant="alice"))
+    loop.run(a.serve(n=8, request_id="bo1", domain="code", tenant="bob"))
+    loop.run(a.serve(n=8, request_id="al2", domain="chat", tenant="alice"))
+    loop.run(a.share_served())
+    loop.run(b.loaded(GENERAL))
+    loop.run(a.serve(n=8, request_id="al3", domain="code", tenant="alice"))  # still in a's outbox
+
+    async def cancelled():  # alice's client leaves after two steps: her partial output is in a's tree
+        agen = a.generate(GenerateRequest("al4", SamplingParams(max_tokens=30, ignore_eos=True), prompt="Hi there",
+                                          domain="code", tenant="alice"), await a.loaded(GENERAL), GENERAL)
+        for _ in range(3):
+            await agen.__anext__()
+        await agen.aclose()
+        while a.loop.running:  # dropped at the loop's next step
+            await asyncio.sleep(0.01)
+    loop.run(cancelled())
+    assert loop.run(a.served_ids(GENERAL)) == {"kept": ["al1", "bo1", "al2", "al3"],
+                                               "trees": ["al1", "al2", "al3", "al4", "bo1"]}
+    assert loop.run(b.served_ids(GENERAL)) == {"kept": ["al1", "bo1", "al2"], "trees": ["al1", "al2", "bo1"]}
+    threads = []
+    engine = a.held[GENERAL]
+    real = engine.forget_served
+    engine.forget_served = lambda ids: (threads.append(threading.current_thread().name), real(ids))[1]
+    answers = loop.run(a.peers.broadcast("forget_tenant", "alice").results_async())
+    assert answers == [{"kept": 3, "trees": 4}, {"kept": 2, "trees": 2}]
+    assert threads == [f"engine-loop-{id(a):x}"]  # a's trees changed on its engine loop's thread
+    for p in (a, b):
+        assert loop.run(p.served_ids(GENERAL)) == {"kept": ["bo1"], "trees": ["bo1"]}
+        assert "alice" not in p.owners.values()
+    assert a.outbox == []
+    c = LocalPool(cfg)
+    c.name, c.peers = "r2", Handle(a, b, c)
+    loop.run(c.catch_up())
+    loop.run(c.loaded(GENERAL))
+    assert loop.run(c.served_ids(GENERAL)) == {"kept": ["bo1"], "trees": ["bo1"]}
 
 
 # -- the remote verifier ---------------------------------------------------------------------------

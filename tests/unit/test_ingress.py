@@ -315,6 +315,28 @@ def test_an_isolated_tenant_gets_a_draft_of_its_own_and_the_router_does_not_lear
     assert app.pool.calls[1][1] == GENERAL and len(seen) == 1
 
 
+def test_deleting_a_tenants_records_reaches_every_pool_replicas_kept_outputs_and_suffix_trees(folder):
+    """``DELETE /admin/tenants/{tenant}/records`` (admin key; a tenant's key is refused) is
+    broadcast to every draft pool replica: the tenant's outputs leave their kept outputs and the
+    trees of their loaded engines, other tenants' stay; without a learner too."""
+    cfg = app_config(folder, engine={"draft": {"kind": "suffix"}})
+    pools = [LocalPool(cfg), LocalPool(cfg)]
+    a = App(cfg, pools=pools)
+    for p in pools:
+        run(p.loaded(GENERAL))
+    body = {"prompt": "Hello world", "max_tokens": 8, "ignore_eos": True}
+    for key in (KEY, ADMIN, KEY):  # alice, ops, alice: on the two replicas in turn
+        assert run(a.post(body, key=key))[0] == 200
+    owners = {rid: t for p in pools for rid, t in p.owners.items()}
+    assert sorted(owners.values()) == ["alice", "alice", "ops"]
+    assert run(answer(run(a.ingress.delete_tenant(request(key=KEY), "alice"))))[0] == 403
+    status, out, _ = run(answer(run(a.ingress.delete_tenant(request(key=ADMIN), "alice"))))
+    assert status == 200 and out == {"tenant": "alice", "pool": {"replicas": 2, "kept": 2, "trees": 2}}
+    ops = [rid for rid, t in owners.items() if t == "ops"]
+    left = [run(p.served_ids(GENERAL)) for p in pools]
+    assert sorted(r for x in left for r in x["trees"]) == ops and sorted(r for x in left for r in x["kept"]) == ops
+
+
 def test_running_is_a_gauge_in_the_telemetry(app):
     app.ingress.running = 3
     snap = app.ingress.telemetry()
