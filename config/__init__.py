@@ -551,7 +551,8 @@ class TenantKey(_Strict):
     #: the tenant's traffic trains only drafts of its own (``<draft>@<tenant>`` for the draft the
     #: router picked, starting from the base draft or from what the tenant's own general draft
     #: ``general@<tenant>`` has learned) and never a shared one: acceptance timing cannot
-    #: reveal to others what its prompts taught a draft. None: ``AuthConfig.isolate_training``
+    #: reveal to others what its prompts taught a draft; its requests are routed by named domains
+    #: only (never a router cluster) and its usage names no cluster. None: ``AuthConfig.isolate_training``
     isolate_training: bool | None = None
 
 
@@ -566,8 +567,13 @@ class AuthConfig(_Strict):
     keys_env: str = "OSD_API_KEYS"
     admin_key_env: str = "OSD_ADMIN_KEY"
     default_limits: TenantLimits = TenantLimits(requests_per_minute=600, tokens_per_minute=200_000, max_concurrent=16)
-    #: every tenant's traffic trains only that tenant's drafts (see ``TenantKey.isolate_training``)
-    isolate_training: bool = False
+    #: every tenant's traffic trains only that tenant's drafts and is routed by named domains only
+    #: (see ``TenantKey.isolate_training``). On by default: a shared suffix tree, draft or router
+    #: cluster lets one tenant read another's outputs from timing and chunking; set it false (or
+    #: false on a key) for tenants that may learn from each other. Applies when the keys name
+    #: several tenants: an open server's one tenant, or the one tenant of all the keys, is not
+    #: isolated unless its key says so.
+    isolate_training: bool = True
     #: serve without any key although Serve's HTTP host is beyond loopback (every client that can
     #: reach it then has operator rights); without it such a start is refused
     allow_open: bool = False

@@ -367,14 +367,17 @@ class Ingress:
             return _error(400, f"the prompt is longer than {self.cfg.ingress.max_prompt_chars} characters"), 0
 
         t_route = time.perf_counter()
-        route = await self.router.route.remote(text)
+        # isolated tenants: routed from the router's configuration only (named domains, never a
+        # cluster or the bandit, which other tenants' traffic shapes), to drafts of their own
+        # (``<draft>@<tenant>``: their own engines, suffix trees, k priors and training)
+        isolated = self.tenants.isolated(tenant)
+        route = await (self.router.route_private if isolated else self.router.route).remote(text)
         self.meter.observe("osd_router_latency_seconds", time.perf_counter() - t_route)
         self.meter.inc("osd_routes_total", reason=route.reason.split(":")[0], domain=route.domain)
         rid = new_id("chatcmpl" if chat else "cmpl")
         gen = GenerateRequest(rid, params, prompt=None if chat or ids is not None else text, prompt_ids=ids,
                               messages=messages, domain=route.domain, lang=route.lang, tenant=tenant)
-        # isolated tenants: a draft of their own, trained on their traffic only
-        draft_id = f"{route.draft_id}@{tenant}" if self.tenants.isolated(tenant) else route.draft_id
+        draft_id = f"{route.draft_id}@{tenant}" if isolated else route.draft_id
         stream = self.pool.options(multiplexed_model_id=draft_id, stream=True).stream.remote(gen)
         first = await stream.__anext__()
         if "error" in first and first.get("status") == 503:  # the replica is overloaded: retry later

@@ -53,6 +53,11 @@ class RouterServer:
         self._events()  # handed on as they happen, whether or not anyone pulls telemetry
         return routes
 
+    def route_private(self, text: str) -> Route:
+        """An isolated tenant's route: named domains only, nothing learned from traffic, no state
+        changed (``Router.route_private``)."""
+        return self.router.route_private(text)
+
     def observe(self, route: Route, accepted: int, proposed: int) -> None:
         self.router.observe(route, accepted, proposed)
 

@@ -137,6 +137,7 @@ class Tenants:
         for k in self.by_digest.values():
             if k.isolate_training is not None:
                 self.isolation[k.tenant] = self.isolation.get(k.tenant, False) or k.isolate_training
+        self.names = {k.tenant for k in self.by_digest.values()}  # the tenants the keys name
         self.clock = clock
         self.requests: dict[str, Bucket] = {}
         self.tokens: dict[str, Bucket] = {}
@@ -158,8 +159,12 @@ class Tenants:
         return found
 
     def isolated(self, tenant: str) -> bool:
-        """Whether the tenant's traffic trains only drafts of its own."""
-        return self.isolation.get(tenant, self.cfg.isolate_training)
+        """Whether the tenant's traffic trains only drafts of its own. ``auth.isolate_training``
+        (the default for keys that do not say) holds when the keys name several tenants: an open
+        server's one tenant, or the one tenant of all the keys, has nobody to be isolated from."""
+        if self.open:
+            return False
+        return self.isolation.get(tenant, self.cfg.isolate_training and len(self.names) > 1)
 
     def limits(self, key: TenantKey) -> TenantLimits:
         return key.limits or self.cfg.default_limits

@@ -182,6 +182,39 @@ class Router:
         topical = [c for c in self.classifier.classes if not self._open(c)]
         return self.classifier.sure(texts, max(cfg.lexical_gate, cfg.confidence_threshold), topical)
 
+    def route_private(self, text: str) -> Route:
+        """The route of an isolated tenant's query, from what the router was configured with only
+        (the classifier fitted on labelled examples, the language identifier) and never from what
+        traffic taught it: no cluster (a query the classifier does not name confidently is
+        ``unknown``), no bandit (a named domain goes to its own draft, ``named_draft_id``, when
+        ``named_drafts``, else to the general draft), no embedding cache. Nothing of the router
+        changes either: the query joins no cluster, counts in no draft's use, so it shows in
+        nobody else's routes. The caller adds the tenant to the draft id."""
+        start = time.perf_counter()
+        cfg, cleaned = self.cfg, self.extractor.clean(text)
+        lang, lang_conf = self.extractor._language(cleaned)
+        topic, prob, typ, reason = None, 0.0, None, "private: no named domain"
+        if cfg.mode != "clusters" and self.classifier.fitted and cleaned:
+            gated, top = self._sure([cleaned])
+            if gated[0] is not None:
+                topic, prob, reason = gated[0], float(top[0]), "private: " + ON_NGRAMS
+            elif lang != UND:
+                X = self.extractor._encode([cleaned])  # [1, 384], not through the shared cache
+                labels, probs, _ = self.classifier.classify(X, [cleaned])
+                topic, prob, reason = labels[0], float(probs[0]), "private: classifier"
+                if topic != BACKGROUND and self._open(topic):
+                    typ = float(self.classifier.typicality(X, [topic])[0])
+        ms = (time.perf_counter() - start) * 1e3
+        named = (topic is not None and topic != BACKGROUND and prob >= cfg.confidence_threshold
+                 and (typ is None or self.classifier.typical(topic, typ)))
+        if not named:
+            return Route(UNKNOWN, lang, GENERAL, prob, reason if topic is None else "private: " + (
+                "general traffic" if topic == BACKGROUND else "not a confident named domain"), topic, None, lang_conf,
+                ms, typ)
+        domain = self.domain_key(topic, lang)
+        draft = named_draft_id(domain) if cfg.named_drafts else GENERAL
+        return Route(domain, lang, draft, prob, reason, topic, None, lang_conf, ms, typ)
+
     def _route_all(self, feats: list[QueryFeatures], sure: tuple[list[str | None], np.ndarray]) -> list[Route]:
         labels, probs, typ, named = self._classify(feats, sure)
         routes = []

@@ -234,7 +234,7 @@ def app_config(folder: str, **over) -> AppConfig:
             {"tenant": "ops", "key_sha256": digest(ADMIN), "admin": True},
             {"tenant": "iso", "key_sha256": digest(ISO), "isolate_training": True},
             {"tenant": "tiny", "key_sha256": digest(TINY), "limits": {"requests_per_minute": 1}},
-        ]},
+        ], "isolate_training": False},  # tenants share drafts but for iso (isolation is the default)
     }
     for k, v in over.items():
         doc[k] = {**doc[k], **v} if isinstance(v, dict) and isinstance(doc.get(k), dict) else v

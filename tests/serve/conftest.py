@@ -60,7 +60,7 @@ def server(tmp_path_factory):
         {"tenant": "ops", "key_sha256": digest(ADMIN_KEY), "admin": True},
         {"tenant": "solo", "key_sha256": digest(SOLO_KEY), "limits": {"max_concurrent": 1}},
         {"tenant": "iso", "key_sha256": digest(ISO_KEY), "isolate_training": True},
-    ]}
+    ], "isolate_training": False}  # tenants share drafts but for iso (isolation is the default)
     for d in app["deployments"]:
         if d["name"] == "DraftPool":
             d.pop("autoscaling_config", None)

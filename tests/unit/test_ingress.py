@@ -315,6 +315,40 @@ def test_an_isolated_tenant_gets_a_draft_of_its_own_and_the_router_does_not_lear
     assert app.pool.calls[1][1] == GENERAL and len(seen) == 1
 
 
+def test_an_isolated_tenant_gets_nothing_another_tenants_traffic_taught_and_sees_no_cluster(folder):
+    """Suffix trees: alice's output of a prompt, served twice, teaches the shared draft's tree (her
+    second answer is drafted from her first); an isolated tenant sending that prompt afterwards is
+    drafted exactly as on a fresh server (its own engine, trees and k priors, nothing of alice's), and
+    its usage names its own draft and no router cluster, while alice's names hers."""
+    cfg = app_config(folder, engine={"draft": {"kind": "suffix"}})
+    body = {"prompt": "Hello world, tell me", "max_tokens": 24, "ignore_eos": True}
+
+    def spec(b):
+        s = b["usage"]["speculative"]
+        return s["proposed"], s["accepted"], s["steps"]
+
+    fresh = App(cfg)
+    _, alone, _ = run(fresh.post(body, key=ISO))
+    shared = App(cfg)
+    _, first, _ = run(shared.post(body))
+    _, again, _ = run(shared.post(body))
+    assert spec(again)[1] > spec(first)[1]  # the shared tree learned alice's output
+    clusters = set(shared.router.router.summary()["clusters"])
+    assert first["usage"]["speculative"]["domain"] in clusters  # alice's usage names her cluster
+    t = shared.router.router.t
+    _, iso, _ = run(shared.post(body, key=ISO))
+    assert iso["choices"][0]["text"] == again["choices"][0]["text"]  # the same text (lossless)
+    assert spec(iso) == spec(alone)  # drafted as with nobody else's traffic
+    s = iso["usage"]["speculative"]
+    assert s["draft_id"] == f"{GENERAL}@iso" and s["domain"] == "unknown"
+    assert not any(c in json.dumps(iso) for c in clusters) and s["domain"] not in clusters
+    assert shared.router.router.t == t and set(shared.router.router.summary()["clusters"]) == clusters
+    pool = shared.pools[0]
+    assert pool.held[f"{GENERAL}@iso"] is not pool.held[GENERAL]  # its own engine: trees and k priors
+    assert [item[3] for item in pool.served[GENERAL]] == ["alice", "alice"]
+    assert [item[3] for item in pool.served[f"{GENERAL}@iso"]] == ["iso"]
+
+
 def test_deleting_a_tenants_records_reaches_every_pool_replicas_kept_outputs_and_suffix_trees(folder):
     """``DELETE /admin/tenants/{tenant}/records`` (admin key; a tenant's key is refused) is
     broadcast to every draft pool replica: the tenant's outputs leave their kept outputs and the

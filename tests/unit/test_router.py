@@ -107,6 +107,34 @@ def test_classifier_routes_held_out_examples(trained, extractor):
     assert trained.classifier.classes == sorted(TRAIN)
 
 
+def test_a_private_route_names_configured_domains_only_and_changes_nothing(trained, extractor):
+    """An isolated tenant's route (``route_private``): a confident named domain and its own draft,
+    anything else ``unknown`` on the general draft; never a cluster, whatever the traffic made, and
+    the router's clock, clusters, drafts, draft use and embedding cache stay as they were."""
+    router = Router(RouterConfig(mode="both", confidence_threshold=0.99), extractor)  # traffic: to clusters
+    router.classifier = trained.classifier
+    for _ in range(3):
+        router.route_batch(["zxq vbn plorth wug", SAMPLES["en"], SAMPLES["fr"]] + [t for t, _ in HELD_OUT])
+    router.events()
+    router.cfg = router.cfg.model_copy(update={"confidence_threshold": 0.3})
+    before = (router.t, dict(router.drafts), dict(router.usage), {c.key: c.count for c in router.clusters.clusters.values()},
+              extractor.cache_info()["size"], extractor.cache_info()["hits"])
+    assert router.clusters.clusters  # the shared traffic made clusters
+    routes = [router.route_private(t) for t, _ in HELD_OUT] + [router.route_private("😀🎉🔥👍"),
+                                                               router.route_private("")]
+    assert [r.domain for r in routes[:4]] == [d for _, d in HELD_OUT]
+    assert all(r.draft_id == named_draft_id(r.domain) and r.cluster is None for r in routes[:4])
+    assert [(r.domain, r.draft_id, r.cluster) for r in routes[4:]] == [(UNKNOWN, GENERAL, None)] * 2
+    keys = {c.key for c in router.clusters.clusters.values()}
+    assert not any(r.domain in keys for r in routes)
+    after = (router.t, dict(router.drafts), dict(router.usage), {c.key: c.count for c in router.clusters.clusters.values()},
+             extractor.cache_info()["size"], extractor.cache_info()["hits"])
+    assert after == before and router.events() == []
+    clusters_only = Router(RouterConfig(mode="clusters"), extractor)
+    r = clusters_only.route_private(HELD_OUT[0][0])
+    assert (r.domain, r.draft_id, clusters_only.t, clusters_only.clusters.clusters) == (UNKNOWN, GENERAL, 0, {})
+
+
 def test_non_english_chat_is_its_own_mode(extractor):
     router = Router(RouterConfig(mode="supervised", confidence_threshold=0.0), extractor)
     router.fit([t for ts in TRAIN.values() for t in ts], [d for d, ts in TRAIN.items() for _ in ts])

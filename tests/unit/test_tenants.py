@@ -112,10 +112,24 @@ def test_training_isolation_per_tenant_or_for_all():
     keys = [TenantKey(tenant="a", key_sha256=digest("ka"), isolate_training=True),
             TenantKey(tenant="b", key_sha256=digest("kb")),
             TenantKey(tenant="c", key_sha256=digest("kc"), isolate_training=False)]
-    t = Tenants(AuthConfig(), keys)
+    t = Tenants(AuthConfig(isolate_training=False), keys)
     assert t.isolated("a") and not t.isolated("b") and not t.isolated("c")
     t = Tenants(AuthConfig(isolate_training=True), keys)
     assert t.isolated("a") and t.isolated("b") and not t.isolated("c")
+
+
+def test_tenants_are_isolated_by_default_but_a_servers_only_tenant_is_not():
+    """A multi-tenant operator gets isolation without asking (a key says false to share); an open
+    server's one tenant ("anonymous"), or the one tenant all the keys name, has nobody to be
+    isolated from, unless its key asks."""
+    keys = [TenantKey(tenant="a", key_sha256=digest("ka")), TenantKey(tenant="b", key_sha256=digest("kb")),
+            TenantKey(tenant="a", key_sha256=digest("ka2"))]
+    assert AuthConfig().isolate_training
+    t = Tenants(AuthConfig(), keys)
+    assert t.isolated("a") and t.isolated("b")
+    assert not Tenants(AuthConfig(), keys=[]).isolated("anonymous")
+    assert not Tenants(AuthConfig(), keys=[keys[0], keys[2]]).isolated("a")
+    assert Tenants(AuthConfig(), keys=[keys[0].model_copy(update={"isolate_training": True})]).isolated("a")
 
 
 def test_open_service_counts_anonymous_requests_and_grants_no_admin():
