@@ -45,13 +45,14 @@ deserve a draft of their own) and clusters that expired (their draft can go).
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Sequence
 
-import joblib
 import numpy as np
 from scipy import sparse
 from sklearn.feature_extraction.text import TfidfVectorizer
@@ -148,8 +149,7 @@ class DomainClassifier:
         self.vectorizer = None
         if self.lexical and texts is not None:
             texts = [t for t, k in zip(texts, keep) if k]
-            self.vectorizer = TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 4), min_df=2, sublinear_tf=True,
-                                              max_features=self.max_lexical_features, dtype=np.float32)
+            self.vectorizer = self._vectorizer()
             try:
                 self.vectorizer.fit(texts)
             except ValueError:  # no n-gram in two examples (a handful of tiny texts): embeddings only
@@ -223,23 +223,81 @@ class DomainClassifier:
         wanted = set(labels)
         return [str(b) if p >= threshold and b in wanted else None for b, p in zip(best, top)], top
 
+    # -- state on disk: JSON + npz, no pickle ----------------------------------------------------
+    #: the TF-IDF vectorizer's settings (``fit``); a saved vocabulary and IDF are read back into them
+    def _vectorizer(self) -> TfidfVectorizer:
+        return TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 4), min_df=2, sublinear_tf=True,
+                               max_features=self.max_lexical_features, dtype=np.float32)
+
+    @staticmethod
+    def _files(path: str | Path) -> tuple[Path, Path]:
+        """The two files of a saved classifier: ``<path>.json`` (settings, labels, vocabulary,
+        thresholds) and ``<path>.npz`` (the arrays)."""
+        p = Path(path)
+        return p.with_suffix(".json"), p.with_suffix(".npz")
+
     def save(self, path: str | Path) -> None:
-        joblib.dump({"C": self.C, "seed": self.seed, "model": self.model, "typical_k": self.typical_k,
-                     "typical_quantile": self.typical_quantile, "folds": self.folds, "lexical": self.lexical,
-                     "background_filter": self.background_filter, "max_lexical_features": self.max_lexical_features,
-                     "vectorizer": self.vectorizer, "lexical_model": self.lexical_model,
-                     "background_dropped": self.background_dropped, "background_relabel": self.background_relabel,
-                     "examples": self.examples, "thresholds": self.thresholds}, path)
+        """As ``<path>.json`` + ``<path>.npz``: plain numbers, strings and arrays (no pickle, so
+        loading a save runs no code; ``np.load`` with ``allow_pickle=False``). The npz is written
+        first, each file renamed into place whole; ``load`` rebuilds the scikit-learn models from
+        their fitted arrays (``coef_``, ``intercept_``, ``classes_``; the vectorizer's
+        ``vocabulary_`` and ``idf_``)."""
+        if self.model is None:
+            raise RuntimeError("DomainClassifier.save before fit")
+        meta_path, npz_path = self._files(path)
+        arrays: dict[str, np.ndarray] = {}
+        for name, m in (("model", self.model), ("lexical_model", self.lexical_model)):
+            if m is not None:
+                arrays[f"{name}.coef"], arrays[f"{name}.intercept"] = m.coef_, m.intercept_
+                arrays[f"{name}.classes"] = np.asarray(m.classes_).astype(str)
+        labels = list(self.examples)
+        for i, label in enumerate(labels):
+            arrays[f"examples.{i}"] = self.examples[label]
+        if self.vectorizer is not None:
+            arrays["vectorizer.idf"] = self.vectorizer.idf_
+        meta = {"C": self.C, "seed": self.seed, "typical_k": self.typical_k, "typical_quantile": self.typical_quantile,
+                "folds": self.folds, "lexical": self.lexical, "background_filter": self.background_filter,
+                "max_lexical_features": self.max_lexical_features, "background_dropped": self.background_dropped,
+                "background_relabel": self.background_relabel, "examples": labels,
+                "thresholds": {k: float(v) for k, v in self.thresholds.items()},
+                "lexical_model": self.lexical_model is not None,
+                "vocabulary": None if self.vectorizer is None else {t: int(i) for t, i in self.vectorizer.vocabulary_.items()}}
+        tmp = npz_path.with_name(npz_path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, npz_path)
+        tmp = meta_path.with_name(meta_path.name + ".tmp")
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, meta_path)
 
     @classmethod
     def load(cls, path: str | Path) -> "DomainClassifier":
-        state = joblib.load(path)
-        clf = cls(state["C"], state["seed"], state["typical_k"], state["typical_quantile"], state["folds"],
-                  state["lexical"], state["background_filter"], state["max_lexical_features"])
-        clf.model, clf.examples, clf.thresholds = state["model"], state["examples"], state["thresholds"]
-        clf.vectorizer, clf.background_dropped = state["vectorizer"], state["background_dropped"]
-        clf.lexical_model = state.get("lexical_model")  # absent from saves before it: no gate
-        clf.background_relabel = state.get("background_relabel")
+        """A classifier ``save`` wrote (``<path>.json`` + ``<path>.npz``); no pickle is read."""
+        meta_path, npz_path = cls._files(path)
+        meta = json.loads(meta_path.read_text())
+        clf = cls(meta["C"], meta["seed"], meta["typical_k"], meta["typical_quantile"], meta["folds"],
+                  meta["lexical"], meta["background_filter"], meta["max_lexical_features"], meta["background_relabel"])
+        with np.load(npz_path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+
+        def logreg(name: str) -> LogisticRegression:
+            m = clf._logreg()
+            m.coef_, m.intercept_ = arrays[f"{name}.coef"], arrays[f"{name}.intercept"]
+            m.classes_ = arrays[f"{name}.classes"]
+            m.n_features_in_ = m.coef_.shape[1]
+            m.n_iter_ = np.zeros(1, dtype=np.int32)
+            return m
+
+        clf.model = logreg("model")
+        clf.lexical_model = logreg("lexical_model") if meta["lexical_model"] else None
+        clf.examples = {label: arrays[f"examples.{i}"] for i, label in enumerate(meta["examples"])}
+        clf.thresholds = {k: float(v) for k, v in meta["thresholds"].items()}
+        clf.background_dropped = meta["background_dropped"]
+        if meta["vocabulary"] is not None:
+            v = clf._vectorizer()
+            v.vocabulary_ = dict(meta["vocabulary"])
+            v.idf_ = arrays["vectorizer.idf"]
+            clf.vectorizer = v
         return clf
 
 

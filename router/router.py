@@ -57,8 +57,9 @@ RUNTIME_FIELDS = {"threads", "embed_cache", "batch_size"}
 UNKNOWN = "unknown"  # domain of queries routed by a fallback
 NAMED = "d-"  # prefix of a named domain's own draft: d-sql, d-chat-es (no "/": draft ids go in URLs)
 ON_NGRAMS = "classifier: n-grams"  # reason of a query the n-gram gate routed (not embedded)
-_FORMAT = 4  # 2: the classifier keeps its examples and typicality thresholds; 3: lexical features, background;
-# 4: long texts embedded by their first and last pieces (saved embeddings of older formats differ)
+_FORMAT = 5  # 2: the classifier keeps its examples and typicality thresholds; 3: lexical features, background;
+# 4: long texts embedded by their first and last pieces (saved embeddings of older formats differ);
+# 5: the classifier as JSON + npz, not joblib (a pickle: loading one could run code); older saves are not loaded
 log = logging.getLogger(__name__)
 
 
@@ -415,15 +416,17 @@ class Router:
     # ------------------------------------------------------------------ state
 
     def save(self, directory: str | os.PathLike) -> None:
-        """Config, classifier (joblib), clusters (JSON + npz centroids), bandit, drafts, clock."""
+        """Config, classifier (JSON + npz), clusters (JSON + npz centroids), bandit, drafts, clock:
+        no pickle anywhere, so loading a save runs no code from it."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         (d / "config.json").write_text(self.cfg.model_dump_json(indent=1))
-        clf = d / "classifier.joblib"
+        clf = d / "classifier"
         if self.classifier.fitted:
             self.classifier.save(clf)
         else:
-            clf.unlink(missing_ok=True)
+            for f in DomainClassifier._files(clf):
+                f.unlink(missing_ok=True)
         meta, centroids = self.clusters.state()
         np.save(d / "centroids.npy", centroids)
         state = {"format": _FORMAT, "t": self.t, "drafts": self.drafts, "usage": self.usage,
@@ -441,9 +444,9 @@ class Router:
             raise ValueError(f"{d}: router state format {state.get('format')}, expected {_FORMAT}")
         cfg = RouterConfig.model_validate_json((d / "config.json").read_text())
         self = cls(cfg, extractor)
-        if (d / "classifier.joblib").exists():
-            self.classifier = DomainClassifier.load(d / "classifier.joblib")
-        centroids = np.load(d / "centroids.npy")
+        if (d / "classifier.json").exists():
+            self.classifier = DomainClassifier.load(d / "classifier")
+        centroids = np.load(d / "centroids.npy", allow_pickle=False)
         if len(state["clusters"]["clusters"]) != len(centroids):
             raise ValueError(f"{d}: {len(state['clusters']['clusters'])} clusters but {len(centroids)} centroids")
         self.clusters = OnlineClusters.from_state(cfg, state["clusters"], centroids)

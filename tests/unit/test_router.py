@@ -178,6 +178,49 @@ def test_state_round_trips_to_disk(extractor, trained, tmp_path):
     assert loaded.summary() == router.summary()
 
 
+def test_the_saved_classifier_is_plain_arrays_and_json_and_loading_a_state_unpickles_nothing(extractor, trained, tmp_path):
+    """The classifier is saved as JSON + npz (no pickle) and comes back exact: the same
+    probabilities, n-gram gate and typicality. A state folder whose files would run code when
+    unpickled (a ``classifier.joblib`` beside the save, an object array in the npz) runs none:
+    the first is never read, the second is refused as unreadable and the router starts afresh."""
+    import pickle
+
+    from router.domains import DomainClassifier
+    from router.router import load_state, save_state
+
+    clf = trained.classifier
+    assert clf.vectorizer is not None and clf.lexical_model is not None  # the lexical parts too
+    clf.save(tmp_path / "c")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json", "c.npz"]
+    back = DomainClassifier.load(tmp_path / "c")
+    texts = [t for t, _ in HELD_OUT] + list(SAMPLES.values())
+    X = extractor.embed(texts)
+    for (la, pa, na), (lb, pb, nb) in [(clf.classify(X, texts), back.classify(X, texts))]:
+        assert la == lb and na == nb and np.allclose(pa, pb, rtol=0, atol=1e-12)
+    assert clf.sure(texts, 0.3, clf.classes)[0] == back.sure(texts, 0.3, back.classes)[0]
+    assert np.array_equal(clf.typicality(X, ["code"] * len(X)), back.typicality(X, ["code"] * len(X)))
+    assert back.thresholds == clf.thresholds and back.classes == clf.classes
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    cfg = RouterConfig(mode="both", confidence_threshold=0.6)
+    router = Router(cfg, extractor)
+    router.classifier = clf
+    root = tmp_path / "state"
+    save_state(router, root)
+    (root / "current" / "classifier.joblib").write_bytes(pickle.dumps(Payload()))
+    assert load_state(root, cfg, extractor).classifier.classes == clf.classes and not marker.exists()
+    npz = root / "current" / "classifier.npz"
+    with np.load(npz) as z:
+        arrays = {k: z[k] for k in z.files}
+    np.savez(npz, **arrays, evil=np.array([Payload()], dtype=object))  # an object array is a pickle
+    assert load_state(root, cfg, extractor) is None and not marker.exists()
+
+
 def test_batch_routing_equals_one_by_one(extractor, trained):
     def fresh() -> Router:
         r = Router(RouterConfig(mode="both", confidence_threshold=0.6), extractor)

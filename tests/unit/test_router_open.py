@@ -399,8 +399,8 @@ def test_background_examples_sure_to_be_topical_can_join_their_domain_instead():
     assert lj == ld == ["code"] * 50 and pj.mean() > pd.mean(), (pj.mean(), pd.mean())
     import tempfile
     with tempfile.TemporaryDirectory() as d:
-        joined.save(f"{d}/c.joblib")
-        assert DomainClassifier.load(f"{d}/c.joblib").background_relabel == 0.5
+        joined.save(f"{d}/c")
+        assert DomainClassifier.load(f"{d}/c").background_relabel == 0.5
 
 
 def test_a_router_with_the_background_class_sends_a_domain_it_was_not_told_of_to_clusters(extractor, train, held_out):
