@@ -144,8 +144,10 @@ class DraftPool:
             per_token = kv_bytes_per_token(target.config, runtime, cfg.loop.kv_dtype, cfg.engine.model.dtype)
             budget = cfg.loop.kv_cache_bytes // per_token
             k_max = cfg.engine.k.k_max
-            runner = make_runner(target, cfg.engine.model.quantize, name="target",
-                                 kv_tokens=budget + 2 * (64 + k_max + 1), kv_dtype=cfg.loop.kv_dtype)  # + calibration
+            # the pool: the budget, plus each running request's last partly used block, plus calibration's sequences
+            slack = cfg.loop.block_tokens * cfg.loop.max_running + 8 * (64 + 2 * cfg.loop.block_tokens)
+            runner = make_runner(target, cfg.engine.model.quantize, name="target", kv_tokens=budget + slack,
+                                 kv_dtype=cfg.loop.kv_dtype, block_tokens=cfg.loop.block_tokens)
             self.kv_bytes_per_token = per_token
             self.verify_s = time_verify(runner, k_max)
             cost = calibrate_step_cost(runner) if cfg.loop.batch_k_cap else None

@@ -367,8 +367,8 @@ def resolve_quantize(quantize: str, model: PreTrainedModel) -> str:
 
 
 def make_runner(model: PreTrainedModel, quantize: str = "none", vocab_map: torch.Tensor | None = None,
-                name: str = "model", draft: bool = False, kv_tokens: int = 32768, kv_dtype: str = "float16"
-                ) -> ModelRunner:
+                name: str = "model", draft: bool = False, kv_tokens: int = 32768, kv_dtype: str = "float16",
+                block_tokens: int = 16) -> ModelRunner:
     """The runner for ``model`` on the runtime ``quantize`` names (see :func:`resolve_quantize`).
     ``draft``: a draft's output head in the layers' bits too (the head is most of a small draft's
     cost; a target keeps 8 bits there, see :meth:`FastRunner._quantise`). ``kv_tokens`` positions
@@ -378,7 +378,7 @@ def make_runner(model: PreTrainedModel, quantize: str = "none", vocab_map: torch
         return ModelRunner(model, vocab_map, name)
     bits = 4 if mode == "int4" else 8
     return FastRunner(model, vocab_map, name, bits=bits, head_bits=bits if draft else 8, kv_tokens=kv_tokens,
-                      kv_dtype=kv_dtype)
+                      kv_dtype=kv_dtype, block_tokens=block_tokens)
 
 
 def runtime_of(runner: ModelRunner) -> str:
