@@ -123,6 +123,7 @@ class RequestState:
     stats: SpecStats = field(default_factory=SpecStats)
     started: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
+    stop_scan: StopScanner | None = None  # the rolling decoded tail its stop strings are looked for in
 
     @property
     def output(self) -> list[int]:
@@ -395,9 +396,9 @@ class SpeculativeEngine:
     def _hit_stop(self, st: RequestState) -> bool:
         """Whether the output holds a stop string, in time linear in the tokens since the last
         check (``StopScanner``: a rolling decoded tail, kept with the request's state)."""
-        scan = st.__dict__.get("_stop_scan")
-        if scan is None:
-            scan = st.__dict__["_stop_scan"] = StopScanner(self.tokenizer, st.params.stop)
+        if st.stop_scan is None:
+            st.stop_scan = StopScanner(self.tokenizer, st.params.stop)
+        scan = st.stop_scan
         return scan.hit(st.tokens, st.prompt_len)
 
     def _observe(self, st: RequestState, prop: Proposal, n: int, emitted: int, fed: int, target_s: float, batch: int = 1) -> None:

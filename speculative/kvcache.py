@@ -97,10 +97,6 @@ class SeqCache:
             fresh = (torch.tensor(new, dtype=torch.long)[:, None] * B + torch.arange(B)).reshape(-1)
             self.slots = torch.cat([self.slots, fresh])
 
-    def write(self, layer: int, start: int, kv_new: torch.Tensor) -> None:
-        """Keys and values of positions start.. of one layer: kv_new [2, H_kv, n, D] (rounded to the pool's dtype)."""
-        self.pool.kv[layer][:, :, self.slots[start : start + kv_new.shape[2]]] = kv_new.to(self.pool.kv.dtype)
-
     def read(self, layer: int, end: int) -> torch.Tensor:
         """Keys and values of positions 0..end-1 of one layer, in float64: [2, H_kv, end, D]."""
         if self.contiguous:
