@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU path check, GPU timings and the online experiments on a GPU (README, "GPU figures").
 #   G=/path/SmolLM2-135M-Instruct.Q4_1.gguf OUT=results/gpu bash bench/gpu_check.sh STAGE...
-# stages: profile | online:<domain> (osd experiment online, then osd bench of the learned draft on
+# stages: lean (python -m bench.lean_check) | bench-lean (osd bench: lean target-only, HF eager float32,
+# suffix tree and controller over the lean target) | profile | online:<domain> (osd experiment online, then osd bench of the learned draft on
 # held-out prompts of that domain) | shift | speed (bench with the starting draft) | proposers (suffix
 # tree, target-only and the controller on prompts none saw, per domain: results/suffix/run.sh speed) |
 # turns (the same in 3-turn conversations: results/suffix/run.sh turns) | feature (the feature-conditioned
@@ -31,6 +32,13 @@ LEARN="--max-tokens $T --k 4 --train-every 4 --batch-records 16 --steps-per-roun
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
+    lean)  # the lean path's own check: graphs vs eager on a tiny model, the target's step (HF eager
+           # float32, lean eager, lean graphs; v(j) for j = 1..9) and greedy equality under batching
+      ${PYTHON:-python3} -m bench.lean_check --device "$DEVICE" --target "$G" --repeats $R --json "$OUT/lean_check.json" ;;
+    bench-lean)  # target-only on the lean runtime (served) against HF eager float32, the suffix tree and
+                 # the controller over the lean target, interleaved, with each method's equality to target
+      $OSD bench --target "$G" --device "$DEVICE" --quantize "${QUANT:-auto}" --n $NB --max-tokens 64 \
+        --methods target,target_fp32,spec_suffix,spec_controller --json "$OUT/bench_lean.json" | tail -n 12 ;;
     profile)
       $OSD profile --target "$G" --device "$DEVICE" --repeats $R --max-verify 9 --json "$OUT/profile.json" ;;
     online:*)

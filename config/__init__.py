@@ -88,7 +88,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-Quantize = Literal["auto", "int4", "int8", "none"]
+Quantize = Literal["auto", "int4", "int8", "lean", "none"]
 #: the values of ``ModelConfig.quantize``, for command lines
 QUANTIZE_CHOICES: tuple[str, ...] = get_args(Quantize)
 
@@ -108,8 +108,10 @@ class ModelConfig(_Strict):
     num_threads: int | None = Field(default=None, ge=1)
     #: the runtime that serves the model. ``int4``: 4-bit weights in groups of 32 (8-bit head), our
     #: own forward with preallocated KV caches (:mod:`speculative.fast`), CPU only; ``int8``: the
-    #: same with 8-bit weights; ``none``: Hugging Face eager in ``dtype`` (the float32 reference);
-    #: ``auto``: int4 on a CPU for a Llama-style model, else none. Lossless is relative to the
+    #: same with 8-bit weights; ``lean``: the same forward in bfloat16 on a GPU with CUDA graphs
+    #: (:mod:`speculative.lean`; eager on a CPU); ``none``: Hugging Face eager in ``dtype`` (the
+    #: float32 reference); ``auto``: int4 on a CPU and lean on a CUDA device for a Llama-style
+    #: model, else none. Lossless is relative to the
     #: runtime served: speculative output equals that runtime's own target-only output.
     quantize: Quantize = "auto"
 

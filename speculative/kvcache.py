@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+#: float32 is for checks of a forward against a float32 reference; a server keeps 16 bits
+KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def as_float64(x: torch.Tensor) -> torch.Tensor:
@@ -37,14 +38,18 @@ class BlockPool:
     """Fixed-size blocks of keys and values for every layer: ``kv`` is [L, 2, H_kv, slots, D]."""
 
     def __init__(self, layers: int, heads: int, dim: int, max_tokens: int, block_tokens: int = 16,
-                 dtype: str = "float16"):
+                 dtype: str = "float16", device: str | torch.device = "cpu", zeroed: bool = False):
         if dtype not in KV_DTYPES:
             raise ValueError(f"KV cache dtype must be one of {sorted(KV_DTYPES)}, not {dtype!r}")
         if block_tokens < 1 or max_tokens < 1:
             raise ValueError("the KV pool needs at least one block of at least one token")
         self.block_tokens = block_tokens
         self.num_blocks = -(-max_tokens // block_tokens)
-        self.kv = torch.empty(layers, 2, heads, self.num_blocks * block_tokens, dim, dtype=KV_DTYPES[dtype])
+        shape = (layers, 2, heads, self.num_blocks * block_tokens, dim)
+        # ``zeroed``: every slot holds a finite number from the start (the lean path reads masked
+        # slots: a weight of exactly 0 times garbage could be NaN); else pages become resident as used
+        alloc = torch.zeros if zeroed else torch.empty
+        self.kv = alloc(shape, dtype=KV_DTYPES[dtype], device=device)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low blocks first
 
     @property

@@ -1,0 +1,169 @@
+"""``python -m bench.lean_check``: the lean GPU path's own check, in seconds (``bench/gpu_check.sh lean``).
+
+1. A tiny random Llama on the device: captured-graph replays against the same padded layout run
+   eagerly (expected bitwise equal: the same kernels) and against the exact, unpadded shapes
+   (the bucket's effect on a row), over decode and verify steps of several sequences.
+2. With ``--target``: the target's step, ms per step of j = 1..9 new tokens at a context of
+   ``--context`` tokens, for Hugging Face eager (float32, the reference), the lean forward run
+   eagerly and the lean forward from graphs, and the seconds the graphs took to capture.
+3. Greedy equality under batching: ``--sequences`` prompts decoded target-only one at a time, then
+   all at once in shared steps (one forward for every sequence), on the graphed runner; the number
+   of sequences whose tokens differ and the first position where they do.
+
+Runs on a CPU too (graphs off there), which is how the script is checked before a GPU is lent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_ms(fn, device, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return round(1000 * statistics.median(times), 3)
+
+
+def tiny_check(device: str) -> dict:
+    """Graph replay vs the padded layout run eagerly vs exact shapes, on a tiny random Llama."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from speculative import ForwardCall
+    from speculative.lean import LeanRunner
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).to(device).eval()
+    graphed = LeanRunner(model, graphs=True)
+    padded = LeanRunner(model, graphs=False, buckets=True)
+    exact = LeanRunner(model, graphs=False)
+    gen = torch.Generator().manual_seed(0)
+    worst_padded = worst_exact = 0.0
+    for i in range(4):
+        prompt = torch.randint(2, 128, (5 + 11 * i,), generator=gen).tolist()
+        for r in (graphed, padded, exact):
+            r.forward(f"s{i}", 0, prompt)
+    for step in range(8):
+        calls = []
+        for i in range(4):
+            have = exact.cached_length(f"s{i}")
+            n = 1 + (i + step) % 5
+            calls.append(ForwardCall(f"s{i}", have - (i + step) % 2, torch.randint(2, 128, (n,), generator=gen).tolist(), n))
+        for group in (calls, calls[:1]):
+            a, b, c = graphed.forward_batch(group), padded.forward_batch(group), exact.forward_batch(group)
+            worst_padded = max(worst_padded, max(float((x - y).abs().max()) for x, y in zip(a, b)))
+            worst_exact = max(worst_exact, max(float((x - y).abs().max()) for x, y in zip(a, c)))
+    return {"graphs": graphed.graphs, "stats": {k: round(v, 3) if isinstance(v, float) else v for k, v in graphed.stats.items()},
+            "max_abs_graph_vs_padded_eager": worst_padded, "max_abs_graph_vs_exact_shapes": worst_exact}
+
+
+def target_steps(target: str, device: str, context: int, repeats: int) -> dict:
+    """ms per step of j new tokens for HF eager float32, lean eager and lean graphs."""
+    from config import ModelConfig
+    from speculative.fast import make_runner, runtime_of
+    from speculative.lean import LeanRunner
+    from speculative.models import load_model
+
+    model = load_model(ModelConfig(name=target, device=device))[0]
+    dev = torch.device(device)
+    ctx = torch.randint(100, 20000, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    extra = torch.randint(100, 20000, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    out = {}
+    t0 = time.perf_counter()
+    graphed = LeanRunner(model, graphs=True, name="target")
+    captured = graphed.warmup()
+    out["warmup"] = {"graphs": captured, "seconds": round(time.perf_counter() - t0, 2)}
+    for name, runner in (("eager-float32", make_runner(model, "none", name="target")),
+                         ("lean-eager", LeanRunner(model, graphs=False, name="target")),
+                         ("lean-graphs", graphed)):
+        runner.forward("p", 0, ctx)
+        ms = {j: _median_ms(lambda j=j: runner.forward("p", context, extra[:j], keep_last=j), dev, repeats)
+              for j in range(1, 10)}
+        out[name] = {"runtime": runtime_of(runner), "ms_per_step": ms[1],
+                     "v": {j: round(m / ms[1], 3) for j, m in ms.items()}}
+        runner.release("p")
+    out["lean-graphs"]["stats"] = graphed.stats
+    return out
+
+
+def batched_equality(target: str, device: str, sequences: int, tokens: int) -> dict:
+    """Target-only greedy, alone vs all sequences in shared steps, on the graphed lean runner."""
+    from config import ModelConfig
+    from speculative import ForwardCall
+    from speculative.lean import LeanRunner
+    from speculative.models import load_model
+
+    model, tok = load_model(ModelConfig(name=target, device=device))
+    runner = LeanRunner(model, name="target")
+    prompts = [tok.encode(f"Question {i}: explain {w} in two sentences.")
+               for i, w in enumerate(["recursion", "a hash map", "photosynthesis", "inflation", "TCP", "a B-tree",
+                                      "gradient descent", "the French revolution"][:sequences])]
+
+    def alone(p: list[int], sid: str) -> list[int]:
+        out = [int(runner.forward(sid, 0, p)[-1].argmax())]
+        for _ in range(tokens - 1):
+            out.append(int(runner.forward(sid, len(p) + len(out) - 1, out[-1:])[-1].argmax()))
+        runner.release(sid)
+        return out
+
+    want = [alone(p, f"a{i}") for i, p in enumerate(prompts)]
+    got: list[list[int]] = [[int(runner.forward(f"b{i}", 0, p)[-1].argmax())] for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    for _ in range(tokens - 1):
+        calls = [ForwardCall(f"b{i}", len(p) + len(g) - 1, g[-1:]) for i, (p, g) in enumerate(zip(prompts, got))]
+        for g, lg in zip(got, runner.forward_batch(calls)):
+            g.append(int(lg[-1].argmax()))
+    seconds = time.perf_counter() - t0
+    diff = [next((j for j, (a, b) in enumerate(zip(w, g)) if a != b), None) for w, g in zip(want, got)]
+    return {"sequences": len(prompts), "tokens": tokens, "differ": sum(d is not None for d in diff),
+            "first_difference": diff, "batched_tokens_per_s": round(len(prompts) * (tokens - 1) / seconds, 1),
+            "stats": runner.stats}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--target", default=None, help="the target (a .gguf, a folder or embedded:...); omitted: the tiny check only")
+    p.add_argument("--context", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--sequences", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    res = {"device": args.device, "torch": torch.__version__,
+           "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
+           "tiny": tiny_check(args.device)}
+    print(json.dumps(res["tiny"]), flush=True)
+    if args.target:
+        res["steps"] = target_steps(args.target, args.device, args.context, args.repeats)
+        for name in ("eager-float32", "lean-eager", "lean-graphs"):
+            e = res["steps"][name]
+            print(f"{name:14s} {e['ms_per_step']:8.3f} ms/step  v(j): " + " ".join(f"{v:.2f}" for v in e["v"].values()), flush=True)
+        print("warmup:", res["steps"]["warmup"], flush=True)
+        res["batched"] = batched_equality(args.target, args.device, args.sequences, args.tokens)
+        print("batched greedy:", json.dumps(res["batched"]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
