@@ -15,8 +15,9 @@ that fits it:
     gathered from the pool by a slot table ``ctx [B, L]``; slots past a sequence's length point at
     the trash slot and are masked (softmax weight exactly 0; the pool starts zeroed, so every slot
     read is finite);
-  - linear layers take bfloat16 inputs and weights (``F.linear``), the residual stream, norms,
-    rotary embeddings and attention stay float32.
+  - linear layers take bfloat16 inputs and weights (``F.linear``); the residual stream, norms and
+    rotary embeddings stay float32; attention (``F.scaled_dot_product_attention`` with the mask)
+    runs in the KV pool's 16 bits.
 Calls longer than :data:`GRAPH_TOKENS` (prompt chunks) or contexts past ``graph_context`` run the
 same function eagerly, at their exact shapes. On a CPU (tests, or a machine without CUDA) everything
 runs eagerly, bucket for bucket the same arithmetic.
@@ -44,8 +45,8 @@ from .runner import ForwardCall, ModelRunner, TargetRows, VerifyCall, _select, t
 
 log = logging.getLogger(__name__)
 
-#: calls of at most this many new tokens run from captured graphs (decode and verify steps)
-GRAPH_TOKENS = 16
+#: calls of at most this many new tokens run from captured graphs (decode and verify steps, k_max up to 31)
+GRAPH_TOKENS = 32
 #: the smallest context bucket
 MIN_CONTEXT = 128
 
@@ -92,9 +93,10 @@ def _norm(norm: nn.Module) -> tuple[torch.Tensor, float]:
 
 
 def _lin(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """[R, K] float32 -> [R, N] float32 through bfloat16 weights."""
-    y = F.linear(x.to(w.dtype), w).float()
-    return y if b is None else y + b
+    """[R, K] -> [R, N] in the weights' dtype (float32 with a bias): no cast back to float32, which
+    the residual add does by promotion (one kernel fewer per linear)."""
+    y = F.linear(x.to(w.dtype), w)
+    return y if b is None else y.float() + b
 
 
 class LeanRunner(ModelRunner):
@@ -139,6 +141,13 @@ class LeanRunner(ModelRunner):
         self.seen: set[tuple[int, int, int]] = set()  # buckets met (captured or, on a CPU, run padded)
         self._pack()
 
+    def __getstate__(self) -> dict:
+        """A copy (``copy.deepcopy``, as a bench forks a draft) leaves the captured graphs behind:
+        they read this runner's tensors; the copy captures its own."""
+        state = self.__dict__.copy()
+        state["_graphs"], state["_graph_pool"], state["seen"] = {}, None, set()
+        return state
+
     def _pack(self) -> None:
         inner = self.model.model
         self.layers = [_Layer(layer, self.dtype) for layer in inner.layers]
@@ -173,28 +182,27 @@ class LeanRunner(ModelRunner):
         g = Hq // Hkv
         h = self.embed[ids].float()  # [R, H]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [R, 1, D]
-        # [B, 1, g*T, L]: True where key l is after query t's position (row j*T + t is head j's query t)
-        masked = (torch.arange(L, device=ids.device)[None, None, :] > qpos[:, :, None]).repeat(1, g, 1)[:, None]
+        # [B, 1, g*T, L]: True where query row j*T + t (head j's query t) may attend key l (l <= its position)
+        allowed = (torch.arange(L, device=ids.device)[None, None, :] <= qpos[:, :, None]).repeat(1, g, 1)[:, None]
         flat = ctx.reshape(-1)  # [B*L]
         outs = {}
         for li, lay in enumerate(self.layers):
             x = F.rms_norm(h, (h.shape[-1],), lay.norm1, lay.eps1)
-            heads = _lin(x, lay.qkv, lay.qkv_b).view(R, Hq + 2 * Hkv, D)  # [R, Hq + 2 Hkv, D]
+            heads = _lin(x, lay.qkv, lay.qkv_b).float().view(R, Hq + 2 * Hkv, D)  # [R, Hq + 2 Hkv, D]
             qk = _rope(heads[:, : Hq + Hkv], cos, sin)  # [R, Hq + Hkv, D]
             kv_layer = self.pool.kv[li]  # [2, Hkv, slots, D]
             kv_layer[:, :, wslot] = torch.stack((qk[:, Hq:], heads[:, Hq + Hkv :])).transpose(1, 2).to(kv_layer.dtype)
-            kv = kv_layer[:, :, flat].float().view(2, Hkv, B, L, D).transpose(1, 2)  # [2, B, Hkv, L, D]
-            q = qk[:, :Hq].reshape(B, T, Hq, D).transpose(1, 2).reshape(B, Hkv, g * T, D)  # [B, Hkv, g*T, D]
-            scores = (q @ kv[0].transpose(-1, -2) * D**-0.5).masked_fill(masked, float("-inf"))  # [B, Hkv, g*T, L]
-            o = torch.softmax(scores, dim=-1) @ kv[1]  # [B, Hkv, g*T, D]
+            kv = kv_layer[:, :, flat].view(2, Hkv, B, L, D).transpose(1, 2)  # [2, B, Hkv, L, D] in the pool's dtype
+            q = qk[:, :Hq].reshape(B, T, Hq, D).transpose(1, 2).reshape(B, Hkv, g * T, D).to(kv.dtype)  # [B, Hkv, g*T, D]
+            o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=allowed)  # [B, Hkv, g*T, D]
             o = o.view(B, Hq, T, D).transpose(1, 2).reshape(R, Hq * D)  # [R, Hq*D]
-            h = h + _lin(o, lay.o, lay.o_b)
+            h = h + _lin(o, lay.o, lay.o_b)  # float32 + 16 bits: float32
             gate, up = _lin(F.rms_norm(h, (h.shape[-1],), lay.norm2, lay.eps2), lay.gate_up, lay.gate_up_b).split(lay.inter, -1)
             h = h + _lin(F.silu(gate) * up, lay.down, lay.down_b)
             if layers and li in layers:
                 outs[li] = h
         final = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.final_eps)  # [R, H]
-        logits = _lin(final if keep is None else final[keep], self.head, self.head_b)  # [rows, V]
+        logits = _lin(final if keep is None else final[keep], self.head, self.head_b).float()  # [rows, V]
         feats = None if layers is None else torch.cat([outs[i] for i in layers] + [final], -1)
         return logits, feats
 

@@ -110,15 +110,15 @@ def test_buckets_stay_bounded_across_requests_of_new_lengths():
     lean = LeanRunner(tiny_llama(2, seed=1), buckets=True, graph_context=512)
     for i in range(40):
         ids = _ids(3 + 6 * i, seed=i)  # up to 237 tokens (the tiny model holds 256 positions)
-        lean.forward(f"r{i}", 0, ids[:GRAPH_TOKENS])  # a prompt chunk of up to 16 tokens: a bucket
+        lean.forward(f"r{i}", 0, ids[:GRAPH_TOKENS])  # a prompt chunk of up to GRAPH_TOKENS: a bucket
         pos = GRAPH_TOKENS if len(ids) > GRAPH_TOKENS else len(ids)
         if len(ids) > pos:
-            lean.forward(f"r{i}", pos, ids[pos:])  # the rest at once: eager past 16 tokens
+            lean.forward(f"r{i}", pos, ids[pos:])  # the rest at once: eager past GRAPH_TOKENS
         lean.forward(f"r{i}", len(ids), [5])  # a decode step
         lean.release(f"r{i}")
     Ts = {T for _, T, _ in lean.seen}
     Ls = {L for _, _, L in lean.seen}
-    assert Ts <= {1, 2, 4, 8, 16} and Ls <= {128, 256, 512}
+    assert Ts <= {1, 2, 4, 8, 16, 32} and Ls <= {128, 256, 512}
     assert len(lean.seen) <= len(Ts) * len(Ls) < 40
     assert lean.stats["eager"] >= 40 and lean.pool.free_blocks == lean.pool.num_blocks - 1  # all freed but the trash block
 
@@ -126,7 +126,7 @@ def test_buckets_stay_bounded_across_requests_of_new_lengths():
 def test_bucket_rounds_up_to_powers_of_two_and_declines_what_runs_eagerly():
     assert bucket([1], [5], 4096, 16) == (1, 1, 128)
     assert bucket([5, 1, 2], [300, 40, 2], 4096, 16) == (4, 8, 512)
-    assert bucket([17], [17], 4096, 16) is None  # a prompt chunk
+    assert bucket([33], [33], 4096, 16) is None  # a prompt chunk
     assert bucket([1], [5000], 4096, 16) is None  # a context past the graphs'
     assert bucket([1] * 17, [5] * 17, 4096, 16) is None  # wider than the widest graph
 
@@ -173,3 +173,13 @@ def test_features_come_back_for_a_feature_draft():
     for w, g in zip(wf, gf):
         assert g.shape == w.shape
         torch.testing.assert_close(g, w, **TOL)
+
+
+def test_a_copy_captures_its_own_graphs_and_computes_the_same():
+    import copy
+
+    lean = LeanRunner(tiny_llama(2, seed=0), buckets=True)
+    a = lean.forward("s", 0, [4, 5, 6])
+    twin = copy.deepcopy(lean)
+    assert twin._graphs == {} and twin.pool.kv.data_ptr() != lean.pool.kv.data_ptr()
+    torch.testing.assert_close(twin.forward("t", 0, [4, 5, 6]), a)
