@@ -149,6 +149,7 @@ class DraftPool:
             runner = make_runner(target, cfg.engine.model.quantize, name="target", kv_tokens=budget + slack,
                                  kv_dtype=cfg.loop.kv_dtype, block_tokens=cfg.loop.block_tokens)
             self.kv_bytes_per_token = per_token
+            runner.warmup(tuple(1 << i for i in range(cfg.loop.max_running.bit_length())))  # CUDA graphs: before the first request
             self.verify_s = time_verify(runner, k_max)
             cost = calibrate_step_cost(runner) if cfg.loop.batch_k_cap else None
             self.loop = EngineLoop(runner, cfg.loop, budget, k_max, on_step=self._count_forward, step_cost=cost)

@@ -31,6 +31,7 @@ class BatchedTarget:
             torch.set_num_threads(threads)
         self.cfg = cfg
         self.runner = make_runner(weights if weights is not None else load_weights(model), model.quantize, name="target")
+        self.runner.warmup(tuple(1 << i for i in range(cfg.max_batch.bit_length())))  # CUDA graphs: before the first request
         self.last_used: dict[str, float] = {}  # seq -> monotonic time of its last call
         self.batches = 0
         self.calls = 0

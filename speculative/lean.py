@@ -309,7 +309,7 @@ class LeanRunner(ModelRunner):
             return 0
         before = self.stats["captured"]
         with torch.inference_mode():
-            for B in batches:
+            for B in sorted({_pow2(b) for b in batches if _pow2(b) <= self.max_batch}):
                 for L in contexts:
                     T = 1
                     while T <= GRAPH_TOKENS and self.graphs:

@@ -235,6 +235,11 @@ class ModelRunner:
                 out[i] = target_rows(lg, calls[i], seconds, len(group), f)
         return out  # type: ignore[return-value]
 
+    def warmup(self, batches: tuple[int, ...] = (1,)) -> int:
+        """Prepare the steps of up to ``batches`` sequences ahead of serving (a runtime with CUDA
+        graphs captures them here, not on a request); returns how many were prepared. Eager: none."""
+        return 0
+
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
