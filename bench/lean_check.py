@@ -137,6 +137,41 @@ def batched_equality(target: str, device: str, sequences: int, tokens: int) -> d
             "stats": runner.stats}
 
 
+def host_breakdown(device: str, steps: int = 64) -> dict:
+    """Where a verify step's time goes on the lean runner, for a random model of SmolLM2-135M's
+    shape (no weights file needed): the whole ``verify`` call (what the engine pays) against the
+    graph replay alone, per new-token count T, each phase timed with the device synchronised."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from speculative import VerifyCall
+    from speculative.lean import LeanRunner
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True,
+                      rope_theta=100000.0, rms_norm_eps=1e-5)
+    model = LlamaForCausalLM(cfg).to(device).eval()
+    runner = LeanRunner(model, name="target")
+    runner.warmup()
+    dev = torch.device(device)
+    out = {}
+    for T in (1, 7, 17):
+        runner.verify([VerifyCall("h", 0, list(range(100, 300)), 1)])
+        pos = 200
+        walls = []
+        for i in range(steps):
+            _sync(dev)
+            t0 = time.perf_counter()
+            runner.verify([VerifyCall("h", pos, list(range(1000, 1000 + T)), T)])
+            walls.append(time.perf_counter() - t0)
+            pos += 1
+        keys = [k for k in runner._graphs if k[0] == 1 and k[1] >= T]
+        replay = _median_ms(runner._graphs[min(keys)][0].replay, dev, steps) if keys else None
+        out[T] = {"verify_ms": round(1000 * statistics.median(walls), 3), "replay_ms": replay}
+        runner.release("h")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -146,11 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sequences", type=int, default=8)
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--json", default=None)
+    p.add_argument("--host", action="store_true", help="also: verify call against graph replay, a random SmolLM2-135M-shaped model")
     args = p.parse_args(argv)
     res = {"device": args.device, "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
            "tiny": tiny_check(args.device)}
     print(json.dumps(res["tiny"]), flush=True)
+    if args.host:
+        res["host"] = host_breakdown(args.device)
+        print("verify call against replay, ms by new tokens:", json.dumps(res["host"]), flush=True)
     if args.target:
         res["steps"] = target_steps(args.target, args.device, args.context, args.repeats)
         for name in ("eager-float32", "lean-eager", "lean-graphs"):
