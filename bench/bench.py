@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from config import DraftConfig, EngineConfig, KPolicyConfig, ModelConfig, SamplingParams
 from speculative.engine import SpeculativeEngine
-from speculative.fast import FastPathError, make_runner, runtime_of
+from speculative.runtime import FastPathError, make_runner, runtime_of
 from speculative.kpolicy import expected_speedup
 from speculative.proposers import NgramProposer
 from speculative.stats import SpecStats

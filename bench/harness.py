@@ -84,7 +84,7 @@ def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
     from speculative.engine import SpeculativeEngine
     from speculative.factory import build_engine
     from speculative.proposers import DraftModelProposer
-    from speculative.fast import make_runner
+    from speculative.runtime import make_runner
 
     model = ModelConfig(device=args.device, dtype=args.dtype, quantize=args.quantize,
                         **({"name": args.target} if args.target else {}))

@@ -77,7 +77,7 @@ def tiny_check(device: str) -> dict:
 def target_steps(target: str, device: str, context: int, repeats: int) -> dict:
     """ms per step of j new tokens for HF eager float32, lean eager and lean graphs."""
     from config import ModelConfig
-    from speculative.fast import make_runner, runtime_of
+    from speculative.runtime import make_runner, runtime_of
     from speculative.lean import LeanRunner
     from speculative.models import load_model
 

@@ -24,7 +24,7 @@ import torch
 
 from config import DraftConfig, ModelConfig
 from drafts.build import build_draft_model
-from speculative.fast import FastPathError, make_runner, runtime_of
+from speculative.runtime import FastPathError, make_runner, runtime_of
 from speculative.kvcache import kv_bytes_per_token
 from speculative.kpolicy import expected_speedup
 from speculative.models import encode_prompt, load_model

@@ -45,7 +45,7 @@ from router.router import GENERAL, start_domain
 from speculative import RequestError, SpeculativeEngine, TargetRows, VerifyCall
 from speculative.detokenize import Detokenizer
 from speculative.engine import time_verify
-from speculative.fast import make_runner, resolve_quantize
+from speculative.runtime import make_runner, resolve_quantize
 from speculative.kvcache import kv_bytes_per_token
 from speculative.models import encode_messages, encode_prompt, eos_token_ids, load_tokenizer, load_weights
 from speculative.scheduler import EngineLoop, Failed, Finished, Overloaded, Sequence, Started, Step, calibrate_step_cost

@@ -15,7 +15,7 @@ from ray import serve
 
 from config import MetricsConfig, ModelConfig, TargetServeConfig
 from speculative import TargetRows, VerifyCall
-from speculative.fast import make_runner
+from speculative.runtime import make_runner
 from speculative.engine import time_verify
 from speculative.models import load_weights
 

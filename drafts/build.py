@@ -26,7 +26,7 @@ from config import ControllerConfig, DraftConfig, ModelConfig
 from speculative.publish import publish_folder
 from speculative.models import ModelLoadError, check_same_vocab, load_tokenizer, load_weights
 from speculative.proposers import ChainedProposer, ControllerProposer, DraftModelProposer, NgramProposer
-from speculative.fast import make_runner
+from speculative.runtime import make_runner
 
 DRAFT_META = "osd_draft.json"
 #: ``DraftConfig.checkpoint = "default"`` names the general starting draft that ``osd distill`` writes.
@@ -261,7 +261,7 @@ def build_proposer(
     if cfg.kind == "ngram" or cfg.ngram_first:
         parts.append(NgramProposer(cfg.ngram))
     if cfg.kind == "feature":
-        from speculative.fast import resolve_quantize
+        from speculative.runtime import resolve_quantize
         from speculative.feature import FeatureDraftProposer, FeatureRunner
 
         draft, keep = build_draft_model(cfg, target, target_tok, texts)

@@ -10,7 +10,7 @@ from config import EngineConfig
 
 from .engine import SpeculativeEngine
 from .models import load_model
-from .fast import make_runner
+from .runtime import make_runner
 
 
 def build_engine(cfg: EngineConfig = EngineConfig(), texts: Iterable[str] = (), calibrate: bool = True) -> SpeculativeEngine:

@@ -36,37 +36,7 @@ from transformers import PreTrainedModel
 
 from .kvcache import BlockPool, SeqCache, as_float64
 from .runner import ForwardCall, ModelRunner
-
-
-class FastPathError(ValueError):
-    """The model or device cannot run on the fast path; the message says why and what to use."""
-
-
-def supports_fast_path(model: PreTrainedModel) -> str | None:
-    """None when ``model`` can run on :class:`FastRunner`, else why not."""
-    if str(next(model.parameters()).device) != "cpu":
-        return "the int4 / int8 path runs on the CPU (on a GPU use quantize: lean, or none for Hugging Face eager)"
-    return llama_shape_problem(model)
-
-
-def llama_shape_problem(model: PreTrainedModel) -> str | None:
-    """None when ``model`` has the Llama shape our own forwards implement (this one and
-    :class:`speculative.lean.LeanRunner`), else why not."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if inner is None or layers is None or not hasattr(model, "lm_head"):
-        return f"{type(model).__name__} is not a Llama-style decoder (model.layers + lm_head)"
-    for layer in layers:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        need = [(attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (attn, "o_proj"), (mlp, "gate_proj"), (mlp, "up_proj"), (mlp, "down_proj")]
-        if any(not isinstance(getattr(m, n, None), nn.Linear) for m, n in need):
-            return f"{type(model).__name__}: a layer lacks the Llama projections (q/k/v/o, gate/up/down)"
-    cfg = model.config
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"activation {cfg.hidden_act!r} (the fast path implements silu)"
-    if getattr(cfg, "sliding_window", None) or getattr(cfg, "attn_logit_softcapping", None):
-        return "sliding-window or soft-capped attention is not implemented on the fast path"
-    return None
+from .shape import FastPathError, supports_fast_path
 
 
 def _fused_bias(linears) -> tuple[torch.Tensor | None, list[int]]:
@@ -358,52 +328,3 @@ def _attend(q: torch.Tensor, kv: torch.Tensor, start: int) -> torch.Tensor:
         scores = scores.masked_fill(torch.arange(L)[None, :] > (start + t)[:, None], float("-inf"))
     out = torch.softmax(scores, dim=-1) @ kv[1]  # [Hkv, g*n, D]
     return out.view(Hq, n, D).transpose(0, 1).reshape(n, Hq * D).float()
-
-
-def resolve_quantize(quantize: str, model: PreTrainedModel) -> str:
-    """The runtime a ``ModelConfig.quantize`` value means for ``model``: ``auto`` is int4 where the
-    fast path runs (a Llama-style model on the CPU), ``lean`` for a Llama-style model on a CUDA
-    device, else none; an explicit int4 / int8 / lean the model cannot run is refused with the reason."""
-    why = supports_fast_path(model)
-    if quantize == "auto":
-        if not why:
-            return "int4"
-        on_cuda = next(model.parameters()).device.type == "cuda"
-        return "lean" if on_cuda and not llama_shape_problem(model) else "none"
-    if quantize in ("int4", "int8") and why:
-        raise FastPathError(f"quantize={quantize!r}: {why}; use quantize: none")
-    if quantize == "lean":
-        shape = llama_shape_problem(model)
-        if shape:
-            raise FastPathError(f"quantize='lean': {shape}; use quantize: none")
-    return quantize
-
-
-def make_runner(model: PreTrainedModel, quantize: str = "none", vocab_map: torch.Tensor | None = None,
-                name: str = "model", draft: bool = False, kv_tokens: int = 32768, kv_dtype: str = "float16",
-                block_tokens: int = 16) -> ModelRunner:
-    """The runner for ``model`` on the runtime ``quantize`` names (see :func:`resolve_quantize`).
-    ``draft``: a draft's output head in the layers' bits too (the head is most of a small draft's
-    cost; a target keeps 8 bits there, see :meth:`FastRunner._quantise`). ``kv_tokens`` positions
-    of all sequences together fit the fast path's KV pool, in ``kv_dtype``. ``lean``: the bfloat16
-    forward with CUDA graphs (:mod:`speculative.lean`; eager where there is no CUDA device)."""
-    mode = resolve_quantize(quantize, model)
-    if mode == "none":
-        return ModelRunner(model, vocab_map, name)
-    if mode == "lean":
-        from .lean import LeanRunner
-
-        return LeanRunner(model, vocab_map, name, kv_tokens=kv_tokens, kv_dtype=kv_dtype, block_tokens=block_tokens)
-    bits = 4 if mode == "int4" else 8
-    return FastRunner(model, vocab_map, name, bits=bits, head_bits=bits if draft else 8, kv_tokens=kv_tokens,
-                      kv_dtype=kv_dtype, block_tokens=block_tokens)
-
-
-def runtime_of(runner: ModelRunner) -> str:
-    """What a runner serves: ``int4`` / ``int8`` (fast path), ``lean-bf16`` (``-graphs`` with CUDA
-    graphs) or ``eager-<dtype>``."""
-    if isinstance(runner, FastRunner):
-        return f"int{runner.bits}"
-    if getattr(runner, "graphs", None) is not None and hasattr(runner, "trash"):
-        return "lean-bf16" + ("-graphs" if runner.graphs else "")
-    return "eager-" + str(next(runner.model.parameters()).dtype).removeprefix("torch.")

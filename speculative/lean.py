@@ -42,6 +42,7 @@ from transformers import PreTrainedModel
 
 from .kvcache import BlockPool, SeqCache
 from .runner import ForwardCall, ModelRunner, TargetRows, VerifyCall, _select, target_rows
+from .shape import FastPathError, llama_shape_problem
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +111,6 @@ class LeanRunner(ModelRunner):
                  kv_tokens: int = 32768, kv_dtype: str = "bfloat16", block_tokens: int = 16,
                  graphs: bool | None = None, graph_context: int = 4096, max_batch: int = 16,
                  dtype: str = "bfloat16", buckets: bool | None = None):
-        from .fast import FastPathError, llama_shape_problem
-
         why = llama_shape_problem(model)
         if why:
             raise FastPathError(f"{name}: cannot use the lean path: {why}")

@@ -195,7 +195,7 @@ def int4_engines():
 
 
 def test_int4_runtime_is_the_fast_path(int4_engines):
-    from speculative.fast import runtime_of
+    from speculative.runtime import runtime_of
 
     alone, spec = int4_engines
     assert runtime_of(spec.target) == "int4" and runtime_of(spec.learned_draft.runner) == "int4"

@@ -14,7 +14,8 @@ from config import EngineConfig, KPolicyConfig, ModelConfig, SamplingParams
 from conftest import _char_tokenizer, tiny_llama
 from speculative import ForwardCall, ModelRunner, SpeculativeEngine, VerifyCall
 from speculative.kvcache import KVCacheFull
-from speculative.fast import FastPathError, FastRunner, Int4Linear, Int8Linear, make_runner, resolve_quantize, runtime_of
+from speculative.fast import FastRunner, Int4Linear, Int8Linear
+from speculative.runtime import FastPathError, make_runner, resolve_quantize, runtime_of
 from speculative.proposers import DraftModelProposer
 
 BITS = [4, 8]

@@ -15,7 +15,7 @@ import torch
 from config import EngineConfig, KPolicyConfig, SamplingParams
 from conftest import _char_tokenizer, tiny_llama
 from speculative import ForwardCall, ModelRunner, SpeculativeEngine, VerifyCall
-from speculative.fast import FastPathError, make_runner, resolve_quantize, runtime_of
+from speculative.runtime import FastPathError, make_runner, resolve_quantize, runtime_of
 from speculative.lean import GRAPH_TOKENS, MIN_CONTEXT, LeanRunner, bucket
 from speculative.proposers import DraftModelProposer
 
