@@ -321,7 +321,7 @@ def bench_main(args) -> int:
     records = select(workload, args.n, args.domains)
     if not records:
         raise SystemExit(f"no records in {args.workload} (domains {args.domains})")
-    from speculative.factory import build_engine
+    from drafts.build import build_engine
 
     cfg = engine_config_from_args(args)
     engine = build_engine(cfg, texts=[r.text for r in workload])

@@ -50,7 +50,8 @@ from learner.replay import LEARNED_SOURCES, ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
 from speculative.stats import SpecStats
 
-from .harness import ANY_SOURCE, STEP_FIELDS, _alpha, _draft_of, _f, _force_k, real_engine_factory, rows_alpha, serve_recorded
+from .harness import (ANY_SOURCE, STEP_FIELDS, _alpha, _draft_of, _f, _force_k, real_engine_factory, rows_alpha,
+                      serve_recorded, unseen_by)
 
 __all__ = ["run_online", "run_shift", "plot", "main", "order_blocks", "stream", "format_table", "serve_recorded"]
 
@@ -913,16 +914,6 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--json", default=None)
     o.add_argument("--quiet", action="store_true")
     return ap
-
-
-def unseen_by(records: Sequence[Any], checkpoint: str, kind: str = "truncated") -> list:
-    """``records`` minus the prompts the saved draft ``checkpoint`` (a folder or "default" of ``kind``) was
-    distilled on (its meta's ``trained_prompts``): a stream measures what the draft learns online,
-    not what it memorised offline."""
-    from drafts.build import prompt_digest, resolve_checkpoint, trained_prompts
-
-    seen = trained_prompts(resolve_checkpoint(checkpoint, kind))
-    return [r for r in records if prompt_digest(r.text) not in seen]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -82,7 +82,7 @@ def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
     """A factory over ONE loaded target: each call = a new engine with a fresh copy of the starting draft."""
     from config import DraftConfig, EngineConfig, ModelConfig
     from speculative.engine import SpeculativeEngine
-    from speculative.factory import build_engine
+    from drafts.build import build_engine
     from speculative.proposers import DraftModelProposer
     from speculative.runtime import make_runner
 
@@ -125,3 +125,13 @@ def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
         return SpeculativeEngine(target_runner, base.tokenizer, prop, cfg)  # one target runner: caches are per request id
 
     return factory
+
+
+def unseen_by(records: Sequence[Any], checkpoint: str, kind: str = "truncated") -> list:
+    """``records`` minus the prompts the saved draft ``checkpoint`` (a folder or "default" of ``kind``) was
+    distilled on (its meta's ``trained_prompts``): a stream measures what the draft learns online,
+    not what it memorised offline."""
+    from drafts.build import prompt_digest, resolve_checkpoint, trained_prompts
+
+    seen = trained_prompts(resolve_checkpoint(checkpoint, kind))
+    return [r for r in records if prompt_digest(r.text) not in seen]

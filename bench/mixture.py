@@ -594,7 +594,7 @@ def parse_starts(spec: str | None) -> dict[str, str]:
 def main(args) -> int:
     """``osd experiment mixture`` (argparse Namespace from bench.experiments.build_parser)."""
     from bench.bench import write_json
-    from bench.experiments import unseen_by
+    from bench.harness import unseen_by
     from workloads import load_workload
 
     torch.set_num_threads(args.threads)

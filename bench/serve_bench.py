@@ -183,7 +183,7 @@ def inprocess_tokens_per_s(records, max_tokens: int, config: str | None) -> dict
     """The in-process engine (the server config's engine, two torch threads) on the same prompts."""
     from config import SamplingParams
     from deployments.launch import read_config
-    from speculative.factory import build_engine
+    from drafts.build import build_engine
 
     _, cfg, _ = read_config(config) if config else read_config()
     engine_cfg = cfg.engine.model_copy(update={"model": cfg.engine.model.model_copy(update={"num_threads": 2})})

@@ -22,9 +22,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from config import ControllerConfig, DraftConfig, ModelConfig
+from config import ControllerConfig, DraftConfig, EngineConfig, ModelConfig
+from speculative.engine import SpeculativeEngine
 from speculative.publish import publish_folder
-from speculative.models import ModelLoadError, check_same_vocab, load_tokenizer, load_weights
+from speculative.models import ModelLoadError, check_same_vocab, load_model, load_tokenizer, load_weights
 from speculative.proposers import ChainedProposer, ControllerProposer, DraftModelProposer, NgramProposer
 from speculative.runtime import make_runner
 
@@ -292,3 +293,19 @@ def controller_over(learned=None, cfg: DraftConfig = DraftConfig(use_suffix=True
 
     parts = [SuffixProposer(cfg.suffix), NgramProposer(cfg.ngram)] + ([learned] if learned is not None else [])
     return ControllerProposer(*parts, probe_every=(cfg.controller or ControllerConfig()).probe_every)
+
+
+def build_engine(cfg: EngineConfig = EngineConfig(), texts: Iterable[str] = (), calibrate: bool = True) -> SpeculativeEngine:
+    """Load the target, build the proposer the config names, return the engine (the one place that
+    wires an in-process engine from an :class:`config.EngineConfig`).
+
+    ``texts`` (e.g. workload prompts) choose the tokens a restricted draft head keeps.
+    """
+    if cfg.model.num_threads:
+        torch.set_num_threads(cfg.model.num_threads)
+    target, tok = load_model(cfg.model)
+    proposer = build_proposer(cfg.draft, target, tok, texts, quantize=cfg.model.quantize)
+    engine = SpeculativeEngine(make_runner(target, cfg.model.quantize, name="target"), tok, proposer, cfg)
+    if calibrate:
+        engine.calibrate()
+    return engine

@@ -180,7 +180,7 @@ def _teacher_rows(model: PreTrainedModel, tokens: list[int], prompt_len: int, to
     and, with ``features``, the target's features (its last hidden state after the final norm,
     what its head reads) at every input position, [L-1, H] float16, as verification returns them;
     with ``feature_layers``, those layers' outputs first, [L-1, (len(feature_layers) + 1) H]."""
-    from speculative.feature import fused_features, layer_outputs
+    from speculative.runner import fused_features, layer_outputs
 
     device = next(model.parameters()).device
     n_out = len(tokens) - prompt_len

@@ -109,7 +109,7 @@ def _generate(args) -> int:
     from bench.bench import engine_config_from_args
     from speculative.detokenize import Detokenizer
     from speculative.engine import RequestError, prompt_text
-    from speculative.factory import build_engine
+    from drafts.build import build_engine
 
     torch.set_num_threads(args.threads)
     params = SamplingParams(

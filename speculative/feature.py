@@ -30,7 +30,6 @@ token). Lossless by the engine's verification, as every proposer.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
 from typing import Sequence
@@ -168,31 +167,6 @@ class FeatureDraft(nn.Module):
         second = self(own, X, pos, attention_mask=mask)
         pred = torch.stack([first[rb, rt], second[rb, rt]])  # [2, N, H]
         return self.lm_head(pred), pred, target, valid
-
-
-@contextlib.contextmanager
-def layer_outputs(model: PreTrainedModel, layers: Sequence[int]):
-    """While open, each forward of ``model`` records the outputs of its decoder ``layers``
-    (0-based) in the yielded dict, layer -> [B, T, H] (the latest forward's): what a fusing feature
-    draft reads besides the final feature."""
-    seen: dict[int, torch.Tensor] = {}
-    blocks = model.get_decoder().layers
-
-    def keep(i):
-        return lambda _m, _i, out: seen.__setitem__(i, out.detach())
-
-    hooks = [blocks[i].register_forward_hook(keep(i)) for i in layers]
-    try:
-        yield seen
-    finally:
-        for h in hooks:
-            h.remove()
-
-
-def fused_features(layer_out: dict[int, torch.Tensor], final: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
-    """The features a call asked for: the outputs of ``layers`` in that order, then the final
-    feature, concatenated on the last dimension ([..., (len(layers) + 1) H])."""
-    return torch.cat([layer_out[i] for i in layers] + [final], dim=-1) if layers else final
 
 
 def _causal(T: int, past: int, dtype: torch.dtype, device=None) -> torch.Tensor:

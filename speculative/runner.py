@@ -10,8 +10,10 @@ calls of several concurrent requests at once.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -86,6 +88,31 @@ def _select(features: torch.Tensor, have: list[int], want: tuple[int, ...]) -> t
     return torch.cat([chunks[have.index(i)] for i in want] + [chunks[-1]], dim=-1)
 
 
+@contextlib.contextmanager
+def layer_outputs(model: PreTrainedModel, layers: Sequence[int]):
+    """While open, each forward of ``model`` records the outputs of its decoder ``layers``
+    (0-based) in the yielded dict, layer -> [B, T, H] (the latest forward's): what a fusing feature
+    draft reads besides the final feature."""
+    seen: dict[int, torch.Tensor] = {}
+    blocks = model.get_decoder().layers
+
+    def keep(i):
+        return lambda _m, _i, out: seen.__setitem__(i, out.detach())
+
+    hooks = [blocks[i].register_forward_hook(keep(i)) for i in layers]
+    try:
+        yield seen
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def fused_features(layer_out: dict[int, torch.Tensor], final: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
+    """The features a call asked for: the outputs of ``layers`` in that order, then the final
+    feature, concatenated on the last dimension ([..., (len(layers) + 1) H])."""
+    return torch.cat([layer_out[i] for i in layers] + [final], dim=-1) if layers else final
+
+
 class ModelRunner:
     """Runs one model over many sequences, each with its own KV cache.
 
@@ -129,8 +156,6 @@ class ModelRunner:
         """:meth:`forward_batch`, plus each call's features: the hidden state after the final norm
         (what the head reads) at every one of its tokens, [len(tokens), H] float32; with ``layers``,
         those decoder layers' outputs first, [len(tokens), (len(layers) + 1) H]."""
-        from .feature import fused_features, layer_outputs
-
         norm = self.model.get_decoder().norm
         seen: list[torch.Tensor] = []
         hook = norm.register_forward_hook(lambda _m, _i, out: seen.append(out.detach()))

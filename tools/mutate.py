@@ -147,13 +147,13 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     # the online and shift experiments' figures: token acceptance, windows, speedups, paired gains,
     # the shift order
     "bench/experiments.py": ("bench.experiments", {"_norm", "token_acceptance", "_summary", "_speedups", "paired_gain",
-                                                   "_offline_count", "order_blocks", "_check_common", "unseen_by",
+                                                   "_offline_count", "order_blocks", "_check_common",
                                                    "_RoundBudget", "_replicas_of", "_costs", "_step_line", "_net_seconds",
                                                    "_other_seconds", "_sum_steps", "stream_requests", "interleave",
                                                    "_drain", "_tokens_per_step", "_finish_method"},
                              ["tests/unit/test_experiments.py", "tests/unit/test_mixture.py"]),
     # one request served and recorded as the experiments count it (alpha, steps by source)
-    "bench/harness.py": ("bench.harness", {"serve_recorded"}, ["tests/unit/test_experiments.py", "tests/unit/test_mixture.py"]),
+    "bench/harness.py": ("bench.harness", {"serve_recorded", "unseen_by"}, ["tests/unit/test_experiments.py", "tests/unit/test_mixture.py"]),
     "deployments/target.py": ("deployments.target", {"BatchedTarget"},
                               ["tests/unit/test_target_server.py", "tests/unit/test_draft_pool.py"]),
 }

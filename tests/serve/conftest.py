@@ -17,7 +17,7 @@ from conftest import free_port
 from config import DraftConfig, EngineConfig, SamplingParams
 from deployments import launch
 from deployments.tenants import digest
-from speculative.factory import build_engine
+from drafts.build import build_engine
 
 
 MODEL = "smollm2-135m-instruct-osd"

@@ -11,7 +11,7 @@ import torch
 from bench.bench import hf_greedy_generate
 from config import DraftConfig, EngineConfig, KPolicyConfig, ModelConfig, NgramConfig, SamplingParams
 from speculative import ModelRunner, NgramProposer, SpeculativeEngine
-from speculative.factory import build_engine
+from drafts.build import build_engine
 
 pytestmark = pytest.mark.slow
 
@@ -83,7 +83,7 @@ def test_ngram_greedy_equals_hf(engine, hf_reference):
 def test_train_draft_lists_its_training_prompts_and_streams_skip_them(tmp_path):
     import json
 
-    from bench.experiments import unseen_by
+    from bench.harness import unseen_by
     from workloads import load_workload
     from drafts.build import prompt_digest, trained_prompts
     from learner.offline import DistillConfig, train_draft

@@ -137,7 +137,7 @@ def test_main_parse_errors(argv, msg, capsys):
 
 
 def test_stream_drops_prompts_the_starting_draft_trained_on(target, tmp_path):
-    from bench.experiments import unseen_by
+    from bench.harness import unseen_by
     from workloads import WorkloadRecord
     from drafts.build import prompt_digest, save_draft, trained_prompts
 
