@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from .adapters import fused_delta, has_adapters, is_adapter_key
 from .kvcache import BlockPool, SeqCache, as_float64
 from .runner import ForwardCall, ModelRunner
 from .shape import FastPathError, supports_fast_path
@@ -49,6 +50,23 @@ def _fused_bias(linears) -> tuple[torch.Tensor | None, list[int]]:
     return bias, [lin.out_features for lin in linears]
 
 
+def _adapter_of(linears) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The fused low-rank adapter of ``linears`` in float64 (A [r, K], B [N, r]), or None."""
+    delta = fused_delta(linears)
+    return None if delta is None else (delta[0].double(), delta[1].double())
+
+
+def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, adapter) -> torch.Tensor:
+    """The packed product ``y`` plus the bias and the adapter's update B (A x). The update runs in
+    float64 and is rounded once: a row's result stays the same whatever other rows share the call."""
+    if bias is not None:
+        y = y + bias
+    if adapter is not None:
+        a, b = adapter
+        y = y + ((x.double() @ a.t()) @ b.t()).float()
+    return y
+
+
 class Int8Linear(nn.Module):
     """y = x W^T + b with W stored as int8, one float scale per output row (symmetric, amax / 127);
     x is rounded to bfloat16 for the kernel, y comes back in float32. Several linears of the same
@@ -61,10 +79,15 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous())
         self.register_buffer("scale", scale.to(torch.bfloat16))
         self.bias, self.splits = _fused_bias(linears)
+        self.set_adapter(linears)
+
+    def set_adapter(self, linears) -> None:
+        """Take the linears' low-rank adapters (:mod:`speculative.adapters`), or none."""
+        self.adapter = _adapter_of(linears)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] float -> [M, N] float32
         y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scale).float()
-        return y if self.bias is None else y + self.bias
+        return _finish(y, x, self.bias, self.adapter)
 
 
 class Int4Linear(nn.Module):
@@ -91,11 +114,13 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         self.group, self.out_features = group, n
         self.bias, self.splits = _fused_bias(linears)
+        self.set_adapter(linears)
+
+    set_adapter = Int8Linear.set_adapter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] float -> [M, N] float32
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.weight, self.group, self.scales_zeros)
-        y = y[:, : self.out_features].float()
-        return y if self.bias is None else y + self.bias
+        return _finish(y[:, : self.out_features].float(), x, self.bias, self.adapter)
 
 
 class FastRunner(ModelRunner):
@@ -139,6 +164,10 @@ class FastRunner(ModelRunner):
              lin(layer.mlp.gate_proj, layer.mlp.up_proj), lin(layer.mlp.down_proj))
             for layer in m.model.layers
         ]
+        self._sources = [(packed, srcs) for layer, (_, qkv, o, _, gu, d) in zip(m.model.layers, self.layers)
+                         for packed, srcs in ((qkv, (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)),
+                                              (o, (layer.self_attn.o_proj,)), (gu, (layer.mlp.gate_proj, layer.mlp.up_proj)),
+                                              (d, (layer.mlp.down_proj,)))]
         # a target's head in 8 bits, as the GGUF keeps its embeddings (Q8_0): teacher-forced top-1
         # agreement with the float32 model on its own greedy outputs is 97.0% so, 91.5% with a 4-bit
         # head (python -m bench.quality). A draft's head may take 4 bits: its precision moves
@@ -146,6 +175,17 @@ class FastRunner(ModelRunner):
         self.head = lin(m.lm_head) if self.head_bits == 4 else Int8Linear(m.lm_head)
 
     def load_state_dict(self, state: dict) -> None:
+        """New weights: a whole state packs the model again; a state of adapters only (what an
+        adapter learner publishes) swaps the adapters and leaves the packed base as it is."""
+        if state and has_adapters(self.model) and all(is_adapter_key(k) for k in state):
+            tensors = {k: torch.as_tensor(v) for k, v in state.items()}
+            missing = set(tensors) - set(self.model.state_dict())
+            if missing:
+                raise KeyError(f"{self.name}: adapters this draft does not have: {sorted(missing)[:3]}")
+            self.model.load_state_dict(tensors, strict=False)
+            for packed, srcs in self._sources:
+                packed.set_adapter(srcs)
+            return
         super().load_state_dict(state)
         self._quantise()
 

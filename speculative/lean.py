@@ -40,6 +40,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 
+from .adapters import fused_delta, is_adapter_key
 from .kvcache import BlockPool, SeqCache
 from .runner import ForwardCall, ModelRunner, TargetRows, VerifyCall, _select, target_rows
 from .shape import FastPathError, llama_shape_problem
@@ -85,6 +86,9 @@ class _Layer:
         self.o, self.o_b = fuse(a.o_proj)
         self.gate_up, self.gate_up_b = fuse(m.gate_proj, m.up_proj)
         self.down, self.down_b = fuse(m.down_proj)
+        # low-rank adapters (speculative.adapters), float32, added after each fused product
+        self.qkv_d, self.o_d = fused_delta((a.q_proj, a.k_proj, a.v_proj)), fused_delta((a.o_proj,))
+        self.gate_up_d, self.down_d = fused_delta((m.gate_proj, m.up_proj)), fused_delta((m.down_proj,))
         self.inter = m.gate_proj.out_features
 
 
@@ -93,11 +97,16 @@ def _norm(norm: nn.Module) -> tuple[torch.Tensor, float]:
     return norm.weight.detach().float(), float(eps)
 
 
-def _lin(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """[R, K] -> [R, N] in the weights' dtype (float32 with a bias): no cast back to float32, which
-    the residual add does by promotion (one kernel fewer per linear)."""
+def _lin(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, delta=None) -> torch.Tensor:
+    """[R, K] -> [R, N] in the weights' dtype (float32 with a bias or an adapter): no cast back to
+    float32 otherwise, which the residual add does by promotion (one kernel fewer per linear)."""
     y = F.linear(x.to(w.dtype), w)
-    return y if b is None else y.float() + b
+    if b is not None:
+        y = y.float() + b
+    if delta is not None:
+        a, bb = delta
+        y = y.float() + (x.float() @ a.t()) @ bb.t()
+    return y
 
 
 class LeanRunner(ModelRunner):
@@ -162,7 +171,18 @@ class LeanRunner(ModelRunner):
         self._graphs.clear()  # captured graphs read the old tensors
 
     def load_state_dict(self, state: dict) -> None:
+        """New weights. Adapters only (an adapter learner's version): copied into the tensors the
+        captured graphs read, so the graphs stay; a whole state packs everything again."""
         super().load_state_dict(state)
+        if state and all(is_adapter_key(k) for k in state):
+            for lay, layer in zip(self.layers, self.model.model.layers):
+                a, m = layer.self_attn, layer.mlp
+                for old, new in ((lay.qkv_d, fused_delta((a.q_proj, a.k_proj, a.v_proj))), (lay.o_d, fused_delta((a.o_proj,))),
+                                 (lay.gate_up_d, fused_delta((m.gate_proj, m.up_proj))), (lay.down_d, fused_delta((m.down_proj,)))):
+                    if old is not None and new is not None:
+                        old[0].copy_(new[0])
+                        old[1].copy_(new[1])
+            return
         self._pack()
 
     # -- the forward ----------------------------------------------------------------------
@@ -187,7 +207,7 @@ class LeanRunner(ModelRunner):
         outs = {}
         for li, lay in enumerate(self.layers):
             x = F.rms_norm(h, (h.shape[-1],), lay.norm1, lay.eps1)
-            heads = _lin(x, lay.qkv, lay.qkv_b).float().view(R, Hq + 2 * Hkv, D)  # [R, Hq + 2 Hkv, D]
+            heads = _lin(x, lay.qkv, lay.qkv_b, lay.qkv_d).float().view(R, Hq + 2 * Hkv, D)  # [R, Hq + 2 Hkv, D]
             qk = _rope(heads[:, : Hq + Hkv], cos, sin)  # [R, Hq + Hkv, D]
             kv_layer = self.pool.kv[li]  # [2, Hkv, slots, D]
             kv_layer[:, :, wslot] = torch.stack((qk[:, Hq:], heads[:, Hq + Hkv :])).transpose(1, 2).to(kv_layer.dtype)
@@ -195,9 +215,10 @@ class LeanRunner(ModelRunner):
             q = qk[:, :Hq].reshape(B, T, Hq, D).transpose(1, 2).reshape(B, Hkv, g * T, D).to(kv.dtype)  # [B, Hkv, g*T, D]
             o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=allowed)  # [B, Hkv, g*T, D]
             o = o.view(B, Hq, T, D).transpose(1, 2).reshape(R, Hq * D)  # [R, Hq*D]
-            h = h + _lin(o, lay.o, lay.o_b)  # float32 + 16 bits: float32
-            gate, up = _lin(F.rms_norm(h, (h.shape[-1],), lay.norm2, lay.eps2), lay.gate_up, lay.gate_up_b).split(lay.inter, -1)
-            h = h + _lin(F.silu(gate) * up, lay.down, lay.down_b)
+            h = h + _lin(o, lay.o, lay.o_b, lay.o_d)  # float32 + 16 bits: float32
+            gate, up = _lin(F.rms_norm(h, (h.shape[-1],), lay.norm2, lay.eps2), lay.gate_up, lay.gate_up_b,
+                            lay.gate_up_d).split(lay.inter, -1)
+            h = h + _lin(F.silu(gate) * up, lay.down, lay.down_b, lay.down_d)
             if layers and li in layers:
                 outs[li] = h
         final = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.final_eps)  # [R, H]

@@ -1,0 +1,141 @@
+"""Low-rank adapters on a draft (speculative.adapters): a fresh adapter is the base draft, what an
+adapter learns reaches the served int4 draft's proposals (a whole-weight update of the same size is
+rounded away by the packing), adapters load without packing the base again, rows stay
+batch-invariant, and speculative output with an adapted draft equals target-only."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from config import EngineConfig, KPolicyConfig, SamplingParams
+from conftest import _char_tokenizer, tiny_llama
+from test_fast import _on_int4_grid
+from speculative import ForwardCall, ModelRunner, SpeculativeEngine
+from speculative.adapters import LoRALinear, adapter_parameters, adapter_state, add_adapters, has_adapters
+from speculative.fast import FastRunner, Int4Linear
+from speculative.lean import LeanRunner
+from speculative.proposers import DraftModelProposer
+
+
+def _ids(n, seed=1):
+    return torch.randint(2, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _teacher_labels(ids):
+    """What the 'target' of these tests predicts at each position: the signal a draft learns."""
+    with torch.no_grad():
+        return tiny_llama(2, seed=11)(input_ids=torch.tensor([ids])).logits[0].argmax(-1)
+
+
+def _learn(model, ids, steps=30, lr=1e-2):
+    """A few AdamW steps of distillation toward the teacher's tokens at ``ids``: on the adapters
+    if the model has them, else on every projection weight (the whole-draft learner)."""
+    params = adapter_parameters(model) if has_adapters(model) else [p for n, p in model.named_parameters() if "proj" in n]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    x, y = torch.tensor([ids]), _teacher_labels(ids)
+    model.train()
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(input_ids=x).logits[0], y).backward()
+        opt.step()
+    model.eval()
+    return model
+
+
+def test_a_fresh_adapter_is_the_base_draft_exactly():
+    base = tiny_llama(2, seed=3)
+    adapted = add_adapters(copy.deepcopy(base), rank=4)
+    assert has_adapters(adapted) and isinstance(adapted.model.layers[0].self_attn.q_proj, LoRALinear)
+    ids = _ids(20)
+    with torch.no_grad():
+        assert torch.equal(adapted(input_ids=torch.tensor([ids])).logits, base(input_ids=torch.tensor([ids])).logits)
+    for bits in (4, 8):
+        assert torch.equal(FastRunner(adapted, bits=bits).forward("s", 0, ids, 20), FastRunner(base, bits=bits).forward("s", 0, ids, 20))
+
+
+def test_what_an_adapter_learns_reaches_the_served_int4_draft():
+    """A draft whose weights sit on the int4 grid (as the truncated GGUF target's do): an adapter's
+    update is added in float after the packed product and moves the served draft's proposals
+    exactly as it moves the float draft's."""
+    base = _on_int4_grid(tiny_llama(2, seed=3))
+    ids = _ids(64, seed=2)
+    served_base = FastRunner(base, bits=4).forward("s", 0, ids, len(ids))
+    with torch.no_grad():
+        float_base = base(input_ids=torch.tensor([ids])).logits[0]
+    assert torch.equal(float_base.argmax(-1), served_base.argmax(-1))
+
+    adapted = _learn(add_adapters(copy.deepcopy(base), rank=4), ids, steps=30, lr=1e-2)
+    served = FastRunner(add_adapters(copy.deepcopy(base), rank=4), bits=4)
+    served.load_state_dict(adapter_state(adapted))  # what an adapter learner publishes
+    with torch.no_grad():
+        float_after = adapted(input_ids=torch.tensor([ids])).logits[0].argmax(-1)
+    served_after = served.forward("s", 0, ids, len(ids)).argmax(-1)
+    assert (float_after != float_base.argmax(-1)).sum() >= len(ids) // 2  # the learning moved the draft
+    # and the served draft with it (up to near-ties: the packed kernel rounds activations to bfloat16)
+    assert (served_after == float_after).float().mean() >= 0.95
+
+
+def test_an_update_under_half_a_4bit_step_is_rounded_away_when_packed():
+    """Why a whole-draft learner's versions can leave the served int4 draft where it was: weights on
+    the grid, moved by a quarter step (a group's minimum and maximum kept), pack to the same codes."""
+    base = _on_int4_grid(tiny_llama(1, seed=3))
+    lin = base.model.layers[0].mlp.up_proj
+    w = lin.weight.data.view(lin.out_features, -1, 32)  # [N, K/32, 32]
+    step = (w.amax(-1, keepdim=True) - w.amin(-1, keepdim=True)) / 15
+    interior = (w > w.amin(-1, keepdim=True)) & (w < w.amax(-1, keepdim=True))
+    moved = copy.deepcopy(lin)
+    moved.weight.data = (w + interior * step / 4).view_as(lin.weight)  # every interior weight up a quarter step
+    x = torch.randn(5, lin.in_features)
+    assert not torch.equal(moved(x), lin(x))  # the float layer changed
+    assert torch.equal(Int4Linear(moved)(x), Int4Linear(lin)(x))  # the packed one did not
+
+
+def test_adapters_load_without_packing_the_base_again():
+    model = add_adapters(tiny_llama(2, seed=1), rank=4)
+    r = FastRunner(model, bits=4)
+    packed = [layer[1].weight for layer in r.layers]
+    learned = _learn(copy.deepcopy(model), _ids(30), steps=5)
+    r.load_state_dict(adapter_state(learned))
+    assert all(layer[1].weight is w for layer, w in zip(r.layers, packed))  # the same packed tensors
+    fresh = FastRunner(learned, bits=4)
+    assert torch.equal(r.forward("s", 0, _ids(12), 12), fresh.forward("s", 0, _ids(12), 12))
+    assert sum(v.numel() for v in adapter_state(learned).values()) < 0.2 * sum(p.numel() for p in model.parameters())
+
+
+def test_rows_stay_batch_invariant_with_adapters():
+    model = _learn(add_adapters(tiny_llama(3, seed=0), rank=4), _ids(30), steps=5)
+    r = FastRunner(model, bits=4)
+    ids = _ids(40, seed=4)
+    whole = r.forward("a", 0, ids, len(ids))
+    one = [r.forward("c", 0, ids[:1])[0]] + [r.forward("c", i, [ids[i]])[0] for i in range(1, len(ids))]
+    assert torch.equal(whole, torch.stack(one))
+    r.forward("x", 0, ids[:10])
+    got = r.forward_batch([ForwardCall("x", 10, ids[10:15], 5), ForwardCall("y", 0, ids[:7], 7)])
+    assert torch.equal(got[0], whole[10:15]) and torch.equal(got[1], whole[:7])
+
+
+def test_the_lean_path_adds_the_adapters_too():
+    model = _learn(add_adapters(tiny_llama(2, seed=0), rank=4), _ids(30), steps=5)
+    ref = ModelRunner(model)
+    lean = LeanRunner(model, dtype="float32", kv_dtype="float32", buckets=True)
+    ids = _ids(20, seed=5)
+    torch.testing.assert_close(lean.forward("s", 0, ids, 20), ref.forward("s", 0, ids, 20), rtol=1e-4, atol=2e-4)
+    other = _learn(copy.deepcopy(model), _ids(30, seed=7), steps=5)
+    lean.load_state_dict(adapter_state(other))  # in place: the graphs' tensors
+    ref.load_state_dict(adapter_state(other))
+    torch.testing.assert_close(lean.forward("t", 0, ids, 20), ref.forward("t", 0, ids, 20), rtol=1e-4, atol=2e-4)
+
+
+def test_greedy_speculative_with_an_adapted_draft_equals_target_only():
+    target = tiny_llama(3, seed=0)
+    draft = _learn(add_adapters(tiny_llama(1, seed=7), rank=4), _ids(30), steps=5)
+    tok = _char_tokenizer()
+    runner = FastRunner(target, name="target", bits=4)
+    cfg = EngineConfig(chat_template=False, k=KPolicyConfig(k_max=3, fixed_k=3))
+    alone = SpeculativeEngine(runner, tok, None, cfg)
+    spec = SpeculativeEngine(runner, tok, DraftModelProposer(FastRunner(draft, name="draft", bits=4), 128), cfg)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    for prompt in ([5, 6, 7, 8], list(range(20, 45))):
+        assert spec.generate(prompt, params).token_ids == alone.generate(prompt, params).token_ids
