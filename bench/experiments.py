@@ -812,6 +812,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--positions", choices=["wrong", "all"], default="all")
         p.add_argument("--no-resample", action="store_true", help="repeat one batch for all steps of a round")
         p.add_argument("--freeze-embeddings", action="store_true", help="do not train the draft's input embeddings")
+        p.add_argument("--adapter-rank", type=int, default=0,
+                       help="learn low-rank adapters of this rank on the draft's projections (base frozen); 0: the whole draft")
         p.add_argument("--prompt-positions", action="store_true",
                        help="a feature draft learns the records' prompt positions too (the target's head over their features)")
         p.add_argument("--feature-loss", type=float, default=0.0,
@@ -960,7 +962,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          lr=args.lr, gate_margin=args.gate_margin, gate_z=args.gate_z, holdout_fraction=args.holdout_fraction,
                          positions=args.positions, checkpoint_dir=args.checkpoint_dir, resample=not args.no_resample,
                          train_embeddings=not args.freeze_embeddings, prompt_positions=args.prompt_positions,
-                         feature_loss=args.feature_loss)
+                         feature_loss=args.feature_loss, adapter_rank=args.adapter_rank)
     dcfg = DistillConfig(max_tokens=args.max_tokens, seconds=args.offline_seconds, epochs=args.offline_epochs,
                          lr=args.offline_lr, warmup_steps=0, log_every=1000, feature_loss=args.feature_loss)
     factory = real_engine_factory(args, texts=[r.text for r in all_recs])

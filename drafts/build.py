@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from config import ControllerConfig, DraftConfig, EngineConfig, ModelConfig
+from speculative.adapters import adapter_rank, add_adapters
 from speculative.engine import SpeculativeEngine
 from speculative.publish import publish_folder
 from speculative.models import ModelLoadError, check_same_vocab, load_model, load_tokenizer, load_weights
@@ -161,6 +162,7 @@ def save_draft(draft: PreTrainedModel, path: str | Path, keep_ids: torch.Tensor 
         "config": draft.config.to_dict(),
         "keep_ids": keep_ids.tolist() if keep_ids is not None else None,
         "meta": meta or {},
+        "adapter_rank": adapter_rank(draft),  # 0: none (a draft with adapters loads with them)
     }
 
     def write(tmp: Path) -> None:
@@ -187,6 +189,8 @@ def load_draft(path: str | Path) -> tuple[PreTrainedModel, torch.Tensor | None, 
     draft = AutoModelForCausalLM.from_config(cfg)
     if keep is not None:
         draft = restrict_head(draft, keep)
+    if info.get("adapter_rank"):
+        add_adapters(draft, int(info["adapter_rank"]))
     # a tied head is not saved (save_draft): it is the embedding, tied again below
     _load_exactly(draft, path, may_lack={"lm_head.weight"} if cfg.tie_word_embeddings else set())
     if cfg.tie_word_embeddings:

@@ -44,6 +44,7 @@ import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from drafts.build import load_draft, save_draft
+from speculative.adapters import adapter_parameters, adapter_state, add_adapters, has_adapters
 from learner.losses import check_loss_name, SparseDist, get_loss
 from learner.offline import (Sample, draft_loss, set_trainable, student_logits_for, to_student_space, top1_hits_on,
                              with_prompt_positions)
@@ -109,6 +110,9 @@ class LearnerConfig(BaseModel):
     #: records per forward/backward inside a step (gradients accumulated: same step, smaller
     #: pieces); ``pause`` is checked between pieces. None: the whole batch at once
     micro_batch_records: int | None = Field(default=None, ge=1)
+    #: > 0: learn a low-rank adapter of this rank on each projection of the draft, the base weights
+    #: frozen (:mod:`speculative.adapters`); a version is the adapters alone. 0: the whole draft
+    adapter_rank: int = Field(default=0, ge=0)
     #: round reports kept (the newest; ``OnlineLearner.reports``): a long-running learner does not
     #: keep one per round forever
     keep_reports: int = Field(default=1024, ge=1)
@@ -268,7 +272,9 @@ class DraftTrainer:
         # what prompt rows are read with (only for records that carry features)
         self.prompt_head = target_head if cfg.prompt_positions else None
         self.model = copy.deepcopy(draft).eval()  # the training copy; the serving model is never touched
-        self.params = set_trainable(self.model, cfg)
+        if cfg.adapter_rank and not has_adapters(self.model):
+            add_adapters(self.model, cfg.adapter_rank)
+        self.params = adapter_parameters(self.model) if has_adapters(self.model) else set_trainable(self.model, cfg)
         self.keep_ids = keep_ids.to(torch.long).cpu() if keep_ids is not None else None
         n_head = self.model.get_output_embeddings().weight.shape[0]
         if self.keep_ids is not None and len(self.keep_ids) != n_head:
@@ -505,7 +511,10 @@ class DraftTrainer:
         return Path(self.cfg.checkpoint_dir) / draft_folder(self.draft_id) if self.cfg.checkpoint_dir is not None else None
 
     def state(self) -> dict[str, np.ndarray]:
-        """The training copy's state dict as numpy arrays."""
+        """The training copy's state dict as numpy arrays: its adapters alone when it learns adapters
+        (the base never changes: a version is about 1% of the draft)."""
+        if has_adapters(self.model):
+            return {k: v.detach().cpu().clone().numpy() for k, v in adapter_state(self.model).items()}
         return _state_numpy(self.model)
 
     def publish(self) -> tuple[int, dict[str, np.ndarray]]:

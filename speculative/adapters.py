@@ -5,7 +5,7 @@ A draft served on the int4 fast path is a packed copy of its float weights: 4-bi
 whose step is (max - min) / 15 of the group. A learner's update far below that step is rounded
 away when the copy is packed again, so the served draft can stay where it started however many
 versions the learner publishes. With adapters, the base stays packed once and never moves, and
-what is learned is ``y = W x + s * B (A x)`` with A ([r, in]) and B ([out, r]) in float32, added in
+what is learned is ``y = W x + B (A x)`` with A ([r, in]) and B ([out, r]) in float32, added in
 float32 after the packed product: every learned change reaches the proposals, and a version is
 only the adapters (about 1.3 MB for SmolLM2's two-layer draft at rank 16, against 113 MB for the
 whole draft).
@@ -25,9 +25,9 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 class LoRALinear(nn.Linear):
-    """``nn.Linear`` plus a rank-r update: y = x W^T + b + scale * (x A^T) B^T."""
+    """``nn.Linear`` plus a rank-r update: y = x W^T + b + (x A^T) B^T (the learning rate sets its size)."""
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float | None = None, seed: int = 0):
+    def __init__(self, base: nn.Linear, rank: int, seed: int = 0):
         super().__init__(base.in_features, base.out_features, bias=base.bias is not None,
                          device=base.weight.device, dtype=base.weight.dtype)
         with torch.no_grad():
@@ -39,17 +39,16 @@ class LoRALinear(nn.Linear):
         self.lora_A = nn.Parameter(a.to(base.weight.device, base.weight.dtype))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device, dtype=base.weight.dtype))
         self.rank = rank
-        self.scale = (alpha if alpha is not None else rank) / rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) + (x @ self.lora_A.t() @ self.lora_B.t()) * self.scale
+        return super().forward(x) + x @ self.lora_A.t() @ self.lora_B.t()
 
     def delta(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A [r, in], scale * B [out, r]) in float32: the update as the packed paths add it."""
-        return self.lora_A.detach().float(), self.lora_B.detach().float() * self.scale
+        """(A [r, in], B [out, r]) in float32: the update as the packed paths add it."""
+        return self.lora_A.detach().float(), self.lora_B.detach().float()
 
 
-def add_adapters(model: nn.Module, rank: int, alpha: float | None = None, targets: tuple[str, ...] = TARGETS) -> nn.Module:
+def add_adapters(model: nn.Module, rank: int, targets: tuple[str, ...] = TARGETS) -> nn.Module:
     """Put a rank-``rank`` adapter on every ``targets`` projection of ``model``'s decoder layers, in
     place (a projection that has one already keeps it). Returns the model."""
     if rank < 1:
@@ -59,12 +58,27 @@ def add_adapters(model: nn.Module, rank: int, alpha: float | None = None, target
             for name in targets:
                 lin = getattr(parent, name, None)
                 if isinstance(lin, nn.Linear) and not isinstance(lin, LoRALinear):
-                    setattr(parent, name, LoRALinear(lin, rank, alpha, seed=li * 16 + TARGETS.index(name)))
+                    setattr(parent, name, LoRALinear(lin, rank, seed=li * 16 + TARGETS.index(name)))
     return model
 
 
 def has_adapters(model: nn.Module) -> bool:
     return any(isinstance(m, LoRALinear) for m in model.modules())
+
+
+def adapter_rank(model: nn.Module) -> int:
+    """The rank of ``model``'s adapters; 0 when it has none."""
+    return next((m.rank for m in model.modules() if isinstance(m, LoRALinear)), 0)
+
+
+def ensure_adapters(model: nn.Module, state: dict) -> bool:
+    """Give ``model`` adapters of the rank ``state``'s adapter tensors have, when it has none (a
+    served draft receiving its first adapter version). Returns True when it added them."""
+    a = next((v for k, v in state.items() if k.endswith(".lora_A")), None)
+    if a is None or has_adapters(model):
+        return False
+    add_adapters(model, int(a.shape[0]))
+    return True
 
 
 def is_adapter_key(name: str) -> bool:

@@ -177,12 +177,11 @@ class FastRunner(ModelRunner):
     def load_state_dict(self, state: dict) -> None:
         """New weights: a whole state packs the model again; a state of adapters only (what an
         adapter learner publishes) swaps the adapters and leaves the packed base as it is."""
-        if state and has_adapters(self.model) and all(is_adapter_key(k) for k in state):
-            tensors = {k: torch.as_tensor(v) for k, v in state.items()}
-            missing = set(tensors) - set(self.model.state_dict())
-            if missing:
-                raise KeyError(f"{self.name}: adapters this draft does not have: {sorted(missing)[:3]}")
-            self.model.load_state_dict(tensors, strict=False)
+        if state and all(is_adapter_key(k) for k in state):
+            added = not has_adapters(self.model)
+            super().load_state_dict(state)  # (adds the adapters to the float model the first time)
+            if added:
+                self._quantise()
             for packed, srcs in self._sources:
                 packed.set_adapter(srcs)
             return

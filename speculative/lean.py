@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 
-from .adapters import fused_delta, is_adapter_key
+from .adapters import fused_delta, has_adapters, is_adapter_key
 from .kvcache import BlockPool, SeqCache
 from .runner import ForwardCall, ModelRunner, TargetRows, VerifyCall, _select, target_rows
 from .shape import FastPathError, llama_shape_problem
@@ -173,8 +173,9 @@ class LeanRunner(ModelRunner):
     def load_state_dict(self, state: dict) -> None:
         """New weights. Adapters only (an adapter learner's version): copied into the tensors the
         captured graphs read, so the graphs stay; a whole state packs everything again."""
+        fresh = bool(state) and all(is_adapter_key(k) for k in state) and not has_adapters(self.model)
         super().load_state_dict(state)
-        if state and all(is_adapter_key(k) for k in state):
+        if state and all(is_adapter_key(k) for k in state) and not fresh:
             for lay, layer in zip(self.layers, self.model.model.layers):
                 a, m = layer.self_attn, layer.mlp
                 for old, new in ((lay.qkv_d, fused_delta((a.q_proj, a.k_proj, a.v_proj))), (lay.o_d, fused_delta((a.o_proj,))),

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from .adapters import is_adapter_key
+from .adapters import ensure_adapters, is_adapter_key
 from .models import eos_token_ids
 from .sampling import sparse_top_k
 
@@ -283,6 +283,7 @@ class ModelRunner:
         """Swap weights in place (between steps, never during one). Accepts tensors or numpy arrays."""
         tensors = {k: torch.as_tensor(v) for k, v in state.items()}
         if tensors and all(is_adapter_key(k) for k in tensors):  # an adapter learner's version: adapters only
+            ensure_adapters(self.model, tensors)
             missing = set(tensors) - set(self.model.state_dict())
             if missing:
                 raise KeyError(f"{self.name}: adapters this model does not have: {sorted(missing)[:3]}")

@@ -917,3 +917,35 @@ def test_closing_a_shard_waits_for_a_record_being_stored(setup, tmp_path):
     remove.join(10)
     assert not ol.trainers and "a" not in ol.shards and "b" not in ol.shards
     ol.close()
+
+
+def test_an_adapter_learner_publishes_only_adapters_and_the_served_draft_follows(setup, target, tok, make_engine,
+                                                                              draft_proposer, greedy_reference, tmp_path):
+    """adapter_rank > 0: the base stays frozen, a version is the adapters alone (a small share of
+    the draft), a serving draft without adapters takes them on its first version, held-out
+    agreement rises, output stays the target's, and a checkpoint reloads with its adapters."""
+    from speculative.adapters import has_adapters
+
+    draft, recs = setup
+    serving = truncated_draft(target, 1)
+    engine = make_engine(draft_proposer(serving), k=4)
+    tr = DraftTrainer("d", draft, _cfg(tmp_path, lr=3e-3, batch_records=12, adapter_rank=2, gate_margin=0.02))
+    base = {k: v.clone() for k, v in tr.model.state_dict().items() if "lora_" not in k}
+    for r in recs[12:]:
+        tr.add_holdout(r)
+    before = tr.agreement()
+    for _ in range(3):
+        rep = tr.train_round(recs[:12])
+        assert rep.accepted, rep.reason
+        v, state = tr.publish()
+        engine.swap_draft(state, v)
+    assert tr.agreement() > before
+    assert state and all(k.endswith((".lora_A", ".lora_B")) for k in state)
+    assert sum(a.size for a in state.values()) < 0.1 * sum(p.numel() for p in draft.parameters())
+    assert all(torch.equal(tr.model.state_dict()[k], w) for k, w in base.items())  # the base never moved
+    assert has_adapters(serving) and _same({k: v for k, v in serving.state_dict().items() if "lora_" in k}, state)
+    for text in TEXTS[:3]:
+        p = tok(text)["input_ids"]
+        assert engine.generate(list(p), SamplingParams(max_tokens=16)).token_ids == greedy_reference(p, 16)
+    again = DraftTrainer("d", draft, _cfg(tmp_path, adapter_rank=2))  # reloads the latest checkpoint
+    assert again.version == v and _same(again.state(), state)
