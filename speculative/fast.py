@@ -35,7 +35,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .adapters import fused_delta, has_adapters, is_adapter_key
-from .kvcache import BlockPool, SeqCache, as_float64
+from .kvcache import BlockPool, PooledCaches, SeqCache, as_float64
 from .runner import ForwardCall, ModelRunner
 from .shape import FastPathError, supports_fast_path
 
@@ -123,7 +123,7 @@ class Int4Linear(nn.Module):
         return _finish(y[:, : self.out_features].float(), x, self.bias, self.adapter)
 
 
-class FastRunner(ModelRunner):
+class FastRunner(PooledCaches, ModelRunner):
     """A :class:`ModelRunner` (same calls: ``forward``, ``forward_batch``, ``verify``, caches by
     id) over an int4 / int8 copy of a Llama-style model. ``model`` stays the float model: what the
     learner trains and what :meth:`load_state_dict` loads into; the packed copy is rebuilt from it."""
@@ -244,24 +244,6 @@ class FastRunner(ModelRunner):
         else:
             feats = None
         return list(logits.split([c.keep_last for c in calls])), feats
-
-    def _open(self, c: ForwardCall) -> SeqCache:
-        """The call's cache, cropped back to ``c.start`` (a new one at 0) with room for its tokens."""
-        cache, _ = self._cached(c.seq_id, c.start, c.tokens)
-        if cache is None:
-            cache = self._caches[c.seq_id] = SeqCache(self.pool)
-        cache.length = c.start  # crop: positions past start are overwritten
-        cache.reserve(c.start + len(c.tokens))
-        return cache
-
-    def release(self, seq_id: str) -> None:
-        cache = self._caches.pop(seq_id, None)
-        if cache is not None:
-            cache.free()
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return self.pool.bytes_per_token
 
 
 #: calls of at most this many new tokens (decode and verify steps) attend together, padded to the

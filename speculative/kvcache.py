@@ -125,3 +125,26 @@ def kv_bytes_per_token(config, runtime: str, kv_dtype: str = "float16", eager_dt
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     size = KV_DTYPES[kv_dtype].itemsize if runtime != "none" else getattr(torch, eager_dtype).itemsize
     return config.num_hidden_layers * 2 * heads * dim * size
+
+
+class PooledCaches:
+    """Per-sequence caches in one :class:`BlockPool` (``self.pool``), for a runner that keeps its
+    caches by id in ``self._caches`` and checks calls with ``self._cached`` (the fast and lean paths)."""
+
+    def _open(self, c) -> SeqCache:
+        """The call's cache, cropped back to ``c.start`` (a new one at 0) with room for its tokens."""
+        cache, _ = self._cached(c.seq_id, c.start, c.tokens)
+        if cache is None:
+            cache = self._caches[c.seq_id] = SeqCache(self.pool)
+        cache.length = c.start  # crop: positions past start are overwritten
+        cache.reserve(c.start + len(c.tokens))
+        return cache
+
+    def release(self, seq_id: str) -> None:
+        cache = self._caches.pop(seq_id, None)
+        if cache is not None:
+            cache.free()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.pool.bytes_per_token

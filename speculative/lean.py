@@ -41,8 +41,8 @@ from torch.nn import functional as F
 from transformers import PreTrainedModel
 
 from .adapters import fused_delta, has_adapters, is_adapter_key
-from .kvcache import BlockPool, SeqCache
-from .runner import ForwardCall, ModelRunner, TargetRows, VerifyCall, _select, target_rows
+from .kvcache import BlockPool, PooledCaches, SeqCache
+from .runner import ForwardCall, ModelRunner, TargetRows, VerifyCall, _select, target_rows, verify_groups
 from .shape import FastPathError, llama_shape_problem
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def _lin(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, delta=None) -
     return y
 
 
-class LeanRunner(ModelRunner):
+class LeanRunner(PooledCaches, ModelRunner):
     """A :class:`ModelRunner` (``forward``, ``forward_batch``, ``verify``, caches by id) over a
     bfloat16 copy of a Llama-style model on the model's device, with CUDA graphs there. ``model``
     stays the float model: what the learner trains and what :meth:`load_state_dict` loads into."""
@@ -362,9 +362,7 @@ class LeanRunner(ModelRunner):
         compaction to what acceptance needs done on the device: only argmax and top-k cross to the
         host (and whole rows when a call samples)."""
         out: list[TargetRows | None] = [None] * len(calls)
-        short = [i for i, c in enumerate(calls) if len(c.tokens) <= max_batch_tokens]
-        groups = ([short] if short else []) + [[i] for i, c in enumerate(calls) if len(c.tokens) > max_batch_tokens]
-        for group in groups:
+        for group in verify_groups(calls, max_batch_tokens):
             t0 = time.perf_counter()
             fwd = [ForwardCall(calls[i].seq_id, calls[i].start, calls[i].tokens, calls[i].rows) for i in group]
             want = [calls[i] for i in group if calls[i].features]
@@ -379,23 +377,6 @@ class LeanRunner(ModelRunner):
                     r.features = _select(feats[j].float(), list(layers or ()), calls[i].feature_layers).cpu().to(torch.float16)
                 out[i] = r
         return out  # type: ignore[return-value]
-
-    def _open(self, c: ForwardCall) -> SeqCache:
-        cache, _ = self._cached(c.seq_id, c.start, c.tokens)
-        if cache is None:
-            cache = self._caches[c.seq_id] = SeqCache(self.pool)
-        cache.length = c.start
-        cache.reserve(c.start + len(c.tokens))
-        return cache
-
-    def release(self, seq_id: str) -> None:
-        cache = self._caches.pop(seq_id, None)
-        if cache is not None:
-            cache.free()
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return self.pool.bytes_per_token
 
 
 def _to_host(r: TargetRows) -> TargetRows:

@@ -114,6 +114,13 @@ def fused_features(layer_out: dict[int, torch.Tensor], final: torch.Tensor, laye
     return torch.cat([layer_out[i] for i in layers] + [final], dim=-1) if layers else final
 
 
+def verify_groups(calls: list[VerifyCall], max_batch_tokens: int) -> list[list[int]]:
+    """The forwards a verify runs, as indices into ``calls``: the short calls (decode and verify
+    steps) together, then each call longer than ``max_batch_tokens`` (a prefill) alone."""
+    short = [i for i, c in enumerate(calls) if len(c.tokens) <= max_batch_tokens]
+    return ([short] if short else []) + [[i] for i, c in enumerate(calls) if len(c.tokens) > max_batch_tokens]
+
+
 class ModelRunner:
     """Runs one model over many sequences, each with its own KV cache.
 
@@ -245,9 +252,7 @@ class ModelRunner:
         forward; long ones (prefills over ``max_batch_tokens``) run alone, so that one prompt does
         not pad every other sequence to its length."""
         out: list[TargetRows | None] = [None] * len(calls)
-        short = [i for i, c in enumerate(calls) if len(c.tokens) <= max_batch_tokens]
-        groups = ([short] if short else []) + [[i] for i, c in enumerate(calls) if len(c.tokens) > max_batch_tokens]
-        for group in groups:
+        for group in verify_groups(calls, max_batch_tokens):
             t0 = time.perf_counter()
             fwd = [ForwardCall(calls[i].seq_id, calls[i].start, calls[i].tokens, calls[i].rows) for i in group]
             if any(calls[i].features for i in group):
