@@ -464,7 +464,7 @@ class DraftPool:
                         "accepted": s.accepted,
                         "alpha": s.alpha,
                         "token_acceptance": s.token_acceptance,  # accepted / (accepted + rejected)
-                        "mean_accepted_length": s.mean_acceptance_length,
+                        "mean_acceptance_length": s.mean_acceptance_length,
                         "mean_k": s.proposed / s.steps if s.steps else 0.0,
                         "steps": s.steps,
                         # per step: waiting for verification, and the target's compute within it
