@@ -1,4 +1,4 @@
-"""Query routing (issue 4): MiniLM embeddings + language id, domains named by a classifier or
+"""Query routing: MiniLM embeddings + language id, domains named by a classifier or
 discovered by online clustering, and the choice of draft by observed acceptance.
 
     router = Router(RouterConfig()).fit(texts, domains)
