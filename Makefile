@@ -43,6 +43,7 @@ run: $(STAMP)
 # two pytest-xdist workers: one runs every Ray test in order while the other takes the in-process ones
 # (tests/conftest.py: pytest_xdist_make_scheduler).
 test: $(STAMP) system-tools
+	$(BIN)/ruff check .
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --durations=25 tests
 
 # Mutation testing of the files in tools/mutate.py's TARGETS: the sampling path, engine, proposers, k

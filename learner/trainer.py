@@ -46,7 +46,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from drafts.build import load_draft, save_draft
 from speculative.adapters import adapter_parameters, adapter_state, add_adapters, has_adapters
 from learner.losses import check_loss_name, SparseDist, get_loss
-from learner.offline import (Sample, draft_loss, set_trainable, student_logits_for, to_student_space, top1_hits_on,
+from learner.offline import (Sample, draft_loss, set_trainable, to_student_space, top1_hits_on,
                              with_prompt_positions)
 from learner.replay import ReplayRecord, ShardConfig, ShardSet
 

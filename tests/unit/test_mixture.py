@@ -257,7 +257,7 @@ class _StubRouter:
     """Routes query i to ``route_to(i)``; spawns the draft ``spawn`` (forked from general) before the first."""
 
     def __init__(self, route_to, spawn="d:copy"):
-        from config import RouterConfig, SamplingParams
+        from config import RouterConfig
 
         self.route_to, self.spawn, self.cfg, self.drafts = route_to, spawn, RouterConfig(), {}
         self.n, self.seen = 0, []
