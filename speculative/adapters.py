@@ -48,11 +48,15 @@ class LoRALinear(nn.Linear):
         return self.lora_A.detach().float(), self.lora_B.detach().float()
 
 
-def add_adapters(model: nn.Module, rank: int, targets: tuple[str, ...] = TARGETS) -> nn.Module:
-    """Put a rank-``rank`` adapter on every ``targets`` projection of ``model``'s decoder layers, in
-    place (a projection that has one already keeps it). Returns the model."""
+def add_adapters(model: nn.Module, rank: int, targets: tuple[str, ...] = TARGETS, head: bool = True) -> nn.Module:
+    """Put a rank-``rank`` adapter on every ``targets`` projection of ``model``'s decoder layers and,
+    with ``head``, on its output head (where most of what a small draft learns lands), in place (a
+    linear that has one already keeps it). Returns the model."""
     if rank < 1:
         raise ValueError(f"an adapter needs a rank of at least 1, not {rank}")
+    lm_head = getattr(model, "lm_head", None)
+    if head and isinstance(lm_head, nn.Linear) and not isinstance(lm_head, LoRALinear):
+        model.lm_head = LoRALinear(lm_head, rank, seed=10_000)  # a copy of the (possibly tied) weight, frozen
     for li, layer in enumerate(model.model.layers):
         for parent in (layer.self_attn, layer.mlp):
             for name in targets:
@@ -77,7 +81,7 @@ def ensure_adapters(model: nn.Module, state: dict) -> bool:
     a = next((v for k, v in state.items() if k.endswith(".lora_A")), None)
     if a is None or has_adapters(model):
         return False
-    add_adapters(model, int(a.shape[0]))
+    add_adapters(model, int(a.shape[0]), head=any(k.startswith("lm_head.") for k in state))
     return True
 
 

@@ -164,15 +164,15 @@ class FastRunner(PooledCaches, ModelRunner):
              lin(layer.mlp.gate_proj, layer.mlp.up_proj), lin(layer.mlp.down_proj))
             for layer in m.model.layers
         ]
-        self._sources = [(packed, srcs) for layer, (_, qkv, o, _, gu, d) in zip(m.model.layers, self.layers)
-                         for packed, srcs in ((qkv, (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)),
-                                              (o, (layer.self_attn.o_proj,)), (gu, (layer.mlp.gate_proj, layer.mlp.up_proj)),
-                                              (d, (layer.mlp.down_proj,)))]
         # a target's head in 8 bits, as the GGUF keeps its embeddings (Q8_0): teacher-forced top-1
         # agreement with the float32 model on its own greedy outputs is 97.0% so, 91.5% with a 4-bit
         # head (python -m bench.quality). A draft's head may take 4 bits: its precision moves
         # acceptance, never the output.
         self.head = lin(m.lm_head) if self.head_bits == 4 else Int8Linear(m.lm_head)
+        self._sources = [(packed, srcs) for layer, (_, qkv, o, _, gu, d) in zip(m.model.layers, self.layers)
+                         for packed, srcs in ((qkv, (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)),
+                                              (o, (layer.self_attn.o_proj,)), (gu, (layer.mlp.gate_proj, layer.mlp.up_proj)),
+                                              (d, (layer.mlp.down_proj,)))] + [(self.head, (m.lm_head,))]
 
     def load_state_dict(self, state: dict) -> None:
         """New weights: a whole state packs the model again; a state of adapters only (what an

@@ -163,6 +163,7 @@ class LeanRunner(PooledCaches, ModelRunner):
         self.final_norm, self.final_eps = _norm(inner.norm)
         self.head = self.model.lm_head.weight.detach().to(self.dtype).contiguous()
         self.head_b = None if self.model.lm_head.bias is None else self.model.lm_head.bias.detach().float()
+        self.head_d = fused_delta((self.model.lm_head,))
         n = self.max_positions or 8192
         pos = torch.arange(n, device=self.device)
         probe = torch.zeros(1, 1, self.head_dim, device=self.device)
@@ -183,6 +184,10 @@ class LeanRunner(PooledCaches, ModelRunner):
                     if old is not None and new is not None:
                         old[0].copy_(new[0])
                         old[1].copy_(new[1])
+            new = fused_delta((self.model.lm_head,))
+            if self.head_d is not None and new is not None:
+                self.head_d[0].copy_(new[0])
+                self.head_d[1].copy_(new[1])
             return
         self._pack()
 
@@ -223,7 +228,7 @@ class LeanRunner(PooledCaches, ModelRunner):
             if layers and li in layers:
                 outs[li] = h
         final = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.final_eps)  # [R, H]
-        logits = _lin(final if keep is None else final[keep], self.head, self.head_b).float()  # [rows, V]
+        logits = _lin(final if keep is None else final[keep], self.head, self.head_b, self.head_d).float()  # [rows, V]
         feats = None if layers is None else torch.cat([outs[i] for i in layers] + [final], -1)
         return logits, feats
 
