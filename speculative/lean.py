@@ -393,9 +393,3 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     """Rotary position embedding, HF's ``rotate_half`` convention. x: [R, H, D]; cos, sin: [R, 1, D]."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-def graph_summary(runner: ModelRunner) -> dict:
-    """What a lean runner did: graphs captured, steps replayed and eager, seconds capturing."""
-    stats = getattr(runner, "stats", None)
-    return dict(stats) if isinstance(stats, dict) and "captured" in stats else {}
