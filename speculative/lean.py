@@ -41,6 +41,7 @@ from torch.nn import functional as F
 from transformers import PreTrainedModel
 
 from .adapters import fused_delta, has_adapters, is_adapter_key
+from .fast import _rope
 from .kvcache import BlockPool, PooledCaches, SeqCache
 from .runner import ForwardCall, ModelRunner, TargetRows, VerifyCall, _select, target_rows, verify_groups
 from .shape import FastPathError, llama_shape_problem
@@ -387,9 +388,3 @@ class LeanRunner(PooledCaches, ModelRunner):
 def _to_host(r: TargetRows) -> TargetRows:
     return TargetRows(r.argmax.cpu(), r.top_ids.cpu(), r.top_probs.cpu(), r.tail.cpu(),
                       None if r.logits is None else r.logits.cpu(), r.seconds, r.batch, r.features)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding, HF's ``rotate_half`` convention. x: [R, H, D]; cos, sin: [R, 1, D]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
