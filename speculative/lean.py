@@ -266,23 +266,21 @@ class LeanRunner(PooledCaches, ModelRunner):
         else:
             B, T, L = key
         buf = self._layout(calls, caches, B, T, L).to(self.device, non_blocking=True)
-        rows = torch.cat([b * T + torch.arange(n - c.keep_last, n) for b, (c, n) in enumerate(zip(calls, lens))])
-        if key is None:
-            self.stats["eager"] += 1
-            got, feats = self._run(*self._split(buf, B, T, L), keep=rows.to(self.device), layers=layers)
-        elif not self.graphs:  # the bucket's padded layout, run eagerly
-            self.stats["eager"] += 1
-            self.seen.add(key)
-            got, feats = self._run(*self._split(buf, B, T, L))[0][rows], None
-        elif (captured := self._graph(key)) is None:  # the capture failed: graphs are off from now on
-            self.stats["eager"] += 1
-            got, feats = self._run(*self._split(buf, B, T, L))[0][rows.to(self.device)], None
-        else:
+        rows = torch.cat([b * T + torch.arange(n - c.keep_last, n) for b, (c, n) in enumerate(zip(calls, lens))]).to(self.device)
+        captured = self._graph(key) if key is not None and self.graphs else None  # None: capture failed, graphs off
+        if captured is not None:
             graph, static, out = captured
             static.copy_(buf)
             graph.replay()
             self.stats["replayed"] += 1
-            got, feats = out[rows.to(self.device)], None
+            got, feats = out[rows], None
+        elif key is None:  # eager, at the batch's own shape
+            self.stats["eager"] += 1
+            got, feats = self._run(*self._split(buf, B, T, L), keep=rows, layers=layers)
+        else:  # the bucket's padded layout, run eagerly (a CPU, or graphs off)
+            self.stats["eager"] += 1
+            self.seen.add(key)
+            got, feats = self._run(*self._split(buf, B, T, L))[0][rows], None
         for c, cache, e in zip(calls, caches, ends):
             cache.length = e
         logits = list(got.split([c.keep_last for c in calls]))
