@@ -125,8 +125,9 @@ class DraftPool:
     """One replica of the draft pool (undecorated: tests build it directly)."""
 
     def __init__(self, cfg: AppConfig, target_handle=None, learner_handle=None):
-        if cfg.engine.model.num_threads:
-            torch.set_num_threads(cfg.engine.model.num_threads)
+        colocated = cfg.placement == "colocated"
+        if colocated or cfg.engine.model.num_threads:  # co-located: the engine loop's thread alone runs on several
+            torch.set_num_threads(1 if colocated else cfg.engine.model.num_threads)
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.engine.model.name)
         target = load_weights(cfg.engine.model)  # the truncated draft is cut from it
@@ -136,10 +137,7 @@ class DraftPool:
         self.meter = replica_meter("DraftPool", cfg.metrics)
         self.running = 0
         self.loop: EngineLoop | None = None  # co-located: the engine loop over this replica's target
-        if cfg.placement == "colocated":
-            threads = cfg.target.num_threads or cfg.engine.model.num_threads
-            if threads:
-                torch.set_num_threads(threads)
+        if colocated:
             runtime = resolve_quantize(cfg.engine.model.quantize, target)
             per_token = kv_bytes_per_token(target.config, runtime, cfg.loop.kv_dtype, cfg.engine.model.dtype)
             budget = cfg.loop.kv_cache_bytes // per_token
@@ -149,11 +147,15 @@ class DraftPool:
             runner = make_runner(target, cfg.engine.model.quantize, name="target", kv_tokens=budget + slack,
                                  kv_dtype=cfg.loop.kv_dtype, block_tokens=cfg.loop.block_tokens)
             self.kv_bytes_per_token = per_token
-            runner.warmup(tuple(1 << i for i in range(cfg.loop.max_running.bit_length())))  # CUDA graphs: before the first request
-            self.verify_s = time_verify(runner, k_max)
-            cost = calibrate_step_cost(runner) if cfg.loop.batch_k_cap else None
-            self.loop = EngineLoop(runner, cfg.loop, budget, k_max, on_step=self._count_forward, step_cost=cost)
-            self.loop.start(name=f"engine-loop-{id(self):x}")
+            self.loop = EngineLoop(runner, cfg.loop, budget, k_max, on_step=self._count_forward)
+            self.loop.start(name=f"engine-loop-{id(self):x}",
+                            threads=cfg.target.num_threads or cfg.engine.model.num_threads)
+
+            def prepare():  # on the loop's thread: CUDA graphs before the first request, then the target's costs
+                runner.warmup(tuple(1 << i for i in range(cfg.loop.max_running.bit_length())))
+                return time_verify(runner, k_max), calibrate_step_cost(runner) if cfg.loop.batch_k_cap else None
+
+            self.verify_s, self.loop.step_cost = self.loop.call(prepare).result()
             self.verifier = None
             self.view = TargetView(target, runner.release)
         else:

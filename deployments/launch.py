@@ -32,10 +32,14 @@ RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
     "TRANSFORMERS_VERBOSITY": "error",
-    # OpenMP threads sleep when idle instead of spinning: on a few cores shared by several replicas
-    # (the engine loop's target, the ingress, the proxy) a spinning pool steals the cores the others
-    # need (bench-serve at concurrency 8: 41 -> 54 tokens/s on 2 cores)
-    "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+    # OpenMP threads spin briefly, then sleep: a target step is ~1,000 small ops, each a parallel
+    # region, and a pool that sleeps at once (OMP_WAIT_POLICY=PASSIVE) pays a wake-up for each (a
+    # 1-token step 15 -> 33 ms, `python -m bench.step_batch`), while one that spins long (libgomp's
+    # default) steals the cores the replica's other threads need between steps
+    "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "10000"),
+    # Ray starts its workers at nice 15; here the replicas are the service, and a client or another
+    # server on the same cores would otherwise take them first
+    "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0"),
 }
 
 

@@ -196,6 +196,27 @@ def test_a_request_larger_than_the_whole_budget_is_refused_at_once():
     assert loop.reserved == 0 and not loop.running
 
 
+def test_only_the_loop_thread_runs_torch_on_several_threads():
+    """A second OpenMP team in the process throttles every team's spinning (libgomp), so the loop's
+    thread takes its count and every other thread, the caller and those started later, runs on one."""
+    import threading
+
+    loop, _, _ = _setup(draft=False)
+    before = torch.get_num_threads()
+    try:
+        loop.start(threads=2)
+        on_loop = loop.call(lambda: (torch.get_num_threads(), torch.ones(4096).cumsum(0)[-1].item())).result(5)
+        later = []
+        t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert on_loop == (2, 4096.0)  # torch's once-per-thread default did not undo the loop's count
+        assert torch.get_num_threads() == 1 and later == [1]
+    finally:
+        loop.stop()
+        torch.set_num_threads(before)
+
+
 def test_the_loop_thread_serves_requests_and_runs_calls_between_steps():
     loop, spec, alone = _setup(draft=False)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
