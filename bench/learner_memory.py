@@ -1,6 +1,7 @@
 """Memory the learner holds per draft (``python -m bench.learner_memory``): the served config's
 draft, one training copy and its AdamW state after a first step per draft, measured as the growth
-of this process's resident memory. The learner keeps ``learner.max_drafts`` of them at most (the
+of this process's resident memory. With ``--adapter-rank``, each draft is an adapter learner: its
+adapters and their AdamW state on the one base they share. The learner keeps ``learner.max_drafts`` of them at most (the
 replay shards, ``shard_max_bytes`` each, come on top)."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def measure(config: str | None = None, drafts: int = 6) -> dict:
+def measure(config: str | None = None, drafts: int = 6, adapter_rank: int | None = None) -> dict:
     import torch
 
     from deployments.launch import DEFAULT_CONFIG, read_config
@@ -33,6 +34,8 @@ def measure(config: str | None = None, drafts: int = 6) -> dict:
     del target
     gc.collect()
     tcfg = LearnerConfig(**cfg.learner.trainer)
+    if adapter_rank is not None:
+        tcfg = tcfg.model_copy(update={"adapter_rank": adapter_rank})
     held, grown, base = [], [], _rss_mib()
     for i in range(drafts):
         t = DraftTrainer(f"d{i}", runner.model, tcfg, keep_ids=runner.vocab_map)
@@ -43,7 +46,7 @@ def measure(config: str | None = None, drafts: int = 6) -> dict:
         held.append(t)
         grown.append(_rss_mib() - base)
     per = (grown[-1] - grown[0]) / (drafts - 1)
-    return {"draft_kind": cfg.engine.draft.kind, "draft_layers": cfg.engine.draft.num_layers,
+    return {"draft_kind": cfg.engine.draft.kind, "adapter_rank": tcfg.adapter_rank, "draft_layers": cfg.engine.draft.num_layers,
             "params": sum(p.numel() for p in runner.model.parameters()),
             "trainable": sum(p.numel() for p in held[0].params),
             "rss_growth_mib_after_each": [round(g, 1) for g in grown], "mib_per_draft": round(per, 1),
@@ -54,9 +57,11 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", default=None, help="a Serve config file (default: serve_config.yaml)")
     ap.add_argument("--drafts", type=int, default=6)
+    ap.add_argument("--adapter-rank", type=int, default=None,
+                    help="trainers that learn adapters of this rank on one shared base (default: the config's)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    out = measure(a.config, a.drafts)
+    out = measure(a.config, a.drafts, a.adapter_rank)
     print(json.dumps(out, indent=1))
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)

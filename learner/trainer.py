@@ -44,7 +44,7 @@ import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from drafts.build import load_draft, save_draft
-from speculative.adapters import adapter_parameters, adapter_state, add_adapters, has_adapters
+from speculative.adapters import adapter_parameters, adapter_state, add_adapters, has_adapters, share_base
 from learner.losses import check_loss_name, SparseDist, get_loss
 from learner.offline import (Sample, draft_loss, set_trainable, to_student_space, top1_hits_on,
                              with_prompt_positions)
@@ -271,9 +271,14 @@ class DraftTrainer:
             raise ValueError("prompt_positions: the trainer needs the target's head (target_head)")
         # what prompt rows are read with (only for records that carry features)
         self.prompt_head = target_head if cfg.prompt_positions else None
-        self.model = copy.deepcopy(draft).eval()  # the training copy; the serving model is never touched
-        if cfg.adapter_rank and not has_adapters(self.model):
-            add_adapters(self.model, cfg.adapter_rank)
+        if cfg.adapter_rank or has_adapters(draft):
+            # adapters alone learn: the copy shares the base's frozen tensors with ``draft`` (and with
+            # every other trainer made from it), and owns only its adapters
+            self.model = share_base(draft).eval()
+            if not has_adapters(self.model):
+                add_adapters(self.model, cfg.adapter_rank)
+        else:
+            self.model = copy.deepcopy(draft).eval()  # the training copy; the serving model is never touched
         self.params = adapter_parameters(self.model) if has_adapters(self.model) else set_trainable(self.model, cfg)
         self.keep_ids = keep_ids.to(torch.long).cpu() if keep_ids is not None else None
         n_head = self.model.get_output_embeddings().weight.shape[0]
@@ -337,16 +342,20 @@ class DraftTrainer:
         finally:
             self.model.train(was)
 
+    def _learned_state(self) -> dict[str, torch.Tensor]:
+        """What training changes: the adapters, or the whole state."""
+        return adapter_state(self.model) if has_adapters(self.model) else self.model.state_dict()
+
     def snapshot(self) -> tuple[dict, dict]:
-        """Deep copies of the weights and the optimiser state."""
+        """Deep copies of what training changes (the adapters, or every weight) and the optimiser state."""
         return (
-            {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            {k: v.detach().clone() for k, v in self._learned_state().items()},
             copy.deepcopy(self.opt.state_dict()),
         )
 
     def restore(self, snap: tuple[dict, dict]) -> None:
         weights, opt_state = snap
-        self.model.load_state_dict(weights)
+        self.model.load_state_dict(weights, strict=not has_adapters(self.model))
         self.opt.load_state_dict(copy.deepcopy(opt_state))
 
     def _pieces(self, samples: Sequence[Sample], mask: torch.Tensor):
@@ -479,8 +488,9 @@ class DraftTrainer:
         if candidate is None:
             model = self.model
         elif isinstance(candidate, dict):
-            model = copy.deepcopy(self.model)
-            model.load_state_dict({k: torch.as_tensor(v) for k, v in candidate.items()}, strict=True)
+            adapters = has_adapters(self.model)
+            model = share_base(self.model) if adapters else copy.deepcopy(self.model)
+            model.load_state_dict({k: torch.as_tensor(v) for k, v in candidate.items()}, strict=not adapters)
         else:
             model = candidate
         if not _all_finite(model):

@@ -12,7 +12,8 @@ whole draft).
 
 :class:`LoRALinear` is an ``nn.Linear`` (the base weight and bias where they were, so the fast and
 lean paths and checkpoints read them as before) with two more parameters, ``lora_A`` and
-``lora_B``. B starts at zero: a fresh adapter is the base draft exactly.
+``lora_B``. B starts at zero: a fresh adapter is the base draft exactly. Its weight and bias are the
+base linear's own tensors, so adapter learners of many domains share one base (:func:`share_base`).
 """
 
 from __future__ import annotations
@@ -28,12 +29,11 @@ class LoRALinear(nn.Linear):
     """``nn.Linear`` plus a rank-r update: y = x W^T + b + (x A^T) B^T (the learning rate sets its size)."""
 
     def __init__(self, base: nn.Linear, rank: int, seed: int = 0):
-        super().__init__(base.in_features, base.out_features, bias=base.bias is not None,
-                         device=base.weight.device, dtype=base.weight.dtype)
-        with torch.no_grad():
-            self.weight.copy_(base.weight)
-            if base.bias is not None:
-                self.bias.copy_(base.bias)
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        # the base's own tensors (a tied head keeps sharing the embeddings): adapters never change
+        # them, so drafts of several domains can hold one base between them (:func:`share_base`)
+        self.weight, self.bias = base.weight, base.bias
         gen = torch.Generator().manual_seed(seed)
         a = torch.randn(rank, base.in_features, generator=gen) / base.in_features**0.5  # [r, in]
         self.lora_A = nn.Parameter(a.to(base.weight.device, base.weight.dtype))
@@ -56,7 +56,7 @@ def add_adapters(model: nn.Module, rank: int, targets: tuple[str, ...] = TARGETS
         raise ValueError(f"an adapter needs a rank of at least 1, not {rank}")
     lm_head = getattr(model, "lm_head", None)
     if head and isinstance(lm_head, nn.Linear) and not isinstance(lm_head, LoRALinear):
-        model.lm_head = LoRALinear(lm_head, rank, seed=10_000)  # a copy of the (possibly tied) weight, frozen
+        model.lm_head = LoRALinear(lm_head, rank, seed=10_000)  # the (possibly tied) weight, frozen
     for li, layer in enumerate(model.model.layers):
         for parent in (layer.self_attn, layer.mlp):
             for name in targets:
@@ -103,6 +103,17 @@ def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
         if train:
             params.append(p)
     return params
+
+
+def share_base(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` that owns its adapters (copied) and shares every other tensor with it
+    (the same storage, not a copy): what one more domain's adapter learner costs is its adapters
+    and their optimiser state, not another draft."""
+    import copy
+    from itertools import chain
+
+    memo = {id(t): t for name, t in chain(model.named_parameters(), model.named_buffers()) if not is_adapter_key(name)}
+    return copy.deepcopy(model, memo)
 
 
 def fused_delta(linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:

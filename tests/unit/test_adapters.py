@@ -139,3 +139,26 @@ def test_greedy_speculative_with_an_adapted_draft_equals_target_only():
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     for prompt in ([5, 6, 7, 8], list(range(20, 45))):
         assert spec.generate(prompt, params).token_ids == alone.generate(prompt, params).token_ids
+
+
+def test_adapter_learners_of_several_domains_share_one_base():
+    """Each domain's trainer owns its adapters and their optimiser state; the base is the draft's
+    own storage in all of them (not a copy), and training one domain moves neither the base nor
+    the other domain's adapters."""
+    from learner.trainer import DraftTrainer, LearnerConfig
+
+    draft = tiny_llama(1, seed=7)
+    base = {n: (p.data_ptr(), p.detach().clone()) for n, p in draft.named_parameters()}
+    cfg = LearnerConfig(adapter_rank=4, lr=1e-2)
+    sql, code = DraftTrainer("sql", draft, cfg), DraftTrainer("code", draft, cfg)
+    for t in (sql, code):
+        for n, p in t.model.named_parameters():
+            if n in base:  # a base tensor: the draft's storage, frozen
+                assert p.data_ptr() == base[n][0] and not p.requires_grad, n
+        assert {id(p) for p in t.params} == {id(p) for n, p in t.model.named_parameters() if n.endswith(("lora_A", "lora_B"))}
+    before = {k: v.clone() for k, v in adapter_state(code.model).items()}
+    _learn(sql.model, _ids(24))
+    assert any(not torch.equal(v, before[k]) for k, v in adapter_state(sql.model).items())  # sql learned
+    assert all(torch.equal(v, before[k]) for k, v in adapter_state(code.model).items())  # code did not move
+    for n, p in draft.named_parameters():
+        assert torch.equal(p, base[n][1]), n  # nor did the shared base

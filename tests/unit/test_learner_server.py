@@ -505,3 +505,37 @@ def test_with_quiet_s_the_learner_trains_only_in_the_gaps_of_traffic(folder, tmp
     finally:
         server.background.stop()
         loop.close()
+
+
+def test_an_adapter_fork_starts_from_its_parents_adapters_on_the_one_shared_base(folder, tmp_path):
+    """With adapter learners, the general draft publishes adapters alone; a cluster's draft forked
+    from it starts from those adapters (v1), served by the pool, and every trainer's base is the
+    learner's one base draft (its storage, not a copy)."""
+    import numpy as np
+
+    from speculative.adapters import adapter_state, is_adapter_key
+
+    cfg = learner_cfg(folder, tmp_path / "learner", adapter_rank=4, lr=1e-2)
+    server = LearnerServer(cfg, publish=Published())
+    pool, loop = LocalPool(cfg, learner=Handle(server)), Loop()
+    try:
+        serve_requests(pool, loop, 2)
+        wait_for(lambda: server.latest(GENERAL) is not None)
+        with server.background.exclusive:
+            state, version = server.latest(GENERAL)
+            assert state and all(is_adapter_key(k) for k in state)
+            assert any(np.abs(v).max() > 0 for k, v in state.items() if k.endswith("lora_B"))  # it learned
+            served = loop.run(pool.loaded("c0/en"))
+            fork = server.learner.trainers["c0/en"]
+        assert fork.version == 1 and served.draft_version == 1
+        for k, v in adapter_state(fork.model).items():
+            assert np.array_equal(v.numpy(), state[k]), k
+        for k, v in adapter_state(served.learned_draft.runner.model).items():
+            assert np.array_equal(v.numpy(), state[k]), k
+        base = {n: p.data_ptr() for n, p in server.base.named_parameters()}
+        for t in (fork, server.learner.trainers[GENERAL]):
+            shared = [n for n, p in t.model.named_parameters() if n in base and p.data_ptr() == base[n]]
+            assert len(shared) == len(base)
+    finally:
+        server.background.stop()
+        loop.close()
