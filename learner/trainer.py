@@ -566,7 +566,13 @@ class DraftTrainer:
         n_head = self.model.get_output_embeddings().weight.shape[0]
         if keep is not None and len(keep) != n_head:
             raise ValueError(f"keep_ids has {len(keep)} ids but the draft head has {n_head} rows")
-        self.model.load_state_dict(model.state_dict(), strict=True)
+        if has_adapters(self.model):  # the base is shared with the other domains and never loaded into
+            learned = adapter_state(model)
+            if set(learned) != set(adapter_state(self.model)):
+                raise ValueError("not a version of this adapter draft (its adapters differ, or it has none)")
+            self.model.load_state_dict(learned, strict=False)
+        else:
+            self.model.load_state_dict(model.state_dict(), strict=True)
         self.keep_ids = keep
         self.opt = self._new_optimizer()  # the optimiser state belongs to other weights
 

@@ -105,6 +105,24 @@ def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
     return params
 
 
+def load_whole(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a whole draft's weights into ``model`` (strictly: every key, no other). A model with
+    adapters that is given a state without any (an operator's draft, say) becomes exactly those
+    weights: its adapters are zeroed (B = 0)."""
+    if has_adapters(model) and not any(is_adapter_key(k) for k in state):
+        want = {k for k in model.state_dict() if not is_adapter_key(k)}
+        if set(state) != want:  # checked before anything is written
+            raise KeyError(f"a whole draft's state needs {len(want)} keys: missing {sorted(want - set(state))[:3]}, "
+                           f"unexpected {sorted(set(state) - want)[:3]}")
+        model.load_state_dict(state, strict=False)
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, LoRALinear):
+                    m.lora_B.zero_()
+        return
+    model.load_state_dict(state, strict=True)
+
+
 def share_base(model: nn.Module) -> nn.Module:
     """A copy of ``model`` that owns its adapters (copied) and shares every other tensor with it
     (the same storage, not a copy): what one more domain's adapter learner costs is its adapters

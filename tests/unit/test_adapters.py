@@ -162,3 +162,43 @@ def test_adapter_learners_of_several_domains_share_one_base():
     assert all(torch.equal(v, before[k]) for k, v in adapter_state(code.model).items())  # code did not move
     for n, p in draft.named_parameters():
         assert torch.equal(p, base[n][1]), n  # nor did the shared base
+
+
+def test_a_whole_draft_given_to_an_adapted_draft_replaces_it_adapters_and_all():
+    """An operator's whole draft (no adapters) sent to a served draft that has learned adapters:
+    it serves exactly those weights (adapters zeroed); a state with keys missing is refused before
+    anything is written."""
+    served = FastRunner(_learn(add_adapters(tiny_llama(1, seed=7), rank=4), _ids(24)), bits=4)
+    other = tiny_llama(1, seed=9)
+    whole = {k: v.clone() for k, v in other.state_dict().items()}
+    ids = _ids(12, seed=4)
+    served.load_state_dict(whole)
+    assert torch.equal(served.forward("s", 0, ids, 12), FastRunner(tiny_llama(1, seed=9), bits=4).forward("s", 0, ids, 12))
+    assert all(not v.any() for k, v in adapter_state(served.model).items() if k.endswith("lora_B"))
+    before = {k: v.clone() for k, v in served.model.state_dict().items()}
+    broken = dict(whole)
+    broken.pop(next(iter(broken)))
+    try:
+        served.load_state_dict({k: v + 1 for k, v in broken.items()})
+        raise AssertionError("a state with a key missing was loaded")
+    except KeyError:
+        pass
+    assert all(torch.equal(v, before[k]) for k, v in served.model.state_dict().items())
+
+
+def test_an_adapter_learner_skips_a_whole_draft_checkpoint_and_keeps_the_shared_base(tmp_path):
+    """A checkpoint without adapters (a whole-draft learner's, from before adapters were turned
+    on) is not a version of an adapter draft: the trainer moves it aside and starts above it, and
+    the base it shares with the other domains is not written."""
+    from drafts.build import save_draft
+    from learner.trainer import LATEST, DraftTrainer, LearnerConfig, draft_folder
+
+    draft = tiny_llama(1, seed=7)
+    base = {k: v.clone() for k, v in draft.state_dict().items()}
+    root = tmp_path / draft_folder("sql")
+    root.mkdir(parents=True)
+    save_draft(tiny_llama(1, seed=9), root / "v5")
+    (root / LATEST).write_text("v5\n")
+    t = DraftTrainer("sql", draft, LearnerConfig(adapter_rank=4, checkpoint_dir=tmp_path))
+    assert t.skipped == [5] and t.version == 6
+    assert all(torch.equal(v, base[k]) for k, v in draft.state_dict().items())
