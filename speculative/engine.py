@@ -243,12 +243,12 @@ class SpeculativeEngine:
     @property
     def wants_features(self) -> bool:
         """Whether verification returns the target's features (a feature-conditioned draft reads them)."""
-        return bool(getattr(self.proposer, "wants_features", False))
+        return self.proposer is not None and self.proposer.wants_features
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
         """The target layers whose outputs the proposer reads besides the final feature (a fusing draft)."""
-        return tuple(getattr(self.proposer, "feature_layers", ()))
+        return tuple(self.proposer.feature_layers) if self.proposer is not None else ()
 
     @property
     def busy(self) -> bool:
@@ -462,7 +462,7 @@ class SpeculativeEngine:
         if verify_s is None:
             verify_s = time_verify(self.target, self.cfg.k.k_max, context, repeats)
         self.costs.verify_s.update(verify_s)
-        if self.learned_draft is not None and hasattr(self.learned_draft.runner, "forward"):
+        if self.learned_draft is not None and not self.learned_draft.wants_features:
             # (a feature draft needs the target's features to run: its cost is measured online)
             runner, seq = self.learned_draft.runner, "__calibrate__"
             ids = _calibration_ids(context + 1, self.vocab_size)
@@ -481,30 +481,25 @@ class SpeculativeEngine:
     def draft_version(self) -> int:
         return self.learned_draft.version if self.learned_draft is not None else 0
 
-    def _learners_of_traffic(self) -> list:
-        parts = getattr(self.proposer, "proposers", (self.proposer,)) if self.proposer is not None else ()
-        return [p for p in parts if hasattr(p, "add_served")]
-
     @property
     def learns_from_traffic(self) -> bool:
         """Some proposer learns from past outputs (a suffix tree): outputs served elsewhere help it."""
-        return bool(self._learners_of_traffic())
+        return self.proposer is not None and self.proposer.learns_from_traffic
 
     def add_served(self, seq_id: str, output, scope: str | None = None) -> None:
         """An output that another engine (another replica of this draft) served: proposers that
         learn from past traffic take it in as if it had been served here."""
-        for p in self._learners_of_traffic():
-            p.add_served(seq_id, output, scope)
+        if self.proposer is not None:
+            self.proposer.add_served(seq_id, output, scope)
 
     def forget_served(self, seq_ids) -> int:
         """Outputs of these requests leave the proposers that learn from traffic (their suffix
         trees); returns how many left. Call it between steps, from the thread that steps."""
-        ids = set(seq_ids)
-        return sum(p.forget(ids) for p in self._learners_of_traffic() if hasattr(p, "forget"))
+        return self.proposer.forget(set(seq_ids)) if self.proposer is not None else 0
 
     def served_ids(self) -> set[str]:
         """Ids of the requests whose outputs the proposers that learn from traffic hold."""
-        return set().union(*(p.cached_ids() for p in self._learners_of_traffic()))
+        return self.proposer.cached_ids() if self.proposer is not None else set()
 
     @property
     def learned_draft(self) -> DraftModelProposer | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -47,15 +47,40 @@ class Proposal:
 EMPTY = Proposal([], None, "none")
 
 
-class Proposer(Protocol):
-    sources: tuple[str, ...]
+class Proposer:
+    """What every proposer is: it drafts tokens for a sequence, and says what else it can do.
+
+    The capabilities an engine asks about are attributes here, set to True (or filled) by the
+    proposers that have them; the hooks of a request's life do nothing unless a proposer needs them.
+    A composite (:class:`ChainedProposer`) answers for its members."""
+
+    #: the names its proposals carry (``Proposal.source``), one per proposer it is made of
+    sources: tuple[str, ...] = ()
+    #: it reads the target's features at the verified positions (verification then returns them)
+    wants_features: bool = False
+    #: with ``wants_features``: the target's decoder layers whose outputs it reads too
+    feature_layers: tuple[int, ...] = ()
+    #: it learns from the outputs it serves (a suffix tree): outputs served elsewhere can be handed
+    #: to it (:meth:`add_served`), and forgotten (:meth:`forget`)
+    learns_from_traffic: bool = False
+
+    @property
+    def parts(self) -> tuple["Proposer", ...]:
+        """The proposers this one is made of (itself, or a chain's members)."""
+        return (self,)
+
+    @property
+    def draft(self) -> "DraftModelProposer | None":
+        """The learned draft model among its parts (the one whose weights the learner sends), if any."""
+        return None
 
     def begin(self, seq_id: str, prompt: list[int], scope: str | None = None) -> None:
         """A new request of ``scope`` (its domain; None: unscoped) with these prompt tokens."""
 
     def propose(
         self, seq_id: str, tokens: list[int], choose_k: ChooseK, params: SamplingParams, gen: torch.Generator | None
-    ) -> Proposal: ...
+    ) -> Proposal:
+        raise NotImplementedError
 
     def feedback(self, seq_id: str, committed: int) -> None:
         """The first ``committed`` tokens of the sequence are final (prompt + accepted output)."""
@@ -67,8 +92,20 @@ class Proposer(Protocol):
     def release(self, seq_id: str, tokens: list[int] | None = None) -> None:
         """The request ended (``tokens``: prompt + output as served, for proposers that learn from it)."""
 
+    # -- proposers that learn from traffic ---------------------------------------------------------
+    def add_served(self, seq_id: str, output, scope: str | None = None) -> None:
+        """An output served elsewhere, taken in as if served here."""
 
-class DraftModelProposer:
+    def forget(self, seq_ids) -> int:
+        """Outputs of these requests leave it; returns how many did."""
+        return 0
+
+    def cached_ids(self) -> set[str]:
+        """Ids of the requests whose outputs it holds."""
+        return set()
+
+
+class DraftModelProposer(Proposer):
     """Proposes k tokens autoregressively with a small LM and its own KV cache per sequence."""
 
     sources = ("draft",)
@@ -129,11 +166,12 @@ class DraftModelProposer:
         probs = torch.stack(rows) if rows else None  # [k, V_target] (sampling only)
         return Proposal(draft_tokens, probs, "draft", time.perf_counter() - t0, consumed)
 
+    @property
+    def draft(self) -> "DraftModelProposer":
+        return self
+
     def feedback(self, seq_id: str, committed: int) -> None:
         self._valid[seq_id] = min(self._valid.get(seq_id, 0), committed)
-
-    def observe_features(self, seq_id: str, start: int, features: torch.Tensor) -> None:
-        pass
 
     def release(self, seq_id: str, tokens: list[int] | None = None) -> None:
         self._valid.pop(seq_id, None)
@@ -147,7 +185,7 @@ class DraftModelProposer:
         self.version = version
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt lookup: find the most recent earlier occurrence of the last n tokens (n = max_n..min_n)
     and propose the tokens that followed it. Costs microseconds; no model, no state."""
 
@@ -165,20 +203,8 @@ class NgramProposer:
                     return tokens[i + n : i + n + k]
         return []
 
-    def begin(self, seq_id: str, prompt: list[int], scope: str | None = None) -> None:
-        pass
-
     def propose(self, seq_id, tokens, choose_k, params, gen) -> Proposal:
         return model_free_proposal("ngram", choose_k, lambda k: self.lookup(tokens, k))
-
-    def feedback(self, seq_id: str, committed: int) -> None:
-        pass
-
-    def observe_features(self, seq_id: str, start: int, features: torch.Tensor) -> None:
-        pass
-
-    def release(self, seq_id: str, tokens: list[int] | None = None) -> None:
-        pass
 
 
 def model_free_proposal(source: str, choose_k: ChooseK, find: Callable[[int], list[int]]) -> Proposal:
@@ -192,19 +218,24 @@ def model_free_proposal(source: str, choose_k: ChooseK, find: Callable[[int], li
     return Proposal(list(found), None, source, time.perf_counter() - t0) if found else EMPTY
 
 
-def learned_draft(proposer: "Proposer | None") -> "DraftModelProposer | None":
+def learned_draft(proposer: Proposer | None) -> "DraftModelProposer | None":
     """The draft-model proposer of a proposer (itself, or the one inside a chain), if any."""
-    if isinstance(proposer, DraftModelProposer):
-        return proposer
-    return getattr(proposer, "draft", None)
+    return proposer.draft if proposer is not None else None
 
 
-class ChainedProposer:
+class ChainedProposer(Proposer):
     """Try proposers in order; the first that proposes anything wins the step."""
 
     def __init__(self, *proposers: Proposer):
         self.proposers = proposers
         self.sources = tuple(s for p in proposers for s in p.sources)
+        self.wants_features = any(p.wants_features for p in proposers)
+        self.feature_layers = next((tuple(p.feature_layers) for p in proposers if p.wants_features), ())
+        self.learns_from_traffic = any(p.learns_from_traffic for p in proposers)
+
+    @property
+    def parts(self) -> tuple[Proposer, ...]:
+        return tuple(q for p in self.proposers for q in p.parts)
 
     def ordered(self, seq_id: str, choose_k: ChooseK) -> Sequence[Proposer]:
         return self.proposers
@@ -224,14 +255,6 @@ class ChainedProposer:
         for p in self.proposers:
             p.feedback(seq_id, committed)
 
-    @property
-    def wants_features(self) -> bool:
-        return any(getattr(p, "wants_features", False) for p in self.proposers)
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        return next((tuple(p.feature_layers) for p in self.proposers if getattr(p, "wants_features", False)), ())
-
     def observe_features(self, seq_id: str, start: int, features: torch.Tensor) -> None:
         for p in self.proposers:
             p.observe_features(seq_id, start, features)
@@ -243,7 +266,17 @@ class ChainedProposer:
     @property
     def draft(self) -> DraftModelProposer | None:
         """The learned draft among the proposers (a token draft or a feature-conditioned one)."""
-        return next((p for p in self.proposers if isinstance(p, DraftModelProposer)), None)
+        return next((p.draft for p in self.proposers if p.draft is not None), None)
+
+    def add_served(self, seq_id: str, output, scope: str | None = None) -> None:
+        for p in self.proposers:
+            p.add_served(seq_id, output, scope)
+
+    def forget(self, seq_ids) -> int:
+        return sum(p.forget(seq_ids) for p in self.proposers)
+
+    def cached_ids(self) -> set[str]:
+        return set().union(*(p.cached_ids() for p in self.proposers))
 
 
 class ControllerProposer(ChainedProposer):

@@ -23,7 +23,7 @@ import numpy as np
 
 from config import SuffixConfig
 
-from .proposers import Proposal, model_free_proposal
+from .proposers import Proposal, Proposer, model_free_proposal
 
 INSTALL_HINT = (
     "the suffix-tree proposer needs arctic-inference 0.3.0 (C++, builds on a CPU in ~20 s against the "
@@ -90,13 +90,14 @@ class _Scope:
             self._evict(next(iter(self.sizes)))
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     """Proposes from suffix trees over past outputs of its scope and the request's own context.
 
     Lossless like any proposer: its proposals are one-hot (deterministic), so greedy verification
     and rejection sampling treat them as prompt lookup's."""
 
     sources = ("suffix",)
+    learns_from_traffic = True
 
     def __init__(self, cfg: SuffixConfig = SuffixConfig()):
         self.cfg = cfg
@@ -155,11 +156,7 @@ class SuffixProposer:
         )
         return list(draft.token_ids)
 
-    def feedback(self, seq_id: str, committed: int) -> None:
-        pass  # the tokens a step passes to propose() are final; nothing to roll back
-
-    def observe_features(self, seq_id: str, start: int, features) -> None:
-        pass
+    # feedback: the tokens a step passes to propose() are final, nothing to roll back
 
     def release(self, seq_id: str, tokens: list[int] | None = None) -> None:
         """The request ended: its last tokens join its scope's tree, which keeps its output."""

@@ -318,3 +318,22 @@ def test_a_one_token_output_served_elsewhere_is_kept():
     p.add_served("one", [42], scope="s")
     p.add_served("none", [], scope="s")
     assert p.cached_ids() == {"one"} and p.stats()["s"]["tokens"] == 1
+
+
+def test_a_chain_answers_for_the_proposers_it_holds():
+    """Capabilities are declared, not probed: a chain learns from traffic when a member does, and
+    what is handed to it (served outputs, forgetting) reaches that member, through any nesting;
+    a chain of model-free proposers declares nothing and takes nothing."""
+    from speculative.proposers import ChainedProposer
+
+    tree = SuffixProposer(SuffixConfig(spec_factor=1.0))
+    chain = ControllerProposer(NgramProposer(NgramConfig(max_n=3, min_n=2)), ChainedProposer(tree))
+    assert chain.learns_from_traffic and not chain.wants_features and chain.draft is None
+    assert tree in chain.parts and chain.sources == ("ngram", "suffix")
+    chain.add_served("a", [10, 11, 12, 13, 14, 15], scope="sql")
+    assert chain.cached_ids() == {"a"} == tree.cached_ids()
+    assert proposal(tree, "b", [7, 10, 11, 12], scope="sql")[:3] == [13, 14, 15]
+    assert chain.forget({"a"}) == 1 and "a" not in chain.cached_ids()
+    plain = ChainedProposer(NgramProposer())
+    plain.add_served("a", [10, 11, 12], scope="sql")
+    assert not plain.learns_from_traffic and plain.cached_ids() == set() and plain.forget({"a"}) == 0
