@@ -317,6 +317,8 @@ class LearnerServer:
                        for d, t in list(self.learner.trainers.items())}
         s["settings"] = {k: getattr(self.trainer_cfg, k) for k in self.TUNABLE}
         s["parked"] = sorted(self._parked())
+        s["live"] = {"watching": self.learner.live.watching(), "rolled_back": self.learner.live.rolled_back[-16:],
+                     "kept": self.learner.live.kept[-16:]}
         return json_safe(s)
 
 

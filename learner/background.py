@@ -235,6 +235,9 @@ class BackgroundLearner:
         while not self._stop.is_set():
             try:
                 self._drain()
+                if self.learner.live.watching():  # a version serving worse than the one before goes back
+                    with self.exclusive:
+                        self.learner.check_live(self.subscribers)
                 if self._should_yield() or self._busy():  # paused or serving: no round, housekeeping still
                     self._housekeeping()
                     time.sleep(self.cfg.poll_s)

@@ -45,6 +45,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from drafts.build import load_draft, save_draft
 from speculative.adapters import adapter_parameters, adapter_state, add_adapters, has_adapters, share_base
+from learner.live import LiveWatch, LiveWatchConfig, Verdict
 from learner.losses import check_loss_name, SparseDist, get_loss
 from learner.offline import (Sample, draft_loss, set_trainable, to_student_space, top1_hits_on,
                              with_prompt_positions)
@@ -113,6 +114,9 @@ class LearnerConfig(BaseModel):
     #: > 0: learn a low-rank adapter of this rank on each projection of the draft, the base weights
     #: frozen (:mod:`speculative.adapters`); a version is the adapters alone. 0: the whole draft
     adapter_rank: int = Field(default=0, ge=0)
+    #: after each publish, served acceptance of the new version against the one it replaced; a
+    #: version that serves worse is rolled back (:mod:`learner.live`)
+    live_rollback: LiveWatchConfig = LiveWatchConfig()
     #: round reports kept (the newest; ``OnlineLearner.reports``): a long-running learner does not
     #: keep one per round forever
     keep_reports: int = Field(default=1024, ge=1)
@@ -630,6 +634,10 @@ class DraftTrainer:
 # ---------------------------------------------------------------------------------------------
 
 
+def _subscribers_of(subscribers, draft_id: str) -> Sequence[Callable]:
+    return subscribers.get(draft_id, ()) if isinstance(subscribers, dict) else subscribers
+
+
 class OnlineLearner:
     """Replay shards + one :class:`DraftTrainer` per draft; decides when and what to train."""
 
@@ -641,8 +649,10 @@ class OnlineLearner:
         should_yield: Callable[[], bool] | None = None,
         pause: Callable[[], None] | None = None,
         open_drafts: Iterable[str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.cfg = cfg
+        self.live = LiveWatch(cfg.live_rollback, clock)  # each newest publish's served acceptance
         if shards is None:
             shards = ShardConfig()
         # the shards already on disk are reopened now (a restart trains on, and deletes from, them):
@@ -692,6 +702,7 @@ class OnlineLearner:
         held-back records, their logs deleted (open or not)."""
         with self._store_lock:  # no record is being stored in a shard closed here
             self.trainers.pop(draft_id, None)
+            self.live.forget(draft_id)
             self._recent.pop(draft_id, None)
             self._pending.pop(draft_id, None)
             if drop_shard:
@@ -724,6 +735,8 @@ class OnlineLearner:
         proposed = record.proposed
         wrong = int((record.draft_wrong & proposed).sum())
         self._recent.setdefault(d, deque(maxlen=self.cfg.window)).append((record.n_rows, int(proposed.sum()), wrong))
+        if record.context == "teacher":  # as served
+            self.live.observe(d, record.draft_version, int(proposed.sum()), int(proposed.sum()) - wrong)
         self.observed += 1
         self._since += 1
         self._pending[d] += record.n_rows
@@ -778,13 +791,36 @@ class OnlineLearner:
         finally:
             self.training = None
         if rep.accepted and rep.steps > 0:
+            served = trainer.version
             version, state = trainer.publish()
             rep.version = version
-            subs = subscribers.get(d, ()) if isinstance(subscribers, dict) else subscribers
-            for sub in subs:
+            for sub in _subscribers_of(subscribers, d):
                 sub(state, version)
+            self.live.published(d, version, served)
         self.reports.append(rep)
         return rep
+
+    def check_live(self, subscribers: Sequence[Callable[[dict, int], Any]] | dict[str, Sequence[Callable]] = ()
+                   ) -> list[Verdict]:
+        """Roll back each watched version that serves worse than the one it replaced
+        (:class:`learner.live.LiveWatch`): the old weights are republished under a new version and
+        handed to the subscribers. A draft that moved on meanwhile (a newer version, parked) or
+        whose old checkpoint is gone keeps what it has. Returns the verdicts carried out."""
+        done = []
+        for v in self.live.verdicts():
+            t = self.trainers.get(v.draft_id)
+            if t is None or t.version != v.version or v.previous not in t.versions():
+                log.warning("draft %r: v%d serves worse than v%d (%.3f < %.3f) but cannot go back to it",
+                            v.draft_id, v.version, v.previous, v.acceptance, v.baseline)
+                continue
+            new, state = t.rollback(v.previous)
+            for sub in _subscribers_of(subscribers, v.draft_id):
+                sub(state, new)
+            self.live.rolled_back.append({**v.to_dict(), "republished_as": new})
+            log.warning("draft %r: v%d served %.3f acceptance against v%d's %.3f: rolled back (as v%d)",
+                        v.draft_id, v.version, v.acceptance, v.previous, v.baseline, new)
+            done.append(v)
+        return done
 
     def delete_tenant(self, tenant: str) -> dict[str, int]:
         """Forget every stored record of ``tenant``: replay shards (memory and disk) and the
