@@ -147,6 +147,7 @@ class DraftPool:
             runner = make_runner(target, cfg.engine.model.quantize, name="target", kv_tokens=budget + slack,
                                  kv_dtype=cfg.loop.kv_dtype, block_tokens=cfg.loop.block_tokens)
             self.kv_bytes_per_token = per_token
+            runner.drop_float_weights()  # the target never takes new weights: a packed copy is all it needs
             self.loop = EngineLoop(runner, cfg.loop, budget, k_max, on_step=self._count_forward)
             self.loop.start(name=f"engine-loop-{id(self):x}",
                             threads=cfg.target.num_threads or cfg.engine.model.num_threads)

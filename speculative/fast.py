@@ -174,9 +174,26 @@ class FastRunner(PooledCaches, ModelRunner):
                                               (o, (layer.self_attn.o_proj,)), (gu, (layer.mlp.gate_proj, layer.mlp.up_proj)),
                                               (d, (layer.mlp.down_proj,)))] + [(self.head, (m.lm_head,))]
 
+    def drop_float_weights(self) -> int:
+        """Free the float projections the packed copy was made from; returns the bytes let go
+        (424 MB for SmolLM2-135M's target). For a runner that will never take new weights (a
+        target): :meth:`load_state_dict` refuses afterwards. Embeddings, norms and the head stay."""
+        freed = 0
+        for layer in self.model.model.layers:
+            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                freed += lin.weight.numel() * lin.weight.element_size()
+                lin.weight = nn.Parameter(lin.weight.new_empty(0), requires_grad=False)
+        self.float_dropped = True
+        return freed
+
+    float_dropped = False
+
     def load_state_dict(self, state: dict) -> None:
         """New weights: a whole state packs the model again; a state of adapters only (what an
         adapter learner publishes) swaps the adapters and leaves the packed base as it is."""
+        if self.float_dropped:
+            raise RuntimeError(f"{self.name}: its float weights were dropped (a target's); it takes no new weights")
         if state and all(is_adapter_key(k) for k in state):
             added = not has_adapters(self.model)
             super().load_state_dict(state)  # (adds the adapters to the float model the first time)

@@ -284,6 +284,12 @@ class ModelRunner:
         return getattr(self.model.config, "max_position_embeddings", None)
 
     # -- weights ------------------------------------------------------------------------
+    def drop_float_weights(self) -> int:
+        """A runtime that computes from its own packed copy frees the float weights it was made
+        from (for a runner that will never take new weights, a target); this one computes from
+        them, so it keeps them. Returns the bytes let go."""
+        return 0
+
     def load_state_dict(self, state: dict) -> None:
         """Swap weights in place (between steps, never during one). Accepts tensors or numpy arrays."""
         tensors = {k: torch.as_tensor(v) for k, v in state.items()}

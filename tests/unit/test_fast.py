@@ -329,3 +329,16 @@ def test_a_long_call_attends_in_chunks_of_queries_and_equals_token_by_token(monk
     assert max(rows) == 2 * 8  # query heads per KV head x ATTEND_ROWS: never the whole prompt's 2 x 30
     one = [r.forward("c", 0, ids[:1])[0]] + [r.forward("c", i, [ids[i]])[0] for i in range(1, len(ids))]
     assert torch.equal(whole, torch.stack(one))
+
+
+def test_a_target_that_drops_its_float_weights_computes_the_same_and_takes_no_new_ones():
+    model = tiny_llama(2, seed=0)
+    runner = FastRunner(model, bits=4)
+    ids = torch.randint(2, 128, (20,), generator=torch.Generator().manual_seed(5)).tolist()
+    before = runner.forward("a", 0, ids, 20)
+    whole = {k: v.clone() for k, v in model.state_dict().items()}
+    assert runner.drop_float_weights() > 0
+    assert model.model.layers[0].mlp.gate_proj.weight.numel() == 0
+    assert torch.equal(runner.forward("b", 0, ids, 20), before)
+    with pytest.raises(RuntimeError, match="dropped"):
+        runner.load_state_dict(whole)
