@@ -8,6 +8,7 @@ answers ``None`` for a call whose cache is gone, so that the caller re-sends the
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import time
 
 import torch
@@ -15,7 +16,7 @@ from ray import serve
 
 from config import MetricsConfig, ModelConfig, TargetServeConfig
 from speculative import TargetRows, VerifyCall
-from speculative.runtime import make_runner
+from speculative.runtime import make_runner, own_threads
 from speculative.engine import time_verify
 from speculative.models import load_weights
 
@@ -27,11 +28,15 @@ class BatchedTarget:
 
     def __init__(self, model: ModelConfig, cfg: TargetServeConfig, weights=None, meter=None):
         threads = cfg.num_threads or model.num_threads
+        # every forward on one thread, the only one here on several torch threads (own_threads says why)
+        self.worker = cf.ThreadPoolExecutor(1, thread_name_prefix="target", initializer=own_threads if threads else None,
+                                            initargs=(threads,) if threads else ())
+        self.worker.submit(lambda: None).result()
         if threads:
-            torch.set_num_threads(threads)
+            torch.set_num_threads(1)
         self.cfg = cfg
         self.runner = make_runner(weights if weights is not None else load_weights(model), model.quantize, name="target")
-        self.runner.warmup(tuple(1 << i for i in range(cfg.max_batch.bit_length())))  # CUDA graphs: before the first request
+        self.run(self.runner.warmup, tuple(1 << i for i in range(cfg.max_batch.bit_length())))  # CUDA graphs: before the first request
         self.last_used: dict[str, float] = {}  # seq -> monotonic time of its last call
         self.batches = 0
         self.calls = 0
@@ -39,6 +44,10 @@ class BatchedTarget:
         self.pending = 0  # verify calls waiting for or in a batched forward
         self.meter = meter  # a telemetry.Meter (None: not counted)
         self._batched = serve.batch(max_batch_size=cfg.max_batch, batch_wait_timeout_s=cfg.batch_wait_s)(self._verify_batch)
+
+    def run(self, fn, *args):
+        """``fn(*args)`` on the target's thread, waited for."""
+        return self.worker.submit(fn, *args).result()
 
     async def verify(self, call: VerifyCall) -> TargetRows | None:
         self.pending += 1
@@ -51,7 +60,8 @@ class BatchedTarget:
         # a call whose cache was evicted (TTL, LRU, a restarted replica) is answered None
         ok = [c for c in calls if c.start <= self.runner.cached_length(c.seq_id)]
         t0 = time.perf_counter()
-        rows = await asyncio.to_thread(self.runner.verify, ok, self.cfg.max_batch_tokens) if ok else []
+        loop = asyncio.get_running_loop()
+        rows = await loop.run_in_executor(self.worker, self.runner.verify, ok, self.cfg.max_batch_tokens) if ok else []
         if self.meter is not None and ok:
             m = self.meter
             m.inc("osd_target_batches_total")
@@ -102,7 +112,7 @@ class Target(NodeInfo):
                  metrics: MetricsConfig | None = None):
         bind_replica_grpc(grpc_host)
         self.target = BatchedTarget(model, cfg, meter=replica_meter("Target", metrics or MetricsConfig()))
-        self.costs = time_verify(self.target.runner, k_max)  # before any traffic: clean timings
+        self.costs = self.target.run(time_verify, self.target.runner, k_max)  # before any traffic: clean timings
 
     def verify_costs(self) -> dict[int, float]:
         """Seconds to verify j = 1..k_max+1 tokens, measured at start: the draft replicas' k policy."""

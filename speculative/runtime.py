@@ -58,3 +58,17 @@ def runtime_of(runner: ModelRunner) -> str:
     if isinstance(runner, LeanRunner):
         return "lean-bf16" + ("-graphs" if runner.graphs else "")
     return "eager-" + str(next(runner.model.parameters()).dtype).removeprefix("torch.")
+
+
+def own_threads(threads: int) -> None:
+    """Give the calling thread ``threads`` torch intra-op threads: its own OpenMP team. torch first
+    sets a thread's count from the process-wide one, once, on the thread's first parallel op; that
+    happens here first, so it cannot undo this thread's count later.
+
+    In a replica only one thread should run torch on several threads (then every other thread goes
+    back to one): each thread that does gets an OpenMP team of its own, and once a process holds
+    more team threads than cores libgomp cuts every team's spinning short, so each of a step's
+    ~1,000 small parallel regions waits for a sleeping worker (on 2 cores, a 4-token step went from
+    20 to 35 ms with a second team in the process)."""
+    torch.get_num_threads()
+    torch.set_num_threads(threads)

@@ -42,6 +42,7 @@ from config import LoopConfig, SamplingParams
 from .engine import PendingStep, RequestError, RequestState, SpeculativeEngine, StepResult, _calibration_ids
 from .kpolicy import expected_tokens
 from .runner import ForwardCall, ModelRunner, VerifyCall
+from .runtime import own_threads
 
 
 @dataclass(frozen=True)
@@ -204,20 +205,13 @@ class EngineLoop:
 
     def start(self, name: str = "engine-loop", threads: int | None = None) -> None:
         """Step in a thread of its own. ``threads``: torch's intra-op threads, set on the loop's
-        thread; the calling thread then goes back to one, as do threads started later.
-
-        The loop's thread should be the only one in the process that runs torch on several
-        threads: each thread that does gets an OpenMP team of its own, and once a process holds
-        more team threads than cores libgomp cuts every team's spinning short, so each of the
-        step's ~1,000 small parallel regions waits for a sleeping worker (on 2 cores a 4-token step
-        went from 20 to 35 ms with a second team in the process). Time the target on the loop's
-        thread too (:meth:`call`)."""
+        thread (:func:`speculative.runtime.own_threads`); the calling thread then goes back to one,
+        as do threads started later. Time the target on the loop's thread too (:meth:`call`)."""
         ready = threading.Event()
 
         def run() -> None:
-            if threads:  # OpenMP: this thread's team. torch first takes a thread's count from the
-                torch.get_num_threads()  # process-wide one, once: let it, before setting this thread's
-                torch.set_num_threads(threads)
+            if threads:
+                own_threads(threads)
             ready.set()
             self._run()
 

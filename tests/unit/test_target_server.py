@@ -118,9 +118,15 @@ def test_a_batch_over_the_bound_evicts_the_oldest_recent_cache_once(target, prom
     assert counter(bt.meter, "osd_target_cache_evictions_total") == 2
 
 
-def test_the_targets_threads_come_from_its_config_or_else_the_models(target):
-    BatchedTarget(ModelConfig(name="unused", quantize="none", num_threads=2), TargetServeConfig(), weights=target)
-    assert torch.get_num_threads() == 2
-    BatchedTarget(ModelConfig(name="unused", quantize="none", num_threads=2), TargetServeConfig(num_threads=1),
-                  weights=target)
-    assert torch.get_num_threads() == 1
+def test_the_targets_threads_come_from_its_config_or_else_the_models_on_its_own_thread(target):
+    """The target's forwards run on one thread of its own with the configured count; the replica's
+    other threads run torch on one (a second OpenMP team would slow every step)."""
+    before = torch.get_num_threads()
+    try:
+        bt = BatchedTarget(ModelConfig(name="unused", quantize="none", num_threads=2), TargetServeConfig(), weights=target)
+        assert bt.run(torch.get_num_threads) == 2 and torch.get_num_threads() == 1
+        bt = BatchedTarget(ModelConfig(name="unused", quantize="none", num_threads=2), TargetServeConfig(num_threads=1),
+                           weights=target)
+        assert bt.run(torch.get_num_threads) == 1
+    finally:
+        torch.set_num_threads(before)
