@@ -43,6 +43,7 @@ from drafts.build import build_proposer, domain_proposers
 from learner.replay import LEARNED_SOURCES, RecordBuilder
 from router.router import GENERAL, start_domain
 from speculative import RequestError, SpeculativeEngine, TargetRows, VerifyCall
+from speculative.adapters import base_memo
 from speculative.detokenize import Detokenizer
 from speculative.engine import time_verify
 from speculative.runtime import make_runner, resolve_quantize
@@ -187,7 +188,12 @@ class DraftPool:
         if self.verify_s is None:
             self.verify_s = await self.verifier.handle.verify_costs.remote()
         start = self.starts.get(start_domain(draft_id, self.starts), self.base)
-        engine = SpeculativeEngine(self.view, self.tokenizer, copy.deepcopy(start), self.cfg.engine)
+        # the draft's float weights are the start's own (new weights take their places, never write
+        # into them): a draft id costs its packed copy and adapters, not another float draft
+        draft = start.draft if start is not None else None
+        engine = SpeculativeEngine(self.view, self.tokenizer,
+                                   copy.deepcopy(start, base_memo(draft.runner.model) if draft is not None else None),
+                                   self.cfg.engine)
         weights = self.published.get(draft_id)
         if self.learner is not None and engine.learned_draft is not None and weights is None:
             # the newest weights (after a restart), or a new draft's fork of its parent's

@@ -106,21 +106,30 @@ def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def load_whole(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a whole draft's weights into ``model`` (strictly: every key, no other). A model with
-    adapters that is given a state without any (an operator's draft, say) becomes exactly those
-    weights: its adapters are zeroed (B = 0)."""
+    """Load a whole draft's weights into ``model`` (strictly: every key, no other). The state's
+    tensors take the parameters' places (nothing is written in place, so a base shared with other
+    models stays theirs). A model with adapters that is given a state without any (an operator's
+    draft, say) becomes exactly those weights: its adapters are zeroed (B = 0)."""
     if has_adapters(model) and not any(is_adapter_key(k) for k in state):
         want = {k for k in model.state_dict() if not is_adapter_key(k)}
         if set(state) != want:  # checked before anything is written
             raise KeyError(f"a whole draft's state needs {len(want)} keys: missing {sorted(want - set(state))[:3]}, "
                            f"unexpected {sorted(set(state) - want)[:3]}")
-        model.load_state_dict(state, strict=False)
+        model.load_state_dict(state, strict=False, assign=True)
         with torch.no_grad():
             for m in model.modules():
                 if isinstance(m, LoRALinear):
                     m.lora_B.zero_()
         return
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(state, strict=True, assign=True)
+
+
+def base_memo(model: nn.Module) -> dict[int, torch.Tensor]:
+    """``copy.deepcopy``'s memo that makes a copy of anything holding ``model`` share its base
+    tensors (every one but the adapters') instead of copying them."""
+    from itertools import chain
+
+    return {id(t): t for name, t in chain(model.named_parameters(), model.named_buffers()) if not is_adapter_key(name)}
 
 
 def share_base(model: nn.Module) -> nn.Module:
@@ -128,10 +137,8 @@ def share_base(model: nn.Module) -> nn.Module:
     (the same storage, not a copy): what one more domain's adapter learner costs is its adapters
     and their optimiser state, not another draft."""
     import copy
-    from itertools import chain
 
-    memo = {id(t): t for name, t in chain(model.named_parameters(), model.named_buffers()) if not is_adapter_key(name)}
-    return copy.deepcopy(model, memo)
+    return copy.deepcopy(model, base_memo(model))
 
 
 def fused_delta(linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -250,7 +250,8 @@ class FeatureRunner:
         self._caches.pop(seq_id, None)
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()}, strict=True)
+        # the state's tensors take the parameters' places: a base shared with other copies stays theirs
+        self.model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()}, strict=True, assign=True)
         self._caches.clear()
         self._head = self._pack()
 

@@ -202,3 +202,25 @@ def test_an_adapter_learner_skips_a_whole_draft_checkpoint_and_keeps_the_shared_
     t = DraftTrainer("sql", draft, LearnerConfig(adapter_rank=4, checkpoint_dir=tmp_path))
     assert t.skipped == [5] and t.version == 6
     assert all(torch.equal(v, base[k]) for k, v in draft.state_dict().items())
+
+
+def test_engines_of_several_draft_ids_share_the_starting_drafts_float_base():
+    """A replica's engines copy their start with its base's tensors shared: each owns its packed
+    copy and adapters; a whole draft loaded into one takes the parameters' places and leaves the
+    start and the other engines as they were."""
+    from speculative.adapters import base_memo
+
+    start = DraftModelProposer(FastRunner(tiny_llama(1, seed=7), name="draft", bits=4), 128)
+    base = {k: (v.data_ptr(), v.clone()) for k, v in start.runner.model.state_dict().items()}
+    a, b = (copy.deepcopy(start, base_memo(start.runner.model)) for _ in range(2))
+    for p in (a, b):
+        assert all(v.data_ptr() == base[k][0] for k, v in p.runner.model.state_dict().items())
+        assert p.runner.layers[0][1].weight.data_ptr() != start.runner.layers[0][1].weight.data_ptr()  # own packed copy
+    ids = _ids(10, seed=6)
+    want = b.runner.forward("s", 0, ids, 10)
+    a.load_state_dict({k: v.clone() for k, v in tiny_llama(1, seed=9).state_dict().items()}, 1)
+    a.load_state_dict({k: v for k, v in adapter_state(add_adapters(copy.deepcopy(tiny_llama(1, seed=9)), 4)).items()}, 2)
+    for k, v in start.runner.model.state_dict().items():
+        assert torch.equal(v, base[k][1]) and v.data_ptr() == base[k][0], k
+    assert torch.equal(b.runner.forward("s2", 0, ids, 10), want) and not has_adapters(b.runner.model)
+    assert not torch.equal(a.runner.forward("s", 0, ids, 10), want)
