@@ -127,8 +127,10 @@ class DraftPool:
 
     def __init__(self, cfg: AppConfig, target_handle=None, learner_handle=None):
         colocated = cfg.placement == "colocated"
-        if colocated or cfg.engine.model.num_threads:  # co-located: the engine loop's thread alone runs on several
-            torch.set_num_threads(1 if colocated else cfg.engine.model.num_threads)
+        if colocated:  # the engine loop's thread alone runs torch on several threads (EngineLoop.start)
+            torch.set_num_threads(1)
+        elif cfg.engine.model.num_threads:
+            torch.set_num_threads(cfg.engine.model.num_threads)
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.engine.model.name)
         target = load_weights(cfg.engine.model)  # the truncated draft is cut from it

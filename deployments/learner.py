@@ -29,7 +29,7 @@ from learner.background import BackgroundConfig, BackgroundLearner
 from learner.replay import ReplayRecord, ShardConfig
 from learner.trainer import LATEST, DraftTrainer, LearnerConfig, OnlineLearner, RoundReport, draft_folder
 from router.router import GENERAL, fork_parent, start_domain
-from speculative.adapters import ensure_adapters, is_adapter_key, share_base
+from speculative.adapters import load_state, share_base
 from speculative.models import load_tokenizer, load_weights
 from speculative.proposers import learned_draft
 from telemetry.hub import json_safe
@@ -180,14 +180,8 @@ class LearnerServer:
                     self._trainer(parent)  # a parked parent: back in memory, its published weights with it
                 if new and parent in self.served:
                     state, version = self.served[parent]
-                    learned = {k: torch.as_tensor(v) for k, v in state.items()}
-                    if all(is_adapter_key(k) for k in learned):  # the parent's adapters on the shared base
-                        base = share_base(base)
-                        ensure_adapters(base, learned)
-                        base.load_state_dict(learned, strict=False)
-                    else:
-                        base = copy.deepcopy(base)
-                        base.load_state_dict(learned, strict=True)
+                    base = share_base(base)  # the parent's adapters on the shared base, or its whole draft
+                    load_state(base, {k: torch.as_tensor(v) for k, v in state.items()})
                     extra = {"version": 1, "origin": {"forked_from": parent, "parent_version": version}}
                 t = self.learner.add_trainer(DraftTrainer(draft_id, base, self.trainer_cfg, keep_ids=keep,
                                                           target_head=self.target_head, **extra))

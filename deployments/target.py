@@ -31,7 +31,7 @@ class BatchedTarget:
         # every forward on one thread, the only one here on several torch threads (own_threads says why)
         self.worker = cf.ThreadPoolExecutor(1, thread_name_prefix="target", initializer=own_threads if threads else None,
                                             initargs=(threads,) if threads else ())
-        self.worker.submit(lambda: None).result()
+        self.worker.submit(lambda: None).result()  # its count set before this thread goes back to one
         if threads:
             torch.set_num_threads(1)
         self.cfg = cfg

@@ -28,6 +28,10 @@ from typing import Callable
 from pydantic import BaseModel, ConfigDict, Field
 
 
+#: closed watches kept for operators (``kept``, ``rolled_back``)
+HISTORY = 64
+
+
 class LiveWatchConfig(BaseModel):
     """When a published draft version is rolled back for serving worse than the one before it."""
 
@@ -88,8 +92,8 @@ class LiveWatch:
         self.clock = clock
         self._recent: dict[tuple[str, int], deque[tuple[int, int]]] = {}  # (draft, version) -> records' (proposed, accepted)
         self._watches: dict[str, _Watch] = {}
-        self.kept: list[dict] = []  # closed watches whose version stayed (newest last)
-        self.rolled_back: list[dict] = []  # verdicts carried out
+        self.kept: list[dict] = []  # closed watches whose version stayed (the newest HISTORY, newest last)
+        self.rolled_back: list[dict] = []  # verdicts carried out (the newest HISTORY)
 
     def observe(self, draft_id: str, version: int, proposed: int, accepted: int) -> None:
         """One served record's proposed and accepted draft tokens, under the version that served it."""
@@ -114,6 +118,11 @@ class LiveWatch:
             w.old[0] += p
             w.old[1] += a
         self._watches[draft_id] = w
+
+    def carried_out(self, verdict: Verdict, republished_as: int) -> None:
+        """A verdict's rollback happened: the old weights are served again as ``republished_as``."""
+        self.rolled_back.append({**verdict.to_dict(), "republished_as": republished_as})
+        del self.rolled_back[:-HISTORY]
 
     def forget(self, draft_id: str) -> None:
         """The draft left the learner (parked or removed)."""
@@ -140,5 +149,5 @@ class LiveWatch:
             elif now - w.opened > self.cfg.watch_s:
                 del self._watches[d]
                 self.kept.append({"draft_id": d, "version": w.version, "reason": f"undecided after {self.cfg.watch_s:.0f} s"})
-        del self.kept[:-64]
+        del self.kept[:-HISTORY]
         return out

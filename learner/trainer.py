@@ -44,7 +44,7 @@ import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from drafts.build import load_draft, save_draft
-from speculative.adapters import adapter_parameters, adapter_state, add_adapters, has_adapters, share_base
+from speculative.adapters import adapter_parameters, adapter_state, add_adapters, has_adapters, load_state, share_base
 from learner.live import LiveWatch, LiveWatchConfig, Verdict
 from learner.losses import check_loss_name, SparseDist, get_loss
 from learner.offline import (Sample, draft_loss, set_trainable, to_student_space, top1_hits_on,
@@ -492,9 +492,8 @@ class DraftTrainer:
         if candidate is None:
             model = self.model
         elif isinstance(candidate, dict):
-            adapters = has_adapters(self.model)
-            model = share_base(self.model) if adapters else copy.deepcopy(self.model)
-            model.load_state_dict({k: torch.as_tensor(v) for k, v in candidate.items()}, strict=not adapters)
+            model = share_base(self.model)  # the candidate's tensors take their places in the copy
+            load_state(model, {k: torch.as_tensor(v) for k, v in candidate.items()})
         else:
             model = candidate
         if not _all_finite(model):
@@ -816,7 +815,7 @@ class OnlineLearner:
             new, state = t.rollback(v.previous)
             for sub in _subscribers_of(subscribers, v.draft_id):
                 sub(state, new)
-            self.live.rolled_back.append({**v.to_dict(), "republished_as": new})
+            self.live.carried_out(v, new)
             log.warning("draft %r: v%d served %.3f acceptance against v%d's %.3f: rolled back (as v%d)",
                         v.draft_id, v.version, v.acceptance, v.previous, v.baseline, new)
             done.append(v)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 #: the projections of a Llama layer that take adapters
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -105,23 +106,40 @@ def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
     return params
 
 
+def load_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """New weights for ``model``: an adapter learner's version (adapters only, added to a model that
+    has none yet) goes into its adapters; any other state is a whole draft (:func:`load_whole`)."""
+    if state and all(is_adapter_key(k) for k in state):
+        ensure_adapters(model, state)
+        missing = set(state) - set(model.state_dict())
+        if missing:
+            raise KeyError(f"adapters this model does not have: {sorted(missing)[:3]}")
+        model.load_state_dict(state, strict=False)
+        return
+    load_whole(model, state)
+
+
 def load_whole(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a whole draft's weights into ``model`` (strictly: every key, no other). The state's
-    tensors take the parameters' places (nothing is written in place, so a base shared with other
-    models stays theirs). A model with adapters that is given a state without any (an operator's
-    draft, say) becomes exactly those weights: its adapters are zeroed (B = 0)."""
-    if has_adapters(model) and not any(is_adapter_key(k) for k in state):
+    """Load a whole draft's weights into ``model`` (strictly: every key, no other). Copies of the
+    state's tensors take the parameters' places (nothing is written in place, so a base shared
+    with other models stays theirs; a tied head is tied again). A model with adapters that is given
+    a state without any (an operator's draft, say) becomes exactly those weights: its adapters are
+    zeroed (B = 0)."""
+    adapted = has_adapters(model) and not any(is_adapter_key(k) for k in state)
+    if adapted:
         want = {k for k in model.state_dict() if not is_adapter_key(k)}
         if set(state) != want:  # checked before anything is written
             raise KeyError(f"a whole draft's state needs {len(want)} keys: missing {sorted(want - set(state))[:3]}, "
                            f"unexpected {sorted(set(state) - want)[:3]}")
-        model.load_state_dict(state, strict=False, assign=True)
+    own = {k: torch.as_tensor(v).detach().clone() for k, v in state.items()}  # not views of a caller's (or the object store's) memory
+    model.load_state_dict(own, strict=not adapted, assign=True)
+    if isinstance(model, PreTrainedModel) and model.config.tie_word_embeddings:
+        model.tie_weights()
+    if adapted:
         with torch.no_grad():
             for m in model.modules():
                 if isinstance(m, LoRALinear):
                     m.lora_B.zero_()
-        return
-    model.load_state_dict(state, strict=True, assign=True)
 
 
 def base_memo(model: nn.Module) -> dict[int, torch.Tensor]:

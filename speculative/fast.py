@@ -129,6 +129,7 @@ class FastRunner(PooledCaches, ModelRunner):
     learner trains and what :meth:`load_state_dict` loads into; the packed copy is rebuilt from it."""
 
     ragged = True  # a batch's rows are concatenated, never padded: one forward costs its real tokens
+    float_dropped = False  # drop_float_weights() ran: the packed copy is all there is
 
     def __init__(self, model: PreTrainedModel, vocab_map: torch.Tensor | None = None, name: str = "model",
                  bits: int = 4, head_bits: int = 8, kv_tokens: int = 32768, kv_dtype: str = "float16",
@@ -186,8 +187,6 @@ class FastRunner(PooledCaches, ModelRunner):
                 lin.weight = nn.Parameter(lin.weight.new_empty(0), requires_grad=False)
         self.float_dropped = True
         return freed
-
-    float_dropped = False
 
     def load_state_dict(self, state: dict) -> None:
         """New weights: a whole state packs the model again; a state of adapters only (what an

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from .adapters import load_whole
 from .proposers import EMPTY, DraftModelProposer, Proposal
 
 
@@ -250,8 +251,7 @@ class FeatureRunner:
         self._caches.pop(seq_id, None)
 
     def load_state_dict(self, state: dict) -> None:
-        # the state's tensors take the parameters' places: a base shared with other copies stays theirs
-        self.model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()}, strict=True, assign=True)
+        load_whole(self.model, state)  # in the parameters' places: a base shared with other copies stays theirs
         self._caches.clear()
         self._head = self._pack()
 

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from .adapters import ensure_adapters, is_adapter_key, load_whole
+from .adapters import load_state
 from .models import eos_token_ids
 from .sampling import sparse_top_k
 
@@ -291,13 +291,9 @@ class ModelRunner:
         return 0
 
     def load_state_dict(self, state: dict) -> None:
-        """Swap weights in place (between steps, never during one). Accepts tensors or numpy arrays."""
-        tensors = {k: torch.as_tensor(v) for k, v in state.items()}
-        if tensors and all(is_adapter_key(k) for k in tensors):  # an adapter learner's version: adapters only
-            ensure_adapters(self.model, tensors)
-            missing = set(tensors) - set(self.model.state_dict())
-            if missing:
-                raise KeyError(f"{self.name}: adapters this model does not have: {sorted(missing)[:3]}")
-            self.model.load_state_dict(tensors, strict=False)
-            return
-        load_whole(self.model, tensors)  # (a model with adapters given a whole draft: the adapters zeroed)
+        """New weights, between steps (never during one): adapters only, or a whole draft
+        (:func:`speculative.adapters.load_state`). Accepts tensors or numpy arrays."""
+        try:
+            load_state(self.model, {k: torch.as_tensor(v) for k, v in state.items()})
+        except KeyError as e:
+            raise KeyError(f"{self.name}: {e.args[0]}") from None
