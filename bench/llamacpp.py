@@ -18,7 +18,7 @@ class BackendUnavailable(RuntimeError):
 def gguf_of(model_name: str) -> Path:
     """The GGUF file behind a target spec (the embedded default, a .gguf path, or a folder holding one)."""
     from config import EMBEDDED_TARGET
-    from speculative.models import embedded_gguf_path
+    from speculative.locate import embedded_gguf_path
 
     if model_name == EMBEDDED_TARGET:
         return embedded_gguf_path()

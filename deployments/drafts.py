@@ -31,14 +31,14 @@ import logging
 import time
 import weakref
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from config import AppConfig, SamplingParams
+from config import AppConfig
 from drafts.build import build_proposer, domain_proposers
 from learner.replay import LEARNED_SOURCES, RecordBuilder
 from router.router import GENERAL, start_domain
@@ -52,25 +52,9 @@ from speculative.models import encode_messages, encode_prompt, eos_token_ids, lo
 from speculative.scheduler import EngineLoop, Failed, Finished, Overloaded, Sequence, Started, Step, calibrate_step_cost
 
 from .loopback import NodeInfo, bind_replica_grpc, replica_meter
-from .protocol import TargetUnavailable
+from .protocol import GenerateRequest, TargetUnavailable
 
 log = logging.getLogger("osd.drafts")
-
-
-@dataclass
-class GenerateRequest:
-    """What the ingress asks of a draft replica (the draft id travels as the multiplexed model id)."""
-
-    request_id: str
-    params: SamplingParams
-    prompt: str | None = None  # /v1/completions: raw text, no chat template
-    prompt_ids: list[int] | None = None  # /v1/completions with a token-id prompt
-    messages: list[dict] | None = None  # /v1/chat/completions
-    domain: str = "unknown"
-    lang: str = "und"
-    tenant: str | None = None
-    #: output token ids already sent to the client by a replica that died: continue after them
-    resume: list[int] = field(default_factory=list)
 
 
 class TargetView:

@@ -17,11 +17,10 @@ from pydantic import ValidationError
 from ray import serve
 
 from config import AppConfig
-from speculative.models import load_tokenizer
+from speculative.locate import light_vocab
 
-from .drafts import GenerateRequest
 from .loopback import bind_replica_grpc, replica_meter
-from .protocol import ChatRequest, CompletionRequest, TargetUnavailable, error_body, new_id, now
+from .protocol import ChatRequest, CompletionRequest, GenerateRequest, TargetUnavailable, error_body, new_id, now
 from .resume import resuming
 from .tenants import Admission, Tenants, refuse_open
 
@@ -186,7 +185,7 @@ class Ingress:
         self.recent = Recent(1.0)  # /ready and /v1/stats: one fan-out a second at most
         self.meter = replica_meter("Ingress", cfg.metrics)
         self.running = 0
-        self.tokenizer = load_tokenizer(cfg.engine.model.name)  # token-id prompts, as text for the router
+        self._vocab = None  # token-id prompts as text, for the router: loaded on the first such prompt
         if self.tenants.open:
             log.warning("no API keys configured: the server is open to every client that can reach it (HTTP host %s)",
                         http_host or "none")
@@ -409,7 +408,14 @@ class Ingress:
     def _decode(self, ids: list[int]) -> str:
         """A token-id prompt as text, for the router (ids outside the vocabulary are left out
         here; the draft replica refuses the request for them)."""
-        return self.tokenizer.decode([i for i in ids if 0 <= i < len(self.tokenizer)])
+        if self._vocab is None:  # after the engine replicas have written the model's folder
+            name = self.cfg.engine.model.name
+            if (vocab := light_vocab(name)) is None:  # no tokenizer.json: the full tokenizer (imports torch)
+                from speculative.models import load_tokenizer
+
+                vocab = load_tokenizer(name)
+            self._vocab = vocab
+        return self._vocab.decode([i for i in ids if 0 <= i < len(self._vocab)])
 
     def _observe(self, route, usage: dict) -> None:
         spec = usage["speculative"]

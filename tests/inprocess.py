@@ -26,7 +26,8 @@ from ray.exceptions import RayActorError
 from starlette.requests import Request
 
 from config import AppConfig, SamplingParams
-from deployments.drafts import DraftPool, GenerateRequest
+from deployments.drafts import DraftPool
+from deployments.protocol import GenerateRequest
 from deployments.ingress import Ingress
 from deployments.metrics import MetricsServer
 from deployments.router import RouterServer

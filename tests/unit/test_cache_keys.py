@@ -8,7 +8,7 @@ import shutil
 
 from config import content_key
 from router.features import onnx_dir
-from speculative.models import _gguf_cache_folder
+from speculative.locate import gguf_cache_folder as _gguf_cache_folder
 
 
 def _model(folder, weights: bytes):

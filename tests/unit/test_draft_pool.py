@@ -14,7 +14,8 @@ import pytest
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from config import SamplingParams
-from deployments.drafts import GenerateRequest, RemoteVerifier
+from deployments.drafts import RemoteVerifier
+from deployments.protocol import GenerateRequest
 from deployments.protocol import TargetUnavailable
 from deployments.target import Target
 from inprocess import Handle, LocalPool, app_config, counter, hist, save_tiny_model

@@ -4,16 +4,20 @@ as folders (no download, no dequantisation)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from config import ModelConfig
-from speculative.models import (ModelLoadError, VocabMismatchError, _gguf_cache_folder, check_device, check_same_vocab,
-                                embedded_gguf_path, encode_messages, encode_prompt, eos_token_ids, load_config,
-                                load_model, load_tokenizer, load_weights, resolve_model_folder)
+from speculative.locate import TextVocab, embedded_gguf_path, light_vocab
+from speculative.locate import gguf_cache_folder as _gguf_cache_folder
+from speculative.models import (ModelLoadError, VocabMismatchError, check_device, check_same_vocab, encode_messages,
+                                encode_prompt, eos_token_ids, load_config, load_model, load_tokenizer, load_weights, resolve_model_folder)
 
+ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
 
@@ -33,6 +37,24 @@ def test_a_model_folder_loads_as_itself_in_the_asked_dtype(folder):
     model, tok = load_model(ModelConfig(name=str(folder)))
     assert next(model.parameters()).dtype == torch.float32 and len(tok) == 128
     assert load_config(str(folder)).num_hidden_layers == 3 and len(load_tokenizer(str(folder))) == 128
+
+
+def test_token_ids_read_as_the_transformers_tokenizer_reads_them_without_torch(folder):
+    import random
+
+    vocab, full = light_vocab(str(folder)), load_tokenizer(str(folder))
+    assert isinstance(vocab, TextVocab) and len(vocab) == len(full) == 128
+    rng = random.Random(0)
+    for _ in range(100):
+        ids = [rng.randrange(len(full)) for _ in range(rng.randrange(1, 30))]
+        assert vocab.decode(ids) == full.decode(ids)
+    # the light path, in a fresh process: neither torch nor transformers is imported
+    code = ("import sys; from speculative.locate import light_vocab; "
+            f"v = light_vocab({str(folder)!r}); v.decode([1, 2, 3]); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 def test_names_that_are_paths_must_exist_and_others_are_hub_ids(tmp_path):

