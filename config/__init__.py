@@ -201,6 +201,10 @@ class DraftConfig(_Strict):
     ``feature_layers`` (kind ``feature``): target decoder layers (0-based, before the last) whose
     outputs the draft fuses with the final feature (EAGLE-3 takes a low, a middle and a high one);
     empty: the final feature alone. A checkpoint keeps the layers it was trained with.
+    ``adapter``: low-rank adapters to start the built draft (kind ``truncated``) from: a folder that
+    ``osd train-draft --adapter-rank R`` wrote, or ``"shipped"``, the general adapter that comes with
+    the package for the embedded target's 2-layer draft (``drafts/starting``). Online learning then
+    trains these adapters per domain.
     """
 
     kind: Literal["truncated", "fresh", "path", "feature", "ngram", "suffix", "none"] = "truncated"
@@ -214,6 +218,7 @@ class DraftConfig(_Strict):
     controller: ControllerConfig | None = None
     checkpoint: str | None = None
     feature_layers: list[int] = []
+    adapter: str | None = None
     #: named domain -> a saved draft of this kind (``osd distill --domain D --out DIR``) that the
     #: domain's own draft starts from instead of the one above; a language variant without one
     #: takes its domain's (d-chat-es: "chat/es", else "chat"); tenants' copies their draft's
@@ -225,6 +230,9 @@ class DraftConfig(_Strict):
             raise ValueError("draft.kind='path' needs draft.path (a model folder or HF id)")
         if self.domain_checkpoints and self.kind in ("ngram", "suffix", "none"):
             raise ValueError(f"draft.domain_checkpoints needs a learned draft, not draft.kind={self.kind!r}")
+        if self.adapter and (self.kind != "truncated" or self.checkpoint):
+            raise ValueError(f"draft.adapter starts a built truncated draft, not kind={self.kind!r}"
+                             f"{' with a checkpoint' if self.checkpoint else ''}")
         if self.feature_layers and self.kind != "feature":
             raise ValueError(f"draft.feature_layers is for draft.kind='feature', not {self.kind!r}")
         if len(set(self.feature_layers)) != len(self.feature_layers) or any(i < 0 for i in self.feature_layers):

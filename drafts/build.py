@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from config import ControllerConfig, DraftConfig, EngineConfig, ModelConfig
-from speculative.adapters import adapter_rank, add_adapters
+from speculative.adapters import adapter_rank, adapter_state, add_adapters, load_state
 from speculative.engine import SpeculativeEngine
 from speculative.publish import publish_folder
 from speculative.models import ModelLoadError, check_same_vocab, load_model, load_tokenizer, load_weights
@@ -208,6 +208,57 @@ def _load_exactly(draft: torch.nn.Module, path: Path, may_lack: set[str] = froze
                              f"unexpected {sorted(unexpected)[:4]}")
 
 
+# -- adapters -----------------------------------------------------------------------------------------
+ADAPTER_META = "osd_adapter.json"
+ADAPTER_WEIGHTS = "adapter.safetensors"
+#: the general starting adapter shipped with the package (``draft.adapter: shipped``)
+SHIPPED_ADAPTER = "shipped"
+
+
+def shipped_adapter_path() -> Path:
+    return Path(__file__).resolve().parent / "starting"
+
+
+def save_adapter(draft: PreTrainedModel, path: str | Path, base: dict, meta: dict | None = None,
+                 dtype: torch.dtype = torch.bfloat16) -> int:
+    """Write ``draft``'s adapters alone (not its base weights) as a folder, in ``dtype`` (bfloat16
+    halves the file; what is served is what was saved). ``base`` names the draft they sit on
+    (kind, num_layers, head_vocab, the target's vocabulary size), checked when they are loaded.
+    Returns the file's size in bytes."""
+    state = {k: v.detach().to(dtype).contiguous() for k, v in adapter_state(draft).items()}
+    if not state:
+        raise ValueError("save_adapter: the draft has no adapters")
+    info = {"rank": adapter_rank(draft), "head": any(k.startswith("lm_head.") for k in state), "base": base,
+            "dtype": str(dtype).removeprefix("torch."), "meta": meta or {}}
+
+    def write(tmp: Path) -> None:
+        save_file(state, tmp / ADAPTER_WEIGHTS)
+        (tmp / ADAPTER_META).write_text(json.dumps(info, indent=1))
+
+    publish_folder(path, write, complete=lambda p: (p / ADAPTER_META).is_file(), replace=True)
+    return (Path(path) / ADAPTER_WEIGHTS).stat().st_size
+
+
+def load_adapter(draft: PreTrainedModel, name: str, base: dict) -> dict:
+    """Put the adapters saved at ``name`` (a folder, or ``"shipped"``) on ``draft``, in place, after
+    checking they were trained on the same ``base``; returns their meta."""
+    path = shipped_adapter_path() if name == SHIPPED_ADAPTER else Path(name)
+    if not (path / ADAPTER_META).is_file():
+        raise ModelLoadError(f"not a saved adapter (no {ADAPTER_META}): {path}")
+    info = json.loads((path / ADAPTER_META).read_text())
+    if info["base"] != base:
+        raise ModelLoadError(f"adapter {name} was trained on the draft {info['base']}, this draft is {base}")
+    state = {k: v.float() for k, v in load_file(str(path / ADAPTER_WEIGHTS)).items()}
+    load_state(draft, state)
+    return info["meta"]
+
+
+def adapter_base(cfg: DraftConfig, target: PreTrainedModel) -> dict:
+    """What a draft's adapters depend on: its kind, depth, head and the target's vocabulary."""
+    return {"kind": cfg.kind, "num_layers": cfg.num_layers, "head_vocab": cfg.head_vocab,
+            "target_vocab": int(target.config.vocab_size), "hidden": int(target.config.hidden_size)}
+
+
 # -- from config -------------------------------------------------------------------------------------
 def build_draft_model(
     cfg: DraftConfig, target: PreTrainedModel, target_tok: PreTrainedTokenizerBase, texts: Iterable[str] = ()
@@ -245,6 +296,8 @@ def build_draft_model(
     if cfg.head_vocab:
         keep = frequent_token_ids(target_tok, cfg.head_vocab, texts)
         draft = restrict_head(draft, keep)
+    if cfg.adapter:
+        load_adapter(draft, cfg.adapter, adapter_base(cfg, target))
     return draft.to(target.device).eval(), keep
 
 

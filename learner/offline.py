@@ -38,6 +38,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from config import layer_list
 from learner.losses import check_loss_name, feature_regression, SparseDist, get_loss, sparse_from_logits
+from speculative.adapters import adapter_parameters, add_adapters, has_adapters
 from speculative.models import encode_prompt, eos_token_ids
 
 __all__ = [
@@ -100,6 +101,9 @@ class DistillConfig(BaseModel):
     #: a feature draft: weight of EAGLE's feature loss (smooth L1 between the draft's predicted next
     #: feature and the target's, :func:`learner.losses.feature_regression`) added to ``loss``; 0: off
     feature_loss: float = Field(default=0.0, ge=0.0)
+    #: > 0: train low-rank adapters of this rank (projections and head) on the frozen draft, and
+    #: save the adapters alone (:func:`drafts.build.save_adapter`); 0: train the whole draft
+    adapter_rank: int = Field(default=0, ge=0)
     log_every: int = Field(default=10, ge=1)
 
 
@@ -516,7 +520,10 @@ def top1_agreement_on(draft: PreTrainedModel, samples: Sequence[Sample], keep_id
 
 def set_trainable(draft: PreTrainedModel, cfg: Any) -> list[torch.nn.Parameter]:
     """Set ``requires_grad`` from ``cfg.train_head`` / ``cfg.train_embeddings`` (a tied matrix
-    trains only when both are set; everything else always trains); returns the trainable parameters."""
+    trains only when both are set; everything else always trains); returns the trainable parameters.
+    A draft with adapters trains them alone."""
+    if has_adapters(draft):
+        return adapter_parameters(draft)
     head = draft.get_output_embeddings().weight
     emb = draft.get_input_embeddings().weight
     tied = head is emb
@@ -677,7 +684,7 @@ def train_draft(
     """
     from workloads import load_workload, without_prompts_of
     from config import DraftConfig, ModelConfig
-    from drafts.build import build_draft_model, prompt_digest, save_draft
+    from drafts.build import adapter_base, build_draft_model, prompt_digest, save_adapter, save_draft
     from speculative.models import load_model
 
     say = log or (lambda _m: None)
@@ -729,6 +736,9 @@ def train_draft(
 
     texts = train_prompts + [tok.decode(s.output, skip_special_tokens=True) for s in train_s]
     draft, keep = build_draft_model(draft_cfg, target, tok, texts)
+    if cfg.adapter_rank:
+        add_adapters(draft, cfg.adapter_rank)
+    base = adapter_base(draft_cfg, target)
     if cfg.prompt_positions:  # after the shared prefix (and >= 2: a feature draft's first pair predicts position 2)
         start = max(2, shared_prefix_len([s.tokens[: s.prompt_len] for s in train_s]))
         train_s = with_prompt_positions(train_s, target.get_output_embeddings(), start)
@@ -758,9 +768,14 @@ def train_draft(
         "distill": cfg.model_dump(),
         "target": model_cfg.name,
     }
-    save_draft(draft, out, keep, meta=meta)
+    if cfg.adapter_rank:  # the adapters alone: a few MB, where a whole draft is 142 MB
+        saved_bytes = save_adapter(draft, out, base, meta)
+    else:
+        save_draft(draft, out, keep, meta=meta)
+        saved_bytes = None
     report = {
         **meta,
+        "saved_bytes": saved_bytes,
         "out": str(out),
         "workload": str(workload),
         "target_load_s": load_s,
@@ -812,6 +827,8 @@ def parser() -> argparse.ArgumentParser:
                     help="train on the prompts' positions too (the target's distributions there, read from its features)")
     ap.add_argument("--feature-loss", type=float, default=0.0,
                     help="--kind feature: weight of EAGLE's feature regression (smooth L1 to the target's next feature) added to the loss")
+    ap.add_argument("--adapter-rank", type=int, default=0,
+                    help="train rank-R adapters on the frozen draft and save them alone (0: the whole draft)")
     ap.add_argument("--target", default=None, help="target model (default: the embedded one)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -835,7 +852,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             loss=a.loss, top_k=a.top_k, lr=a.lr, max_tokens=a.max_tokens, batch_positions=a.batch_positions,
             seconds=a.seconds, epochs=a.epochs, seed=a.seed,
             train_embeddings=not a.freeze_embeddings, train_head=not a.freeze_head, prompt_positions=a.prompt_positions,
-            feature_loss=a.feature_loss,
+            feature_loss=a.feature_loss, adapter_rank=a.adapter_rank,
         ),
         n_prompts=a.n_prompts,
         holdout=a.holdout,

@@ -219,15 +219,21 @@ def distill_args(rest: list[str]) -> list[str]:
     """``osd distill``'s command line for ``osd train-draft``: the general starting draft's defaults
     (all domains of train.jsonl, never the benchmark's prompts, the prompts' positions trained on
     too, cached where ``"default"`` finds the draft of that ``--kind``), then ``rest``, whose
-    options override them (``--no-prompt-positions``: output positions only)."""
-    from drafts.build import default_draft_path
+    options override them (``--no-prompt-positions``: output positions only).
+    ``--adapter-rank R``: the general starting adapter instead, written where ``draft.adapter:
+    shipped`` reads it (the package's ``drafts/starting``), on the full head that the served draft has.
+    """
+    from drafts.build import default_draft_path, shipped_adapter_path
 
-    kind_arg = argparse.ArgumentParser(add_help=False)
-    kind_arg.add_argument("--kind", default="truncated")
-    kind = kind_arg.parse_known_args(rest)[0].kind
+    known = argparse.ArgumentParser(add_help=False)
+    known.add_argument("--kind", default="truncated")
+    known.add_argument("--adapter-rank", type=int, default=0)
+    seen = known.parse_known_args(rest)[0]
+    where = (["--out", str(shipped_adapter_path())] if seen.adapter_rank
+             else ["--out", str(default_draft_path(seen.kind)), "--head-vocab", "8192"])
     return ["--workload", str(DEFAULT_WORKLOAD.parent / "train.jsonl"), "--exclude", str(DEFAULT_WORKLOAD),
-            "--out", str(default_draft_path(kind)), "--n-prompts", "400", "--holdout", "0.05", "--max-tokens", "48",
-            "--head-vocab", "8192", "--seconds", "900", "--prompt-positions"] + list(rest)
+            *where, "--n-prompts", "400", "--holdout", "0.05", "--max-tokens", "48",
+            "--seconds", "900", "--prompt-positions"] + list(rest)
 
 
 def _run(argv: list[str]) -> int:

@@ -434,3 +434,50 @@ def test_a_draft_by_path_is_that_model(make_llama, make_tokenizer, tok, tmp_path
     assert keep is None and len(draft.model.layers) == 3
     want = make_llama(3, seed=0).state_dict()
     assert all(torch.equal(v, want[k]) for k, v in draft.state_dict().items())
+
+
+def test_a_saved_adapter_starts_a_built_draft_where_training_left_it(target, tok, prompts, tmp_path):
+    """``osd train-draft --adapter-rank R`` saves the adapters alone; ``draft.adapter`` puts them
+    on the built draft, which then proposes as the trained one (to the saved precision), and is
+    refused on a draft of another shape."""
+    from config import DraftConfig
+    from drafts.build import ADAPTER_WEIGHTS, adapter_base, build_draft_model, save_adapter
+    from speculative.adapters import adapter_state, add_adapters
+
+    cfg = DraftConfig(kind="truncated", num_layers=2)
+    trained, _ = build_draft_model(cfg, target, tok)
+    add_adapters(trained, 4)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for k, v in adapter_state(trained).items():
+            v.copy_(torch.randn(v.shape, generator=gen) * 0.2)
+    size = save_adapter(trained, tmp_path / "a", adapter_base(cfg, target), meta={"steps": 3}, dtype=torch.float32)
+    assert size == (tmp_path / "a" / ADAPTER_WEIGHTS).stat().st_size
+    assert size < 0.5 * sum(v.numel() * 4 for v in trained.state_dict().values())  # the adapters alone
+    served, _ = build_draft_model(cfg.model_copy(update={"adapter": str(tmp_path / "a")}), target, tok)
+    plain, _ = build_draft_model(cfg, target, tok)
+    torch.testing.assert_close(_logits(served, prompts[0]), _logits(trained, prompts[0]))
+    assert not torch.allclose(_logits(plain, prompts[0]), _logits(trained, prompts[0]), atol=1e-3)
+    save_adapter(trained, tmp_path / "b", adapter_base(cfg, target))  # bfloat16: what is served is what was saved
+    halved, _ = build_draft_model(cfg.model_copy(update={"adapter": str(tmp_path / "b")}), target, tok)
+    assert (tmp_path / "b" / ADAPTER_WEIGHTS).stat().st_size < 0.6 * size
+    with torch.no_grad():
+        for v in adapter_state(trained).values():
+            v.copy_(v.bfloat16().float())
+    torch.testing.assert_close(_logits(halved, prompts[0]), _logits(trained, prompts[0]))
+    with pytest.raises(ModelLoadError, match="trained on the draft"):
+        build_draft_model(DraftConfig(kind="truncated", num_layers=1, adapter=str(tmp_path / "a")), target, tok)
+    with pytest.raises(ModelLoadError, match="not a saved adapter"):
+        build_draft_model(cfg.model_copy(update={"adapter": str(tmp_path)}), target, tok)
+    with pytest.raises(ValueError, match="draft.adapter"):
+        DraftConfig(kind="ngram", adapter=str(tmp_path / "a"))
+
+
+def test_osd_distill_with_an_adapter_rank_writes_the_shipped_adapter_on_the_full_head():
+    from drafts.build import shipped_adapter_path
+    from learner.offline import parser
+    from osd.cli import distill_args
+
+    a = parser().parse_args(distill_args(["--adapter-rank", "16"]))
+    assert a.out == str(shipped_adapter_path()) and a.head_vocab is None and a.adapter_rank == 16
+    assert a.exclude and a.workload.endswith("train.jsonl")  # never the benchmark's prompts
