@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -55,27 +59,52 @@ def read_config(path: str | Path = DEFAULT_CONFIG) -> tuple[dict, AppConfig, dic
     return doc, cfg, options
 
 
+def convert_once(model: str, say: Callable[[str], None] = print) -> None:
+    """Dequantise a GGUF target into the cache before the replicas start, in a child process (the
+    launcher itself never imports torch), saying so: the one slow step of a first start."""
+    from speculative.locate import complete, locate
+
+    path, gguf = locate(model)
+    if gguf is None or complete(Path(path)):
+        return
+    say(f"converting {gguf.name} to safetensors once (about 30 s; cached in {path})")
+    code = "import sys; from speculative.models import resolve_model_folder; resolve_model_folder(sys.argv[1])"
+    subprocess.run([sys.executable, "-c", code, model], check=True, cwd=ROOT)
+
+
 def start(config: str | Path = DEFAULT_CONFIG, port: int | None = None, num_cpus: int = 4,
-          placement: str | None = None, temp_dir: str | None = None, ready_timeout_s: float = 600.0) -> str:
-    """Start Ray and the app; return the base URL once ``/ready`` answers 200."""
+          placement: str | None = None, temp_dir: str | None = None, ready_timeout_s: float = 600.0,
+          verbose: bool = True, say: Callable[[str], None] = print) -> str:
+    """Start Ray and the app; return the base URL once ``/ready`` answers 200. Without ``verbose``
+    the replicas' output (Serve's per-call lines, progress bars, warnings) goes to Ray's log files
+    only, and the console gets the stages through ``say``."""
     os.environ.update(RAY_ENV)
+    doc, cfg, options = read_config(config)
+    convert_once(cfg.engine.model.name, say)
     import ray
     from ray import serve
 
     from .app import build
 
-    doc, cfg, options = read_config(config)
     if placement:
         cfg = cfg.model_copy(update={"placement": placement})
     http = dict(doc.get("http_options") or {})
     http["host"] = "127.0.0.1"
     http["port"] = port or http.get("port", 8000)
     app_doc = doc["applications"][0]
+    temp_dir = temp_dir or tempfile.mkdtemp(prefix="osd-ray-")
     # more logical CPUs than cores: replicas are mostly idle, waiting on each other
+    if not verbose:  # the driver's own "Started Serve in namespace ..."
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="warning",
-             _temp_dir=temp_dir or tempfile.mkdtemp(prefix="osd-ray-"))
+             log_to_driver=verbose, _temp_dir=temp_dir)
+    say(f"starting the application on Ray ({num_cpus} logical CPUs, {cfg.placement} placement); "
+        f"replica logs in {temp_dir}/session_latest/logs")
     serve.start(http_options=http)
-    serve.run(build(cfg, options), name=app_doc.get("name", "osd"), route_prefix=app_doc.get("route_prefix", "/"))
+    if not verbose:  # the driver's own "Connecting to ...", "Application ... is ready" (the stages say it)
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    serve.run(build(cfg, options), name=app_doc.get("name", "osd"), route_prefix=app_doc.get("route_prefix", "/"),
+              logging_config=app_doc.get("logging_config"))
     url = f"http://127.0.0.1:{http['port']}"
     deadline = time.monotonic() + ready_timeout_s
     while True:
@@ -109,25 +138,89 @@ print(c.completions.create(model='{model}', prompt='def fib(n):', max_tokens=32,
 {keys}Stop with Ctrl-C (or SIGTERM)."""
 
 
+def load_line(before: dict | None, now: dict, seconds: float) -> str | None:
+    """What the console says about ``seconds`` of served load, from two of the Metrics replica's
+    ``totals`` (requests, errors, generation_tokens); None when nothing was answered."""
+    b = before or {"requests": 0, "errors": 0, "generation_tokens": 0}
+    n = now["requests"] - b["requests"]
+    if n <= 0 or seconds <= 0:
+        return None
+    tokens, errors = now["generation_tokens"] - b["generation_tokens"], now["errors"] - b["errors"]
+    return (f"{time.strftime('%H:%M:%S')}  last {seconds:.0f} s: {n:.0f} requests, {tokens / seconds:.1f} tokens/s, "
+            f"{errors:.0f} errors")
+
+
+def health_lines(before: dict[str, str], now: dict[str, tuple[str, str]]) -> list[str]:
+    """Deployments that fell ill or recovered since ``before`` (name -> status), each said once
+    with Serve's reason. ``now``: name -> (status, message)."""
+    bad = ("UNHEALTHY", "DEPLOY_FAILED")
+    out = []
+    for name, (status, message) in sorted(now.items()):
+        was = before.get(name)
+        if status in bad and was != status:
+            out.append(f"{time.strftime('%H:%M:%S')}  {name} is {status}: {message.strip() or 'no reason given'}")
+        elif was in bad and status not in bad:
+            out.append(f"{time.strftime('%H:%M:%S')}  {name} is {status} again")
+    return out
+
+
+def watch(app: str, stop: threading.Event, every_s: float = 60.0, say: Callable[[str], None] = print) -> None:
+    """Until ``stop``: every ``every_s`` one line of served load (when there was any), and at once
+    (polled every few seconds) a deployment that fails or recovers."""
+    from ray import serve
+
+    totals, t_totals, statuses = None, time.monotonic(), {}
+    next_load = time.monotonic() + every_s
+    while not stop.wait(min(5.0, every_s)):
+        try:
+            now = {n: (str(getattr(d.status, "value", d.status)), d.message or "")
+                   for n, d in serve.status().applications[app].deployments.items()}
+        except Exception:  # noqa: BLE001 - Serve shutting down
+            continue
+        for line in health_lines(statuses, now):
+            say(line)
+        statuses = {n: st for n, (st, _) in now.items()}
+        if time.monotonic() < next_load or "Metrics" not in now:
+            continue
+        next_load += every_s
+        try:
+            got = serve.get_deployment_handle("Metrics", app).stats.remote(None, True).result(timeout_s=10)["totals"]
+        except Exception:  # noqa: BLE001 - the metrics replica restarting: the next minute says it
+            continue
+        t = time.monotonic()
+        line = load_line(totals, got, t - t_totals)
+        if line:
+            say(line)
+        totals, t_totals = got, t
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="osd serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="a Serve config file (serve_config.yaml)")
     ap.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's, 8000)")
     ap.add_argument("--num-cpus", type=int, default=4, help="logical CPUs Ray schedules replicas on")
     ap.add_argument("--placement", choices=["split", "colocated"], default=None)
+    ap.add_argument("--verbose", action="store_true",
+                    help="the replicas' output on the console too (Serve's per-call lines, progress bars)")
+    ap.add_argument("--report-s", type=float, default=60.0, help="seconds between lines of served load")
     args = ap.parse_args(argv)
     _, cfg, _ = read_config(args.config)
     from .tenants import load_keys
 
     open_ = not load_keys(cfg.auth)  # the replicas read the same config and environment
     t0 = time.perf_counter()
-    url = start(args.config, args.port, args.num_cpus, args.placement)
-    print(examples(url, cfg.ingress.model_name, open_))
-    print(f"(cold start {time.perf_counter() - t0:.0f} s)", flush=True)
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    url = start(args.config, args.port, args.num_cpus, args.placement, verbose=args.verbose, say=say)
+    say(f"ready after {time.perf_counter() - t0:.0f} s\n")
+    say(examples(url, cfg.ingress.model_name, open_))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    doc, _, _ = read_config(args.config)
+    watch(doc["applications"][0].get("name", "osd"), stop, args.report_s, say)
     from ray import serve
     import ray
 

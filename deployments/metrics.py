@@ -30,6 +30,8 @@ class MetricsServer:
         self.hub = Hub(cfg)
         self.handles = handles or {}
         self._pull_lock = asyncio.Lock()
+        self._seen: set[str] = set()  # sources that have answered once
+        self._failing: dict[str, str] = {}  # source -> the error it fails with now
 
     def _merge(self, source: str, snaps: list) -> None:
         live = set()
@@ -46,9 +48,22 @@ class MetricsServer:
                 try:
                     snaps = await handle.broadcast("telemetry").results_async()
                 except Exception as e:  # noqa: BLE001 - a deployment restarting: its gauges wait
-                    log.warning("telemetry of %s: %s", source, e)
+                    self._unreachable(source, e)
                     continue
+                if self._failing.pop(source, None) is not None:
+                    log.warning("telemetry of %s: reachable again", source)
+                self._seen.add(source)
                 self._merge(source, snaps)
+
+    def _unreachable(self, source: str, e: Exception) -> None:
+        """Said once while it lasts, not at every pull; a deployment still starting (never reached
+        yet) is not a failure."""
+        if source in self._failing:
+            return
+        self._failing[source] = type(e).__name__
+        if source in self._seen:
+            log.warning("telemetry of %s: unreachable (%s: %s); its gauges wait until it answers", source,
+                        type(e).__name__, e)
 
     async def scrape(self) -> bytes:
         await self.pull()  # a few ms: what was served before the scrape is in it

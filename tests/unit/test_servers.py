@@ -83,6 +83,24 @@ def test_the_metrics_replica_adds_up_every_replica_of_every_source(loop):
     assert len(server.hub.points) == n + 1
 
 
+def test_a_source_that_fails_is_said_once_and_one_still_starting_not_at_all(loop, caplog):
+    a = Replica("Ingress")
+    server = MetricsServer(MetricsConfig(), {"Ingress": Handle(a), "DraftPool": Handle(Broken())})
+    with caplog.at_level("WARNING", logger="deployments.metrics"):
+        for _ in range(5):  # DraftPool never answered yet: starting, not failing
+            loop.run(server.pull())
+        assert not caplog.records
+        server.handles["Ingress"] = Handle(Broken())  # Ingress answered before: it fails now
+        for _ in range(5):
+            loop.run(server.pull())
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 1 and "telemetry of Ingress: unreachable (RuntimeError: replica restarting)" in said[0]
+        server.handles["Ingress"] = Handle(a)
+        loop.run(server.pull())
+        loop.run(server.pull())
+        assert [r.getMessage() for r in caplog.records][1:] == ["telemetry of Ingress: reachable again"]
+
+
 def test_only_snapshots_are_merged(loop):
     a = Replica("Ingress")
     server = MetricsServer(MetricsConfig(), {"Ingress": Handle(a)})
