@@ -541,6 +541,10 @@ class MetricsConfig(_Strict):
     keep_versions: int = Field(default=4, ge=1)  # per draft: newest versions kept as label values
     max_series: int = Field(default=2000, ge=10)  # per metric family; beyond it every label is ``other``
     events: int = Field(default=500, ge=1)  # publish / rollback / reject / spawn events kept
+    #: the dashboard's acceptance chart: the busiest domains (by draft tokens) as lines, the rest as one
+    chart_domains: int = Field(default=6, ge=1)
+    #: its trailing window: wide enough that a point stands on hundreds of draft tokens, not a handful
+    acceptance_window_s: float = Field(default=120.0, gt=0)
 
 
 class TenantLimits(_Strict):

@@ -46,16 +46,18 @@ deserve a draft of their own) and clusters that expired (their draft can go).
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Sequence
 
 import numpy as np
 from scipy import sparse
-from sklearn.feature_extraction.text import TfidfVectorizer
+from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS, TfidfVectorizer
 from sklearn.linear_model import LogisticRegression
 
 from config import RouterConfig
@@ -314,6 +316,9 @@ class Cluster:
     accepted: float = 0.0  # decayed accepted / proposed tokens of the drafts that served it
     proposed: float = 0.0
     draft: str | None = None  # its own draft, once spawned
+    #: word -> how many of its queries hold it (bounded, :data:`_TERMS_KEPT`): what its name is read from
+    terms: Counter = field(default_factory=Counter)
+    name: str | None = None  # a few characteristic words (:func:`name_clusters`), once it has them
 
     @property
     def key(self) -> str:
@@ -327,7 +332,42 @@ class Cluster:
     def meta(self) -> dict:
         return {"id": self.id, "lang": self.lang, "born": self.born, "count": self.count,
                 "last_seen": self.last_seen, "last_seen_s": self.last_seen_s, "recent": list(self.recent),
-                "accepted": self.accepted, "proposed": self.proposed, "draft": self.draft}
+                "accepted": self.accepted, "proposed": self.proposed, "draft": self.draft,
+                "terms": dict(self.terms), "name": self.name}
+
+    def add_terms(self, text: str) -> None:
+        """Count each word of one query once; keep the most frequent when there are too many."""
+        self.terms.update(set(_WORD.findall(text.lower())) - _STOP)
+        if len(self.terms) > 2 * _TERMS_KEPT:
+            self.terms = Counter(dict(self.terms.most_common(_TERMS_KEPT)))
+
+
+#: words of a query a cluster's name may use: letters (any script) and digits, 3-24 long, starting with a letter
+_WORD = re.compile(r"\b[^\W\d_][\w]{2,23}\b")
+_STOP = frozenset(ENGLISH_STOP_WORDS) | {"please", "like", "want", "need", "using", "use", "make", "write", "does"}
+_TERMS_KEPT = 200
+
+
+def name_clusters(clusters: Sequence[Cluster], words: int = 3, min_queries: int = 2) -> dict[int, str | None]:
+    """A short name for each cluster: its ``words`` most characteristic words by class-based TF-IDF
+    (BERTopic's c-TF-IDF: a word's share of the cluster's words, times log(1 + A / f), with A the
+    mean number of words a cluster holds and f the word's count over all clusters), in order.
+    A word counts only when ``min_queries`` of the cluster's queries hold it, so a name never
+    repeats one query; a cluster with no such word has none (None)."""
+    counts = [{w: n for w, n in c.terms.items() if n >= min_queries} for c in clusters]
+    total: Counter = Counter()
+    for terms in counts:
+        total.update(terms)
+    sizes = [sum(terms.values()) for terms in counts]
+    mean = sum(sizes) / max(1, sum(1 for n in sizes if n))
+    names = {}
+    for c, terms, size in zip(clusters, counts, sizes):
+        if not terms:
+            names[c.id] = None
+            continue
+        score = {w: n / size * math.log(1 + mean / total[w]) for w, n in terms.items()}
+        names[c.id] = " ".join(sorted(score, key=lambda w: (-score[w], w))[:words])
+    return names
 
 
 @dataclass(frozen=True)
@@ -358,9 +398,11 @@ class OnlineClusters:
         i = int(sims.argmax())
         return same[i], float(sims[i])
 
-    def assign(self, emb: np.ndarray, lang: str, t: int, now_s: float | None = None) -> tuple[Cluster, float]:
+    def assign(self, emb: np.ndarray, lang: str, t: int, now_s: float | None = None,
+               text: str | None = None) -> tuple[Cluster, float]:
         """Put ``emb`` [d] (unit norm) into a cluster at router clock ``t``; returns the cluster and
-        the similarity to its centroid before the update (0 for a new cluster)."""
+        the similarity to its centroid before the update (0 for a new cluster). ``text``: the
+        query, whose words the cluster counts for its name."""
         now_s = time.time() if now_s is None else now_s
         c, sim = self.nearest(emb, lang)
         if c is None or 1.0 - sim > self.cfg.cluster_threshold:
@@ -377,6 +419,8 @@ class OnlineClusters:
             c.centroid = (centroid / max(np.linalg.norm(centroid), 1e-12)).astype(np.float32)
         c.last_seen, c.last_seen_s = t, now_s
         c.recent.append(t)
+        if text:
+            c.add_terms(text)
         return c, sim
 
     def observe(self, cluster_id: int, accepted: int, proposed: int) -> None:
@@ -390,6 +434,8 @@ class OnlineClusters:
         """Expire noise and idle clusters; report busy clusters with poor acceptance and no draft."""
         cfg, now_s = self.cfg, time.time() if now_s is None else now_s
         events, self._evicted = self._evicted, []
+        for cid, name in name_clusters(list(self.clusters.values())).items():  # refreshed as they grow
+            self.clusters[cid].name = name
         for c in list(self.clusters.values()):
             if c.count < cfg.min_cluster_size and t - c.born >= cfg.noise_ttl:
                 events.append(self._remove(c, "noise"))
@@ -426,6 +472,7 @@ class OnlineClusters:
         self.next_id = int(meta["next_id"])
         for m, centroid in zip(meta["clusters"], centroids):
             recent = deque(m["recent"], maxlen=cfg.spawn_min_records)
-            c = Cluster(centroid=np.asarray(centroid, np.float32), **{**m, "recent": recent})
+            terms = Counter(m.get("terms", {}))  # saves of older versions have none
+            c = Cluster(centroid=np.asarray(centroid, np.float32), **{**m, "recent": recent, "terms": terms})
             self.clusters[c.id] = c
         return self

@@ -273,7 +273,7 @@ class Router:
                 why = f"atypical of {topic} ({typ:.2f} < {self.classifier.thresholds[topic]:.2f})"
             return self._fallback(f, f"fallback: {why}", topic, prob, typ)
         else:
-            c, confidence = self.clusters.assign(f.embedding, f.lang, self.t)
+            c, confidence = self.clusters.assign(f.embedding, f.lang, self.t, text=f.text)
             domain, cluster, source = c.key, c.id, "cluster"
             if named is not None:  # the classifier's label, or its likeliest named one for general traffic
                 hint = self.own_draft(self.domain_key(named, f.lang))
@@ -408,7 +408,7 @@ class Router:
         return {
             "t": self.t, "mode": self.cfg.mode, "classes": self.classifier.classes,
             "drafts": {d: {"domain": dom, "value": round(self.value(d), 2)} for d, dom in self.drafts.items()},
-            "clusters": {c.key: {"count": c.count, "draft": c.draft, "alpha": c.alpha}
+            "clusters": {c.key: {"name": c.name, "count": c.count, "draft": c.draft, "alpha": c.alpha}
                          for c in self.clusters.clusters.values()},
             "acceptance": {f"{dom}|{d}": round(self.bandit.mean(dom, d), 4) for dom, d in self.bandit.counts},
         }

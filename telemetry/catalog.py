@@ -60,6 +60,8 @@ CATALOG: dict[str, Family] = _families(
            "and domain", ("reason", "domain")),
     Family("osd_router_draft_events_total", "counter", "Drafts spawned for busy clusters and retired", ("kind",)),
     Family("osd_router_clusters", "gauge", "Live online clusters in the router"),
+    Family("osd_domain_info", "gauge", "1 for each discovered domain with its readable name (its most characteristic "
+           "words, refreshed as it grows; the domain label stays the stable id)", ("domain", "name")),
     Family("osd_router_drafts", "gauge", "Drafts the router can route to"),
     # -- speculative decoding (draft pool) ---------------------------------------------------------
     Family("osd_spec_decode_num_drafts_total", "counter", "Steps that proposed at least one draft token", SPEC),

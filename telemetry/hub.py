@@ -33,6 +33,8 @@ from .meter import Key, LabelCaps
 FORGET_EPOCH_S = 3600.0
 #: the dashboard's acceptance and rates: over the trailing window (seconds)
 WINDOW_S = 30.0
+#: the acceptance chart's line for every domain past the busiest ``MetricsConfig.chart_domains``
+OTHER_DOMAINS = "(others)"
 
 
 def _diff(cur: float, prev: float) -> float:
@@ -137,6 +139,8 @@ class Hub:
     def _key(self, k: Key) -> Key:
         name, values = k
         fam = CATALOG[name]
+        if name == "osd_domain_info":  # replaced whole at every pull, bounded by the router's clusters: no caps
+            return name, tuple(values)
         if "draft_version" in fam.labels:
             values = self._version_label(fam.labels, values)
         return self.caps.key(name, tuple(values))
@@ -274,21 +278,29 @@ class Hub:
             return [sum(col) for col in zip(*rows)] if rows else []
 
         lag = max(1, round(WINDOW_S / self.cfg.sample_s))
-        series = {"t": [], "acceptance": {}, "requests_per_s": [], "tokens_per_s": [], "errors_per_s": [],
+        lag_acc = max(1, round(self.cfg.acceptance_window_s / self.cfg.sample_s))
+        series = {"t": [], "acceptance": {}, "drafted": {}, "requests_per_s": [], "tokens_per_s": [], "errors_per_s": [],
                   "latency_p50_s": [], "latency_p95_s": [], "ttft_p50_s": []}
         domains = sorted({d for p in points for d in spec(p)})
-        for d in domains:
-            series["acceptance"][d] = []
+        # the chart's lines: the busiest domains by draft tokens, the others added up as one
+        busy = spec(current)
+        top = sorted(domains, key=lambda d: (-busy.get(d, [0.0])[0], d))[: self.cfg.chart_domains]
+        lines = {d: [d] for d in sorted(top)}
+        if len(domains) > len(top):
+            lines[OTHER_DOMAINS] = [d for d in domains if d not in lines]
+        for d in lines:
+            series["acceptance"][d], series["drafted"][d] = [], []
         buckets = CATALOG["osd_e2e_request_latency_seconds"].buckets
         for i, p in enumerate(points):
             base = points[max(0, i - lag)]
             dt = p["t"] - base["t"]
             series["t"].append(round(p["t"], 3))
-            now_s, then_s = spec(p), spec(base)
-            for d in domains:
-                a, b = now_s.get(d, [0.0, 0.0]), then_s.get(d, [0.0, 0.0])
-                drafted = a[0] - b[0]
-                series["acceptance"][d].append(round((a[1] - b[1]) / drafted, 4) if drafted > 0 else None)
+            now_s, then_s = spec(p), spec(points[max(0, i - lag_acc)])
+            for d, members in lines.items():
+                drafted = sum(now_s.get(m, [0.0, 0.0])[0] - then_s.get(m, [0.0, 0.0])[0] for m in members)
+                accepted = sum(now_s.get(m, [0.0, 0.0])[1] - then_s.get(m, [0.0, 0.0])[1] for m in members)
+                series["acceptance"][d].append(round(accepted / drafted, 4) if drafted > 0 else None)
+                series["drafted"][d].append(drafted)  # what each point stands on
             r, rb = req(p), req(base)
             for j, name in enumerate(("requests_per_s", "errors_per_s", "tokens_per_s")):
                 series[name].append(round((r[j] - rb[j]) / dt, 4) if dt > 0 else None)
@@ -298,13 +310,18 @@ class Hub:
                     h = [x - y for x, y in zip(h, hb)]
                 series[out].append(quantile(q, buckets, h) if h and i > 0 else None)
 
-        acceptance = {d: {"drafted": v[0], "accepted": v[1], "alpha": v[1] / v[0] if v[0] else None}
+        names = {values[0]: values[1] for (n, values) in gauges if n == "osd_domain_info"}
+        acceptance = {d: {"drafted": v[0], "accepted": v[1], "alpha": v[1] / v[0] if v[0] else None,
+                          "name": names.get(d)}
                       for d, v in sorted(spec(current).items())}
         requests, errors, tokens = req(current)
         out = {
             "t": time.time(), "scope": tenant or "all", "sample_s": self.cfg.sample_s, "window_s": WINDOW_S,
+            "acceptance_window_s": self.cfg.acceptance_window_s,
             "totals": {"requests": requests, "errors": errors, "generation_tokens": tokens},
             "acceptance": acceptance, "series": series,
+            # readable names of the domains in this scope (a tenant sees its own domains' only)
+            "domain_names": {d: names[d] for d in sorted(set(domains) | set(acceptance)) if d in names},
         }
         if admin:
             out["running"] = {"ingress": gauges.get(("osd_requests_running", ()), 0.0),
@@ -337,4 +354,4 @@ class Hub:
         }
 
 
-__all__ = ["Hub", "quantile", "json_safe", "OTHER"]
+__all__ = ["Hub", "quantile", "json_safe", "OTHER", "OTHER_DOMAINS"]

@@ -104,6 +104,18 @@ class Meter:
         with self._lock:
             self._gauges[self.caps.key(name, labels)] = float(value)
 
+    def replace(self, name: str, series: dict[tuple[str, ...], float]) -> None:
+        """Gauge ``name`` becomes exactly ``series`` (label values in the family's order -> value):
+        series not in it go (an info gauge whose label values change, e.g. a domain's name)."""
+        if not self.enabled:
+            return
+        with self._lock:
+            for k in [k for k in self._gauges if k[0] == name]:
+                del self._gauges[k]
+            self.caps.series.pop(name, None)
+            for values, v in series.items():
+                self._gauges[self.caps.key(name, tuple(str(x) for x in values))] = float(v)
+
     def event(self, kind: str, **fields) -> None:
         """A discrete event for the dashboard and annotations (publish, rollback, reject, spawn...)."""
         if not self.enabled:

@@ -52,7 +52,7 @@ def render(s: dict, url: str):
     for col in ("domain", "alpha", "alpha (recent)", "drafted", "accepted"):
         domains.add_column(col, justify="left" if col == "domain" else "right")
     for d, a in s["acceptance"].items():
-        domains.add_row(d, _f(a["alpha"], "{:.3f}"), _f(_last(series["acceptance"].get(d, [])), "{:.3f}"),
+        domains.add_row(f"{a['name']} ({d})" if a.get("name") else d, _f(a["alpha"], "{:.3f}"), _f(_last(series["acceptance"].get(d, [])), "{:.3f}"),
                         _f(a["drafted"], "{:.0f}"), _f(a["accepted"], "{:.0f}"))
     parts = [head, overview, domains]
     if "learner" in s:

@@ -22,6 +22,12 @@ function fmt(x, digits = 2) {
   return x === null || x === undefined ? "-" : (typeof x === "number" ? x.toFixed(digits) : String(x));
 }
 
+function esc(text) {
+  const span = document.createElement("span");
+  span.textContent = text;
+  return span.innerHTML;
+}
+
 function width(id) {
   return Math.max(360, document.getElementById(id).clientWidth || 520);
 }
@@ -69,7 +75,10 @@ function render(s) {
   document.getElementById("scope").textContent = "scope: " + s.scope;
   document.getElementById("updated").textContent = "updated " + new Date(s.t * 1000).toLocaleTimeString();
   const domains = Object.keys(s.series.acceptance).sort();
-  const color = (d) => PALETTE[domains.indexOf(d) % PALETTE.length];
+  const color = (d) => PALETTE[domains.indexOf(d) % PALETTE.length] || "#94a3b8";
+  const names = s.domain_names || {};
+  // a discovered domain by its readable name (its id after it), a named one by itself
+  const label = (d) => (names[d] ? `${names[d]} (${d})` : d);
 
   const tiles = [["requests", s.totals.requests, 0], ["errors", s.totals.errors, 0],
                  ["output tokens", s.totals.generation_tokens, 0]];
@@ -85,7 +94,10 @@ function render(s) {
     `<div class="tile">${n}<b>${fmt(v, d)}</b></div>`).join("");
 
   const events = s.events || [];
-  draw("acceptance", domains.map((d) => ({ label: d, stroke: color(d), width: 2, spanGaps: true })),
+  // each line's legend says how many draft tokens its latest point stands on
+  draw("acceptance", domains.map((d) => ({ label: label(d), stroke: color(d), width: 2, spanGaps: true,
+                                           value: (u, v, si, i) => (v === null || v === undefined ? "-" :
+                                             `${v.toFixed(2)} of ${fmt((s.series.drafted[d] || [])[i], 0)}`) })),
        [t, ...domains.map((d) => s.series.acceptance[d])],
        { scales: { y: { range: [-0.03, 1.03] } }, plugins: [eventTicks(events)] });
   draw("rates", [{ label: "requests/s", stroke: "#334155", width: 2, scale: "r" },
@@ -99,7 +111,8 @@ function render(s) {
 
   document.getElementById("domains").innerHTML = "<tr><th>domain</th><th>alpha</th><th>drafted</th><th>accepted</th></tr>" +
     Object.entries(s.acceptance).map(([d, a]) =>
-      `<tr><td><span class="swatch" style="background:${color(d)}"></span>${d}</td><td>${fmt(a.alpha, 3)}</td>` +
+      `<tr><td><span class="swatch" style="background:${domains.includes(d) ? color(d) : "#e2e8f0"}"></span>` +
+      `${esc(label(d))}</td><td>${fmt(a.alpha, 3)}</td>` +
       `<td>${fmt(a.drafted, 0)}</td><td>${fmt(a.accepted, 0)}</td></tr>`).join("");
   if (s.drafts) {
     const loss = (s.learner && s.learner.loss) || {};

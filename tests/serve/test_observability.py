@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from conftest import free_port
 
+from config import AppConfig
+
 from .conftest import ADMIN_KEY, KEY, MODEL, PROMPTS, _call, scrape, total
 
 pytestmark = pytest.mark.serve
@@ -190,8 +192,11 @@ def test_dashboard_draws_one_line_per_domain_with_traffic(server, tmp_path):
     finally:
         browser.quit()
     lines = [d for d in domains if sum(x is not None for x in series[d]) >= 2]
-    assert lines and set(stats["acceptance"]) == set(domains)
-    assert labels[1:] == domains  # the legend: the x axis, then one entry per domain
+    cap = AppConfig().metrics.chart_domains
+    assert lines and len(domains) <= cap + 1 and set(domains) - {"(others)"} <= set(stats["acceptance"])
+    names = stats["domain_names"]
+    # the legend: the x axis, then one entry per line, a discovered domain by its name
+    assert labels[1:] == [f"{names[d]} ({d})" if d in names else d for d in domains]
     for d in lines:  # a domain with traffic in two or more samples is drawn as a line of its colour
         assert alone[d] >= 20, f"no line for {d} ({alone[d]} pixels of its colour)"
     unused = {c: pixels_near(everything, c) for c in palette[len(domains):]}
@@ -227,7 +232,8 @@ def _top_problems(screen: str, stats: dict) -> list:
     if f"{stats['totals']['requests']:.0f}" not in screen:
         problems.append(("requests", stats["totals"]["requests"]))
     for d, a in stats["acceptance"].items():
-        row = next((line for line in screen.splitlines() if line.strip().startswith(d + " ")), None)
+        shown = f"{a['name']} ({d})" if a.get("name") else d
+        row = next((line for line in screen.splitlines() if line.strip().startswith(shown + " ")), None)
         if row is None or (f"{a['alpha']:.3f}" not in row if a["alpha"] is not None else "-" not in row):
             problems.append((d, a["alpha"], row))
     if not ("learner" in screen and "general v" in screen):

@@ -389,7 +389,7 @@ def test_a_version_older_than_every_kept_one_is_counted_as_old():
 def test_stats_series_are_windowed_over_the_trailing_window():
     """sample_s = 10 s: the window (30 s) is 3 samples back; each point's acceptance, rates and
     latency quantiles come from what happened since the point 3 samples before it."""
-    cfg = MetricsConfig(sample_s=10.0)
+    cfg = MetricsConfig(sample_s=10.0, acceptance_window_s=30.0)
     d, i, hub = Meter("DraftPool", cfg, replica="d"), Meter("Ingress", cfg, replica="i"), Hub(cfg)
     spec = {**SPEC, "domain": "sql"}
     per_sample = [(3, 1, 0.3), (3, 2, 0.3), (0, 0, 3.0), (6, 6, 3.0), (3, 0, 3.0)]  # drafted, accepted, latency
@@ -408,6 +408,7 @@ def test_stats_series_are_windowed_over_the_trailing_window():
     assert s["t"][:2] == [1000.123, 1010.123]
     # drafted, accepted since 3 samples before (or the first): (3, 1), (6, 3), (6, 3), (9, 8), (9, 6)
     assert s["acceptance"]["sql"] == [None, round(1 / 3, 4), 0.5, 0.5, round(8 / 9, 4), round(6 / 9, 4)]
+    assert s["drafted"]["sql"] == [0, 3, 6, 6, 9, 9]  # what each point stands on
     # requests in the window / its seconds: 1/10, 3/20, 6/30, then (2+3+4)/30, (3+4+5)/30
     assert s["requests_per_s"] == [None, 0.1, 0.15, 0.2, 0.3, 0.4]
     assert s["tokens_per_s"] == [None, 1.0, 1.5, 2.0, 3.0, 4.0]
@@ -428,7 +429,7 @@ def test_stats_windows_of_one_sample_sub_second_rates_and_the_overflow_bucket():
     """A sample period longer than the window: each point is against the one before it. Rates over
     sub-second gaps keep four decimals; one drafted token is enough for an acceptance figure; a
     latency beyond the highest bound stays in the quantiles (at that bound)."""
-    cfg = MetricsConfig(sample_s=60.0)
+    cfg = MetricsConfig(sample_s=60.0, acceptance_window_s=30.0)
     d, i, hub = Meter("DraftPool", cfg, replica="d"), Meter("Ingress", cfg, replica="i"), Hub(cfg)
     hub.sample(now=50.0)
     d.inc("osd_spec_decode_num_draft_tokens_total", 1, **SPEC)
@@ -478,8 +479,8 @@ def test_stats_totals_scope_running_gauges_and_events():
     s = hub.stats()
     assert s["scope"] == "all" and hub.stats("t1")["scope"] == "t1"
     assert s["running"]["kv_caches"] == 7
-    assert s["acceptance"]["code"] == {"drafted": 8, "accepted": 2, "alpha": 0.25}
-    assert s["acceptance"]["sql"] == {"drafted": 5, "accepted": 0, "alpha": 0.0}  # none accepted is 0, not unknown
+    assert s["acceptance"]["code"] == {"drafted": 8, "accepted": 2, "alpha": 0.25, "name": None}  # a named domain: no words
+    assert s["acceptance"]["sql"] == {"drafted": 5, "accepted": 0, "alpha": 0.0, "name": None}  # none accepted is 0, not unknown
     assert [e["version"] for e in s["events"]] == list(range(50, 150))  # the newest 100
 
 
@@ -578,3 +579,23 @@ def test_top_says_why_it_has_no_figures(capsys):
         server.close()
     with pytest.raises(SystemExit):
         main(["--interval", "0", "--once"])
+
+
+def test_the_acceptance_chart_draws_the_busiest_domains_and_adds_up_the_rest_over_its_own_window():
+    """chart_domains 2 of 4 domains: the two with the most draft tokens are lines, the other two one
+    line of their sums; acceptance looks back acceptance_window_s (40 s = 4 samples), not 30 s."""
+    cfg = MetricsConfig(sample_s=10.0, chart_domains=2, acceptance_window_s=40.0)
+    d, hub = Meter("DraftPool", cfg, replica="d"), Hub(cfg)
+    hub.sample(now=0.0)
+    per_domain = {"a": (40, 30), "b": (30, 3), "c": (8, 8), "e": (2, 0)}  # drafted, accepted per interval
+    for n in range(1, 6):
+        for dom, (drafted, accepted) in per_domain.items():
+            d.inc("osd_spec_decode_num_draft_tokens_total", drafted, **{**SPEC, "domain": dom})
+            d.inc("osd_spec_decode_num_accepted_tokens_total", accepted, **{**SPEC, "domain": dom})
+        hub.merge(d.snapshot())
+        hub.sample(now=10.0 * n)
+    s = hub.stats()["series"]
+    assert sorted(s["acceptance"]) == ["(others)", "a", "b"]
+    assert s["acceptance"]["(others)"][-1] == round(8 / 10, 4) and s["drafted"]["(others)"][-1] == 40  # 4 intervals
+    assert s["drafted"]["a"][-1] == 160 and s["acceptance"]["b"][-1] == 0.1
+    assert sorted(hub.stats()["acceptance"]) == ["a", "b", "c", "e"]  # the table keeps every domain
