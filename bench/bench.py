@@ -374,6 +374,7 @@ def engine_config_from_args(args) -> EngineConfig:
             head_vocab=args.head_vocab,
             ngram_first=args.ngram_first,
             checkpoint=args.draft_checkpoint,
+            adapter=getattr(args, "draft_adapter", None),
         ),
         k=KPolicyConfig(k_max=args.k_max, fixed_k=args.fixed_k),
     )

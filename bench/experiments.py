@@ -831,6 +831,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--draft-layers", type=int, default=2)
         p.add_argument("--head-vocab", type=int, default=None)
         p.add_argument("--draft-checkpoint", default=None, help="starting draft (a saved draft folder)")
+        p.add_argument("--draft-adapter", default=None,
+                       help="adapters the built draft starts from (osd train-draft --adapter-rank, or 'shipped')")
         p.add_argument("--threads", type=int, default=2)
         p.add_argument("--device", default="cpu")
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -946,8 +948,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         all_recs = load_workload(args.workload)
     log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     stream_recs = all_recs
-    if args.cmd in ("online", "shift") and args.draft_checkpoint and not args.include_trained:
-        stream_recs = unseen_by(all_recs, args.draft_checkpoint, getattr(args, "draft_kind", "truncated"))
+    start = args.draft_checkpoint or getattr(args, "draft_adapter", None)
+    if args.cmd in ("online", "shift") and start and not args.include_trained:
+        stream_recs = unseen_by(all_recs, start, getattr(args, "draft_kind", "truncated"))
         if log:
             dropped = len(all_recs) - len(stream_recs)
             log(f"stream: {dropped} of {len(all_recs)} records dropped (the starting draft trained on them)" if dropped else

@@ -96,7 +96,8 @@ def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
         ckpt = str(resolve_checkpoint(ckpt, kind))
     layers = getattr(args, "feature_layers", []) if kind == "feature" else []
     cfg = EngineConfig(model=model, draft=DraftConfig(kind=kind, num_layers=args.draft_layers, head_vocab=args.head_vocab,
-                                                      checkpoint=ckpt, feature_layers=layers),
+                                                      checkpoint=ckpt, feature_layers=layers,
+                                                      adapter=getattr(args, "draft_adapter", None)),
                        k=KPolicyConfig(k_max=max(args.k, 1), fixed_k=args.k))
     base = build_engine(cfg, texts=texts, calibrate=False)
     dp = _draft_of(base)
@@ -131,7 +132,7 @@ def unseen_by(records: Sequence[Any], checkpoint: str, kind: str = "truncated") 
     """``records`` minus the prompts the saved draft ``checkpoint`` (a folder or "default" of ``kind``) was
     distilled on (its meta's ``trained_prompts``): a stream measures what the draft learns online,
     not what it memorised offline."""
-    from drafts.build import prompt_digest, resolve_checkpoint, trained_prompts
+    from drafts.build import SHIPPED_ADAPTER, prompt_digest, resolve_checkpoint, trained_prompts
 
-    seen = trained_prompts(resolve_checkpoint(checkpoint, kind))
+    seen = trained_prompts(checkpoint if checkpoint == SHIPPED_ADAPTER else resolve_checkpoint(checkpoint, kind))
     return [r for r in records if prompt_digest(r.text) not in seen]

@@ -49,9 +49,13 @@ def prompt_digest(text: str) -> str:
 
 
 def read_meta(path: str | Path) -> dict:
-    """The ``meta`` a saved draft folder carries ({} when it has none or is not a saved draft)."""
-    meta_file = Path(path) / DRAFT_META
-    return json.loads(meta_file.read_text()).get("meta", {}) if meta_file.exists() else {}
+    """The ``meta`` a saved draft or adapter folder carries ({} when it has none or is neither);
+    ``"shipped"`` is the package's starting adapter."""
+    folder = shipped_adapter_path() if str(path) == SHIPPED_ADAPTER else Path(path)
+    for name in (DRAFT_META, ADAPTER_META):
+        if (folder / name).exists():
+            return json.loads((folder / name).read_text()).get("meta", {})
+    return {}
 
 
 def trained_prompts(path: str | Path) -> set[str]:

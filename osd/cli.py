@@ -38,6 +38,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-layers", type=int, default=2)
     g.add_argument("--draft-path", default=None, help="with --draft path: any causal LM sharing the target's vocabulary")
     g.add_argument("--draft-checkpoint", default=None, help="a draft saved by osd train-draft, or 'default' (osd distill)")
+    g.add_argument("--draft-adapter", default=None,
+                   help="adapters to start the built draft from: a folder of osd train-draft --adapter-rank, or 'shipped'")
     g.add_argument("--head-vocab", type=int, default=None, help="restrict the draft head to the N most frequent tokens")
     g.add_argument("--ngram-first", action="store_true", help="try prompt lookup before the learned draft")
     g.add_argument("--k-max", type=int, default=6)
