@@ -506,6 +506,10 @@ class DraftPoolConfig(_Strict):
     #: whose suffix trees learn them too (every replica's trees then see the whole pool's traffic,
     #: isolated tenants' drafts still only their own); 0: each replica learns from its traffic alone
     share_outputs_s: float = Field(default=1.0, ge=0.0)
+    #: a stream sends a request's tokens at most this often (the steps in between travel together,
+    #: the first and the last at once): fewer hops engine -> ingress -> proxy per token on few cores;
+    #: 0: every step as it comes
+    stream_interval_s: float = Field(default=0.0, ge=0.0)
 
 
 class IngressConfig(_Strict):

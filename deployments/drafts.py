@@ -28,6 +28,7 @@ import asyncio
 import contextvars
 import copy
 import logging
+import math
 import time
 import weakref
 from collections import OrderedDict, deque
@@ -427,6 +428,9 @@ class DraftPool:
         self.running += 1
         record = RecordBuilder() if self.learner is not None and engine.learned_draft is not None else None
         waited = 0.0  # seconds this request waited on verification (hop + batching + target compute)
+        interval, sent_at = self.cfg.drafts.stream_interval_s, -math.inf  # the first step at once
+        held_text: list[str] = []
+        held_tokens: list[int] = []
         try:
             yield {"prompt_tokens": first.prompt_tokens}
             async for ev in events:
@@ -434,6 +438,8 @@ class DraftPool:
                     raise ev.error
                 if isinstance(ev, Finished):
                     st = ev.state
+                    if held_tokens:  # cut short (a stop, a cancellation) while held
+                        yield {"text": "".join(held_text), "tokens": held_tokens}
                     break
                 res, wait = ev.result, ev.waited
                 waited += wait
@@ -441,8 +447,12 @@ class DraftPool:
                 if record is not None:
                     record.add(res)
                 output += res.emitted
-                text = detok.finish(output) if res.finished else detok.update(output)
-                yield {"text": text, "tokens": res.emitted}
+                held_text.append(detok.finish(output) if res.finished else detok.update(output))
+                held_tokens += res.emitted
+                now = time.perf_counter()
+                if res.finished or now - sent_at >= interval:  # steps closer than the interval travel together
+                    yield {"text": "".join(held_text), "tokens": held_tokens}
+                    held_text, held_tokens, sent_at = [], [], now
             s = st.stats
             if engine.learns_from_traffic and st.output:  # the other replicas' suffix trees learn it too
                 self._finished(draft_id, req.request_id, req.domain, st.output, req.tenant)

@@ -93,6 +93,18 @@ def test_a_request_streams_its_header_steps_and_usage_and_counts_every_step(fold
     assert snap["gauges"][("osd_draft_pool_drafts_loaded", ())] == 1
 
 
+def test_steps_closer_than_the_stream_interval_travel_together_first_and_last_at_once(folder, loop):
+    every = loop.run(LocalPool(app_config(folder)).serve(n=12, domain="code", lang="en", tenant="alice"))
+    held = LocalPool(app_config(folder, drafts={"stream_interval_s": 3600.0}))
+    items = loop.run(held.serve(n=12, domain="code", lang="en", tenant="alice"))
+    steps, every_steps = items[1:-1], every[1:-1]
+    assert len(every_steps) > 2 and len(steps) == 2  # the first step at once, the rest with the last
+    assert steps[0] == every_steps[0]
+    assert [t for s in steps for t in s["tokens"]] == [t for s in every_steps for t in s["tokens"]]
+    assert "".join(s["text"] for s in steps) == "".join(s["text"] for s in every_steps)
+    assert items[-1]["usage"]["speculative"]["steps"] == len(every_steps)  # every step still counted
+
+
 def test_the_step_counts_of_a_model_free_proposer_are_labelled_by_its_name(folder, loop):
     pool = LocalPool(engine_cfg(folder, draft={"kind": "ngram"}))
     items = loop.run(pool.serve(prompt="abcabcabcabc", n=12))
