@@ -266,6 +266,8 @@ def summarise(engines, tallies, rows, methods, skipped, max_tokens) -> dict:
                 k_max = engine.cfg.k.k_max
                 entry.update(
                     alpha=None if a is None else round(a, 4),
+                    # accepted / checked (a token after the first rejection of a step is not checked)
+                    token_acceptance=None if s.token_acceptance is None else round(s.token_acceptance, 4),
                     mean_acceptance_length=None if s.mean_acceptance_length is None else round(s.mean_acceptance_length, 3),
                     proposed=s.proposed,
                     accepted=s.accepted,

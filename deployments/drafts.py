@@ -368,6 +368,7 @@ class DraftPool:
         """One speculative step into the meter (vLLM's spec-decode counters, with our labels)."""
         m, draft, k = self.meter, labels["draft"], len(res.draft_tokens)
         m.inc("osd_spec_decode_num_steps_total", **labels)
+        m.inc("osd_spec_decode_emitted_tokens_total", len(res.emitted), **labels)
         m.observe("osd_spec_decode_k", k, draft=draft)
         m.inc("osd_spec_decode_draft_seconds_total", res.draft_s, draft=draft)
         m.inc("osd_spec_decode_verify_wait_seconds_total", waited_s, draft=draft)
@@ -376,6 +377,9 @@ class DraftPool:
         m.inc("osd_spec_decode_num_drafts_total", **labels)
         m.inc("osd_spec_decode_num_draft_tokens_total", k, **labels)
         m.inc("osd_spec_decode_num_accepted_tokens_total", res.accepted, **labels)
+        by = {"tenant": labels["tenant"], "domain": labels["domain"], "proposer": res.source}
+        m.inc("osd_spec_decode_proposer_draft_tokens_total", k, **by)
+        m.inc("osd_spec_decode_proposer_accepted_tokens_total", res.accepted, **by)
         m.observe("osd_spec_decode_accepted_length", res.accepted, draft=draft)
         # the learned draft's version, or the model-free proposer that drafted ("ngram", "suffix")
         version = res.draft_version if res.source in LEARNED_SOURCES else res.source

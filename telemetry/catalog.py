@@ -73,6 +73,12 @@ CATALOG: dict[str, Family] = _families(
            "(with adaptive k, the denominator of the acceptance at that position)", ("draft", "position")),
     Family("osd_spec_decode_num_steps_total", "counter", "Target verifications (speculative steps, including k = 0)",
            SPEC),
+    Family("osd_spec_decode_emitted_tokens_total", "counter", "Output tokens of the speculative steps (over "
+           "osd_spec_decode_num_steps_total: tokens per target step)", SPEC),
+    Family("osd_spec_decode_proposer_draft_tokens_total", "counter", "Draft tokens proposed, by the proposer that "
+           "drafted the step (draft = the learned draft, suffix, ngram)", ("tenant", "domain", "proposer")),
+    Family("osd_spec_decode_proposer_accepted_tokens_total", "counter", "Draft tokens accepted, by the proposer that "
+           "drafted the step", ("tenant", "domain", "proposer")),
     Family("osd_spec_decode_draft_version_draft_tokens_total", "counter", "Draft tokens proposed, by draft version "
            "(the newest keep_versions of each draft; older versions are added up under draft_version=\"old\")", ("draft", "draft_version")),
     Family("osd_spec_decode_draft_version_accepted_tokens_total", "counter", "Draft tokens accepted, by draft version",

@@ -33,6 +33,8 @@ from .meter import Key, LabelCaps
 FORGET_EPOCH_S = 3600.0
 #: the dashboard's acceptance and rates: over the trailing window (seconds)
 WINDOW_S = 30.0
+_PER_DOMAIN = frozenset({"osd_spec_decode_num_steps_total", "osd_spec_decode_emitted_tokens_total",
+                         "osd_spec_decode_proposer_draft_tokens_total", "osd_spec_decode_proposer_accepted_tokens_total"})
 #: the acceptance chart's line for every domain past the busiest ``MetricsConfig.chart_domains``
 OTHER_DOMAINS = "(others)"
 
@@ -315,13 +317,16 @@ class Hub:
                           "name": names.get(d)}
                       for d, v in sorted(spec(current).items())}
         requests, errors, tokens = req(current)
+        per_domain = self._per_domain(counters, mine)
         out = {
             "t": time.time(), "scope": tenant or "all", "sample_s": self.cfg.sample_s, "window_s": WINDOW_S,
             "acceptance_window_s": self.cfg.acceptance_window_s,
             "totals": {"requests": requests, "errors": errors, "generation_tokens": tokens},
             "acceptance": acceptance, "series": series,
             # readable names of the domains in this scope (a tenant sees its own domains' only)
-            "domain_names": {d: names[d] for d in sorted(set(domains) | set(acceptance)) if d in names},
+            "domain_names": {d: names[d] for d in sorted(set(domains) | set(acceptance) | set(per_domain)) if d in names},
+            # per domain: output tokens per target step and what each proposer drafted and got accepted
+            "domains": per_domain,
         }
         if admin:
             out["running"] = {"ingress": gauges.get(("osd_requests_running", ()), 0.0),
@@ -333,6 +338,33 @@ class Hub:
             out["learner"] = self._learner(counters, gauges)
             out["events"] = events[-100:]
         return json_safe(out)
+
+    @staticmethod
+    def _per_domain(counters: dict[Key, float], mine) -> dict:
+        """domain -> {steps, emitted, tokens_per_step, proposers: {name: {drafted, accepted, share}}}
+        (``share``: of the domain's draft tokens), for the tenants ``mine`` keeps."""
+        out: dict[str, dict] = {}
+
+        def slot(domain: str) -> dict:
+            return out.setdefault(domain, {"steps": 0.0, "emitted": 0.0, "proposers": {}})
+
+        for (name, values), v in counters.items():
+            if name not in _PER_DOMAIN or not mine(values[0]):  # each of them is labelled by tenant first
+                continue
+            if name == "osd_spec_decode_num_steps_total":
+                slot(values[1])["steps"] += v
+            elif name == "osd_spec_decode_emitted_tokens_total":
+                slot(values[1])["emitted"] += v
+            elif name in ("osd_spec_decode_proposer_draft_tokens_total", "osd_spec_decode_proposer_accepted_tokens_total"):
+                p = slot(values[1])["proposers"].setdefault(values[2], {"drafted": 0.0, "accepted": 0.0})
+                p["drafted" if name == "osd_spec_decode_proposer_draft_tokens_total" else "accepted"] += v
+        for d in out.values():
+            d["tokens_per_step"] = d["emitted"] / d["steps"] if d["steps"] else None
+            drafted = sum(p["drafted"] for p in d["proposers"].values())
+            for p in d["proposers"].values():
+                p["share"] = p["drafted"] / drafted if drafted else None
+                p["alpha"] = p["accepted"] / p["drafted"] if p["drafted"] else None
+        return dict(sorted(out.items()))
 
     @staticmethod
     def _learner(counters: dict[Key, float], gauges: dict[Key, float]) -> dict:

@@ -49,11 +49,14 @@ def render(s: dict, url: str):
                      _f(_last(series["latency_p50_s"]), "{:.2f} s"), _f(_last(series["latency_p95_s"]), "{:.2f} s"),
                      _f(_last(series["ttft_p50_s"]), "{:.2f} s"))
     domains = Table(title="acceptance per domain", box=None, header_style="bold", title_justify="left")
-    for col in ("domain", "alpha", "alpha (recent)", "drafted", "accepted"):
+    for col in ("domain", "alpha", "alpha (recent)", "drafted", "accepted", "tokens/step"):
         domains.add_column(col, justify="left" if col == "domain" else "right")
+    per = s.get("domains", {})
     for d, a in s["acceptance"].items():
-        domains.add_row(f"{a['name']} ({d})" if a.get("name") else d, _f(a["alpha"], "{:.3f}"), _f(_last(series["acceptance"].get(d, [])), "{:.3f}"),
-                        _f(a["drafted"], "{:.0f}"), _f(a["accepted"], "{:.0f}"))
+        domains.add_row(f"{a['name']} ({d})" if a.get("name") else d, _f(a["alpha"], "{:.3f}"),
+                        _f(_last(series["acceptance"].get(d, [])), "{:.3f}"),
+                        _f(a["drafted"], "{:.0f}"), _f(a["accepted"], "{:.0f}"),
+                        _f(per.get(d, {}).get("tokens_per_step"), "{:.2f}"))
     parts = [head, overview, domains]
     if "learner" in s:
         r, lr = s["running"], s["learner"]

@@ -109,11 +109,21 @@ function render(s) {
                    { label: "TTFT p50", stroke: "#a855f7", width: 2, spanGaps: true }],
        [t, s.series.latency_p50_s, s.series.latency_p95_s, s.series.ttft_p50_s]);
 
-  document.getElementById("domains").innerHTML = "<tr><th>domain</th><th>alpha</th><th>drafted</th><th>accepted</th></tr>" +
+  const per = s.domains || {};
+  const PROPOSERS = ["suffix", "ngram", "draft", "feature"].filter((p) => Object.values(per).some((x) => x.proposers[p]));
+  // a proposer's share of the domain's draft tokens, and its acceptance
+  const share = (d, p) => {
+    const x = per[d] && per[d].proposers[p];
+    return x ? `${fmt(100 * x.share, 0)}% @ ${fmt(x.alpha, 2)}` : "-";
+  };
+  document.getElementById("domains").innerHTML = "<tr><th>domain</th><th>alpha</th><th>drafted</th><th>accepted</th>" +
+    "<th>tokens / step</th>" + PROPOSERS.map((p) => `<th>${p === "draft" || p === "feature" ? "learned " + p : p}</th>`).join("") + "</tr>" +
     Object.entries(s.acceptance).map(([d, a]) =>
       `<tr><td><span class="swatch" style="background:${domains.includes(d) ? color(d) : "#e2e8f0"}"></span>` +
       `${esc(label(d))}</td><td>${fmt(a.alpha, 3)}</td>` +
-      `<td>${fmt(a.drafted, 0)}</td><td>${fmt(a.accepted, 0)}</td></tr>`).join("");
+      `<td>${fmt(a.drafted, 0)}</td><td>${fmt(a.accepted, 0)}</td>` +
+      `<td>${fmt(per[d] && per[d].tokens_per_step, 2)}</td>` + PROPOSERS.map((p) => `<td>${share(d, p)}</td>`).join("") +
+      "</tr>").join("");
   if (s.drafts) {
     const loss = (s.learner && s.learner.loss) || {};
     document.getElementById("drafts").innerHTML = "<tr><th>draft</th><th>version</th><th>last loss</th></tr>" +

@@ -76,6 +76,10 @@ def test_a_request_streams_its_header_steps_and_usage_and_counts_every_step(fold
     assert forward[0] == spec["steps"] and 0 < spec["target_ms"] * spec["steps"] / 1e3 <= forward[1]
     m, labels = pool.meter, {"tenant": "alice", "domain": "code", "language": "en", "draft": GENERAL}
     assert counter(m, "osd_spec_decode_num_steps_total", **labels) == spec["steps"]
+    assert counter(m, "osd_spec_decode_emitted_tokens_total", **labels) == 12  # tokens per step = 12 / steps
+    by = {"tenant": "alice", "domain": "code", "proposer": "draft"}  # the truncated draft drafted every step
+    assert counter(m, "osd_spec_decode_proposer_draft_tokens_total", **by) == spec["proposed"]
+    assert counter(m, "osd_spec_decode_proposer_accepted_tokens_total", **by) == spec["accepted"]
     assert counter(m, "osd_spec_decode_num_draft_tokens_total", **labels) == spec["proposed"]
     assert counter(m, "osd_spec_decode_num_accepted_tokens_total", **labels) == spec["accepted"]
     drafts = counter(m, "osd_spec_decode_num_drafts_total", **labels)
