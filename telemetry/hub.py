@@ -35,8 +35,9 @@ FORGET_EPOCH_S = 3600.0
 WINDOW_S = 30.0
 _PER_DOMAIN = frozenset({"osd_spec_decode_num_steps_total", "osd_spec_decode_emitted_tokens_total",
                          "osd_spec_decode_proposer_draft_tokens_total", "osd_spec_decode_proposer_accepted_tokens_total"})
-#: the acceptance chart's line for every domain past the busiest ``MetricsConfig.chart_domains``
-OTHER_DOMAINS = "(others)"
+#: the acceptance chart's line for every domain past the busiest ``MetricsConfig.chart_domains`` (and
+#: the domains past the label cap, ``other``)
+OTHER_DOMAINS = "(other domains)"
 
 
 def _diff(cur: float, prev: float) -> float:
@@ -286,7 +287,8 @@ class Hub:
         domains = sorted({d for p in points for d in spec(p)})
         # the chart's lines: the busiest domains by draft tokens, the others added up as one
         busy = spec(current)
-        top = sorted(domains, key=lambda d: (-busy.get(d, [0.0])[0], d))[: self.cfg.chart_domains]
+        # (the label caps' "other" is never a line of its own: it joins the rest)
+        top = sorted((d for d in domains if d != OTHER), key=lambda d: (-busy.get(d, [0.0])[0], d))[: self.cfg.chart_domains]
         lines = {d: [d] for d in sorted(top)}
         if len(domains) > len(top):
             lines[OTHER_DOMAINS] = [d for d in domains if d not in lines]

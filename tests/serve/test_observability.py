@@ -193,7 +193,7 @@ def test_dashboard_draws_one_line_per_domain_with_traffic(server, tmp_path):
         browser.quit()
     lines = [d for d in domains if sum(x is not None for x in series[d]) >= 2]
     cap = AppConfig().metrics.chart_domains
-    assert lines and len(domains) <= cap + 1 and set(domains) - {"(others)"} <= set(stats["acceptance"])
+    assert lines and len(domains) <= cap + 1 and set(domains) - {"(other domains)"} <= set(stats["acceptance"])
     names = stats["domain_names"]
     # the legend: the x axis, then one entry per line, a discovered domain by its name
     assert labels[1:] == [f"{names[d]} ({d})" if d in names else d for d in domains]

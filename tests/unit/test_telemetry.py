@@ -595,10 +595,14 @@ def test_the_acceptance_chart_draws_the_busiest_domains_and_adds_up_the_rest_ove
         hub.merge(d.snapshot())
         hub.sample(now=10.0 * n)
     s = hub.stats()["series"]
-    assert sorted(s["acceptance"]) == ["(others)", "a", "b"]
-    assert s["acceptance"]["(others)"][-1] == round(8 / 10, 4) and s["drafted"]["(others)"][-1] == 40  # 4 intervals
+    assert sorted(s["acceptance"]) == ["(other domains)", "a", "b"]
+    assert s["acceptance"]["(other domains)"][-1] == round(8 / 10, 4) and s["drafted"]["(other domains)"][-1] == 40  # 4 intervals
     assert s["drafted"]["a"][-1] == 160 and s["acceptance"]["b"][-1] == 0.1
     assert sorted(hub.stats()["acceptance"]) == ["a", "b", "c", "e"]  # the table keeps every domain
+    d.inc("osd_spec_decode_num_draft_tokens_total", 1000, **{**SPEC, "domain": "other"})  # past the label cap
+    hub.merge(d.snapshot())
+    hub.sample(now=60.0)
+    assert sorted(hub.stats()["series"]["acceptance"]) == ["(other domains)", "a", "b"]  # never a line of its own
 
 
 def test_per_domain_tokens_per_step_and_what_each_proposer_drafted_scoped_by_tenant():
