@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections import defaultdict
@@ -108,6 +109,11 @@ def test_metrics_and_stats_need_the_right_key(server):
     assert _call(server + "/v1/stats", key="sk-wrong")[0] == 401
 
 
+def _grafana_queries() -> list[str]:
+    dash = json.loads((REPO / "ops/grafana/osd-serve.json").read_text())
+    return [t["expr"] for p in dash["panels"] for t in p["targets"]] + [a["expr"] for a in dash["annotations"]["list"]]
+
+
 def test_prometheus_scrapes_the_app_and_answers_acceptance_per_domain(server, tmp_path):
     prometheus = shutil.which("prometheus")
     assert prometheus, "Debian's prometheus package is needed (make test installs it)"
@@ -124,20 +130,36 @@ def test_prometheus_scrapes_the_app_and_answers_acceptance_per_domain(server, tm
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     query = ("sum by (domain) (osd_spec_decode_num_accepted_tokens_total) / "
              "sum by (domain) (osd_spec_decode_num_draft_tokens_total)")
+
+    def ask(q: str) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query?query={urllib.parse.quote(q)}", timeout=5) as r:
+            return json.loads(r.read())
+
     try:
         deadline, result = time.time() + 60, []
         while time.time() < deadline and not result:
             time.sleep(1)
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query?query={urllib.parse.quote(query)}",
-                                            timeout=5) as r:
-                    result = json.loads(r.read())["data"]["result"]
+                result = ask(query)["data"]["result"]
             except OSError:
                 continue
+        # every query of the Grafana dashboard is one this Prometheus evaluates on the app's series
+        failed = {}
+        for q in _grafana_queries():
+            try:
+                answer = ask(q.replace("$__rate_interval", "1m").replace("$__range", "5m"))
+            except urllib.error.HTTPError as e:
+                answer = {"status": "error", "error": e.read()[:300]}
+            if answer["status"] != "success":
+                failed[q] = answer
+        named = ask(_grafana_queries()[0].replace("$__rate_interval", "1m").replace("$__range", "5m"))["data"]["result"]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
     assert result, "Prometheus answered no acceptance per domain within 60 s"
+    assert not failed, failed
+    # the busiest domains' acceptance, each with a readable name (a discovered one's words, a named one's id)
+    assert named and all(r["metric"].get("name") for r in named), named
     got = {r["metric"]["domain"]: float(r["value"][1]) for r in result}
     stats = _call(server + "/v1/stats", key=ADMIN_KEY)[1]["acceptance"]
     want = {d: a["alpha"] for d, a in stats.items() if a["drafted"] > 0}
