@@ -23,7 +23,7 @@ def measure(config: str | None = None, drafts: int = 6, adapter_rank: int | None
 
     from deployments.launch import DEFAULT_CONFIG, read_config
     from drafts.build import build_proposer
-    from learner.trainer import DraftTrainer, LearnerConfig
+    from learner.trainer import DraftTrainer
     from speculative.models import load_tokenizer, load_weights
     from speculative.proposers import learned_draft
 
@@ -33,7 +33,7 @@ def measure(config: str | None = None, drafts: int = 6, adapter_rank: int | None
     runner = learned_draft(build_proposer(cfg.engine.draft, target, load_tokenizer(cfg.engine.model.name))).runner
     del target
     gc.collect()
-    tcfg = LearnerConfig(**cfg.learner.trainer)
+    tcfg = cfg.learner.trainer
     if adapter_rank is not None:
         tcfg = tcfg.model_copy(update={"adapter_rank": adapter_rank})
     held, grown, base = [], [], _rss_mib()

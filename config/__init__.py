@@ -15,8 +15,15 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .learner import LOSS_NAMES, BackgroundConfig, LearnerConfig, LiveWatchConfig, check_loss_name
+
 __all__ = [
     "EMBEDDED_TARGET",
+    "LOSS_NAMES",
+    "BackgroundConfig",
+    "LearnerConfig",
+    "LiveWatchConfig",
+    "check_loss_name",
     "QUANTIZE_CHOICES",
     "GREEDY_BELOW",
     "ModelConfig",
@@ -600,8 +607,8 @@ class AuthConfig(_Strict):
 class LearnerServeConfig(_Strict):
     """The learner deployment: replay shards and checkpoints under ``state_dir`` (default
     ``<cache_dir>/serve``), trained in rounds in a background thread of its own process.
-    ``trainer``: fields of ``learner.trainer.LearnerConfig`` (train_every, batch_records, lr,
-    gate_margin, ...); ``background``: of ``learner.background.BackgroundConfig`` (nice, threads);
+    ``trainer``: :class:`config.learner.LearnerConfig` (train_every, batch_records, lr,
+    gate_margin, ...); ``background``: :class:`config.learner.BackgroundConfig` (nice, threads);
     ``shard_max_bytes``: per-draft replay bound. ``max_drafts``: drafts held in memory (a trainer
     with its optimiser, a replay shard, held-back records); beyond it the least recently used is
     parked on disk (checkpoints and logs) and comes back when it is next used (the general draft is
@@ -611,9 +618,11 @@ class LearnerServeConfig(_Strict):
 
     enabled: bool = True
     state_dir: str | None = None
-    trainer: dict = Field(default_factory=lambda: {"train_every": 16, "batch_records": 16, "steps_per_round": 4,
-                                                   "lr": 1e-3, "positions": "all", "gate_margin": 0.0})
-    background: dict = Field(default_factory=lambda: {"nice": 19, "threads": 1})
+    #: a serving learner's rounds: more often, larger steps and on every position, against an
+    #: experiment's (``LearnerConfig()``); serve_config.yaml sets its own
+    trainer: LearnerConfig = LearnerConfig(train_every=16, batch_records=16, steps_per_round=4, lr=1e-3,
+                                           positions="all", gate_margin=0.0)
+    background: BackgroundConfig = BackgroundConfig()
     shard_max_bytes: int = Field(default=64 << 20, gt=0)
     max_drafts: int = Field(default=12, ge=1)
     max_parked: int = Field(default=48, ge=0)

@@ -25,7 +25,7 @@ from ray import serve
 
 from config import AppConfig
 from drafts.build import build_proposer, domain_proposers
-from learner.background import BackgroundConfig, BackgroundLearner
+from learner.background import BackgroundLearner
 from learner.replay import ReplayRecord, ShardConfig
 from learner.trainer import LATEST, DraftTrainer, LearnerConfig, OnlineLearner, RoundReport, draft_folder
 from router.router import GENERAL, fork_parent, start_domain
@@ -53,7 +53,7 @@ class LearnerServer:
         root = cfg.learner.root()
         self.cfg = cfg
         self.ckpt_dir = root / "checkpoints"  # one folder per draft (learner.trainer.draft_folder)
-        self.trainer_cfg = LearnerConfig(**{**cfg.learner.trainer, "checkpoint_dir": self.ckpt_dir})
+        self.trainer_cfg = cfg.learner.trainer.model_copy(update={"checkpoint_dir": self.ckpt_dir})
         target = load_weights(cfg.engine.model)
         tok = load_tokenizer(cfg.engine.model.name)
         learned = learned_draft(build_proposer(cfg.engine.draft, target, tok))
@@ -76,7 +76,7 @@ class LearnerServer:
         self.publish_fn = publish
         self.subscribers: dict[str, list] = {}  # draft id -> [publish to the pool]; one per trainer
         self._lock = threading.RLock()  # records arrive on several threads; one trainer per new draft
-        background = BackgroundConfig(**cfg.learner.background)
+        background = cfg.learner.background
         self._last_record = float("-inf")  # monotonic time the last record arrived: traffic is flowing
         self.background = BackgroundLearner(self.learner, self.subscribers, cfg=background,
                                             on_round=self._count_round, store_on_submit=True,

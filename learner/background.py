@@ -24,35 +24,14 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
+from config.learner import BackgroundConfig
 from learner.replay import ReplayRecord
 from learner.trainer import OnlineLearner, RoundReport
 
 __all__ = ["BackgroundConfig", "BackgroundLearner", "LearnerStats"]
 
 log = logging.getLogger(__name__)
-
-
-class BackgroundConfig(BaseModel):
-    """How the learner thread shares the machine with serving."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    #: OS niceness of the learner thread (0 = same as serving, 19 = lowest)
-    nice: int = Field(default=19, ge=0, le=19)
-    #: torch intra-op threads of the learner thread
-    threads: int = Field(default=1, ge=1)
-    #: yield to live requests (pause between steps while ``busy()``); False trains regardless
-    yield_to_requests: bool = True
-    #: a learner in another process than serving (the Learner deployment) counts serving as busy
-    #: until this many seconds after the last record arrived: on a small machine it trains in the
-    #: gaps of traffic, not against it (0: serving is never busy to it; serve_config.yaml sets 2)
-    quiet_s: float = Field(default=0.0, ge=0.0)
-    #: how often the idle loop looks at the queue and at ``busy()``
-    poll_s: float = Field(default=0.01, gt=0.0)
-    #: bound of the hand-over queue; a full queue drops the record (counted), never blocks serving
-    queue_max: int = Field(default=10_000, ge=1)
 
 
 @dataclass

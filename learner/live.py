@@ -25,29 +25,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pydantic import BaseModel, ConfigDict, Field
+from config.learner import LiveWatchConfig
 
 
 #: closed watches kept for operators (``kept``, ``rolled_back``)
 HISTORY = 64
-
-
-class LiveWatchConfig(BaseModel):
-    """When a published draft version is rolled back for serving worse than the one before it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    enabled: bool = True
-    #: proposed draft tokens each side needs before a verdict
-    min_proposed: int = Field(default=400, ge=1)
-    #: acceptance the new version may lose before the test is asked at all
-    margin: float = Field(default=0.02, ge=0.0)
-    #: standard errors on top of the margin (one-sided)
-    z: float = Field(default=2.0, ge=0.0)
-    #: a watch that has not decided by then closes, the version kept
-    watch_s: float = Field(default=1800.0, gt=0.0)
-    #: records of the old version before the publish that make its side
-    baseline_records: int = Field(default=64, ge=1)
 
 
 @dataclass

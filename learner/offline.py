@@ -37,7 +37,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from config import layer_list
-from learner.losses import check_loss_name, feature_regression, SparseDist, get_loss, sparse_from_logits
+from config.learner import check_loss_name
+from learner.losses import feature_regression, SparseDist, get_loss, sparse_from_logits
 from speculative.adapters import adapter_parameters, add_adapters, has_adapters
 from speculative.models import encode_prompt, eos_token_ids
 

@@ -36,17 +36,17 @@ from collections import defaultdict, deque
 import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterable, Literal, Sequence
+from typing import Any, Callable, Iterable, Sequence
 from urllib.parse import quote
 
 import numpy as np
 import torch
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from drafts.build import load_draft, save_draft
 from speculative.adapters import adapter_parameters, adapter_state, add_adapters, has_adapters, load_state, share_base
-from learner.live import LiveWatch, LiveWatchConfig, Verdict
-from learner.losses import check_loss_name, SparseDist, get_loss
+from config.learner import LearnerConfig
+from learner.live import LiveWatch, Verdict
+from learner.losses import SparseDist, get_loss
 from learner.offline import (Sample, draft_loss, set_trainable, to_student_space, top1_hits_on,
                              with_prompt_positions)
 from learner.replay import ReplayRecord, ShardConfig, ShardSet
@@ -57,70 +57,6 @@ log = logging.getLogger(__name__)
 
 LATEST = "LATEST"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
-
-
-class LearnerConfig(BaseModel):
-    """Settings of the online learner (shared by all drafts)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    #: records observed (all drafts together) between training rounds
-    train_every: int = Field(default=64, ge=1)
-    #: records sampled from the chosen draft's shard per round
-    batch_records: int = Field(default=16, ge=1)
-    #: optimiser steps per round (each over a whole batch)
-    steps_per_round: int = Field(default=4, ge=1)
-    #: every step of a round draws a fresh batch from the shard (True), or all steps repeat the
-    #: round's one batch (False: they fit those records and forget the rest of the window)
-    resample: bool = True
-    lr: float = Field(default=1e-4, gt=0.0)
-    weight_decay: float = Field(default=0.0, ge=0.0)
-    #: max global gradient norm; 0 disables clipping
-    grad_clip: float = Field(default=1.0, ge=0.0)
-    #: loss name for learner.losses.get_loss
-    loss: Annotated[str, AfterValidator(check_loss_name)] = "forward_kl"
-    loss_options: dict[str, float] = Field(default_factory=dict)
-    #: train only where the draft was wrong (``draft_wrong`` rows) or on all rows
-    positions: Literal["wrong", "all"] = "wrong"
-    #: records with the target's features (a feature draft's): also train on their prompt positions
-    #: (from position 2), the target's distribution there being its head over the recorded feature
-    #: (the trainer then needs ``target_head``); the gate's held-out agreement stays on output rows
-    prompt_positions: bool = False
-    #: a feature draft: weight of EAGLE's feature loss added to ``loss`` (see ``DistillConfig``); 0: off
-    feature_loss: float = Field(default=0.0, ge=0.0)
-    #: train the output head / the input embeddings (with a tied head: trained only when both
-    #: are); the transformer layers and norms are always trained
-    train_head: bool = True
-    train_embeddings: bool = True
-    #: share of observed records held back (never trained on) for the gate
-    holdout_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
-    #: held-back records kept per draft (oldest dropped)
-    holdout_max: int = Field(default=64, ge=1)
-    #: max allowed drop of held-out top-1 agreement (candidate >= current - margin)
-    gate_margin: float = Field(default=0.0, ge=0.0)
-    #: > 0: the gate tests the paired per-position difference and allows this many standard
-    #: errors on top of the margin (held-out sets are small; see DraftTrainer.gate); 0: margin only
-    gate_z: float = Field(default=0.0, ge=0.0)
-    checkpoint_dir: Path | None = None
-    #: checkpoints kept per draft (the newest ones; LATEST is never deleted)
-    keep_versions: int = Field(default=3, ge=1)
-    #: recent records per draft used by pick_draft
-    window: int = Field(default=256, ge=1)
-    #: fraction of wall time training may use (sleeps between steps); 1 = no sleeping
-    max_cpu_share: float = Field(default=1.0, gt=0.0, le=1.0)
-    #: records per forward/backward inside a step (gradients accumulated: same step, smaller
-    #: pieces); ``pause`` is checked between pieces. None: the whole batch at once
-    micro_batch_records: int | None = Field(default=None, ge=1)
-    #: > 0: learn a low-rank adapter of this rank on each projection of the draft, the base weights
-    #: frozen (:mod:`speculative.adapters`); a version is the adapters alone. 0: the whole draft
-    adapter_rank: int = Field(default=0, ge=0)
-    #: after each publish, served acceptance of the new version against the one it replaced; a
-    #: version that serves worse is rolled back (:mod:`learner.live`)
-    live_rollback: LiveWatchConfig = LiveWatchConfig()
-    #: round reports kept (the newest; ``OnlineLearner.reports``): a long-running learner does not
-    #: keep one per round forever
-    keep_reports: int = Field(default=1024, ge=1)
-    seed: int = 0
 
 
 @dataclass

@@ -185,3 +185,17 @@ def test_out_of_vocab_token_ids(engine, bad):
     finally:
         for rid in list(engine.requests):
             engine.release(rid)
+
+
+def test_the_learner_is_typed_in_the_application_config_and_its_loss_names_are_the_losses():
+    from config import AppConfig, LearnerConfig
+    from config.learner import LOSS_NAMES
+    from learner.losses import LOSSES
+
+    assert set(LOSSES) == set(LOSS_NAMES)
+    cfg = AppConfig.model_validate({"learner": {"trainer": {"lr": 0.002, "adapter_rank": 8}, "background": {"nice": 5}}})
+    assert isinstance(cfg.learner.trainer, LearnerConfig) and cfg.learner.trainer.lr == 0.002
+    assert cfg.learner.trainer.adapter_rank == 8 and cfg.learner.background.nice == 5
+    for bad in ({"trainer": {"lr": -1}}, {"trainer": {"no_such": 1}}, {"trainer": {"loss": "l2"}}, {"background": {"nice": 40}}):
+        with pytest.raises(ValueError):  # refused with the config, not when the learner starts
+            AppConfig.model_validate({"learner": bad})
