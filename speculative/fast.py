@@ -265,15 +265,69 @@ class FastRunner(PooledCaches, ModelRunner):
 #: calls of at most this many new tokens (decode and verify steps) attend together, padded to the
 #: longest of them; longer ones (prompt chunks) attend one by one (padding them would cost more)
 SMALL_CALL = 16
+#: small calls attend together in groups of at most this many key positions (sequences x the
+#: group's longest context): the gathered keys and values are float64, so 8 sequences of 3,400
+#: positions at once would take about 150 MB a layer; a group of 8,192 takes about 25 MB
+ATTEND_POSITIONS = 8192
+
+
+class _SmallBatch:
+    """Small calls attending in one batched product, padded to the longest: the layout of their
+    keys (``ctx``, pool slots), queries (``q_rows``), mask and the rows kept."""
+
+    def __init__(self, members, calls, caches, lens, row0, g: int):
+        ns = [lens[i] for i in members]
+        ends = [calls[i].start + lens[i] for i in members]  # [Bs] cached positions after the call
+        self.B, self.n, self.L = len(members), max(ns), max(ends)
+        ctx = torch.empty(self.B, self.L, dtype=torch.long)  # [Bs, L] slot of each key position
+        q_rows = torch.empty(self.B, self.n, dtype=torch.long)  # [Bs, n] row of each (padded) query
+        for b, i in enumerate(members):
+            slots = caches[i].slots
+            ctx[b, : ends[b]] = slots[: ends[b]]
+            ctx[b, ends[b] :] = slots[0]
+            q_rows[b] = row0[i] + torch.arange(self.n).clamp(max=lens[i] - 1)
+        self.ctx, self.q_rows = ctx.view(-1), q_rows.view(-1)
+        t = torch.arange(self.n).repeat(g)  # [g*n] each query row's index within its call
+        starts = torch.tensor([calls[i].start for i in members])  # [Bs]
+        # [Bs, 1, g*n, L]: True where a key is masked (after the query's own position, or padding)
+        self.masked = (torch.arange(self.L)[None, None, :] > (starts[:, None] + t[None, :])[:, :, None])[:, None]
+        self.keep = torch.cat([b * self.n + torch.arange(ns[b]) for b in range(self.B)])  # real rows of the padded output
+        self.rows = torch.cat([row0[i] + torch.arange(lens[i]) for i in members])
+
+    def attend(self, q: torch.Tensor, kv_layer: torch.Tensor, Hq: int, Hkv: int, D: int) -> torch.Tensor:
+        """The batch's real rows' attention outputs, [sum n, Hq*D] float32."""
+        B, n, L, g = self.B, self.n, self.L, Hq // Hkv
+        kv = as_float64(kv_layer.index_select(2, self.ctx)).view(2, Hkv, B, L, D).transpose(1, 2)  # [2, Bs, Hkv, L, D]
+        qh = q[self.q_rows].view(B, n, Hq, D).double().transpose(1, 2).reshape(B, Hkv, g * n, D)  # [Bs, Hkv, g*n, D]
+        scores = (qh @ kv[0].transpose(-1, -2) * D**-0.5).masked_fill(self.masked, float("-inf"))  # [Bs, Hkv, g*n, L]
+        o = torch.softmax(scores, dim=-1) @ kv[1]  # [Bs, Hkv, g*n, D]
+        o = o.view(B, Hq, n, D).transpose(1, 2).reshape(B * n, Hq * D)  # [Bs*n, Hq*D]
+        return o[self.keep].float()
+
+
+def _groups(members: list[int], ends: list[int], budget: int) -> list[list[int]]:
+    """``members`` (in order) cut into runs whose count x longest context stays within ``budget``
+    key positions (a call longer than the budget alone is a group of its own)."""
+    groups: list[list[int]] = []
+    longest = 0
+    for i, end in zip(members, ends):
+        if groups and (len(groups[-1]) + 1) * max(longest, end) <= budget:
+            groups[-1].append(i)
+            longest = max(longest, end)
+        else:
+            groups.append([i])
+            longest = end
+    return groups
 
 
 class _AttentionPlan:
     """The attention of one forward, its indices computed once for all layers: where each call's new
-    rows go in the pool (``slots_new``), and the padded layout in which the calls of at most
-    :data:`SMALL_CALL` rows attend in one batched product (one set of ops per layer however many
-    sequences share the step, instead of one per sequence). Padded keys are masked (their softmax
-    weight is exactly 0) and point at the sequence's own first slot (always written: finite);
-    padded query rows are computed and dropped. A lone small call attends unpadded."""
+    rows go in the pool (``slots_new``), and the padded layouts in which the calls of at most
+    :data:`SMALL_CALL` rows attend in batched products (one set of ops per layer for a group of
+    sequences, instead of one per sequence; groups of at most :data:`ATTEND_POSITIONS` key
+    positions). Padded keys are masked (their softmax weight is exactly 0) and point at the
+    sequence's own first slot (always written: finite); padded query rows are computed and
+    dropped. A lone small call attends unpadded."""
 
     def __init__(self, calls, caches, lens, Hq: int, Hkv: int, D: int):
         self.Hq, self.Hkv, self.D = Hq, Hkv, D
@@ -286,44 +340,19 @@ class _AttentionPlan:
         if len(small) < 2:
             small = []
         self.one_by_one = [(i, row0[i], lens[i], calls[i].start) for i in range(len(calls)) if i not in set(small)]
-        self.small = bool(small)
-        if not small:
-            return
-        g = Hq // Hkv
-        ns = [lens[i] for i in small]
-        ends = [calls[i].start + lens[i] for i in small]  # [Bs] cached positions after the call
-        self.B, self.n, self.L = len(small), max(ns), max(ends)
-        ctx = torch.empty(self.B, self.L, dtype=torch.long)  # [Bs, L] slot of each key position
-        q_rows = torch.empty(self.B, self.n, dtype=torch.long)  # [Bs, n] row of each (padded) query
-        for b, i in enumerate(small):
-            slots = caches[i].slots
-            ctx[b, : ends[b]] = slots[: ends[b]]
-            ctx[b, ends[b] :] = slots[0]
-            q_rows[b] = row0[i] + torch.arange(self.n).clamp(max=lens[i] - 1)
-        self.ctx, self.q_rows = ctx.view(-1), q_rows.view(-1)
-        t = torch.arange(self.n).repeat(g)  # [g*n] each query row's index within its call
-        starts = torch.tensor([calls[i].start for i in small])  # [Bs]
-        # [Bs, 1, g*n, L]: True where a key is masked (after the query's own position, or padding)
-        self.masked = (torch.arange(self.L)[None, None, :] > (starts[:, None] + t[None, :])[:, :, None])[:, None]
-        keep = torch.cat([b * self.n + torch.arange(ns[b]) for b in range(self.B)])  # real rows of the padded output
-        self.keep, self.small_rows = keep, torch.cat([row0[i] + torch.arange(lens[i]) for i in small])
+        groups = _groups(small, [calls[i].start + lens[i] for i in small], ATTEND_POSITIONS)
+        self.batches = [_SmallBatch(m, calls, caches, lens, row0, Hq // Hkv) for m in groups]
 
     def attend(self, q: torch.Tensor, kv_layer: torch.Tensor, read) -> torch.Tensor:
         """q: [R, Hq, D] float32; kv_layer: the pool's [2, Hkv, slots, D] (this layer's new rows
         written); ``read(i, end)`` a call's keys and values [2, Hkv, end, D] float64 -> [R, Hq*D]."""
         Hq, Hkv, D = self.Hq, self.Hkv, self.D
-        if not self.small and len(self.one_by_one) == 1:
+        if not self.batches and len(self.one_by_one) == 1:
             i, _, _, start = self.one_by_one[0]
             return _attend(q, read(i, start + q.shape[0]), start)
         out = q.new_empty(self.R, Hq * D)
-        if self.small:
-            B, n, L, g = self.B, self.n, self.L, Hq // Hkv
-            kv = as_float64(kv_layer.index_select(2, self.ctx)).view(2, Hkv, B, L, D).transpose(1, 2)  # [2, Bs, Hkv, L, D]
-            qh = q[self.q_rows].view(B, n, Hq, D).double().transpose(1, 2).reshape(B, Hkv, g * n, D)  # [Bs, Hkv, g*n, D]
-            scores = (qh @ kv[0].transpose(-1, -2) * D**-0.5).masked_fill(self.masked, float("-inf"))  # [Bs, Hkv, g*n, L]
-            o = torch.softmax(scores, dim=-1) @ kv[1]  # [Bs, Hkv, g*n, D]
-            o = o.view(B, Hq, n, D).transpose(1, 2).reshape(B * n, Hq * D)  # [Bs*n, Hq*D]
-            out[self.small_rows] = o[self.keep].float()
+        for batch in self.batches:
+            out[batch.rows] = batch.attend(q, kv_layer, Hq, Hkv, D)
         for i, row, n, start in self.one_by_one:
             out[row : row + n] = _attend(q[row : row + n], read(i, start + n), start)
         return out

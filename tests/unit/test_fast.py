@@ -342,3 +342,35 @@ def test_a_target_that_drops_its_float_weights_computes_the_same_and_takes_no_ne
     assert torch.equal(runner.forward("b", 0, ids, 20), before)
     with pytest.raises(RuntimeError, match="dropped"):
         runner.load_state_dict(whole)
+
+
+def test_small_calls_attend_in_groups_bounded_in_key_positions_with_the_same_rows(monkeypatch):
+    """Decode steps of sequences with long contexts attend in groups of at most ATTEND_POSITIONS
+    key positions (the float64 keys and values gathered stay bounded, not sequences x context):
+    each group's product holds at most that many, and every row equals the ungrouped step's."""
+    import speculative.fast as fast
+    from speculative.runner import ForwardCall
+
+    assert fast._groups([0, 1, 2, 3], [10, 30, 20, 5], 60) == [[0, 1], [2, 3]]  # 2 x 30 fits; 3 x 30 does not
+    assert fast._groups([4, 5], [100, 3], 60) == [[4], [5]]  # longer than the budget: a group of its own
+    r = FastRunner(_model(), bits=4)
+    gen = torch.Generator().manual_seed(7)
+    contexts = {f"s{i}": torch.randint(2, 128, (n,), generator=gen).tolist() for i, n in enumerate((40, 25, 33, 12, 18))}
+    for sid, ids in contexts.items():
+        r.forward(sid, 0, ids)
+
+    def step(budget: int) -> tuple[list[torch.Tensor], list[int]]:
+        monkeypatch.setattr(fast, "ATTEND_POSITIONS", budget)
+        softmax, widths = torch.softmax, []
+        monkeypatch.setattr(torch, "softmax", lambda x, dim: widths.append(x.shape[0] * x.shape[-1]) or softmax(x, dim=dim))
+        calls = [ForwardCall(sid, len(ids), [3, 4], 2) for sid, ids in contexts.items()]  # 2 new tokens each
+        out = r.forward_batch(calls)
+        monkeypatch.setattr(torch, "softmax", softmax)
+        return out, widths  # (the step again writes the same positions over)
+
+    whole, one_group = step(10_000)
+    assert max(one_group) == 5 * 42  # one group a layer: 5 sequences x the longest context
+    grouped, widths = step(84)
+    assert max(widths) <= 84 and len(widths) >= 3 * len(one_group)  # 5 sequences in 3 groups or more
+    for a, b in zip(whole, grouped):
+        assert torch.equal(a, b)
