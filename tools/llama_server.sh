@@ -23,7 +23,7 @@ case $cmd in
   run)
     port=${2:?port}
     dir=${3:-/opt/llamacpp}
-    gguf=$("$py" -c 'from speculative.models import embedded_gguf_path; print(embedded_gguf_path())')
+    gguf=$("$py" -c 'from speculative.locate import embedded_gguf_path; print(embedded_gguf_path())')
     exec "$dir/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server" -m "$gguf" -t 2 -c 8192 --parallel 8 \
       --host 127.0.0.1 --port "$port"
     ;;
