@@ -810,6 +810,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--gate-z", type=float, default=0.0, help="paired gate: standard errors allowed on top of the margin")
         p.add_argument("--holdout-fraction", type=float, default=0.1)
         p.add_argument("--positions", choices=["wrong", "all"], default="all")
+        p.add_argument("--loss", default="forward_kl", help="the learner's loss (draft_opd: forward KL where the "
+                       "served draft was right, reverse KL where it was wrong)")
         p.add_argument("--no-resample", action="store_true", help="repeat one batch for all steps of a round")
         p.add_argument("--freeze-embeddings", action="store_true", help="do not train the draft's input embeddings")
         p.add_argument("--adapter-rank", type=int, default=0,
@@ -965,7 +967,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          lr=args.lr, gate_margin=args.gate_margin, gate_z=args.gate_z, holdout_fraction=args.holdout_fraction,
                          positions=args.positions, checkpoint_dir=args.checkpoint_dir, resample=not args.no_resample,
                          train_embeddings=not args.freeze_embeddings, prompt_positions=args.prompt_positions,
-                         feature_loss=args.feature_loss, adapter_rank=args.adapter_rank)
+                         feature_loss=args.feature_loss, adapter_rank=args.adapter_rank,
+                         loss=getattr(args, "loss", "forward_kl"))
     dcfg = DistillConfig(max_tokens=args.max_tokens, seconds=args.offline_seconds, epochs=args.offline_epochs,
                          lr=args.offline_lr, warmup_steps=0, log_every=1000, feature_loss=args.feature_loss)
     factory = real_engine_factory(args, texts=[r.text for r in all_recs])

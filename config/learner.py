@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 #: the losses ``learner.losses.get_loss`` knows (``learner.losses.LOSSES`` holds the functions)
-LOSS_NAMES = ("forward_kl", "reverse_kl", "jsd", "tvd")
+LOSS_NAMES = ("forward_kl", "reverse_kl", "jsd", "tvd", "draft_opd")
 
 
 def check_loss_name(name: str) -> str:

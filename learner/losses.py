@@ -62,6 +62,7 @@ __all__ = [
     "sparse_from_logits",
     "forward_kl",
     "reverse_kl",
+    "draft_opd",
     "jsd",
     "tvd",
     "top1_agreement",
@@ -229,6 +230,25 @@ def reverse_kl(
     return _kl_q_p(_coarsen(student_logits, target, temperature), min_target_prob)
 
 
+def draft_opd(
+    student_logits: torch.Tensor,  # [N, V]
+    target: SparseDist,
+    wrong: torch.Tensor | None = None,  # [N] bool
+    reverse_weight: float = 1.0,
+    temperature: float = 1.0,
+    min_target_prob: float = DEFAULT_MIN_TARGET_PROB,
+) -> torch.Tensor:
+    """What verification says, per row (the "Draft-OPD" recipe of vLLM's speculators): forward KL
+    where the served draft proposed the target's token (cover the target's distribution there),
+    ``reverse_weight`` x reverse KL where it was wrong (mode-seeking: move its top choice onto the
+    target's). ``wrong`` None: every row forward KL. Returns [N]."""
+    forward = forward_kl(student_logits, target, temperature)
+    if wrong is None:
+        return forward
+    reverse = reverse_kl(student_logits, target, temperature, min_target_prob)
+    return torch.where(wrong.to(forward.device), float(reverse_weight) * reverse, forward)
+
+
 def jsd(
     student_logits: torch.Tensor,  # [N, V]
     target: SparseDist,
@@ -307,6 +327,7 @@ LOSSES: Dict[str, LossFn] = {
     "reverse_kl": reverse_kl,
     "jsd": jsd,
     "tvd": tvd,
+    "draft_opd": draft_opd,  # the trainer binds each batch's ``wrong`` rows
 }
 
 

@@ -119,6 +119,9 @@ class Sample:
     tail: torch.Tensor  # [T] float32
     prompt: str = ""
     features: torch.Tensor | None = None  # [F, H] target features at positions 0..F-1 (feature drafts)
+    #: [T] bool: the served draft proposed another token than the target's at this output position
+    #: (online records; None offline)
+    wrong: torch.Tensor | None = None
 
     @property
     def n_out(self) -> int:
@@ -318,7 +321,8 @@ def with_prompt_positions(samples: Sequence[Sample], head: torch.nn.Module, star
         sd = sparse_from_logits(logits.float().cpu(), int(s.ids.shape[1]))
         out.append(Sample(tokens=s.tokens, prompt_len=start, ids=torch.cat([sd.ids.to(s.ids.dtype), s.ids]),
                           probs=torch.cat([sd.probs.float(), s.probs]), tail=torch.cat([sd.tail.float(), s.tail]),
-                          prompt=s.prompt, features=s.features))
+                          prompt=s.prompt, features=s.features,
+                          wrong=None if s.wrong is None else torch.cat([torch.zeros(p0 - start, dtype=torch.bool), s.wrong])))
     return out
 
 

@@ -247,6 +247,7 @@ class ReplayRecord:
             probs=self.top_probs[keep].float(),
             tail=self.tail[keep].float(),
             features=self.features,
+            wrong=self.draft_wrong[keep].bool(),
         )
 
     def same_as(self, other: "ReplayRecord") -> bool:

@@ -24,6 +24,7 @@ uses at most that share of wall time.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import os
@@ -271,7 +272,12 @@ class DraftTrainer:
             target, n_ph = to_student_space(target, torch.arange(self.model.get_output_embeddings().weight.shape[0]))
         device = next(self.model.parameters()).device
         target = SparseDist(ids=target.ids.to(device), probs=target.probs.to(device), tail=target.tail.to(device))
-        return draft_loss(self.model, samples, self.loss_fn, target, n_ph, self.cfg.feature_loss, rows=mask)
+        loss_fn = self.loss_fn
+        if self.cfg.loss == "draft_opd":  # which rows the served draft got wrong, for this batch's rows
+            wrong = torch.cat([s.wrong if s.wrong is not None else torch.zeros(s.n_out, dtype=torch.bool)
+                               for s in samples])[mask]
+            loss_fn = functools.partial(self.loss_fn, wrong=wrong)
+        return draft_loss(self.model, samples, loss_fn, target, n_ph, self.cfg.feature_loss, rows=mask)
 
     @torch.no_grad()
     def _eval_loss(self, samples, mask) -> float:

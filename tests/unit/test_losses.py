@@ -302,3 +302,17 @@ def test_get_loss():
         assert name in str(exc.value)
     with pytest.raises(ValueError, match=r"unexpected options \['beta'\]; accepts \['temperature'\]"):
         get_loss("tvd", beta=0.5)  # the message names what the loss does accept
+
+
+def test_draft_opd_is_forward_kl_where_the_draft_was_right_and_weighted_reverse_kl_where_it_was_wrong():
+    from learner.losses import draft_opd
+
+    logits = torch.cat([SPARSE_LOGITS, SPARSE_LOGITS])
+    target = SparseDist(ids=SPARSE_TARGET.ids.repeat(2, 1), probs=SPARSE_TARGET.probs.repeat(2, 1),
+                        tail=SPARSE_TARGET.tail.repeat(2))
+    got = draft_opd(logits, target, wrong=torch.tensor([False, True]), reverse_weight=0.5)
+    assert got[0].item() == pytest.approx(_kl(SPARSE_P, SPARSE_Q))  # right: forward KL(p || q)
+    assert got[1].item() == pytest.approx(0.5 * _kl(SPARSE_Q, SPARSE_P))  # wrong: half of KL(q || p)
+    assert torch.equal(draft_opd(logits, target), forward_kl(logits, target))  # no rows known wrong: forward KL
+    bound = get_loss("draft_opd", reverse_weight=2.0)
+    assert bound(logits, target, wrong=torch.tensor([True, True]))[0].item() == pytest.approx(2 * _kl(SPARSE_Q, SPARSE_P))

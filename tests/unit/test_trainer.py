@@ -949,3 +949,27 @@ def test_an_adapter_learner_publishes_only_adapters_and_the_served_draft_follows
         assert engine.generate(list(p), SamplingParams(max_tokens=16)).token_ids == greedy_reference(p, 16)
     again = DraftTrainer("d", draft, _cfg(tmp_path, adapter_rank=2))  # reloads the latest checkpoint
     assert again.version == v and _same(again.state(), state)
+
+
+def test_draft_opd_takes_the_rows_the_served_draft_got_wrong_from_the_records(setup):
+    """loss draft_opd: the trainer's loss over a batch is forward KL on the rows where the served
+    draft was right and reverse KL on those where it was wrong, read from each record's
+    ``draft_wrong`` (rows past a record's end left out); a round trains on it."""
+    from learner.losses import SparseDist, forward_kl, reverse_kl
+    from learner.offline import student_logits_for
+
+    draft, recs = setup
+    tr = DraftTrainer("d", copy.deepcopy(draft), _cfg(loss="draft_opd", loss_options={"reverse_weight": 0.5}))
+    samples, mask = records_to_batch(recs[:4], "all")
+    wrong = torch.cat([r.draft_wrong[r.positions < r.tokens.shape[0]] for r in recs[:4]])
+    assert wrong.shape == mask.shape and 0 < int(wrong.sum()) < wrong.numel()
+    with torch.no_grad():
+        got = float(tr._loss(samples, mask))
+        logits = student_logits_for(tr.model, samples)
+        target = SparseDist(ids=torch.cat([s.ids for s in samples]).long(), probs=torch.cat([s.probs for s in samples]),
+                            tail=torch.cat([s.tail for s in samples]))
+        want = torch.where(wrong, 0.5 * reverse_kl(logits, target), forward_kl(logits, target)).mean()
+        assert got == pytest.approx(float(want), rel=1e-5)
+        assert got != pytest.approx(float(forward_kl(logits, target).mean()), rel=1e-3)
+    rep = tr.train_round(recs[:8])
+    assert rep.steps > 0 and rep.loss_after < rep.loss_before
