@@ -50,10 +50,13 @@ def render(s: dict, url: str):
                      _f(_last(series["ttft_p50_s"]), "{:.2f} s"))
     domains = Table(title="acceptance per domain", box=None, header_style="bold", title_justify="left")
     for col in ("domain", "alpha", "alpha (recent)", "drafted", "accepted", "tokens/step"):
-        domains.add_column(col, justify="left" if col == "domain" else "right")
+        if col == "domain":  # the id first (what a row is found by), then the name, cut to one line
+            domains.add_column(col, justify="left", no_wrap=True, overflow="ellipsis", max_width=44)
+        else:
+            domains.add_column(col, justify="right")
     per = s.get("domains", {})
     for d, a in s["acceptance"].items():
-        domains.add_row(f"{a['name']} ({d})" if a.get("name") else d, _f(a["alpha"], "{:.3f}"),
+        domains.add_row(f"{d}  {a['name']}" if a.get("name") else d, _f(a["alpha"], "{:.3f}"),
                         _f(_last(series["acceptance"].get(d, [])), "{:.3f}"),
                         _f(a["drafted"], "{:.0f}"), _f(a["accepted"], "{:.0f}"),
                         _f(per.get(d, {}).get("tokens_per_step"), "{:.2f}"))

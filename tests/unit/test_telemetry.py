@@ -264,7 +264,11 @@ def test_top_renders_the_stats_figures():
     hub.sample(now=10.0)
     m.inc("osd_spec_decode_num_draft_tokens_total", 8, **SPEC)
     m.inc("osd_spec_decode_num_accepted_tokens_total", 3, **SPEC)
+    m.inc("osd_spec_decode_num_draft_tokens_total", 4, **{**SPEC, "domain": "c2/zh"})
     i.inc("osd_requests_total", 17, tenant="t1", status="200")
+    router = Meter("Router", cfg, replica="r")  # a discovered domain with a long name of wide characters
+    router.replace("osd_domain_info", {("c2/zh", "你好世界你好世界你好世界 天气怎么样今天天气怎么样 " * 2): 1})
+    hub.merge(router.snapshot())
     lm = Meter("Learner", cfg, replica="l")
     lm.set("osd_draft_version", 4, draft="general")
     lm.event("publish", draft="general", version=4)
@@ -276,6 +280,8 @@ def test_top_renders_the_stats_figures():
     screen = console.file.getvalue()
     row = next(line for line in screen.splitlines() if line.strip().startswith("code "))
     assert "0.375" in row and " 8 " in row + " " and "17" in screen
+    named = [line for line in screen.splitlines() if line.strip().startswith("c2/zh ")]
+    assert len(named) == 1 and "你好" in named[0] and "0.000" in named[0]  # found by its id, its name cut to one line
     assert "general v4" in screen and "publish general v4" in screen
     tenant_view = Console(file=io.StringIO(), width=150)
     tenant_view.print(render(hub.stats("t1", admin=False), "u"))
