@@ -51,6 +51,7 @@ from speculative.runtime import make_runner, resolve_quantize
 from speculative.kvcache import kv_bytes_per_token
 from speculative.models import encode_messages, encode_prompt, eos_token_ids, load_tokenizer, load_weights
 from speculative.scheduler import EngineLoop, Failed, Finished, Overloaded, Sequence, Started, Step, calibrate_step_cost
+from telemetry.spec import count_step
 
 from .loopback import NodeInfo, bind_replica_grpc, replica_meter
 from .protocol import GenerateRequest, TargetUnavailable
@@ -365,30 +366,10 @@ class DraftPool:
         m.observe("osd_target_forward_seconds", seconds)
 
     def _count_step(self, res, labels: dict, waited_s: float) -> None:
-        """One speculative step into the meter (vLLM's spec-decode counters, with our labels)."""
-        m, draft, k = self.meter, labels["draft"], len(res.draft_tokens)
-        m.inc("osd_spec_decode_num_steps_total", **labels)
-        m.inc("osd_spec_decode_emitted_tokens_total", len(res.emitted), **labels)
-        m.observe("osd_spec_decode_k", k, draft=draft)
-        m.inc("osd_spec_decode_draft_seconds_total", res.draft_s, draft=draft)
-        m.inc("osd_spec_decode_verify_wait_seconds_total", waited_s, draft=draft)
-        if k == 0:
-            return
-        m.inc("osd_spec_decode_num_drafts_total", **labels)
-        m.inc("osd_spec_decode_num_draft_tokens_total", k, **labels)
-        m.inc("osd_spec_decode_num_accepted_tokens_total", res.accepted, **labels)
-        by = {"tenant": labels["tenant"], "domain": labels["domain"], "proposer": res.source}
-        m.inc("osd_spec_decode_proposer_draft_tokens_total", k, **by)
-        m.inc("osd_spec_decode_proposer_accepted_tokens_total", res.accepted, **by)
-        m.observe("osd_spec_decode_accepted_length", res.accepted, draft=draft)
         # the learned draft's version, or the model-free proposer that drafted ("ngram", "suffix")
         version = res.draft_version if res.source in LEARNED_SOURCES else res.source
-        m.inc("osd_spec_decode_draft_version_draft_tokens_total", k, draft=draft, draft_version=version)
-        m.inc("osd_spec_decode_draft_version_accepted_tokens_total", res.accepted, draft=draft, draft_version=version)
-        for i in range(k):
-            m.inc("osd_spec_decode_num_draft_tokens_per_pos_total", draft=draft, position=i)
-            if i < res.accepted:
-                m.inc("osd_spec_decode_num_accepted_tokens_per_pos_total", draft=draft, position=i)
+        count_step(self.meter, labels, k=len(res.draft_tokens), accepted=res.accepted, emitted=len(res.emitted),
+                   proposer=res.source, version=version, draft_s=res.draft_s, waited_s=waited_s)
 
     # -- one request ------------------------------------------------------------------------
     def _prompt_ids(self, req: GenerateRequest) -> list[int]:
