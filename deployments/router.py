@@ -83,6 +83,7 @@ class RouterServer:
         self._events()
         self.meter.set("osd_router_clusters", len(self.router.clusters.clusters))
         self.meter.set("osd_router_drafts", len(self.router.drafts))
+        self.router.clusters.refresh_names()
         self.meter.replace("osd_domain_info", {(c.key, c.name): 1 for c in self.router.clusters.clusters.values() if c.name})
         return self.meter.snapshot()
 

@@ -385,6 +385,7 @@ class OnlineClusters:
         self.clusters: dict[int, Cluster] = {}
         self.next_id = 0
         self._evicted: list[ClusterEvent] = []
+        self._renamed = True  # no words counted since the names were last read
 
     def __len__(self) -> int:
         return len(self.clusters)
@@ -421,6 +422,7 @@ class OnlineClusters:
         c.recent.append(t)
         if text:
             c.add_terms(text)
+            self._renamed = False
         return c, sim
 
     def observe(self, cluster_id: int, accepted: int, proposed: int) -> None:
@@ -434,8 +436,6 @@ class OnlineClusters:
         """Expire noise and idle clusters; report busy clusters with poor acceptance and no draft."""
         cfg, now_s = self.cfg, time.time() if now_s is None else now_s
         events, self._evicted = self._evicted, []
-        for cid, name in name_clusters(list(self.clusters.values())).items():  # refreshed as they grow
-            self.clusters[cid].name = name
         for c in list(self.clusters.values()):
             if c.count < cfg.min_cluster_size and t - c.born >= cfg.noise_ttl:
                 events.append(self._remove(c, "noise"))
@@ -448,6 +448,16 @@ class OnlineClusters:
                 events.append(ClusterEvent("spawn", c, f"{len(c.recent)} records in {t - c.recent[0] + 1}, "
                                                       f"alpha {c.alpha:.2f} < {cfg.spawn_alpha}"))
         return events
+
+    def refresh_names(self) -> None:
+        """Name every cluster from the words counted so far (:func:`name_clusters`), when some were
+        counted since the last time: done where names are read (the operator's views, every few
+        seconds at most), not on every routed query, since it scores every cluster's words."""
+        if self._renamed:
+            return
+        for cid, name in name_clusters(list(self.clusters.values())).items():
+            self.clusters[cid].name = name
+        self._renamed = True
 
     def _remove(self, c: Cluster, reason: str) -> ClusterEvent:
         del self.clusters[c.id]
@@ -475,4 +485,5 @@ class OnlineClusters:
             terms = Counter(m.get("terms", {}))  # saves of older versions have none
             c = Cluster(centroid=np.asarray(centroid, np.float32), **{**m, "recent": recent, "terms": terms})
             self.clusters[c.id] = c
+        self._renamed = False  # named again from the loaded words when first read
         return self

@@ -405,6 +405,7 @@ class Router:
 
     def summary(self) -> dict:
         """Drafts, clusters and per-domain acceptance estimates, for logs and dashboards."""
+        self.clusters.refresh_names()
         return {
             "t": self.t, "mode": self.cfg.mode, "classes": self.classifier.classes,
             "drafts": {d: {"domain": dom, "value": round(self.value(d), 2)} for d, dom in self.drafts.items()},
