@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the replicas' output on the console too (Serve's per-call lines, progress bars)")
     ap.add_argument("--report-s", type=float, default=60.0, help="seconds between lines of served load")
     args = ap.parse_args(argv)
-    _, cfg, _ = read_config(args.config)
+    doc, cfg, _ = read_config(args.config)
     from .tenants import load_keys
 
     open_ = not load_keys(cfg.auth)  # the replicas read the same config and environment
@@ -219,7 +219,6 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    doc, _, _ = read_config(args.config)
     watch(doc["applications"][0].get("name", "osd"), stop, args.report_s, say)
     from ray import serve
     import ray

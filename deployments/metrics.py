@@ -31,7 +31,7 @@ class MetricsServer:
         self.handles = handles or {}
         self._pull_lock = asyncio.Lock()
         self._seen: set[str] = set()  # sources that have answered once
-        self._failing: dict[str, str] = {}  # source -> the error it fails with now
+        self._failing: set[str] = set()  # sources failing now (said once)
 
     def _merge(self, source: str, snaps: list) -> None:
         live = set()
@@ -50,7 +50,8 @@ class MetricsServer:
                 except Exception as e:  # noqa: BLE001 - a deployment restarting: its gauges wait
                     self._unreachable(source, e)
                     continue
-                if self._failing.pop(source, None) is not None:
+                if source in self._failing:
+                    self._failing.discard(source)
                     log.warning("telemetry of %s: reachable again", source)
                 self._seen.add(source)
                 self._merge(source, snaps)
@@ -60,7 +61,7 @@ class MetricsServer:
         yet) is not a failure."""
         if source in self._failing:
             return
-        self._failing[source] = type(e).__name__
+        self._failing.add(source)
         if source in self._seen:
             log.warning("telemetry of %s: unreachable (%s: %s); its gauges wait until it answers", source,
                         type(e).__name__, e)

@@ -51,7 +51,7 @@ def prompt_digest(text: str) -> str:
 def read_meta(path: str | Path) -> dict:
     """The ``meta`` a saved draft or adapter folder carries ({} when it has none or is neither);
     ``"shipped"`` is the package's starting adapter."""
-    folder = shipped_adapter_path() if str(path) == SHIPPED_ADAPTER else Path(path)
+    folder = adapter_folder(str(path))
     for name in (DRAFT_META, ADAPTER_META):
         if (folder / name).exists():
             return json.loads((folder / name).read_text()).get("meta", {})
@@ -223,6 +223,11 @@ def shipped_adapter_path() -> Path:
     return Path(__file__).resolve().parent / "starting"
 
 
+def adapter_folder(name: str) -> Path:
+    """The folder ``name`` names: the package's starting adapter for ``"shipped"``, else itself."""
+    return shipped_adapter_path() if name == SHIPPED_ADAPTER else Path(name)
+
+
 def save_adapter(draft: PreTrainedModel, path: str | Path, base: dict, meta: dict | None = None,
                  dtype: torch.dtype = torch.bfloat16) -> int:
     """Write ``draft``'s adapters alone (not its base weights) as a folder, in ``dtype`` (bfloat16
@@ -246,7 +251,7 @@ def save_adapter(draft: PreTrainedModel, path: str | Path, base: dict, meta: dic
 def load_adapter(draft: PreTrainedModel, name: str, base: dict) -> dict:
     """Put the adapters saved at ``name`` (a folder, or ``"shipped"``) on ``draft``, in place, after
     checking they were trained on the same ``base``; returns their meta."""
-    path = shipped_adapter_path() if name == SHIPPED_ADAPTER else Path(name)
+    path = adapter_folder(name)
     if not (path / ADAPTER_META).is_file():
         raise ModelLoadError(f"not a saved adapter (no {ADAPTER_META}): {path}")
     info = json.loads((path / ADAPTER_META).read_text())
