@@ -131,7 +131,11 @@ def load_whole(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         if set(state) != want:  # checked before anything is written
             raise KeyError(f"a whole draft's state needs {len(want)} keys: missing {sorted(want - set(state))[:3]}, "
                            f"unexpected {sorted(set(state) - want)[:3]}")
-    own = {k: torch.as_tensor(v).detach().clone() for k, v in state.items()}  # not views of a caller's (or the object store's) memory
+    have = model.state_dict()
+    # copies, not views of a caller's (or the object store's) memory, on each weight's device and in its dtype
+    # (a learner's state is float32 on the CPU; a draft served on a GPU keeps its weights there)
+    own = {k: torch.as_tensor(v).detach().to(**({"device": have[k].device, "dtype": have[k].dtype} if k in have else {}),
+                                              copy=True) for k, v in state.items()}
     model.load_state_dict(own, strict=not adapted, assign=True)
     if isinstance(model, PreTrainedModel) and model.config.tie_word_embeddings:
         model.tie_weights()

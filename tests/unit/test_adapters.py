@@ -224,3 +224,15 @@ def test_engines_of_several_draft_ids_share_the_starting_drafts_float_base():
         assert torch.equal(v, base[k][1]) and v.data_ptr() == base[k][0], k
     assert torch.equal(b.runner.forward("s2", 0, ids, 10), want) and not has_adapters(b.runner.model)
     assert not torch.equal(a.runner.forward("s", 0, ids, 10), want)
+
+
+def test_a_whole_draft_keeps_the_served_drafts_device_and_dtype():
+    """A learner's version is float32 on the CPU; the served draft's weights stay where and as they
+    are served (a draft on a GPU in bfloat16 stays there, in bfloat16) and take the new values."""
+    served = LeanRunner(tiny_llama(1, seed=7).to(torch.bfloat16), name="draft")
+    new = {k: v.float() for k, v in tiny_llama(1, seed=9).state_dict().items()}
+    served.load_state_dict(new)
+    state = served.model.state_dict()
+    assert {v.dtype for v in state.values()} == {torch.bfloat16} and {v.device for v in state.values()} == {served.device}
+    assert all(torch.equal(state[k], v.to(torch.bfloat16)) for k, v in new.items())
+    served.forward("s", 0, _ids(6))  # the packed copy reads the same tensors: no mixed devices or dtypes
