@@ -37,12 +37,14 @@ from workloads import WorkloadRecord, load_workload, without_prompts_of
 #: as the bench goes, as a server does); spec_controller: the controller over suffix tree, prompt
 #: lookup and the configured draft (no learner);
 #: hf_assisted: HF generate with assistant_model = the same draft; hf_lookup: HF prompt-lookup
-#: decoding; target_fp32 / target_int8 / target_int4: target-only on that runtime (the float32
-#: reference is Hugging Face eager); llamacpp: llama.cpp's plain greedy decoding of the same GGUF.
+#: decoding; target_fp32 / target_int8 / target_int4 / target_lean / target_lean_compiled: target-only
+#: on that runtime (the float32 reference is Hugging Face eager); llamacpp: llama.cpp's plain greedy decoding of the same GGUF.
 METHODS = ("target", "spec", "spec_lookup", "spec_suffix", "spec_controller", "hf_assisted", "hf_lookup", "target_fp32",
-           "target_int8", "target_int4", "llamacpp")
+           "target_int8", "target_int4", "target_lean", "target_lean_compiled", "llamacpp")
 DEFAULT_METHODS = "target,spec,spec_lookup,hf_assisted,hf_lookup"
-RUNTIMES = {"target_fp32": "none", "target_int8": "int8", "target_int4": "int4"}
+#: method -> (ModelConfig.quantize, ModelConfig.compile) of its runtime
+RUNTIMES = {"target_fp32": ("none", False), "target_int8": ("int8", False), "target_int4": ("int4", False),
+            "target_lean": ("lean", False), "target_lean_compiled": ("lean", True)}
 #: methods that promise equality with their reference (the others report agreement)
 LOSSLESS = ("target", "spec", "spec_lookup", "spec_suffix", "spec_controller", "hf_assisted", "hf_lookup")
 
@@ -105,16 +107,18 @@ def _other_runtimes(engine: SpeculativeEngine, methods: tuple[str, ...], skipped
         if m not in RUNTIMES:
             continue
         model = engine.target.model
-        if RUNTIMES[m] == "none" and model.dtype != torch.float32:
+        quantize, compiled = RUNTIMES[m]
+        if quantize == "none" and model.dtype != torch.float32:
             model = copy.deepcopy(model).float()
         try:
-            runner = make_runner(model, RUNTIMES[m], name="target")
+            runner = make_runner(model, quantize, name="target", compile=compiled)
         except FastPathError as e:
             skipped[m] = str(e)
             continue
         if runtime_of(runner) == served:
             skipped[m] = f"the served runtime ({served}): see target"
             continue
+        runner.warmup()  # CUDA graphs before timing, as the served target's
         out[m] = SpeculativeEngine(runner, engine.tokenizer, None, engine.cfg)
     return out
 
@@ -368,7 +372,7 @@ def write_json(result: dict, path: str | None) -> None:
 def engine_config_from_args(args) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(name=args.target, device=getattr(args, "device", "cpu"), dtype=getattr(args, "dtype", "float32"),
-                          quantize=args.quantize),
+                          quantize=args.quantize, compile=getattr(args, "compile", False)),
         draft=DraftConfig(
             kind=args.draft,
             num_layers=args.draft_layers,

@@ -839,6 +839,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device", default="cpu")
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
         p.add_argument("--quantize", default="auto", choices=QUANTIZE_CHOICES, help="runtime of target and draft (see osd bench -h)")
+        p.add_argument("--compile", action="store_true", help="lean runtime: fuse its layers with torch.compile at start (see ModelConfig.compile)")
         p.add_argument("--checkpoint-dir", default=None, help="online learner checkpoints (the learned draft)")
         p.add_argument("--json", default=None, help="write the result JSON here")
         p.add_argument("--png", default=None, help="write the plot here")
@@ -884,6 +885,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--device", default="cpu")
     x.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     x.add_argument("--quantize", default="auto", choices=QUANTIZE_CHOICES, help="runtime of target and draft (see osd bench -h)")
+    x.add_argument("--compile", action="store_true", help="lean runtime: fuse its layers with torch.compile at start (see ModelConfig.compile)")
     x.add_argument("--json", default=None)
     x.add_argument("--png", default=None)
     x.add_argument("--quiet", action="store_true")
@@ -917,6 +919,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--device", default="cpu")
     o.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     o.add_argument("--quantize", default="auto", choices=QUANTIZE_CHOICES, help="runtime of target and draft (see osd bench -h)")
+    o.add_argument("--compile", action="store_true", help="lean runtime: fuse its layers with torch.compile at start (see ModelConfig.compile)")
     o.add_argument("--json", default=None)
     o.add_argument("--quiet", action="store_true")
     return ap

@@ -15,6 +15,8 @@
 # The proposer stages serve their methods interleaved, request by request (--interleave): a plain step's
 # time on the H100 moved by 15-25% between methods run one after another. IL= (empty) runs them so.
 # SMOKE=1 runs the same commands with tiny sizes (DEVICE=cpu works too) to check the script.
+# COMPILE=1: the lean target's layers compiled by torch.compile (ModelConfig.compile) in every stage; lean also
+# times the uncompiled runner and bench-lean serves it beside (target_lean).
 set -euo pipefail
 G=${G:?path of the target .gguf}
 OUT=${OUT:-results/gpu}
@@ -25,7 +27,8 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 OSD="${PYTHON:-python3} -m osd.cli"
 if [ "${SMOKE:-0}" = 1 ]; then R=2; N=6; NB=2; T=8; OFF=3; NP=4; NT=4; NF=4; TP=8
 else R=25; N=${N:-150}; NB=${NB:-30}; T=32; OFF=${OFF:-45}; NP=${NP:-48}; NT=${NT:-20}; NF=${NF:-80}; TP=48; fi
-X="$OSD experiment online --target $G --device $DEVICE --workload bench/data/workload.jsonl --max-tokens $TP --window 10 --eval-every 2 --quantize ${QUANT:-auto}"
+CC=(); [ "${COMPILE:-0}" = 1 ] && CC=(--compile)
+X="$OSD experiment online ${CC[*]} --target $G --device $DEVICE --workload bench/data/workload.jsonl --max-tokens $TP --window 10 --eval-every 2 --quantize ${QUANT:-auto}"
 IL=${IL---interleave}
 LEARN="--max-tokens $T --k 4 --train-every 4 --batch-records 16 --steps-per-round 8 --lr 1e-3 --gate-margin 0.02
        --window 20 --offline-seconds $OFF --offline-epochs 3 --offline-lr 1e-3 --head-vocab 8192 --threads 4"
@@ -34,11 +37,11 @@ for stage in "$@"; do
   case $stage in
     lean)  # the lean path's own check: graphs vs eager on a tiny model, the target's step (HF eager
            # float32, lean eager, lean graphs; v(j) for j = 1..9) and greedy equality under batching
-      ${PYTHON:-python3} -m bench.lean_check --device "$DEVICE" --target "$G" --repeats $R --json "$OUT/lean_check.json" ;;
+      ${PYTHON:-python3} -m bench.lean_check --device "$DEVICE" --target "$G" --repeats $R "${CC[@]}" --json "$OUT/lean_check.json" ;;
     bench-lean)  # target-only on the lean runtime (served) against HF eager float32, the suffix tree and
                  # the controller over the lean target, interleaved, with each method's equality to target
-      $OSD bench --target "$G" --device "$DEVICE" --quantize "${QUANT:-auto}" --n $NB --max-tokens 64 \
-        --methods target,target_fp32,spec_suffix,spec_controller --json "$OUT/bench_lean.json" | tail -n 12 ;;
+      $OSD bench --target "$G" --device "$DEVICE" --quantize "${QUANT:-auto}" "${CC[@]}" --n $NB --max-tokens 64 \
+        --methods target,${CC:+target_lean,}target_fp32,spec_suffix,spec_controller --json "$OUT/bench_lean.json" | tail -n 14 ;;
     profile)
       $OSD profile --target "$G" --device "$DEVICE" --repeats $R --max-verify 9 --json "$OUT/profile.json" ;;
     online:*)

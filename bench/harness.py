@@ -86,7 +86,7 @@ def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
     from speculative.proposers import DraftModelProposer
     from speculative.runtime import make_runner
 
-    model = ModelConfig(device=args.device, dtype=args.dtype, quantize=args.quantize,
+    model = ModelConfig(device=args.device, dtype=args.dtype, quantize=args.quantize, compile=getattr(args, "compile", False),
                         **({"name": args.target} if args.target else {}))
     ckpt = args.draft_checkpoint
     kind = getattr(args, "draft_kind", "truncated")

@@ -121,6 +121,9 @@ class ModelConfig(_Strict):
     #: model, else none. Lossless is relative to the
     #: runtime served: speculative output equals that runtime's own target-only output.
     quantize: Quantize = "auto"
+    #: the lean runtime's decoder layers fused by ``torch.compile`` (inductor) at start, before
+    #: their CUDA graphs are captured; without a working compiler it logs why and runs them eagerly
+    compile: bool = False
 
     @field_validator("device")
     @classmethod

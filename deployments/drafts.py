@@ -134,7 +134,8 @@ class DraftPool:
             # the pool: the budget, plus each running request's last partly used block, plus calibration's sequences
             slack = cfg.loop.block_tokens * cfg.loop.max_running + 8 * (64 + 2 * cfg.loop.block_tokens)
             runner = make_runner(target, cfg.engine.model.quantize, name="target", kv_tokens=budget + slack,
-                                 kv_dtype=cfg.loop.kv_dtype, block_tokens=cfg.loop.block_tokens)
+                                 kv_dtype=cfg.loop.kv_dtype, block_tokens=cfg.loop.block_tokens,
+                                 compile=cfg.engine.model.compile)
             self.kv_bytes_per_token = per_token
             runner.drop_float_weights()  # the target never takes new weights: a packed copy is all it needs
             self.loop = EngineLoop(runner, cfg.loop, budget, k_max, on_step=self._count_forward)

@@ -35,7 +35,8 @@ class BatchedTarget:
         if threads:
             torch.set_num_threads(1)
         self.cfg = cfg
-        self.runner = make_runner(weights if weights is not None else load_weights(model), model.quantize, name="target")
+        self.runner = make_runner(weights if weights is not None else load_weights(model), model.quantize, name="target",
+                                  compile=model.compile)
         self.run(self.runner.warmup, tuple(1 << i for i in range(cfg.max_batch.bit_length())))  # CUDA graphs: before the first request
         self.last_used: dict[str, float] = {}  # seq -> monotonic time of its last call
         self.batches = 0

@@ -371,7 +371,9 @@ def build_engine(cfg: EngineConfig = EngineConfig(), texts: Iterable[str] = (), 
         torch.set_num_threads(cfg.model.num_threads)
     target, tok = load_model(cfg.model)
     proposer = build_proposer(cfg.draft, target, tok, texts, quantize=cfg.model.quantize)
-    engine = SpeculativeEngine(make_runner(target, cfg.model.quantize, name="target"), tok, proposer, cfg)
+    engine = SpeculativeEngine(make_runner(target, cfg.model.quantize, name="target", compile=cfg.model.compile),
+                               tok, proposer, cfg)
+    engine.target.warmup()  # CUDA graphs of one sequence's steps, before the first request is timed
     if calibrate:
         engine.calibrate()
     return engine

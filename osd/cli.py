@@ -48,6 +48,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="torch device of target and draft (cpu, cuda, cuda:1, ...)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--quantize", default="auto", choices=QUANTIZE_CHOICES, help="runtime: int4 / int8 weights on our fast CPU path, lean = our bfloat16 forward with CUDA graphs on a GPU, none = Hugging Face eager in --dtype (the float32 reference); auto = int4 on a CPU, lean on a GPU")
+    g.add_argument("--compile", action="store_true", help="lean runtime: fuse its layers with torch.compile at start (see ModelConfig.compile)")
 
 
 def _parser() -> argparse.ArgumentParser:

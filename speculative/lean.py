@@ -22,12 +22,14 @@ Calls longer than :data:`GRAPH_TOKENS` (prompt chunks) or contexts past ``graph_
 same function eagerly, at their exact shapes. On a CPU (tests, or a machine without CUDA) everything
 runs eagerly, bucket for bucket the same arithmetic.
 
-Exactness: on the GPU the rows of a step are *not* guaranteed batch-invariant. cuBLAS picks its
-kernel by shape, so a row's logits may differ in the last bits between a decode (1 row), a verify
-(k + 1 rows) and a batch of sequences. Greedy speculative output therefore equals this runtime's own
-target-only output up to near-ties of the top two logits; ``bench/gpu_check.sh lean`` counts the
-sequences where it differs. Sampling draws from this runtime's distribution as it stood for the rows
-verified.
+Exactness: on the GPU the rows of a step are *not guaranteed* batch-invariant: cuBLAS picks its
+kernel by shape, and a compiler specialises a size of 1. So a compiled runner pads every step to at
+least 2 sequences of 2 tokens (:meth:`LeanRunner._compile`), and ``python -m bench.lean_check
+--invariance`` checks bitwise, on the device, that a position's logits are the same from a decode
+step, a verify step and a step shared with other sequences (on one H200: 0 of 80 rows differ,
+compiled or not). Greedy speculative output then equals this runtime's own target-only output;
+``bench/gpu_check.sh`` counts the prompts where it does not. Sampling draws from this runtime's
+distribution as it stood for the rows verified.
 """
 
 from __future__ import annotations
@@ -52,16 +54,20 @@ log = logging.getLogger(__name__)
 GRAPH_TOKENS = 32
 #: the smallest context bucket
 MIN_CONTEXT = 128
+#: the longest context bucket captured ahead of serving (longer ones are captured when first met)
+WARM_CONTEXT = 2048
 
 
 def _pow2(n: int, least: int = 1) -> int:
     return max(least, 1 << max(0, n - 1).bit_length())
 
 
-def bucket(lens: list[int], ends: list[int], graph_context: int, max_batch: int) -> tuple[int, int, int] | None:
+def bucket(lens: list[int], ends: list[int], graph_context: int, max_batch: int, least: int = 1
+           ) -> tuple[int, int, int] | None:
     """The (B, T, L) graph bucket of a batch whose calls feed ``lens`` tokens and end at ``ends``
-    cached positions; None when it runs eagerly (a long call, a long context or a wide batch)."""
-    T, L, B = _pow2(max(lens)), _pow2(max(ends), MIN_CONTEXT), _pow2(len(lens))
+    cached positions (B and T at least ``least``); None when it runs eagerly (a long call, a long
+    context or a wide batch)."""
+    T, L, B = _pow2(max(lens), least), _pow2(max(ends), MIN_CONTEXT), _pow2(len(lens), least)
     if T > GRAPH_TOKENS or L > graph_context or B > max_batch:
         return None
     return B, T, L
@@ -110,6 +116,32 @@ def _lin(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, delta=None) -
     return y
 
 
+
+def _layer(h: torch.Tensor, kv_layer: torch.Tensor, wslot: torch.Tensor, flat: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor, allowed: torch.Tensor, Hq: int, Hkv: int, inter: int, norm1, eps1, qkv, qkv_b, qkv_d,
+           o_w, o_b, o_d, norm2, eps2, gate_up, gate_up_b, gate_up_d, down, down_b, down_d) -> torch.Tensor:
+    """One decoder layer of the padded forward (a pure function of its tensors, so that one
+    ``torch.compile`` of it serves every layer). h: [R, H] float32 residual stream, R = B*T rows;
+    kv_layer: [2, Hkv, slots, D] this layer's pool (the rows' keys and values are written at
+    ``wslot`` [R]); flat: [B*L] the slots each sequence attends; cos, sin: [R, 1, D];
+    allowed: [B, 1, g*T, L] the causal mask. Returns the new residual stream [R, H]."""
+    B, L = allowed.shape[0], allowed.shape[-1]
+    R, D = h.shape[0], cos.shape[-1]
+    g = Hq // Hkv
+    T = R // B
+    x = F.rms_norm(h, (h.shape[-1],), norm1, eps1)
+    heads = _lin(x, qkv, qkv_b, qkv_d).float().view(R, Hq + 2 * Hkv, D)  # [R, Hq + 2 Hkv, D]
+    qk = _rope(heads[:, : Hq + Hkv], cos, sin)  # [R, Hq + Hkv, D]
+    kv_layer[:, :, wslot] = torch.stack((qk[:, Hq:], heads[:, Hq + Hkv :])).transpose(1, 2).to(kv_layer.dtype)
+    kv = kv_layer[:, :, flat].view(2, Hkv, B, L, D).transpose(1, 2)  # [2, B, Hkv, L, D] in the pool's dtype
+    q = qk[:, :Hq].reshape(B, T, Hq, D).transpose(1, 2).reshape(B, Hkv, g * T, D).to(kv.dtype)  # [B, Hkv, g*T, D]
+    o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=allowed)  # [B, Hkv, g*T, D]
+    o = o.view(B, Hq, T, D).transpose(1, 2).reshape(R, Hq * D)  # [R, Hq*D]
+    h = h + _lin(o, o_w, o_b, o_d)  # float32 + 16 bits: float32
+    gate, up = _lin(F.rms_norm(h, (h.shape[-1],), norm2, eps2), gate_up, gate_up_b, gate_up_d).split(inter, -1)
+    return h + _lin(F.silu(gate) * up, down, down_b, down_d)
+
+
 class LeanRunner(PooledCaches, ModelRunner):
     """A :class:`ModelRunner` (``forward``, ``forward_batch``, ``verify``, caches by id) over a
     bfloat16 copy of a Llama-style model on the model's device, with CUDA graphs there. ``model``
@@ -120,7 +152,7 @@ class LeanRunner(PooledCaches, ModelRunner):
     def __init__(self, model: PreTrainedModel, vocab_map: torch.Tensor | None = None, name: str = "model",
                  kv_tokens: int = 32768, kv_dtype: str = "bfloat16", block_tokens: int = 16,
                  graphs: bool | None = None, graph_context: int = 4096, max_batch: int = 16,
-                 dtype: str = "bfloat16", buckets: bool | None = None):
+                 dtype: str = "bfloat16", buckets: bool | None = None, compile: bool = False):
         why = llama_shape_problem(model)
         if why:
             raise FastPathError(f"{name}: cannot use the lean path: {why}")
@@ -148,7 +180,55 @@ class LeanRunner(PooledCaches, ModelRunner):
         #: graphs captured (one per bucket met) and steps replayed from them / run eagerly
         self.stats = {"captured": 0, "replayed": 0, "eager": 0, "capture_s": 0.0}
         self.seen: set[tuple[int, int, int]] = set()  # buckets met (captured or, on a CPU, run padded)
+        self._layer = _layer
+        self.compiled = False
+        #: the fewest sequences and tokens a step is padded to: 2 with compiled layers (below)
+        self.least = 1
         self._pack()
+        if compile:
+            self._compile()
+
+    def _compile(self) -> None:
+        """Fuse each layer's small operations with ``torch.compile`` (inductor: Triton kernels on a
+        GPU, C++ on a CPU), compiled here, before serving. The sizes are symbolic, so one
+        compilation serves every bucket and no request of a new length compiles again. A missing
+        compiler leaves the eager layers, with the reason logged once.
+
+        Every step is padded to at least 2 sequences of 2 tokens (:attr:`least`). Compilers
+        specialise a size of 1 (other kernels, other reductions), so a decode step of one sequence
+        would round its row otherwise than a verify step or a batch does, and a speculative step
+        could then accept what target-only decoding would not have produced. With one shape class,
+        and reductions never split by size, a row's logits do not depend on the step it is in."""
+        import torch._dynamo
+        import torch._inductor.config as inductor_config
+        import torch.fx.experimental._config as fx_config
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        fx_config.use_duck_shape = False  # sizes that happen to be equal (rows = head size) are no reason to recompile
+        inductor_config.split_reductions = False  # a reduction's order must not follow the rows' count
+        self._layer = torch.compile(_layer, dynamic=True, fullgraph=True)
+        self.least, self._graphs = 2, {}
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                # the shape class, then sizes of other divisibility (Triton specialises a size on it): steps and prompts
+                for B, T, L in ((2, 2, MIN_CONTEXT), (2, 3, 37), (3, 17, 2 * MIN_CONTEXT), (2, 33, 33), (4, 8, 61)):
+                    self._run(*self._split(self._trash_layout(B, T, L), B, T, L))
+        except Exception as e:  # no C++ compiler, no Triton, an unsupported torch: the same layers, eagerly
+            log.error("%s: torch.compile of the lean layers failed (%s: %s); running them eagerly",
+                      self.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            self._layer, self.least = _layer, 1
+            return
+        self.compiled = True
+        self.stats["compile_s"] = round(time.perf_counter() - t0, 3)
+
+    def _trash_layout(self, B: int, T: int, L: int) -> torch.Tensor:
+        """A step's indices on the device that write and read only the trash slot (warm-ups, captures)."""
+        buf = torch.zeros(4 * B * T + B * L, dtype=torch.long, device=self.device)
+        args = self._split(buf, B, T, L)
+        args[2].fill_(self.trash)
+        args[3].fill_(self.trash)
+        return buf
 
     def __getstate__(self) -> dict:
         """A copy (``copy.deepcopy``, as a bench forks a draft) leaves the captured graphs behind:
@@ -201,31 +281,20 @@ class LeanRunner(PooledCaches, ModelRunner):
         position (its causal limit). ``keep``: rows whose logits are computed (all when None).
         Returns (logits [rows, V] float32, features: None unless ``layers`` is given, then every
         row's outputs of those decoder layers and the final feature, [B*T, (len(layers)+1) H])."""
-        B, L = ctx.shape
-        T = qpos.shape[1]
-        R = B * T
-        Hq, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        L = ctx.shape[1]
+        Hq, Hkv = self.n_heads, self.n_kv
         g = Hq // Hkv
-        h = self.embed[ids].float()  # [R, H]
+        h = self.embed[ids].float()  # [R, H], R = B*T
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [R, 1, D]
         # [B, 1, g*T, L]: True where query row j*T + t (head j's query t) may attend key l (l <= its position)
         allowed = (torch.arange(L, device=ids.device)[None, None, :] <= qpos[:, :, None]).repeat(1, g, 1)[:, None]
-        flat = ctx.reshape(-1)  # [B*L]
+        # the indices as tensors of their own (a view's offset into the step's buffer would be a compiled layer's guard)
+        wslot, flat = wslot.clone(), ctx.reshape(-1).clone()  # [R], [B*L]
         outs = {}
         for li, lay in enumerate(self.layers):
-            x = F.rms_norm(h, (h.shape[-1],), lay.norm1, lay.eps1)
-            heads = _lin(x, lay.qkv, lay.qkv_b, lay.qkv_d).float().view(R, Hq + 2 * Hkv, D)  # [R, Hq + 2 Hkv, D]
-            qk = _rope(heads[:, : Hq + Hkv], cos, sin)  # [R, Hq + Hkv, D]
-            kv_layer = self.pool.kv[li]  # [2, Hkv, slots, D]
-            kv_layer[:, :, wslot] = torch.stack((qk[:, Hq:], heads[:, Hq + Hkv :])).transpose(1, 2).to(kv_layer.dtype)
-            kv = kv_layer[:, :, flat].view(2, Hkv, B, L, D).transpose(1, 2)  # [2, B, Hkv, L, D] in the pool's dtype
-            q = qk[:, :Hq].reshape(B, T, Hq, D).transpose(1, 2).reshape(B, Hkv, g * T, D).to(kv.dtype)  # [B, Hkv, g*T, D]
-            o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=allowed)  # [B, Hkv, g*T, D]
-            o = o.view(B, Hq, T, D).transpose(1, 2).reshape(R, Hq * D)  # [R, Hq*D]
-            h = h + _lin(o, lay.o, lay.o_b, lay.o_d)  # float32 + 16 bits: float32
-            gate, up = _lin(F.rms_norm(h, (h.shape[-1],), lay.norm2, lay.eps2), lay.gate_up, lay.gate_up_b,
-                            lay.gate_up_d).split(lay.inter, -1)
-            h = h + _lin(F.silu(gate) * up, lay.down, lay.down_b, lay.down_d)
+            h = self._layer(h, self.pool.kv[li], wslot, flat, cos, sin, allowed, Hq, Hkv, lay.inter, lay.norm1, lay.eps1,
+                            lay.qkv, lay.qkv_b, lay.qkv_d, lay.o, lay.o_b, lay.o_d, lay.norm2, lay.eps2,
+                            lay.gate_up, lay.gate_up_b, lay.gate_up_d, lay.down, lay.down_b, lay.down_d)
             if layers and li in layers:
                 outs[li] = h
         final = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.final_eps)  # [R, H]
@@ -260,9 +329,10 @@ class LeanRunner(PooledCaches, ModelRunner):
         caches = [self._open(c) for c in calls]
         lens = [len(c.tokens) for c in calls]
         ends = [c.start + n for c, n in zip(calls, lens)]
-        key = None if layers is not None or not self.buckets else bucket(lens, ends, self.graph_context, self.max_batch)
-        if key is None:  # eager, at the batch's own shape
-            B, T, L = len(calls), max(lens), max(ends)
+        key = None if layers is not None or not self.buckets else bucket(lens, ends, self.graph_context, self.max_batch,
+                                                                            self.least)
+        if key is None:  # eager, at the batch's own shape (compiled: at least the least one)
+            B, T, L = max(len(calls), self.least), max(max(lens), self.least), max(ends)
         else:
             B, T, L = key
         buf = self._layout(calls, caches, B, T, L).to(self.device, non_blocking=True)
@@ -301,10 +371,8 @@ class LeanRunner(PooledCaches, ModelRunner):
         self.seen.add(key)
         t0 = time.perf_counter()
         B, T, L = key
-        static = torch.zeros(4 * B * T + B * L, dtype=torch.long, device=self.device)
+        static = self._trash_layout(B, T, L)  # every write of the warm-up and the capture goes to the trash slot
         args = self._split(static, B, T, L)
-        args[2].fill_(self.trash)  # every write of the warm-up and the capture goes to the trash slot
-        args[3].fill_(self.trash)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
@@ -326,19 +394,22 @@ class LeanRunner(PooledCaches, ModelRunner):
         self.stats["capture_s"] += time.perf_counter() - t0
         return self._graphs[key]
 
-    def warmup(self, batches: tuple[int, ...] = (1,), contexts: tuple[int, ...] = (MIN_CONTEXT, 2 * MIN_CONTEXT)) -> int:
+    def warmup(self, batches: tuple[int, ...] = (1,), contexts: tuple[int, ...] | None = None) -> int:
         """Capture the graphs of the common buckets ahead of serving (decode and verify of up to
-        :data:`GRAPH_TOKENS` tokens, for ``batches`` sequences and ``contexts`` positions). Returns
-        the graphs captured; 0 where graphs are off."""
+        :data:`GRAPH_TOKENS` tokens, for ``batches`` sequences and ``contexts`` positions, by default
+        every context bucket up to :data:`WARM_CONTEXT`): a bucket first met by a request would cost
+        it the capture, about 0.1 s. Returns the graphs captured; 0 where graphs are off."""
         if not self.graphs:
             return 0
+        if contexts is None:
+            contexts = tuple(1 << i for i in range(MIN_CONTEXT.bit_length() - 1, min(self.graph_context, WARM_CONTEXT).bit_length()))
         before = self.stats["captured"]
         with torch.inference_mode():
-            for B in sorted({_pow2(b) for b in batches if _pow2(b) <= self.max_batch}):
+            for B in sorted({_pow2(b, self.least) for b in batches if _pow2(b, self.least) <= self.max_batch}):
                 for L in contexts:
-                    T = 1
+                    T = self.least
                     while T <= GRAPH_TOKENS and self.graphs:
-                        self._graph((_pow2(B), T, _pow2(L, MIN_CONTEXT)))
+                        self._graph((B, T, _pow2(L, MIN_CONTEXT)))
                         T *= 2
         torch.cuda.synchronize(self.device)
         return self.stats["captured"] - before

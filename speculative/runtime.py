@@ -34,17 +34,19 @@ def resolve_quantize(quantize: str, model: PreTrainedModel) -> str:
 
 def make_runner(model: PreTrainedModel, quantize: str = "none", vocab_map: torch.Tensor | None = None,
                 name: str = "model", draft: bool = False, kv_tokens: int = 32768, kv_dtype: str = "float16",
-                block_tokens: int = 16) -> ModelRunner:
+                block_tokens: int = 16, compile: bool = False) -> ModelRunner:
     """The runner for ``model`` on the runtime ``quantize`` names (see :func:`resolve_quantize`).
     ``draft``: a draft's output head in the layers' bits too (the head is most of a small draft's
     cost; a target keeps 8 bits there, see :meth:`FastRunner._quantise`). ``kv_tokens`` positions
     of all sequences together fit the fast path's KV pool, in ``kv_dtype``. ``lean``: the bfloat16
-    forward with CUDA graphs (:mod:`speculative.lean`; eager where there is no CUDA device)."""
+    forward with CUDA graphs (:mod:`speculative.lean`; eager where there is no CUDA device);
+    ``compile``: its layers fused by ``torch.compile`` first (the lean runtime only)."""
     mode = resolve_quantize(quantize, model)
     if mode == "none":
         return ModelRunner(model, vocab_map, name)
     if mode == "lean":
-        return LeanRunner(model, vocab_map, name, kv_tokens=kv_tokens, kv_dtype=kv_dtype, block_tokens=block_tokens)
+        return LeanRunner(model, vocab_map, name, kv_tokens=kv_tokens, kv_dtype=kv_dtype, block_tokens=block_tokens,
+                          compile=compile)
     bits = 4 if mode == "int4" else 8
     return FastRunner(model, vocab_map, name, bits=bits, head_bits=bits if draft else 8, kv_tokens=kv_tokens,
                       kv_dtype=kv_dtype, block_tokens=block_tokens)
@@ -52,11 +54,11 @@ def make_runner(model: PreTrainedModel, quantize: str = "none", vocab_map: torch
 
 def runtime_of(runner: ModelRunner) -> str:
     """What a runner serves: ``int4`` / ``int8`` (fast path), ``lean-bf16`` (``-graphs`` with CUDA
-    graphs) or ``eager-<dtype>``."""
+    graphs, ``-compiled`` with its layers compiled) or ``eager-<dtype>``."""
     if isinstance(runner, FastRunner):
         return f"int{runner.bits}"
     if isinstance(runner, LeanRunner):
-        return "lean-bf16" + ("-graphs" if runner.graphs else "")
+        return "lean-bf16" + ("-graphs" if runner.graphs else "") + ("-compiled" if runner.compiled else "")
     return "eager-" + str(next(runner.model.parameters()).dtype).removeprefix("torch.")
 
 

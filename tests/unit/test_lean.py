@@ -183,3 +183,107 @@ def test_a_copy_captures_its_own_graphs_and_computes_the_same():
     twin = copy.deepcopy(lean)
     assert twin._graphs == {} and twin.pool.kv.data_ptr() != lean.pool.kv.data_ptr()
     torch.testing.assert_close(twin.forward("t", 0, [4, 5, 6]), a)
+
+
+# -- the compiled layers (torch.compile, inductor's C++ backend here; Triton on a GPU) ---------------
+@pytest.fixture(scope="module")
+def compiled():
+    """One runner whose layers are compiled (the four shape classes, at its start): about a minute here."""
+    model = tiny_llama(3, seed=0)
+    lean = _exact(model, buckets=True, compile=True, name="target")
+    assert lean.compiled, "torch.compile failed on this machine"
+    return model, lean
+
+
+def test_the_compiled_layers_compute_what_hugging_face_computes(compiled):
+    """Prefill, decode and verify steps of the compiled forward equal the float32 reference's logits,
+    alone and with several sequences in one padded step."""
+    model, lean = compiled
+    ref = ModelRunner(model)
+    assert runtime_of(lean) == "lean-bf16-compiled" and lean.stats["compile_s"] > 0
+    for i in range(3):
+        ids = _ids(9 + 7 * i, seed=i)
+        torch.testing.assert_close(lean.forward(f"c{i}", 0, ids, len(ids)), ref.forward(f"c{i}", 0, ids, len(ids)), **TOL)
+    for step in range(4):
+        calls = [ForwardCall(f"c{i}", ref.cached_length(f"c{i}"), _ids(1 + (i + step) % 4, seed=10 * step + i), 1 + (i + step) % 4)
+                 for i in range(3)]
+        want = [ref.forward(c.seq_id, c.start, c.tokens, c.keep_last) for c in calls]
+        for c, w, g in zip(calls, want, lean.forward_batch(calls)):
+            torch.testing.assert_close(g, w, **TOL)
+        for group in (calls[:1], calls[1:]):  # the same steps again, one sequence, then two: the cache is rewritten alike
+            for c in group:
+                ref.forward(c.seq_id, c.start, c.tokens, c.keep_last)
+            lean.forward_batch(group)
+    for i in range(3):
+        lean.release(f"c{i}")
+
+
+def test_greedy_speculative_equals_the_compiled_targets_own_output(compiled):
+    _, runner = compiled
+    tok = _char_tokenizer()
+    cfg = EngineConfig(chat_template=False, k=KPolicyConfig(k_max=4, fixed_k=4))
+    alone = SpeculativeEngine(runner, tok, None, cfg)
+    spec = SpeculativeEngine(runner, tok, DraftModelProposer(_exact(tiny_llama(1, seed=7), buckets=True, name="draft"), 128), cfg)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    proposed = 0
+    for prompt in ([5, 6, 7, 8], list(range(20, 45)), [9] * 12):
+        want = alone.generate(prompt, params).token_ids
+        g = spec.generate(prompt, params)
+        assert g.token_ids == want
+        proposed += g.stats.proposed
+    assert proposed > 0
+
+
+def test_requests_of_new_lengths_compile_nothing_new(compiled):
+    """The layers were compiled at the runner's start for every shape class a step takes: forty
+    requests of forty prompt lengths, decoded alone and in batches of up to three, compile no more."""
+    import torch._dynamo.utils as dynamo_utils
+
+    _, lean = compiled
+    before = dynamo_utils.counters["stats"]["unique_graphs"]
+    for i in range(0, 40, 3):
+        calls = [ForwardCall(f"n{j}", 0, _ids(2 + 5 * j, seed=j), 1) for j in range(i, min(i + 3, 40))]
+        for c in calls:
+            lean.forward(c.seq_id, 0, c.tokens)
+        for n in (1, 3, 6):
+            lean.forward_batch([ForwardCall(c.seq_id, lean.cached_length(c.seq_id), _ids(n, seed=n), n) for c in calls])
+        lean.forward(calls[0].seq_id, lean.cached_length(calls[0].seq_id), [5])
+        for c in calls:
+            lean.release(c.seq_id)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == before
+
+
+def test_a_rows_logits_do_not_depend_on_the_step_it_is_computed_in(compiled):
+    """Bitwise: a position's logits are the same from a decode step of its sequence alone, from a
+    verify step of several tokens and from a step shared with other sequences (what makes greedy
+    speculation equal target-only decoding on the compiled runtime)."""
+    _, lean = compiled
+    for i in range(3):
+        lean.forward(f"v{i}", 0, _ids(11 + 4 * i, seed=30 + i))
+    ends = {f"v{i}": lean.cached_length(f"v{i}") for i in range(3)}
+    draft = _ids(5, seed=40)
+    alone = [lean.forward("v0", ends["v0"] + j, draft[j : j + 1])[0] for j in range(5)]  # five decode steps
+    verify = lean.forward("v0", ends["v0"], draft, 5)  # the same positions in one verify step
+    shared = lean.forward_batch([ForwardCall("v0", ends["v0"], draft, 5)]
+                                + [ForwardCall(f"v{i}", ends[f"v{i}"], _ids(1 + 2 * i, seed=i), 1) for i in (1, 2)])[0]
+    for j in range(5):
+        assert torch.equal(verify[j], alone[j]) and torch.equal(shared[j], alone[j]), j
+    for i in range(3):
+        lean.release(f"v{i}")
+
+
+def test_a_compiler_that_fails_leaves_the_eager_layers_with_a_message(caplog):
+    """No working C++ compiler (or Triton on a GPU): the runner says why, once, and serves the same
+    forward eagerly."""
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+
+    model = tiny_llama(2, seed=5)
+    torch._dynamo.reset()  # nothing compiled earlier is reused (so this test comes last)
+    with inductor_config.patch({"fx_graph_cache": False, "cpp.cxx": ("/nonexistent/c++",)}):
+        with caplog.at_level(logging.ERROR, logger="speculative.lean"):
+            lean = LeanRunner(model, buckets=True, compile=True)
+    torch._dynamo.reset()
+    assert not lean.compiled and "torch.compile of the lean layers failed" in caplog.text
+    assert runtime_of(lean) == "lean-bf16"
+    torch.testing.assert_close(lean.forward("a", 0, [4, 5, 6]), LeanRunner(model).forward("a", 0, [4, 5, 6]))
