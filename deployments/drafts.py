@@ -69,6 +69,9 @@ class TargetView:
         self.eos_ids = eos_token_ids(None, model)
         self.release = release
 
+    def attach_prefix(self, seq_id: str, tokens: list[int], salt: str | None = None) -> int:
+        return 0  # the target replica's cache starts empty for each sequence
+
     def verify(self, calls):  # a draft replica verifies through its async verifier, never here
         raise RuntimeError("verification in a draft replica goes through DraftPool.verifier")
 
@@ -137,6 +140,7 @@ class DraftPool:
                                  kv_dtype=cfg.loop.kv_dtype, block_tokens=cfg.loop.block_tokens,
                                  compile=cfg.engine.model.compile)
             self.kv_bytes_per_token = per_token
+            runner.prefix_caching = cfg.loop.prefix_cache
             runner.drop_float_weights()  # the target never takes new weights: a packed copy is all it needs
             self.loop = EngineLoop(runner, cfg.loop, budget, k_max, on_step=self._count_forward)
             self.loop.start(name=f"engine-loop-{id(self):x}",
@@ -479,7 +483,7 @@ class DraftPool:
         queue: asyncio.Queue = asyncio.Queue()
         aloop = asyncio.get_running_loop()
         seq = Sequence(engine, req.request_id, prompt, req.params, lambda ev: aloop.call_soon_threadsafe(queue.put_nowait, ev),
-                       scope=req.domain, resume=list(req.resume))
+                       scope=req.domain, resume=list(req.resume), cache_salt=req.tenant)
         self.loop.submit(seq)
         done, last = False, time.perf_counter()
         try:

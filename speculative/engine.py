@@ -188,11 +188,14 @@ class SpeculativeEngine:
         request_id: str | None = None,
         generator: torch.Generator | None = None,
         scope: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a request. Unseeded sampling draws from ``generator`` when given (reproducible
         experiments and tests), else from fresh entropy; a seeded request needs no generator.
         ``scope`` (the request's domain) selects the acceptance its k policy starts from and the
-        proposers' per-domain state (suffix trees)."""
+        proposers' per-domain state (suffix trees). Where the target caches prompt prefixes, the
+        request starts after the longest one cached for requests of the same ``cache_salt`` (its
+        tenant)."""
         if isinstance(prompt, (str, bytes, bytearray)):
             tokens = self.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
@@ -222,7 +225,9 @@ class SpeculativeEngine:
             self.scope_policy.move_to_end(scope)
             prior.update({s: e.value for s, e in home.alpha.items()})
         policy = KPolicy(self.cfg.k, self.costs, prior, probes=home.probes)
-        self.requests[rid] = RequestState(rid, params, tokens, len(tokens), policy, gen, scope)
+        self.requests[rid] = st = RequestState(rid, params, tokens, len(tokens), policy, gen, scope)
+        if not self.wants_features:  # a feature draft reads the target's features at every prompt position
+            st.target_len = self.target.attach_prefix(rid, tokens, cache_salt)
         if self.proposer is not None:
             self.proposer.begin(rid, list(tokens), scope)
         return rid

@@ -10,6 +10,15 @@ bytes a cached token costs are ``layers * 2 * H_kv * D * 2`` (23,040 for SmolLM2
 The pool is allocated with ``torch.empty``: its pages become resident only as blocks are first
 written, so an idle server's RSS does not carry the whole budget.
 
+Prefix caching: a block whose positions are all settled (below the start of its sequence's next
+call) is indexed by a digest of every token up to its end and the request's cache salt (its
+tenant). A new request's prompt takes the longest run of indexed blocks it matches, then copies the
+matching head of one more block, so its prefill starts after what is already cached (a shared
+system prompt, a conversation's history re-sent). Indexed blocks are never written: a sequence that
+steps back into one copies it first. Released blocks that are indexed stay cached, least recently
+used first out, until the pool needs them. Different salts never share a block, so one tenant's
+prompts cannot be timed by another's.
+
 Exactness: keys and values are rounded to 16 bits when written and read back by every later step
 the same way, so a row's attention inputs do not depend on whether its context was prefilled,
 verified or decoded one by one, nor on which other sequences share the step (the float64
@@ -17,6 +26,9 @@ attention of :func:`speculative.fast._attend` then keeps rows batch-invariant).
 """
 
 from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
 
 import torch
 
@@ -51,6 +63,15 @@ class BlockPool:
         alloc = torch.zeros if zeroed else torch.empty
         self.kv = alloc(shape, dtype=KV_DTYPES[dtype], device=device)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low blocks first
+        self._refs = [0] * self.num_blocks  # sequences holding each block
+        # the prefix index: digest of (salt, every token to a block's end) -> block; per block its
+        # digest, its parent's and its own tokens; blocks no sequence holds, least recently used first
+        self._index: dict[bytes, int] = {}
+        self._meta: dict[int, tuple[bytes, bytes, tuple[int, ...]]] = {}
+        self._children: dict[bytes, list[int]] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()
+        #: prompt positions looked up in the index, and found there
+        self.prefix_stats = {"looked_up": 0, "hit": 0}
 
     @property
     def bytes_per_token(self) -> int:
@@ -59,36 +80,174 @@ class BlockPool:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a sequence can take: free ones, and cached ones no sequence holds."""
+        return len(self._free) + len(self._idle)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks in the prefix index (held by sequences or idle)."""
+        return len(self._meta)
 
     @property
     def used_tokens(self) -> int:
         """Slots held by sequences (whole blocks)."""
-        return (self.num_blocks - len(self._free)) * self.block_tokens
+        return (self.num_blocks - self.free_blocks) * self.block_tokens
 
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_tokens
 
     def take(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise KVCacheFull(f"the KV cache pool has {len(self._free)} free blocks of {self.block_tokens} tokens, "
+        """n blocks for one sequence: free ones first, then idle cached ones (least recently used
+        first, leaving the index)."""
+        if n > self.free_blocks:
+            raise KVCacheFull(f"the KV cache pool has {self.free_blocks} free blocks of {self.block_tokens} tokens, "
                               f"{n} more are needed (capacity {self.capacity_tokens} tokens)")
-        return [self._free.pop() for _ in range(n)]
+        while len(self._free) < n:
+            block, _ = self._idle.popitem(last=False)
+            self._unindex(block)
+            self._free.append(block)
+        out = [self._free.pop() for _ in range(n)]
+        for b in out:
+            self._refs[b] = 1
+        return out
 
     def give_back(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        """A sequence lets go of ``blocks``: indexed ones no one else holds stay cached (idle)."""
+        for b in reversed(blocks):
+            self._refs[b] -= 1
+            if self._refs[b] > 0:
+                continue
+            if b in self._meta:
+                self._idle[b] = None
+            else:
+                self._free.append(b)
+
+    # -- the prefix index ---------------------------------------------------------------------
+    @staticmethod
+    def digest(parent: bytes, tokens) -> bytes:
+        """The key of a block: its parent's key (the salt's, for a first block) and its tokens."""
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(torch.as_tensor(list(tokens), dtype=torch.int64).numpy().tobytes())
+        return h.digest()
+
+    @staticmethod
+    def root(salt: str | None) -> bytes:
+        return hashlib.blake2b(("salt:" + (salt or "")).encode(), digest_size=16).digest()
+
+    def indexed(self, block: int) -> bool:
+        return block in self._meta
+
+    def index(self, block: int, parent: bytes, tokens: tuple[int, ...]) -> bytes:
+        """Enter a settled full block under (parent, tokens); returns its key. A block of the same
+        key already there stays the one found (this one is freed when its sequence lets go)."""
+        key = self.digest(parent, tokens)
+        if key not in self._index and block not in self._meta:
+            self._index[key] = block
+            self._meta[block] = (key, parent, tuple(tokens))
+            self._children.setdefault(parent, []).append(block)
+        return key
+
+    def _unindex(self, block: int) -> None:
+        key, parent, _ = self._meta.pop(block)
+        del self._index[key]
+        kids = self._children[parent]
+        kids.remove(block)
+        if not kids:
+            del self._children[parent]
+
+    def share(self, block: int) -> None:
+        """One more sequence holds an indexed ``block``."""
+        self._refs[block] += 1
+        self._idle.pop(block, None)
+
+    def find(self, key: bytes) -> int | None:
+        return self._index.get(key)
+
+    def best_child(self, parent: bytes, tokens: list[int]) -> tuple[int | None, int]:
+        """The indexed block after ``parent`` whose tokens start with the longest head of ``tokens``:
+        (block, how many positions match); (None, 0) when none does."""
+        best, most = None, 0
+        for b in self._children.get(parent, ()):
+            own = self._meta[b][2]
+            m = 0
+            for a, t in zip(own, tokens):
+                if a != t:
+                    break
+                m += 1
+            if m > most:
+                best, most = b, m
+        return best, most
+
+    def copy_slots(self, src: int, dst: int, n: int) -> None:
+        """Positions 0..n-1 of block ``src`` into block ``dst``, every layer."""
+        B = self.block_tokens
+        self.kv[:, :, :, dst * B : dst * B + n] = self.kv[:, :, :, src * B : src * B + n]
 
 
 class SeqCache:
     """One sequence's blocks in a :class:`BlockPool`; ``slots[p]`` is position p's slot ([capacity] long)."""
 
-    def __init__(self, pool: BlockPool):
+    def __init__(self, pool: BlockPool, salt: str | None = None):
         self.pool = pool
         self.blocks: list[int] = []
         self.slots = torch.empty(0, dtype=torch.long)
         self.length = 0
         self.contiguous = True  # blocks[i] == blocks[0] + i: positions read as one slice of the pool
+        self.tokens: list[int] = []  # the token at each written position (what the prefix index keys)
+        self.keys: list[bytes] = [BlockPool.root(salt)]  # keys[i]: the key block i's entry hangs from
+
+    def attach(self, tokens: list[int]) -> int:
+        """An empty sequence takes the longest cached prefix of ``tokens``: whole indexed blocks,
+        shared, then the matching head of one more, copied. Returns the positions now cached."""
+        pool, B = self.pool, self.pool.block_tokens
+        pool.prefix_stats["looked_up"] += len(tokens)
+        n = 0
+        while n + B <= len(tokens):
+            block = pool.find(pool.digest(self.keys[-1], tokens[n : n + B]))
+            if block is None:
+                break
+            pool.share(block)
+            self.blocks.append(block)
+            self.keys.append(pool._meta[block][0])
+            n += B
+        src, m = pool.best_child(self.keys[-1], tokens[n : n + B])
+        if src is not None:
+            pool.share(src)  # held while copying: taking a fresh block must not evict it
+            (dst,) = pool.take(1)
+            pool.copy_slots(src, dst, m)
+            pool.give_back([src])
+            self.blocks.append(dst)
+            n += m
+        self._slots_from(0)
+        self.tokens, self.length = list(tokens[:n]), n
+        pool.prefix_stats["hit"] += n
+        return n
+
+    def write(self, start: int, tokens: list[int]) -> None:
+        """A call writes ``tokens`` at ``start``..: the blocks before ``start`` are settled (indexed
+        now), an indexed block at or after it is copied first (never written in place)."""
+        pool, B = self.pool, self.pool.block_tokens
+        first = start // B
+        for i in range(first, len(self.blocks)):
+            if pool.indexed(self.blocks[i]):
+                (dst,) = pool.take(1)
+                pool.copy_slots(self.blocks[i], dst, B)
+                pool.give_back([self.blocks[i]])
+                self.blocks[i] = dst
+                del self.keys[i + 1 :]
+                self._slots_from(i)
+        del self.tokens[start:]
+        self.tokens += tokens
+        for i in range(len(self.keys) - 1, min(start // B, len(self.blocks))):  # settled full blocks: indexed
+            self.keys.append(pool.index(self.blocks[i], self.keys[i], tuple(self.tokens[i * B : (i + 1) * B])))
+
+    def _slots_from(self, i: int) -> None:
+        B = self.pool.block_tokens
+        tail = torch.tensor(self.blocks[i:], dtype=torch.long)
+        fresh = (tail[:, None] * B + torch.arange(B)).reshape(-1)
+        self.slots = torch.cat([self.slots[: i * B], fresh])
+        self.contiguous = all(b - a == 1 for a, b in zip(self.blocks, self.blocks[1:]))
 
     def reserve(self, n: int) -> None:
         """Room for positions 0..n-1: whole blocks taken from the pool as needed."""
@@ -112,6 +271,7 @@ class SeqCache:
     def free(self) -> None:
         self.pool.give_back(self.blocks)
         self.blocks, self.slots, self.length, self.contiguous = [], torch.empty(0, dtype=torch.long), 0, True
+        self.tokens, self.keys = [], self.keys[:1]
 
     def get_seq_length(self) -> int:
         return self.length
@@ -131,6 +291,9 @@ class PooledCaches:
     """Per-sequence caches in one :class:`BlockPool` (``self.pool``), for a runner that keeps its
     caches by id in ``self._caches`` and checks calls with ``self._cached`` (the fast and lean paths)."""
 
+    #: reuse cached prompt prefixes across sequences (:meth:`attach_prefix`); a server turns it on
+    prefix_caching = False
+
     def _open(self, c) -> SeqCache:
         """The call's cache, cropped back to ``c.start`` (a new one at 0) with room for its tokens."""
         cache, _ = self._cached(c.seq_id, c.start, c.tokens)
@@ -138,7 +301,19 @@ class PooledCaches:
             cache = self._caches[c.seq_id] = SeqCache(self.pool)
         cache.length = c.start  # crop: positions past start are overwritten
         cache.reserve(c.start + len(c.tokens))
+        if self.prefix_caching:
+            cache.write(c.start, list(c.tokens))
         return cache
+
+    def attach_prefix(self, seq_id: str, tokens: list[int], salt: str | None = None) -> int:
+        """A new sequence starts from the longest cached prefix of its prompt ``tokens`` (at most
+        all but the last token, which a call must feed to get its logits) among sequences of the
+        same ``salt``; returns how many positions are cached (0 with prefix caching off)."""
+        self.release(seq_id)
+        if not self.prefix_caching or len(tokens) < 2:
+            return 0
+        cache = self._caches[seq_id] = SeqCache(self.pool, salt)
+        return cache.attach(list(tokens[:-1]))
 
     def release(self, seq_id: str) -> None:
         cache = self._caches.pop(seq_id, None)

@@ -140,6 +140,11 @@ class ModelRunner:
         cache = self._caches.get(seq_id)
         return 0 if cache is None else cache.get_seq_length()
 
+    def attach_prefix(self, seq_id: str, tokens: list[int], salt: str | None = None) -> int:
+        """Positions of ``tokens`` already cached for a new sequence (a runtime with prefix caching,
+        :class:`speculative.kvcache.PooledCaches`); none here."""
+        return 0
+
     def release(self, seq_id: str) -> None:
         self._caches.pop(seq_id, None)
 

@@ -140,6 +140,7 @@ class Sequence:
     sink: Callable[[object], None]
     scope: str | None = None
     resume: list[int] = field(default_factory=list)  # output already sent by a replica that failed
+    cache_salt: str | None = None  # requests share cached prompt prefixes only with the same salt (tenant)
     enqueued: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     reserved: int = 0  # KV tokens held in the budget while running
@@ -338,7 +339,7 @@ class EngineLoop:
                 return  # first come, first served: later requests do not overtake it
             self.waiting.popleft()
             try:
-                seq.engine.add_request(seq.prompt, seq.params, seq.request_id, scope=seq.scope)
+                seq.engine.add_request(seq.prompt, seq.params, seq.request_id, scope=seq.scope, cache_salt=seq.cache_salt)
             except Exception as e:  # noqa: BLE001 - a request that cannot be served as given
                 seq.sink(Failed(e))
                 continue

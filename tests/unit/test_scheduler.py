@@ -270,3 +270,29 @@ def test_a_shared_step_caps_drafting_and_keeps_every_output_exact():
     assert capped >= 8
     for c, p in zip(clients, prompts):
         assert c.tokens == alone.generate(p, params).token_ids
+
+
+def test_requests_sharing_a_system_prompt_reuse_its_cache_in_the_loop_and_stay_exact():
+    """With prefix caching on, requests that share a system prompt start after it (once an
+    earlier request settled it), each still equals target-only decoding without any cache shared,
+    tenants never share, and the budget and the pool come back to empty."""
+    loop, spec, alone = _setup()
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    system = _prompts(1, seed=9, lo=40, hi=41)[0]
+    prompts = [system + p for p in _prompts(6, seed=5, lo=3, hi=12)]
+    want = [alone.generate(p, params).token_ids for p in prompts]  # prefix caching still off: nothing shared
+    loop.target.prefix_caching = True
+    stats = loop.target.pool.prefix_stats
+    first = _submit(loop, spec, prompts[0], params, "first", cache_salt="t1")[1]
+    _drain(loop, [first])
+    hit = stats["hit"]
+    clients = [_submit(loop, spec, p, params, f"r{i}", cache_salt="t1")[1] for i, p in enumerate(prompts[1:4], 1)]
+    _drain(loop, clients)
+    assert stats["hit"] - hit >= 3 * 40 // 8 * 8  # each took at least the system prompt's whole blocks
+    hit = stats["hit"]
+    others = [_submit(loop, spec, p, params, f"o{i}", cache_salt="t2")[1] for i, p in enumerate(prompts[4:], 4)]
+    _drain(loop, others)
+    assert stats["hit"] == hit  # another tenant: nothing found
+    for c, w in zip([first] + clients + others, want):
+        assert c.tokens == w
+    assert loop.reserved == 0 and loop.target.pool.free_blocks == loop.target.pool.num_blocks
