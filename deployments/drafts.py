@@ -48,7 +48,7 @@ from speculative.adapters import base_memo
 from speculative.detokenize import Detokenizer
 from speculative.engine import time_verify
 from speculative.runtime import make_runner, resolve_quantize
-from speculative.kvcache import kv_bytes_per_token
+from speculative.kvcache import PooledCaches, kv_bytes_per_token
 from speculative.models import encode_messages, encode_prompt, eos_token_ids, load_tokenizer, load_weights
 from speculative.scheduler import EngineLoop, Failed, Finished, Overloaded, Sequence, Started, Step, calibrate_step_cost
 from telemetry.spec import count_step
@@ -61,16 +61,20 @@ log = logging.getLogger("osd.drafts")
 
 class TargetView:
     """What an engine in a draft replica knows of the target: its vocabulary, context and EOS ids
-    (from the config, no weights), and how to drop a finished request's cache over there."""
+    (from the config, no weights), how to drop a finished request's cache over there and, beside
+    the engine loop's runner, how to start a request from a cached prompt prefix."""
 
-    def __init__(self, model, release):
+    def __init__(self, model, release, attach=None):
         self.vocab_size = model.config.vocab_size
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.eos_ids = eos_token_ids(None, model)
         self.release = release
+        self._attach = attach
 
     def attach_prefix(self, seq_id: str, tokens: list[int], salt: str | None = None) -> int:
-        return 0  # the target replica's cache starts empty for each sequence
+        # co-located: the loop's runner (called on the loop's thread, at admission); split: the target
+        # replica's cache starts empty for each sequence
+        return self._attach(seq_id, tokens, salt) if self._attach is not None else 0
 
     def verify(self, calls):  # a draft replica verifies through its async verifier, never here
         raise RuntimeError("verification in a draft replica goes through DraftPool.verifier")
@@ -129,6 +133,7 @@ class DraftPool:
         self.meter = replica_meter("DraftPool", cfg.metrics)
         self.running = 0
         self.loop: EngineLoop | None = None  # co-located: the engine loop over this replica's target
+        self._prefix_seen: dict[str, int] = {}  # the prefix cache's counts at the last telemetry
         if colocated:
             runtime = resolve_quantize(cfg.engine.model.quantize, target)
             per_token = kv_bytes_per_token(target.config, runtime, cfg.loop.kv_dtype, cfg.engine.model.dtype)
@@ -152,7 +157,7 @@ class DraftPool:
 
             self.verify_s, self.loop.step_cost = self.loop.call(prepare).result()
             self.verifier = None
-            self.view = TargetView(target, runner.release)
+            self.view = TargetView(target, runner.release, runner.attach_prefix)
         else:
             self.verifier = RemoteVerifier(target_handle, cfg.drafts.target_wait_s)
             self.verify_s = None  # asked of the target deployment when the first draft loads
@@ -359,6 +364,13 @@ class DraftPool:
             m.set("osd_engine_kv_bytes_per_token", self.kv_bytes_per_token)
             m.set("osd_target_kv_caches", len(loop.running))
             m.set("osd_target_queue_depth", loop.queued)
+            if isinstance(loop.target, PooledCaches):
+                pool = loop.target.pool
+                stats, seen = dict(pool.prefix_stats), self._prefix_seen
+                m.inc("osd_engine_prefix_cache_queried_tokens_total", stats["looked_up"] - seen.get("looked_up", 0))
+                m.inc("osd_engine_prefix_cache_hit_tokens_total", stats["hit"] - seen.get("hit", 0))
+                m.set("osd_engine_prefix_cache_blocks", pool.cached_blocks)
+                self._prefix_seen = stats
         return self.meter.snapshot()
 
     def _count_forward(self, calls: int, tokens: int, seconds: float) -> None:

@@ -99,6 +99,10 @@ CATALOG: dict[str, Family] = _families(
     Family("osd_engine_kv_reserved_tokens", "gauge", "KV cache positions reserved by running requests"),
     Family("osd_engine_kv_capacity_tokens", "gauge", "KV cache positions the replicas' budgets hold"),
     Family("osd_engine_kv_bytes_per_token", "gauge", "Bytes of keys and values one cached position costs"),
+    Family("osd_engine_prefix_cache_queried_tokens_total", "counter", "Prompt positions looked up in the prefix cache"),
+    Family("osd_engine_prefix_cache_hit_tokens_total", "counter",
+           "Prompt positions found in the prefix cache (not prefilled again)"),
+    Family("osd_engine_prefix_cache_blocks", "gauge", "KV blocks indexed by the prefix cache (held or idle)"),
     Family("osd_engine_requests_overloaded_total", "counter",
            "Requests answered 503 because they waited too long for KV budget or the queue was full"),
     # -- target ----------------------------------------------------------------------------------

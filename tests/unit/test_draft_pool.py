@@ -97,6 +97,29 @@ def test_a_request_streams_its_header_steps_and_usage_and_counts_every_step(fold
     assert snap["gauges"][("osd_draft_pool_drafts_loaded", ())] == 1
 
 
+def test_a_tenants_requests_share_a_cached_prefix_and_the_replica_counts_it(folder, loop):
+    """Prefix caching in an engine replica: a tenant's second request with the same opening skips
+    it (the same output as the first's run from scratch), another tenant's does not, and the
+    replica's metrics count the positions looked up and found."""
+    cfg = app_config(folder)
+    model = {**cfg.engine.model.model_dump(), "quantize": "int4"}  # the pooled KV cache (Hugging Face eager has none)
+    pool = LocalPool(app_config(folder, engine={**cfg.engine.model_dump(), "model": model}))
+    opening = "Summarise the following report in two short sentences for a busy reader: "
+    first = loop.run(pool.serve(prompt=opening + "sales rose.", n=8, tenant="alice"))
+    pool.telemetry()
+    before = counter(pool.meter, "osd_engine_prefix_cache_hit_tokens_total")
+    again = loop.run(pool.serve(prompt=opening + "sales rose.", n=8, tenant="alice"))
+    pool.telemetry()
+    hit = counter(pool.meter, "osd_engine_prefix_cache_hit_tokens_total") - before
+    assert hit >= 48 and [s["tokens"] for s in again[1:-1]] != [] and (
+        sum((s["tokens"] for s in again[1:-1]), []) == sum((s["tokens"] for s in first[1:-1]), []))
+    loop.run(pool.serve(prompt=opening + "sales rose.", n=8, tenant="bob"))
+    pool.telemetry()
+    assert counter(pool.meter, "osd_engine_prefix_cache_hit_tokens_total") - before == hit  # bob found nothing
+    assert counter(pool.meter, "osd_engine_prefix_cache_queried_tokens_total") >= 3 * hit
+    assert pool.telemetry()["gauges"][("osd_engine_prefix_cache_blocks", ())] > 0
+
+
 def test_steps_closer_than_the_stream_interval_travel_together_first_and_last_at_once(folder, loop):
     every = loop.run(LocalPool(app_config(folder)).serve(n=12, domain="code", lang="en", tenant="alice"))
     held = LocalPool(app_config(folder, drafts={"stream_interval_s": 3600.0}))
