@@ -294,7 +294,8 @@ class DraftPool:
     async def forget_tenant(self, tenant: str) -> dict:
         """A tenant's records are deleted: its outputs leave this replica's kept outputs, its outbox
         and the suffix trees of its loaded engines (on the engine loop's thread, between two steps),
-        so that no draft here proposes its text again. Returns how many left each."""
+        so that no draft here proposes its text again, and its prompts' blocks leave the prefix
+        cache. Returns how many left each."""
         kept = 0
         for q in self.served.values():
             stay = [item for item in q if item[3] != tenant]
@@ -309,7 +310,10 @@ class DraftPool:
                 trees += await self._on_engine(lambda e=engine: e.forget_served(ids))
         for rid in ids:
             self.owners.pop(rid, None)
-        return {"kept": kept, "trees": trees}
+        prefixes = 0
+        if self.loop is not None and isinstance(self.loop.target, PooledCaches):  # its prompts' cached KV blocks
+            prefixes = await self._on_engine(lambda: self.loop.target.forget_prefixes(tenant))
+        return {"kept": kept, "trees": trees, "prefixes": prefixes}
 
     async def _on_engine(self, fn):
         """``fn()`` where the engines run: on the engine loop's thread between two steps (co-located), else here."""

@@ -278,7 +278,8 @@ class Ingress:
     async def delete_tenant(self, request: Request, tenant: str):
         """``DELETE /admin/tenants/{tenant}/records``: the learner's stored records of the tenant
         (queue, replay shards, held-back set), and on every draft pool replica the outputs it keeps
-        and its suffix trees hold, so that no draft proposes the tenant's text again."""
+        and its suffix trees hold, so that no draft proposes the tenant's text again, and its
+        prompts' blocks in the replicas' prefix caches."""
         adm = self._operator(request)
         if adm.status != 200:
             return _refused(adm)
@@ -289,7 +290,7 @@ class Ingress:
                 return out
         replicas = await self.pool.broadcast("forget_tenant", tenant).results_async()
         out["pool"] = {"replicas": len(replicas), "kept": sum(r["kept"] for r in replicas),
-                       "trees": sum(r["trees"] for r in replicas)}
+                       "trees": sum(r["trees"] for r in replicas), "prefixes": sum(r.get("prefixes", 0) for r in replicas)}
         return out
 
     async def rollback(self, request: Request, draft_id: str):

@@ -68,6 +68,7 @@ class BlockPool:
         # digest, its parent's and its own tokens; blocks no sequence holds, least recently used first
         self._index: dict[bytes, int] = {}
         self._meta: dict[int, tuple[bytes, bytes, tuple[int, ...]]] = {}
+        self._root: dict[int, bytes] = {}  # block -> the salt root its chain hangs from
         self._children: dict[bytes, list[int]] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()
         #: prompt positions looked up in the index, and found there
@@ -138,17 +139,31 @@ class BlockPool:
     def indexed(self, block: int) -> bool:
         return block in self._meta
 
-    def index(self, block: int, parent: bytes, tokens: tuple[int, ...]) -> bytes:
-        """Enter a settled full block under (parent, tokens); returns its key. A block of the same
-        key already there stays the one found (this one is freed when its sequence lets go)."""
+    def index(self, block: int, parent: bytes, tokens: tuple[int, ...], root: bytes) -> bytes:
+        """Enter a settled full block under (parent, tokens) of a chain from ``root`` (its salt's);
+        returns its key. A block of the same key already there stays the one found (this one is
+        freed when its sequence lets go)."""
         key = self.digest(parent, tokens)
         if key not in self._index and block not in self._meta:
             self._index[key] = block
             self._meta[block] = (key, parent, tuple(tokens))
             self._children.setdefault(parent, []).append(block)
+            self._root[block] = root
         return key
 
+    def forget(self, salt: str | None) -> int:
+        """Drop every cached block of ``salt`` (a tenant whose records are deleted) from the index:
+        idle ones are freed at once, held ones when their sequence lets go. Returns how many."""
+        root = self.root(salt)
+        gone = [b for b, r in self._root.items() if r == root]
+        for b in gone:
+            self._unindex(b)
+            if self._idle.pop(b, 0) is None:
+                self._free.append(b)
+        return len(gone)
+
     def _unindex(self, block: int) -> None:
+        self._root.pop(block, None)
         key, parent, _ = self._meta.pop(block)
         del self._index[key]
         kids = self._children[parent]
@@ -240,7 +255,7 @@ class SeqCache:
         del self.tokens[start:]
         self.tokens += tokens
         for i in range(len(self.keys) - 1, min(start // B, len(self.blocks))):  # settled full blocks: indexed
-            self.keys.append(pool.index(self.blocks[i], self.keys[i], tuple(self.tokens[i * B : (i + 1) * B])))
+            self.keys.append(pool.index(self.blocks[i], self.keys[i], tuple(self.tokens[i * B : (i + 1) * B]), self.keys[0]))
 
     def _slots_from(self, i: int) -> None:
         B = self.pool.block_tokens
@@ -304,6 +319,10 @@ class PooledCaches:
         if self.prefix_caching:
             cache.write(c.start, list(c.tokens))
         return cache
+
+    def forget_prefixes(self, salt: str | None) -> int:
+        """Cached prompt prefixes of ``salt`` leave the index (a tenant's records deleted)."""
+        return self.pool.forget(salt)
 
     def attach_prefix(self, seq_id: str, tokens: list[int], salt: str | None = None) -> int:
         """A new sequence starts from the longest cached prefix of its prompt ``tokens`` (at most

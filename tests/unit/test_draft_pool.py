@@ -99,8 +99,9 @@ def test_a_request_streams_its_header_steps_and_usage_and_counts_every_step(fold
 
 def test_a_tenants_requests_share_a_cached_prefix_and_the_replica_counts_it(folder, loop):
     """Prefix caching in an engine replica: a tenant's second request with the same opening skips
-    it (the same output as the first's run from scratch), another tenant's does not, and the
-    replica's metrics count the positions looked up and found."""
+    it (the same output as the first's run from scratch), another tenant's does not, the
+    replica's metrics count the positions looked up and found, and deleting the tenant's records
+    drops its cached prompts."""
     cfg = app_config(folder)
     model = {**cfg.engine.model.model_dump(), "quantize": "int4"}  # the pooled KV cache (Hugging Face eager has none)
     pool = LocalPool(app_config(folder, engine={**cfg.engine.model_dump(), "model": model}))
@@ -118,6 +119,10 @@ def test_a_tenants_requests_share_a_cached_prefix_and_the_replica_counts_it(fold
     assert counter(pool.meter, "osd_engine_prefix_cache_hit_tokens_total") - before == hit  # bob found nothing
     assert counter(pool.meter, "osd_engine_prefix_cache_queried_tokens_total") >= 3 * hit
     assert pool.telemetry()["gauges"][("osd_engine_prefix_cache_blocks", ())] > 0
+    assert loop.run(pool.forget_tenant("alice"))["prefixes"] > 0  # alice's records deleted: her cached prompts too
+    loop.run(pool.serve(prompt=opening + "sales rose.", n=8, tenant="alice"))
+    pool.telemetry()
+    assert counter(pool.meter, "osd_engine_prefix_cache_hit_tokens_total") - before == hit
 
 
 def test_steps_closer_than_the_stream_interval_travel_together_first_and_last_at_once(folder, loop):
@@ -328,7 +333,7 @@ def test_forgetting_a_tenant_reaches_kept_outputs_the_outbox_and_every_loaded_en
     real = engine.forget_served
     engine.forget_served = lambda ids: (threads.append(threading.current_thread().name), real(ids))[1]
     answers = loop.run(a.peers.broadcast("forget_tenant", "alice").results_async())
-    assert answers == [{"kept": 3, "trees": 4}, {"kept": 2, "trees": 2}]
+    assert answers == [{"kept": 3, "trees": 4, "prefixes": 0}, {"kept": 2, "trees": 2, "prefixes": 0}]  # Hugging Face eager: no prefix cache
     assert threads == [f"engine-loop-{id(a):x}"]  # a's trees changed on its engine loop's thread
     for p in (a, b):
         assert loop.run(p.served_ids(GENERAL)) == {"kept": ["bo1"], "trees": ["bo1"]}

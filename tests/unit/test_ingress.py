@@ -365,7 +365,7 @@ def test_deleting_a_tenants_records_reaches_every_pool_replicas_kept_outputs_and
     assert sorted(owners.values()) == ["alice", "alice", "ops"]
     assert run(answer(run(a.ingress.delete_tenant(request(key=KEY), "alice"))))[0] == 403
     status, out, _ = run(answer(run(a.ingress.delete_tenant(request(key=ADMIN), "alice"))))
-    assert status == 200 and out == {"tenant": "alice", "pool": {"replicas": 2, "kept": 2, "trees": 2}}
+    assert status == 200 and out == {"tenant": "alice", "pool": {"replicas": 2, "kept": 2, "trees": 2, "prefixes": 0}}
     ops = [rid for rid, t in owners.items() if t == "ops"]
     left = [run(p.served_ids(GENERAL)) for p in pools]
     assert sorted(r for x in left for r in x["trees"]) == ops and sorted(r for x in left for r in x["kept"]) == ops

@@ -142,3 +142,18 @@ def test_a_batch_of_requests_sharing_a_prefix_is_exact_and_the_pool_returns_to_e
     for i in range(4):
         cached.release(f"s{i}")
     assert cached.pool.free_blocks == cached.pool.num_blocks
+
+
+def test_forgetting_a_tenant_drops_its_cached_prefixes_and_no_one_elses():
+    model = tiny_llama(2, seed=0)
+    r = _runner(model)
+    prompt = _ids(50, seed=8)
+    for tenant in ("alice", "bob"):
+        _serve(r, tenant, prompt, salt=tenant)
+    r.release("alice")  # bob's request still holds its blocks
+    cached = r.pool.cached_blocks
+    assert r.forget_prefixes("alice") == 3 and r.forget_prefixes("bob") == 3 and r.pool.cached_blocks == cached - 6
+    assert r.attach_prefix("a2", prompt, salt="alice") == 0 and r.attach_prefix("b2", prompt, salt="bob") == 0
+    for sid in ("bob", "a2", "b2"):
+        r.release(sid)
+    assert r.pool.free_blocks == r.pool.num_blocks  # the forgotten held blocks were freed when let go
