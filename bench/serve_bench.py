@@ -11,7 +11,9 @@ to it. ``--metrics-cost R`` starts the server itself, with metrics off and on in
 reports tokens/s on over off. ``--load SECONDS`` runs the bounded load test of
 :mod:`bench.load` instead. ``--against URL`` sends the same prompts at the same concurrencies to
 another OpenAI-compatible server (e.g. llama.cpp's ``llama-server``) in the same run, level by
-level in turn (ours, then theirs, at each concurrency), and reports the ratio. Loopback only.
+level in turn (ours, then theirs, at each concurrency), and reports the ratio. ``--distinct-levels``
+gives each level prompts of its own, so that no level meets prompts an earlier one sent (cached
+prefixes, suffix trees). Loopback only.
 """
 
 from __future__ import annotations
@@ -281,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="default: the first model /v1/models lists")
     ap.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
     ap.add_argument("--n", type=int, default=24, help="requests per concurrency level (round-robin over domains)")
+    ap.add_argument("--distinct-levels", action="store_true",
+                    help="each level sends prompts of its own (else the same --n at every level: a later level then "
+                         "meets prompts the server has cached and its suffix trees hold)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--level-seconds", type=float, default=600.0, help="a level stops after this long")
@@ -359,19 +364,23 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps({"url": args.url, "workload": args.workload, "max_tokens": args.max_tokens,
                                                    "concurrency": args.curve_concurrency, **curve}, indent=1))
         return 0
-    records = select(load_workload(args.workload), args.n)
+    levels = len(args.concurrency) if args.distinct_levels else 1
+    pool_records = select(load_workload(args.workload), args.n * levels)
+    by_level = [pool_records[i * args.n : (i + 1) * args.n] for i in range(levels)]
+    records = by_level[0]
     result = {"url": args.url, "model": model, "workload": args.workload, "n": len(records), "max_tokens": args.max_tokens,
-              "levels": []}
+              "distinct_levels": bool(args.distinct_levels), "levels": []}
     other = None
     if args.against:
         other = openai.OpenAI(base_url=args.against.rstrip("/") + "/v1", api_key=args.against_key, max_retries=0, timeout=300)
         result["against"] = {"url": args.against, "model": args.against_model or other.models.list().data[0].id,
                              "levels": []}
-    for c in args.concurrency:  # with --against, each level on both servers in turn: drift falls on both alike
-        result["levels"].append(run_level(client, model, records, c, args.max_tokens, args.level_seconds))
+    for i, c in enumerate(args.concurrency):  # with --against, each level on both servers in turn: drift falls on both alike
+        level_records = by_level[i % levels]
+        result["levels"].append(run_level(client, model, level_records, c, args.max_tokens, args.level_seconds))
         if other is not None:
             result["against"]["levels"].append(
-                run_level(other, result["against"]["model"], records, c, args.max_tokens, args.level_seconds))
+                run_level(other, result["against"]["model"], level_records, c, args.max_tokens, args.level_seconds))
     if args.inprocess:
         result["inprocess"] = inprocess_tokens_per_s(records, args.max_tokens, args.config)
         c1 = next((lv for lv in result["levels"] if lv["concurrency"] == 1), None)
