@@ -48,9 +48,10 @@ from speculative.adapters import base_memo
 from speculative.detokenize import Detokenizer
 from speculative.engine import time_verify
 from speculative.runtime import make_runner, resolve_quantize
-from speculative.kvcache import PooledCaches, kv_bytes_per_token
+from speculative.kvcache import kv_bytes_per_token
 from speculative.models import encode_messages, encode_prompt, eos_token_ids, load_tokenizer, load_weights
 from speculative.scheduler import EngineLoop, Failed, Finished, Overloaded, Sequence, Started, Step, calibrate_step_cost
+from telemetry.engine import LoopGauges
 from telemetry.spec import count_step
 
 from .loopback import NodeInfo, bind_replica_grpc, replica_meter
@@ -133,7 +134,7 @@ class DraftPool:
         self.meter = replica_meter("DraftPool", cfg.metrics)
         self.running = 0
         self.loop: EngineLoop | None = None  # co-located: the engine loop over this replica's target
-        self._prefix_seen: dict[str, int] = {}  # the prefix cache's counts at the last telemetry
+        self.loop_gauges = LoopGauges()
         if colocated:
             runtime = resolve_quantize(cfg.engine.model.quantize, target)
             per_token = kv_bytes_per_token(target.config, runtime, cfg.loop.kv_dtype, cfg.engine.model.dtype)
@@ -311,8 +312,8 @@ class DraftPool:
         for rid in ids:
             self.owners.pop(rid, None)
         prefixes = 0
-        if self.loop is not None and isinstance(self.loop.target, PooledCaches):  # its prompts' cached KV blocks
-            prefixes = await self._on_engine(lambda: self.loop.target.forget_prefixes(tenant))
+        if self.loop is not None:  # its prompts' cached KV blocks
+            prefixes = await self._on_engine(lambda: self.loop.forget_prefixes(tenant))
         return {"kept": kept, "trees": trees, "prefixes": prefixes}
 
     async def _on_engine(self, fn):
@@ -361,20 +362,7 @@ class DraftPool:
         self.meter.set("osd_draft_pool_requests_running", self.running)
         self.meter.set("osd_draft_pool_drafts_loaded", len(self.engines))
         if self.loop is not None:
-            m, loop = self.meter, self.loop
-            m.set("osd_engine_requests_waiting", loop.queued)
-            m.set("osd_engine_kv_reserved_tokens", loop.reserved)
-            m.set("osd_engine_kv_capacity_tokens", loop.budget_tokens)
-            m.set("osd_engine_kv_bytes_per_token", self.kv_bytes_per_token)
-            m.set("osd_target_kv_caches", len(loop.running))
-            m.set("osd_target_queue_depth", loop.queued)
-            if isinstance(loop.target, PooledCaches):
-                pool = loop.target.pool
-                stats, seen = dict(pool.prefix_stats), self._prefix_seen
-                m.inc("osd_engine_prefix_cache_queried_tokens_total", stats["looked_up"] - seen.get("looked_up", 0))
-                m.inc("osd_engine_prefix_cache_hit_tokens_total", stats["hit"] - seen.get("hit", 0))
-                m.set("osd_engine_prefix_cache_blocks", pool.cached_blocks)
-                self._prefix_seen = stats
+            self.loop_gauges.update(self.meter, self.loop, self.kv_bytes_per_token)
         return self.meter.snapshot()
 
     def _count_forward(self, calls: int, tokens: int, seconds: float) -> None:

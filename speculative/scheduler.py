@@ -41,6 +41,7 @@ from config import LoopConfig, SamplingParams
 
 from .engine import PendingStep, RequestError, RequestState, SpeculativeEngine, StepResult, _calibration_ids
 from .kpolicy import expected_tokens
+from .kvcache import PooledCaches
 from .runner import ForwardCall, ModelRunner, VerifyCall
 from .runtime import own_threads
 
@@ -199,6 +200,19 @@ class EngineLoop:
         if self._thread is None:  # not running in a thread (tests step by hand): run it now
             self._run_calls()
         return fut
+
+    def prefix_cache_stats(self) -> dict | None:
+        """The target's prefix cache: prompt positions looked up and found (``looked_up``, ``hit``,
+        since start) and the blocks it indexes (``blocks``); None where the runner has no pool."""
+        if not isinstance(self.target, PooledCaches):
+            return None
+        pool = self.target.pool
+        return {**pool.prefix_stats, "blocks": pool.cached_blocks}
+
+    def forget_prefixes(self, salt: str | None) -> int:
+        """The prompt blocks cached for ``salt`` (a tenant whose records are deleted) leave the
+        prefix cache; returns how many. Call it on the loop's thread (:meth:`call`)."""
+        return self.target.forget_prefixes(salt) if isinstance(self.target, PooledCaches) else 0
 
     @property
     def queued(self) -> int:
