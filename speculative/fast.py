@@ -193,6 +193,7 @@ class FastRunner(PooledCaches, ModelRunner):
         adapter learner publishes) swaps the adapters and leaves the packed base as it is."""
         if self.float_dropped:
             raise RuntimeError(f"{self.name}: its float weights were dropped (a target's); it takes no new weights")
+        self.pool.drop_index()  # cached prefixes were computed by the old weights
         if state and all(is_adapter_key(k) for k in state):
             added = not has_adapters(self.model)
             super().load_state_dict(state)  # (adds the adapters to the float model the first time)

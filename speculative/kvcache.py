@@ -151,6 +151,13 @@ class BlockPool:
             self._root[block] = root
         return key
 
+    def drop_index(self) -> None:
+        """Forget every cached prefix (the model's weights changed: their keys and values are stale)."""
+        for b in list(self._meta):
+            self._unindex(b)
+        self._free.extend(self._idle)
+        self._idle.clear()
+
     def forget(self, salt: str | None) -> int:
         """Drop every cached block of ``salt`` (a tenant whose records are deleted) from the index:
         idle ones are freed at once, held ones when their sequence lets go. Returns how many."""

@@ -256,6 +256,7 @@ class LeanRunner(PooledCaches, ModelRunner):
         """New weights. Adapters only (an adapter learner's version): copied into the tensors the
         captured graphs read, so the graphs stay; a whole state packs everything again."""
         fresh = bool(state) and all(is_adapter_key(k) for k in state) and not has_adapters(self.model)
+        self.pool.drop_index()  # cached prefixes were computed by the old weights
         super().load_state_dict(state)
         if state and all(is_adapter_key(k) for k in state) and not fresh:
             for lay, layer in zip(self.layers, self.model.model.layers):

@@ -157,3 +157,19 @@ def test_forgetting_a_tenant_drops_its_cached_prefixes_and_no_one_elses():
     for sid in ("bob", "a2", "b2"):
         r.release(sid)
     assert r.pool.free_blocks == r.pool.num_blocks  # the forgotten held blocks were freed when let go
+
+
+def test_new_weights_forget_every_cached_prefix():
+    """Keys and values cached under the old weights are stale: a runner given new weights finds
+    nothing cached, and its logits are the new model's."""
+    r = _runner(tiny_llama(2, seed=0))
+    prompt = _ids(50, seed=9)
+    _serve(r, "a", prompt)
+    r.release("a")
+    assert r.pool.cached_blocks > 0
+    other = tiny_llama(2, seed=1)
+    r.load_state_dict({k: v.clone() for k, v in other.state_dict().items()})
+    assert r.pool.cached_blocks == 0 and r.attach_prefix("b", prompt) == 0
+    assert torch.equal(r.forward("b", 0, prompt, 1), _runner(other, caching=False).forward("c", 0, prompt, 1))
+    r.release("b")
+    assert r.pool.free_blocks == r.pool.num_blocks
