@@ -260,3 +260,24 @@ def loop():
     lp = Loop()
     yield lp
     lp.close()
+
+
+def assert_speculation_equals_target_only(target, draft, k: int, prompts=([5, 6, 7, 8], list(range(20, 45)), [9] * 12)):
+    """Greedy speculative decoding with ``draft`` (a runner) at k equals ``target``'s own
+    target-only output on each prompt, and the draft did propose."""
+    from config import EngineConfig, KPolicyConfig, SamplingParams
+    from speculative import SpeculativeEngine
+    from speculative.proposers import DraftModelProposer
+
+    tok = _char_tokenizer()
+    cfg = EngineConfig(chat_template=False, k=KPolicyConfig(k_max=k, fixed_k=k))
+    alone = SpeculativeEngine(target, tok, None, cfg)
+    spec = SpeculativeEngine(target, tok, DraftModelProposer(draft, 128), cfg)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    proposed = 0
+    for prompt in prompts:
+        want = alone.generate(prompt, params).token_ids
+        g = spec.generate(prompt, params)
+        assert g.token_ids == want
+        proposed += g.stats.proposed
+    assert proposed > 0

@@ -10,13 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from config import EngineConfig, KPolicyConfig, ModelConfig, SamplingParams
-from conftest import _char_tokenizer, tiny_llama
-from speculative import ForwardCall, ModelRunner, SpeculativeEngine, VerifyCall
+from config import ModelConfig
+from conftest import assert_speculation_equals_target_only, tiny_llama
+from speculative import ForwardCall, ModelRunner, VerifyCall
 from speculative.kvcache import KVCacheFull
 from speculative.fast import FastRunner, Int4Linear, Int8Linear
 from speculative.runtime import FastPathError, make_runner, resolve_quantize, runtime_of
-from speculative.proposers import DraftModelProposer
 
 BITS = [4, 8]
 
@@ -161,19 +160,7 @@ def test_fused_linears_equal_separate_ones_and_pad_odd_widths():
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_speculative_equals_the_fast_targets_own_output(bits, k):
     target, draft = _model(0), tiny_llama(1, seed=7)
-    tok = _char_tokenizer()
-    runner = FastRunner(target, name="target", bits=bits)
-    cfg = EngineConfig(chat_template=False, k=KPolicyConfig(k_max=k, fixed_k=k))
-    alone = SpeculativeEngine(runner, tok, None, cfg)
-    spec = SpeculativeEngine(runner, tok, DraftModelProposer(FastRunner(draft, name="draft", bits=bits), 128), cfg)
-    params = SamplingParams(max_tokens=30, ignore_eos=True)
-    proposed = 0
-    for prompt in ([5, 6, 7, 8], list(range(20, 45)), [9] * 12):
-        want = alone.generate(prompt, params).token_ids
-        g = spec.generate(prompt, params)
-        assert g.token_ids == want
-        proposed += g.stats.proposed
-    assert proposed > 0
+    assert_speculation_equals_target_only(FastRunner(target, name="target", bits=bits), FastRunner(draft, name="draft", bits=bits), k)
 
 
 def test_a_swapped_draft_is_requantised():

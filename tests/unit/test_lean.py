@@ -12,12 +12,10 @@ import logging
 import pytest
 import torch
 
-from config import EngineConfig, KPolicyConfig, SamplingParams
-from conftest import _char_tokenizer, tiny_llama
-from speculative import ForwardCall, ModelRunner, SpeculativeEngine, VerifyCall
+from conftest import assert_speculation_equals_target_only, tiny_llama
+from speculative import ForwardCall, ModelRunner, VerifyCall
 from speculative.runtime import FastPathError, make_runner, resolve_quantize, runtime_of
 from speculative.lean import GRAPH_TOKENS, MIN_CONTEXT, LeanRunner, bucket
-from speculative.proposers import DraftModelProposer
 
 TOL = dict(rtol=1e-4, atol=2e-4)
 
@@ -89,19 +87,7 @@ def test_verify_compacts_on_the_device_what_acceptance_needs():
 @pytest.mark.parametrize("k", [2, 4])
 def test_greedy_speculative_equals_the_lean_targets_own_output(k):
     target, draft = tiny_llama(3, seed=0), tiny_llama(1, seed=7)
-    tok = _char_tokenizer()
-    runner = _exact(target, buckets=True, name="target")
-    cfg = EngineConfig(chat_template=False, k=KPolicyConfig(k_max=k, fixed_k=k))
-    alone = SpeculativeEngine(runner, tok, None, cfg)
-    spec = SpeculativeEngine(runner, tok, DraftModelProposer(_exact(draft, buckets=True, name="draft"), 128), cfg)
-    params = SamplingParams(max_tokens=30, ignore_eos=True)
-    proposed = 0
-    for prompt in ([5, 6, 7, 8], list(range(20, 45)), [9] * 12):
-        want = alone.generate(prompt, params).token_ids
-        g = spec.generate(prompt, params)
-        assert g.token_ids == want
-        proposed += g.stats.proposed
-    assert proposed > 0
+    assert_speculation_equals_target_only(_exact(target, buckets=True, name="target"), _exact(draft, buckets=True, name="draft"), k)
 
 
 def test_buckets_stay_bounded_across_requests_of_new_lengths():
@@ -220,18 +206,7 @@ def test_the_compiled_layers_compute_what_hugging_face_computes(compiled):
 
 def test_greedy_speculative_equals_the_compiled_targets_own_output(compiled):
     _, runner = compiled
-    tok = _char_tokenizer()
-    cfg = EngineConfig(chat_template=False, k=KPolicyConfig(k_max=4, fixed_k=4))
-    alone = SpeculativeEngine(runner, tok, None, cfg)
-    spec = SpeculativeEngine(runner, tok, DraftModelProposer(_exact(tiny_llama(1, seed=7), buckets=True, name="draft"), 128), cfg)
-    params = SamplingParams(max_tokens=30, ignore_eos=True)
-    proposed = 0
-    for prompt in ([5, 6, 7, 8], list(range(20, 45)), [9] * 12):
-        want = alone.generate(prompt, params).token_ids
-        g = spec.generate(prompt, params)
-        assert g.token_ids == want
-        proposed += g.stats.proposed
-    assert proposed > 0
+    assert_speculation_equals_target_only(runner, _exact(tiny_llama(1, seed=7), buckets=True, name="draft"), 4)
 
 
 def test_requests_of_new_lengths_compile_nothing_new(compiled):
