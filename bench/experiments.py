@@ -8,7 +8,8 @@
   Proposers other than the token draft run as methods of their own on the same stream: ``target``
   (no proposer: the speed reference), ``lookup`` (prompt lookup), ``suffix`` (suffix trees over
   the stream served so far, learned online by construction) and ``controller`` (suffix tree,
-  prompt lookup and the online-learned draft, chosen per step); their alpha counts every drafted
+  prompt lookup and the online-learned draft, chosen per step; ``controller-static`` the same with
+  the draft not learning, the comparison for what learning adds to the served mix); their alpha counts every drafted
   step, whichever proposer drafted it. ``suffix@R`` runs the suffix tree as R draft replicas hold
   it: R trees, each request drafted by one drawn at random (seeded), each finished output handed
   to the other trees (``add_served``, as the draft pool shares it);
@@ -438,7 +439,7 @@ def _finish_method(m: str, engine, entry: dict, learner, res: dict, window: int)
     entry.update(_summary(res, window))
     entry.update(curve=res["curve"], domain_curves=res["domain_curves"], rows=res["rows"], by_source=res["by_source"],
                  by_domain_source=res["by_domain_source"], costs=_costs(engine))
-    if m == "controller":
+    if m in ("controller", "controller-static"):
         entry["picks"] = dict(engine.proposer.picks)
     return entry
 
@@ -454,7 +455,7 @@ def _costs(engine) -> dict:
 
 
 #: methods that replace the token draft with another proposer (see the module docstring)
-PROPOSER_METHODS = ("target", "lookup", "suffix", "controller")
+PROPOSER_METHODS = ("target", "lookup", "suffix", "controller", "controller-static")
 
 
 def _method_proposer(method: str, engine):
@@ -800,6 +801,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--window", type=int, default=10, help="moving-window size (records)")
         p.add_argument("--methods", default=None,
                        help="comma list (online default static,online,offline); also target, lookup, suffix, controller, "
+                            "controller-static (the same controller, its learned draft not learning), "
                             "suffix@R (R replicas' trees sharing outputs), suffix-split@R (not sharing)")
         p.add_argument("--train-every", type=int, default=4)
         p.add_argument("--batch-records", type=int, default=16)
