@@ -13,7 +13,8 @@ reports tokens/s on over off. ``--load SECONDS`` runs the bounded load test of
 another OpenAI-compatible server (e.g. llama.cpp's ``llama-server``) in the same run, level by
 level in turn (ours, then theirs, at each concurrency), and reports the ratio. ``--distinct-levels``
 gives each level prompts of its own, so that no level meets prompts an earlier one sent (cached
-prefixes, suffix trees). Loopback only.
+prefixes, suffix trees). ``--turns T``: each client holds conversations of T turns, re-sending the
+history every turn. Loopback only.
 """
 
 from __future__ import annotations
@@ -40,15 +41,17 @@ def _pct(xs: list[float], q: float) -> float | None:
     return float(np.percentile(xs, q)) if xs else None
 
 
-def one_request(client, model: str, text: str, max_tokens: int) -> dict:
-    """One streamed chat request: token arrival times and the final usage (or the error status)."""
+def one_request(client, model: str, text: str | list[dict], max_tokens: int) -> dict:
+    """One streamed chat request (a user's text, or a conversation's messages): token arrival
+    times and the final usage (or the error status)."""
     import openai
 
     t0 = time.perf_counter()
     arrivals, usage, text_out = [], None, []
+    messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
     try:
         stream = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=0,
+            model=model, messages=messages, max_tokens=max_tokens, temperature=0,
             stream=True, stream_options={"include_usage": True})
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
@@ -65,22 +68,32 @@ def one_request(client, model: str, text: str, max_tokens: int) -> dict:
     return {"status": 200, "seconds": time.perf_counter() - t0, "arrivals": arrivals, "usage": usage, "text": "".join(text_out)}
 
 
-def run_level(client, model: str, records, concurrency: int, max_tokens: int, level_seconds: float) -> dict:
+def run_level(client, model: str, records, concurrency: int, max_tokens: int, level_seconds: float,
+              turns: int = 1) -> dict:
+    """``records`` from ``concurrency`` clients at once; ``turns`` > 1: each client holds
+    conversations of that many consecutive records, every turn re-sending the history (its earlier
+    questions and the server's answers), as a chat client does."""
     results: list[tuple[object, dict]] = []
     lock, stop_at = threading.Lock(), time.perf_counter() + level_seconds
-    it = iter(records)
+    it = iter([records[i : i + turns] for i in range(0, len(records), turns)])
     bar = tqdm(total=len(records), desc=f"concurrency {concurrency}", unit="req", leave=False)
 
     def worker():
         while time.perf_counter() < stop_at:
             with lock:
-                rec = next(it, None)
-            if rec is None:
+                conversation = next(it, None)
+            if conversation is None:
                 return
-            res = one_request(client, model, rec.text, max_tokens)
-            with lock:
-                results.append((rec, res))
-                bar.update(1)
+            history: list[dict] = []
+            for rec in conversation:
+                history.append({"role": "user", "content": rec.text})
+                res = one_request(client, model, list(history), max_tokens)
+                with lock:
+                    results.append((rec, res))
+                    bar.update(1)
+                if res["status"] != 200:
+                    break
+                history.append({"role": "assistant", "content": res["text"]})
 
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(concurrency) as pool:
@@ -283,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="default: the first model /v1/models lists")
     ap.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
     ap.add_argument("--n", type=int, default=24, help="requests per concurrency level (round-robin over domains)")
+    ap.add_argument("--turns", type=int, default=1,
+                    help="conversations of this many turns, each re-sending its history (--n counts turns)")
     ap.add_argument("--distinct-levels", action="store_true",
                     help="each level sends prompts of its own (else the same --n at every level: a later level then "
                          "meets prompts the server has cached and its suffix trees hold)")
@@ -369,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     by_level = [pool_records[i * args.n : (i + 1) * args.n] for i in range(levels)]
     records = by_level[0]
     result = {"url": args.url, "model": model, "workload": args.workload, "n": len(records), "max_tokens": args.max_tokens,
-              "distinct_levels": bool(args.distinct_levels), "levels": []}
+              "distinct_levels": bool(args.distinct_levels), "turns": args.turns, "levels": []}
     other = None
     if args.against:
         other = openai.OpenAI(base_url=args.against.rstrip("/") + "/v1", api_key=args.against_key, max_retries=0, timeout=300)
@@ -377,10 +392,10 @@ def main(argv: list[str] | None = None) -> int:
                              "levels": []}
     for i, c in enumerate(args.concurrency):  # with --against, each level on both servers in turn: drift falls on both alike
         level_records = by_level[i % levels]
-        result["levels"].append(run_level(client, model, level_records, c, args.max_tokens, args.level_seconds))
+        result["levels"].append(run_level(client, model, level_records, c, args.max_tokens, args.level_seconds, args.turns))
         if other is not None:
             result["against"]["levels"].append(
-                run_level(other, result["against"]["model"], level_records, c, args.max_tokens, args.level_seconds))
+                run_level(other, result["against"]["model"], level_records, c, args.max_tokens, args.level_seconds, args.turns))
     if args.inprocess:
         result["inprocess"] = inprocess_tokens_per_s(records, args.max_tokens, args.config)
         c1 = next((lv for lv in result["levels"] if lv["concurrency"] == 1), None)

@@ -52,3 +52,35 @@ def test_another_servers_level_without_the_speculative_usage_and_the_comparison_
     ours = summarise_level([(rec, _ok([0.1], 10, 0, 0, 1, 1.0, 1.0, 0.1))], 1, 1.0)
     table = format_table({"levels": [ours], "against": {"url": "http://127.0.0.1:9", "levels": [theirs]}})
     assert "concurrency 1: ours 10.0 tok/s, theirs 5.0 tok/s (2/2 ok" in table and "ratio 2.00" in table
+
+
+class _EchoClient:
+    """Stands in for the server (not under test here): streams the answer ``a<n>`` to the n-th
+    request and keeps the messages each request carried."""
+
+    def __init__(self):
+        from types import SimpleNamespace as NS
+
+        self.NS, self.sent = NS, []
+        self.chat = NS(completions=NS(create=self.create))
+
+    def create(self, model, messages, **kw):
+        self.sent.append(messages)
+        NS, answer = self.NS, f"a{len(self.sent)}"
+        yield NS(choices=[NS(delta=NS(content=answer))], usage=None)
+        yield NS(choices=[], usage=NS(model_dump=lambda: {"completion_tokens": 1}))
+
+
+def test_a_conversation_resends_its_history_turn_by_turn():
+    from bench.serve_bench import run_level
+
+    client = _EchoClient()
+    records = [WorkloadRecord(f"q{i}", "chat") for i in range(6)]
+    lv = run_level(client, "m", records, concurrency=1, max_tokens=4, level_seconds=60.0, turns=3)
+    assert lv["requests"] == lv["ok"] == 6 and lv["output_tokens"] == 6
+    first, third, fourth = client.sent[0], client.sent[2], client.sent[3]
+    assert first == [{"role": "user", "content": "q0"}]
+    assert third == [{"role": "user", "content": "q0"}, {"role": "assistant", "content": "a1"},
+                     {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a2"},
+                     {"role": "user", "content": "q2"}]
+    assert fourth == [{"role": "user", "content": "q3"}]  # the next conversation starts afresh
