@@ -209,7 +209,7 @@ def test_dashboard_draws_one_line_per_domain_with_traffic(server, tmp_path):
         def shot():
             return Image.open(io.BytesIO(canvas.screenshot_as_png))
 
-        everything = shot()
+        drawn = browser.execute_script("return window.osdPlots.acceptance.series.length") - 1  # the x axis first
         alone = {}
         for i, d in enumerate(domains, start=1):  # each domain's line on its own (legend toggles)
             browser.execute_script("const u = window.osdPlots.acceptance;"
@@ -225,8 +225,10 @@ def test_dashboard_draws_one_line_per_domain_with_traffic(server, tmp_path):
     assert labels[1:] == [f"{names[d]} ({d})" if d in names else d for d in domains]
     for d in lines:  # a domain with traffic in two or more samples is drawn as a line of its colour
         assert alone[d] >= 20, f"no line for {d} ({alone[d]} pixels of its colour)"
-    unused = {c: pixels_near(everything, c) for c in palette[len(domains):]}
-    assert all(n < 5 for n in unused.values()), unused  # no line for a domain without traffic
+    # no line for a domain without traffic: the plot holds a series per domain of the data, no more
+    # (counted in the plot, not by colour: where two lines cross, antialiasing blends their colours
+    # into pixels near an unused palette entry)
+    assert drawn == len(domains)
 
 
 def test_osd_top_shows_the_figures_under_tmux(server):
