@@ -56,10 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     res = run(args.workload, args.n, args.max_tokens, args.threads, args.turns)
+    from .bench import write_json
+
     print(json.dumps(res))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(res, args.json)
     return 0
 
 

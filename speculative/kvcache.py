@@ -65,10 +65,10 @@ class BlockPool:
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low blocks first
         self._refs = [0] * self.num_blocks  # sequences holding each block
         # the prefix index: digest of (salt, every token to a block's end) -> block; per block its
-        # digest, its parent's and its own tokens; blocks no sequence holds, least recently used first
+        # digest, its parent's, its own tokens and the salt's root its chain hangs from; blocks no
+        # sequence holds, least recently used first
         self._index: dict[bytes, int] = {}
-        self._meta: dict[int, tuple[bytes, bytes, tuple[int, ...]]] = {}
-        self._root: dict[int, bytes] = {}  # block -> the salt root its chain hangs from
+        self._meta: dict[int, tuple[bytes, bytes, tuple[int, ...], bytes]] = {}
         self._children: dict[bytes, list[int]] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()
         #: prompt positions looked up in the index, and found there
@@ -146,9 +146,8 @@ class BlockPool:
         key = self.digest(parent, tokens)
         if key not in self._index and block not in self._meta:
             self._index[key] = block
-            self._meta[block] = (key, parent, tuple(tokens))
+            self._meta[block] = (key, parent, tuple(tokens), root)
             self._children.setdefault(parent, []).append(block)
-            self._root[block] = root
         return key
 
     def drop_index(self) -> None:
@@ -162,16 +161,16 @@ class BlockPool:
         """Drop every cached block of ``salt`` (a tenant whose records are deleted) from the index:
         idle ones are freed at once, held ones when their sequence lets go. Returns how many."""
         root = self.root(salt)
-        gone = [b for b, r in self._root.items() if r == root]
+        gone = [b for b, meta in self._meta.items() if meta[3] == root]
         for b in gone:
             self._unindex(b)
-            if self._idle.pop(b, 0) is None:
+            if b in self._idle:
+                del self._idle[b]
                 self._free.append(b)
         return len(gone)
 
     def _unindex(self, block: int) -> None:
-        self._root.pop(block, None)
-        key, parent, _ = self._meta.pop(block)
+        key, parent, _, _ = self._meta.pop(block)
         del self._index[key]
         kids = self._children[parent]
         kids.remove(block)
@@ -201,10 +200,15 @@ class BlockPool:
                 best, most = b, m
         return best, most
 
-    def copy_slots(self, src: int, dst: int, n: int) -> None:
-        """Positions 0..n-1 of block ``src`` into block ``dst``, every layer."""
+    def copy_of(self, src: int, n: int) -> int:
+        """A fresh block holding positions 0..n-1 of block ``src`` (every layer); ``src`` is held
+        meanwhile, so taking the fresh block cannot evict it."""
+        self.share(src)
+        (dst,) = self.take(1)
         B = self.block_tokens
         self.kv[:, :, :, dst * B : dst * B + n] = self.kv[:, :, :, src * B : src * B + n]
+        self.give_back([src])
+        return dst
 
 
 class SeqCache:
@@ -226,20 +230,17 @@ class SeqCache:
         pool.prefix_stats["looked_up"] += len(tokens)
         n = 0
         while n + B <= len(tokens):
-            block = pool.find(pool.digest(self.keys[-1], tokens[n : n + B]))
+            key = pool.digest(self.keys[-1], tokens[n : n + B])
+            block = pool.find(key)
             if block is None:
                 break
             pool.share(block)
             self.blocks.append(block)
-            self.keys.append(pool._meta[block][0])
+            self.keys.append(key)
             n += B
         src, m = pool.best_child(self.keys[-1], tokens[n : n + B])
         if src is not None:
-            pool.share(src)  # held while copying: taking a fresh block must not evict it
-            (dst,) = pool.take(1)
-            pool.copy_slots(src, dst, m)
-            pool.give_back([src])
-            self.blocks.append(dst)
+            self.blocks.append(pool.copy_of(src, m))
             n += m
         self._slots_from(0)
         self.tokens, self.length = list(tokens[:n]), n
@@ -253,10 +254,8 @@ class SeqCache:
         first = start // B
         for i in range(first, len(self.blocks)):
             if pool.indexed(self.blocks[i]):
-                (dst,) = pool.take(1)
-                pool.copy_slots(self.blocks[i], dst, B)
-                pool.give_back([self.blocks[i]])
-                self.blocks[i] = dst
+                old, self.blocks[i] = self.blocks[i], pool.copy_of(self.blocks[i], B)
+                pool.give_back([old])
                 del self.keys[i + 1 :]
                 self._slots_from(i)
         del self.tokens[start:]
@@ -276,12 +275,8 @@ class SeqCache:
         B = self.pool.block_tokens
         more = -(-n // B) - len(self.blocks)
         if more > 0:
-            new = self.pool.take(more)
-            chain = ([self.blocks[-1]] if self.blocks else []) + new
-            self.contiguous = self.contiguous and all(b - a == 1 for a, b in zip(chain, chain[1:]))
-            self.blocks += new
-            fresh = (torch.tensor(new, dtype=torch.long)[:, None] * B + torch.arange(B)).reshape(-1)
-            self.slots = torch.cat([self.slots, fresh])
+            self.blocks += self.pool.take(more)
+            self._slots_from(len(self.blocks) - more)
 
     def read(self, layer: int, end: int) -> torch.Tensor:
         """Keys and values of positions 0..end-1 of one layer, in float64: [2, H_kv, end, D]."""
