@@ -287,7 +287,8 @@ class _SmallBatch:
             ctx[b, : ends[b]] = slots[: ends[b]]
             ctx[b, ends[b] :] = slots[0]
             q_rows[b] = row0[i] + torch.arange(self.n).clamp(max=lens[i] - 1)
-        self.ctx, self.q_rows = ctx.view(-1), q_rows.view(-1)
+        self.ctx, self.q_rows = ctx, q_rows.view(-1)
+        self.gather: torch.Tensor | None = None  # [Bs * Hkv * L] flat pool rows, in (sequence, head, position) order
         t = torch.arange(self.n).repeat(g)  # [g*n] each query row's index within its call
         starts = torch.tensor([calls[i].start for i in members])  # [Bs]
         # [Bs, 1, g*n, L]: True where a key is masked (after the query's own position, or padding)
@@ -298,7 +299,10 @@ class _SmallBatch:
     def attend(self, q: torch.Tensor, kv_layer: torch.Tensor, Hq: int, Hkv: int, D: int) -> torch.Tensor:
         """The batch's real rows' attention outputs, [sum n, Hq*D] float32."""
         B, n, L, g = self.B, self.n, self.L, Hq // Hkv
-        kv = as_float64(kv_layer.index_select(2, self.ctx)).view(2, Hkv, B, L, D).transpose(1, 2)  # [2, Bs, Hkv, L, D]
+        if self.gather is None:  # the same for every layer: row h * slots + slot of the pool's [2, Hkv * slots, D] view
+            self.gather = (torch.arange(Hkv)[None, :, None] * kv_layer.shape[2] + self.ctx[:, None, :]).view(-1)
+        # one gather straight into the products' layout (no transposed copies): [2, Bs, Hkv, L, D]
+        kv = as_float64(kv_layer.view(2, -1, D).index_select(1, self.gather)).view(2, B, Hkv, L, D)
         qh = q[self.q_rows].view(B, n, Hq, D).double().transpose(1, 2).reshape(B, Hkv, g * n, D)  # [Bs, Hkv, g*n, D]
         scores = (qh @ kv[0].transpose(-1, -2) * D**-0.5).masked_fill(self.masked, float("-inf"))  # [Bs, Hkv, g*n, L]
         o = torch.softmax(scores, dim=-1) @ kv[1]  # [Bs, Hkv, g*n, D]
