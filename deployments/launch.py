@@ -36,11 +36,13 @@ RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
     "TRANSFORMERS_VERBOSITY": "error",
-    # OpenMP threads spin briefly, then sleep: a target step is ~1,000 small ops, each a parallel
-    # region, and a pool that sleeps at once (OMP_WAIT_POLICY=PASSIVE) pays a wake-up for each (a
-    # 1-token step 15 -> 33 ms, `python -m bench.step_batch`), while one that spins long (libgomp's
-    # default) steals the cores the replica's other threads need between steps
-    "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "10000"),
+    # OpenMP threads spin a while after each parallel region before they sleep: a target step is
+    # ~1,000 small ops, each a parallel region, and a pool that sleeps at once (OMP_WAIT_POLICY=PASSIVE)
+    # pays a wake-up for each (a 1-token step 15 -> 33 ms, `python -m bench.step_batch`). libgomp's
+    # own count (300,000) against a short one (10,000), fresh servers in turn over HTTP, 24 prompts a
+    # level: 27.7 / 28.3 / 30.3 against 23.3 / 25.7 tokens/s at concurrency 1, 44.1 / 40.4 / 47.7
+    # against 39.3 / 36.2 at 8; 3,000,000 no better (results/serving/gomp_spincount/)
+    "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "300000"),
     # Ray starts its workers at nice 15; here the replicas are the service, and a client or another
     # server on the same cores would otherwise take them first
     "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0"),
