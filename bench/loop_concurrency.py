@@ -19,8 +19,9 @@ from bench.bench import select, write_json
 from bench.serve_bench import DEFAULT_WORKLOAD
 
 
-def build_pool(config: str | None, draft: str | None):
-    """The serve config's engine replica (co-located placement), learner off."""
+def build_pool(config: str | None, draft: str | None, torch_attention: bool = False):
+    """The serve config's engine replica (co-located placement), learner off; ``torch_attention``:
+    its target attends with torch ops instead of the native kernel (speculative/attend.py)."""
     from deployments.drafts import DraftPool
     from deployments.launch import read_config
 
@@ -30,7 +31,10 @@ def build_pool(config: str | None, draft: str | None):
             "draft": cfg.engine.draft.model_copy(update={"kind": draft, "use_suffix": draft != "none" and cfg.engine.draft.use_suffix,
                                                         "ngram_first": draft != "none" and cfg.engine.draft.ngram_first,
                                                         "adapter": cfg.engine.draft.adapter if draft == "truncated" else None})})})
-    return DraftPool(cfg.model_copy(update={"placement": "colocated"}))
+    pool = DraftPool(cfg.model_copy(update={"placement": "colocated"}))
+    if torch_attention:
+        pool.loop.target.attention_kernel = None
+    return pool
 
 
 async def _level(pool, engine, texts: list[str], concurrency: int, max_tokens: int) -> dict:
@@ -85,15 +89,17 @@ async def _level(pool, engine, texts: list[str], concurrency: int, max_tokens: i
     }
 
 
-def run(config: str | None, draft: str | None, workload: str, n: int, levels: list[int], max_tokens: int) -> dict:
+def run(config: str | None, draft: str | None, workload: str, n: int, levels: list[int], max_tokens: int,
+        torch_attention: bool = False) -> dict:
     from router.router import GENERAL
     from workloads import load_workload
 
-    pool = build_pool(config, draft)
+    pool = build_pool(config, draft, torch_attention)
     try:
         engine = asyncio.run(pool.engine_for(GENERAL))
         records = select(load_workload(workload), n * len(levels))
-        out = {"config": config, "draft": draft or "config", "workload": workload, "n": n, "max_tokens": max_tokens,
+        out = {"config": config, "draft": draft or "config", "workload": workload,
+               "attention": "kernel" if pool.loop.target.attention_kernel is not None else "torch", "n": n, "max_tokens": max_tokens,
                "step_cost": vars(pool.loop.step_cost) if pool.loop.step_cost else None, "levels": []}
         for i, c in enumerate(levels):
             texts = [r.text for r in records[i * n : (i + 1) * n]]
@@ -117,9 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=24, help="requests per level (each level its own prompts)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--torch-attention", action="store_true", help="the target attends with torch ops, not the native kernel")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    res = run(args.config, args.draft, args.workload, args.n, args.concurrency, args.max_tokens)
+    res = run(args.config, args.draft, args.workload, args.n, args.concurrency, args.max_tokens, args.torch_attention)
     if len(res["levels"]) > 1:
         print(f"concurrency {res['levels'][-1]['concurrency']} / {res['levels'][0]['concurrency']}: "
               f"{res['levels'][-1]['tokens_per_s'] / res['levels'][0]['tokens_per_s']:.2f}x")

@@ -35,6 +35,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .adapters import fused_delta, has_adapters, is_adapter_key
+from .attend import PagedAttention, load_kernel
 from .kvcache import BlockPool, PooledCaches, SeqCache, as_float64
 from .runner import ForwardCall, ModelRunner
 from .shape import FastPathError, supports_fast_path
@@ -149,6 +150,8 @@ class FastRunner(PooledCaches, ModelRunner):
         #: every sequence's keys and values: ``kv_tokens`` positions in all, in fixed blocks
         self.pool = BlockPool(self.n_layers, self.n_kv, self.head_dim, kv_tokens, block_tokens, kv_dtype)
         self._caches: dict[str, SeqCache] = {}  # type: ignore[assignment]
+        #: the native attention over the pool (:mod:`speculative.attend`); None: the torch attention
+        self.attention_kernel = load_kernel()
         self._quantise()
 
     def _quantise(self) -> None:
@@ -237,14 +240,18 @@ class FastRunner(PooledCaches, ModelRunner):
         cos, sin = inner.rotary_emb(h[None], pos[None])  # [1, R, D] each
         cos, sin = cos[0][:, None], sin[0][:, None]  # [R, 1, D]
         Hq, Hkv, D = self.n_heads, self.n_kv, self.head_dim
-        plan = _AttentionPlan(calls, caches, lens, Hq, Hkv, D)
+        slots_new = torch.cat([cache.slots[c.start : c.start + n] for c, cache, n in zip(calls, caches, lens)])  # [R]
+        if self.attention_kernel is not None and self.pool.kv.element_size() == 2:
+            plan = PagedAttention(self.attention_kernel, calls, caches, lens, Hq, Hkv, D)
+        else:
+            plan = _AttentionPlan(calls, caches, lens, Hq, Hkv, D)
         outs: dict[int, torch.Tensor] = {}  # the layer outputs the features ask for
         for li, (norm1, qkv, o_proj, norm2, gate_up, down) in enumerate(self.layers):
             heads = qkv(_rms(norm1, h)).view(-1, Hq + 2 * Hkv, D)  # [R, Hq + 2 Hkv, D]: q, k, v heads
             qk = _rope(heads[:, : Hq + Hkv], cos, sin)  # [R, Hq + Hkv, D] (one rotation for q and k)
             q = qk[:, :Hq]  # [R, Hq, D]
             kv_new = torch.stack((qk[:, Hq:], heads[:, Hq + Hkv :])).transpose(1, 2)  # [2, Hkv, R, D]
-            self.pool.kv[li][:, :, plan.slots_new] = kv_new.to(self.pool.kv.dtype)  # every call's new rows, in 16 bits
+            self.pool.kv[li][:, :, slots_new] = kv_new.to(self.pool.kv.dtype)  # every call's new rows, in 16 bits
             out = plan.attend(q, self.pool.kv[li], lambda i, end: caches[i].read(li, end))  # [R, Hq*D]
             h = h + o_proj(out)
             g, u = gate_up(_rms(norm2, h)).split(gate_up.splits, dim=-1)  # [R, I] each
@@ -326,8 +333,8 @@ def _groups(members: list[int], ends: list[int], budget: int) -> list[list[int]]
 
 
 class _AttentionPlan:
-    """The attention of one forward, its indices computed once for all layers: where each call's new
-    rows go in the pool (``slots_new``), and the padded layouts in which the calls of at most
+    """The torch attention of one forward (where the native kernel is unavailable), its indices
+    computed once for all layers: the padded layouts in which the calls of at most
     :data:`SMALL_CALL` rows attend in batched products (one set of ops per layer for a group of
     sequences, instead of one per sequence; groups of at most :data:`ATTEND_POSITIONS` key
     positions). Padded keys are masked (their softmax weight is exactly 0) and point at the
@@ -340,7 +347,6 @@ class _AttentionPlan:
         row0 = [0]
         for n in lens[:-1]:
             row0.append(row0[-1] + n)
-        self.slots_new = torch.cat([cache.slots[c.start : c.start + n] for c, cache, n in zip(calls, caches, lens)])  # [R]
         small = [i for i, n in enumerate(lens) if n <= SMALL_CALL]
         if len(small) < 2:
             small = []

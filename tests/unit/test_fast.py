@@ -40,10 +40,23 @@ def _on_int4_grid(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+#: the native attention kernel over the pool (the default where it builds), and the torch attention
+ATTENTION = ["kernel", "torch"]
+
+
+def _runner(model, attention: str, **kw) -> FastRunner:
+    r = FastRunner(model, **kw)
+    assert r.attention_kernel is not None  # built on this machine: both paths are tested here
+    if attention == "torch":
+        r.attention_kernel = None
+    return r
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("bits", BITS)
-def test_rows_do_not_depend_on_how_they_are_batched(bits):
+def test_rows_do_not_depend_on_how_they_are_batched(bits, attention):
     """Prefill whole = in chunks = token by token; verify k+1 at once = one at a time; bitwise."""
-    r = FastRunner(_model(), bits=bits)
+    r = _runner(_model(), attention, bits=bits)
     ids = torch.randint(2, 128, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     whole = r.forward("a", 0, ids, len(ids))  # [40, V]
     r.forward("b", 0, ids[:17])
@@ -54,12 +67,13 @@ def test_rows_do_not_depend_on_how_they_are_batched(bits):
     assert r.cached_length("a") == r.cached_length("b") == r.cached_length("c") == 40
 
 
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("bits", BITS)
-def test_ragged_batch_with_cropping_equals_each_sequence_alone(bits):
+def test_ragged_batch_with_cropping_equals_each_sequence_alone(bits, attention):
     """Several sequences in one forward (some cropping back rejected positions) give each what it
     gets alone, and leave each cache as alone; bitwise."""
     model = _model()
-    single, batched = FastRunner(model, bits=bits), FastRunner(model, bits=bits)
+    single, batched = _runner(model, attention, bits=bits), _runner(model, attention, bits=bits)
     gen = torch.Generator().manual_seed(0)
     for i in range(5):
         prompt = torch.randint(2, 128, (3 + 9 * i,), generator=gen).tolist()
@@ -302,12 +316,13 @@ def test_bytes_per_cached_token_follow_the_runtime():
 
 
 def test_a_long_call_attends_in_chunks_of_queries_and_equals_token_by_token(monkeypatch):
-    """A prompt longer than ATTEND_ROWS attends a chunk of queries at a time (bounded memory): its
+    """Torch attention: a prompt longer than ATTEND_ROWS attends a chunk of queries at a time (bounded memory): its
     rows equal decoding the same tokens one by one."""
     import speculative.fast as fast
 
     monkeypatch.setattr(fast, "ATTEND_ROWS", 8)
     r = FastRunner(_model(), bits=4)
+    r.attention_kernel = None  # the torch attention (the native kernel reads the pool row by row)
     ids = torch.randint(2, 128, (30,), generator=torch.Generator().manual_seed(5)).tolist()
     softmax, rows = torch.softmax, []
     monkeypatch.setattr(torch, "softmax", lambda x, dim: rows.append(x.shape[-2]) or softmax(x, dim=dim))
@@ -332,7 +347,7 @@ def test_a_target_that_drops_its_float_weights_computes_the_same_and_takes_no_ne
 
 
 def test_small_calls_attend_in_groups_bounded_in_key_positions_with_the_same_rows(monkeypatch):
-    """Decode steps of sequences with long contexts attend in groups of at most ATTEND_POSITIONS
+    """Torch attention: decode steps of sequences with long contexts attend in groups of at most ATTEND_POSITIONS
     key positions (the float64 keys and values gathered stay bounded, not sequences x context):
     each group's product holds at most that many, and every row equals the ungrouped step's."""
     import speculative.fast as fast
@@ -341,6 +356,7 @@ def test_small_calls_attend_in_groups_bounded_in_key_positions_with_the_same_row
     assert fast._groups([0, 1, 2, 3], [10, 30, 20, 5], 60) == [[0, 1], [2, 3]]  # 2 x 30 fits; 3 x 30 does not
     assert fast._groups([4, 5], [100, 3], 60) == [[4], [5]]  # longer than the budget: a group of its own
     r = FastRunner(_model(), bits=4)
+    r.attention_kernel = None  # the torch attention (the native kernel reads the pool row by row)
     gen = torch.Generator().manual_seed(7)
     contexts = {f"s{i}": torch.randint(2, 128, (n,), generator=gen).tolist() for i, n in enumerate((40, 25, 33, 12, 18))}
     for sid, ids in contexts.items():
