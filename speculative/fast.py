@@ -17,12 +17,15 @@ Hugging Face's eager Llama around those kernels makes 211 linear calls a step, g
 a ``torch.cat`` per layer and builds masks, so :class:`FastRunner` runs its own
 forward over the same weights: fused q/k/v and gate/up projections (121 kernel calls a step),
 KV caches in fixed blocks of one preallocated 16-bit pool (:mod:`speculative.kvcache`), and sequences of a batch concatenated row-wise (ragged, no
-padding: the linear layers see every row of every sequence in one call; attention runs per
-sequence).
+padding: the linear layers see every row of every sequence in one call; each row attends to its
+own sequence's keys).
 
 Exactness: every op is row-wise except attention, which runs in float64 over the cached keys and
-values (stored in 16 bits, rounded once when written) and is rounded to float32 after, so a row's logits are the same (to ~1e-16 relative before that rounding) whether it is
-decoded alone, verified with k others, prefilled with its prompt or batched with other sequences.
+values (stored in 16 bits, rounded once when written) and is rounded to float32 after. The native
+kernel (:mod:`speculative.attend`, the default) computes each row alone in one fixed order, so a
+row's logits are bitwise the same whether it is decoded alone, verified with k others, prefilled
+with its prompt or batched with other sequences; the torch attention (where the kernel cannot be
+built) gets there to ~1e-16 relative before the rounding.
 The served target *is* this model: greedy speculative output equals its own target-only output,
 and rejection sampling draws from its distribution. The float32 Hugging Face model stays one flag
 away (``ModelConfig.quantize = "none"``).
