@@ -39,7 +39,7 @@ def build_pool(config: str | None, draft: str | None, torch_attention: bool = Fa
 
 async def _level(pool, engine, texts: list[str], concurrency: int, max_tokens: int) -> dict:
     from config import SamplingParams
-    from deployments.protocol import GenerateRequest
+    from deployments.protocol import Chunk, GenerateRequest, Refused
 
     loop = pool.loop
     forwards: list[tuple[int, int, float]] = []
@@ -62,12 +62,12 @@ async def _level(pool, engine, texts: list[str], concurrency: int, max_tokens: i
                                   messages=[{"role": "user", "content": text}])
             t0, ids = time.perf_counter(), []
             async for item in pool.generate(req, engine):
-                if "error" in item:
-                    raise RuntimeError(item["error"])
-                if item.get("tokens"):
+                if isinstance(item, Refused):
+                    raise RuntimeError(item.error)
+                if isinstance(item, Chunk) and item.tokens:
                     if not ids:
                         ttft.append(time.perf_counter() - t0)
-                    ids += item["tokens"]
+                    ids += item.tokens
             outputs[i] = ids
 
     t0 = time.perf_counter()

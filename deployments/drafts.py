@@ -55,7 +55,7 @@ from telemetry.engine import LoopGauges
 from telemetry.spec import count_step
 
 from .loopback import NodeInfo, bind_replica_grpc, replica_meter
-from .protocol import GenerateRequest, TargetUnavailable
+from .protocol import Accepted, Chunk, Done, GenerateRequest, Refused, TargetUnavailable
 
 log = logging.getLogger("osd.drafts")
 
@@ -392,13 +392,12 @@ class DraftPool:
         return encode_prompt(self.tokenizer, req.prompt or "", chat_template=False)
 
     async def generate(self, req: GenerateRequest, engine: SpeculativeEngine, draft_id: str = GENERAL):
-        """Stream one request: first ``{"prompt_tokens"}`` (or ``{"error"}``, with ``status`` 503 and
-        ``retry_after`` when the replica is overloaded), then ``{"text", "tokens"}`` per step, then
-        ``{"finish_reason", "usage"}``."""
+        """Stream one request: :class:`Accepted` (or :class:`Refused`: 503 with a retry time when the
+        replica is overloaded), then a :class:`Chunk` per step, then :class:`Done`."""
         try:
             prompt = self._prompt_ids(req)
         except RequestError as e:
-            yield {"error": str(e)}
+            yield Refused(str(e))
             return
         if self.learner is not None:  # traffic: a learner sharing the machine keeps its rounds for the gaps
             contextvars.Context().run(self.learner.touch.remote)  # fire and forget, outside this request's context
@@ -410,9 +409,9 @@ class DraftPool:
         if isinstance(first, Failed):
             if isinstance(first.error, Overloaded):
                 self.meter.inc("osd_engine_requests_overloaded_total")
-                yield {"error": str(first.error), "status": 503, "retry_after": first.error.retry_after_s}
+                yield Refused(str(first.error), 503, first.error.retry_after_s)
             else:
-                yield {"error": str(first.error)}
+                yield Refused(str(first.error))
             return
         detok = Detokenizer(self.tokenizer, req.params.stop)
         output = list(req.resume)  # the output so far (resumed: what was sent before is context)
@@ -426,14 +425,14 @@ class DraftPool:
         held_text: list[str] = []
         held_tokens: list[int] = []
         try:
-            yield {"prompt_tokens": first.prompt_tokens}
+            yield Accepted(first.prompt_tokens)
             async for ev in events:
                 if isinstance(ev, Failed):
                     raise ev.error
                 if isinstance(ev, Finished):
                     st = ev.state
                     if held_tokens:  # cut short (a stop, a cancellation) while held
-                        yield {"text": "".join(held_text), "tokens": held_tokens}
+                        yield Chunk("".join(held_text), held_tokens)
                     break
                 res, wait = ev.result, ev.waited
                 waited += wait
@@ -445,16 +444,16 @@ class DraftPool:
                 held_tokens += res.emitted
                 now = time.perf_counter()
                 if res.finished or now - sent_at >= interval:  # steps closer than the interval travel together
-                    yield {"text": "".join(held_text), "tokens": held_tokens}
+                    yield Chunk("".join(held_text), held_tokens)
                     held_text, held_tokens, sent_at = [], [], now
             s = st.stats
             if engine.learns_from_traffic and st.output:  # the other replicas' suffix trees learn it too
                 self._finished(draft_id, req.request_id, req.domain, st.output, req.tenant)
             if record is not None and s.drafts:  # the draft proposed: its misses are signal
                 self.learner.record.remote(record.finish(st.tokens, st.prompt_len, req.domain, req.tenant, draft_id))
-            yield {
-                "finish_reason": st.finish_reason,
-                "usage": {
+            yield Done(
+                st.finish_reason,
+                {
                     "prompt_tokens": st.prompt_len,
                     "completion_tokens": len(st.output),
                     "speculative": {
@@ -476,7 +475,7 @@ class DraftPool:
                         "draft_version": engine.draft_version,
                     },
                 },
-            }
+            )
         finally:
             self.running -= 1
             await events.aclose()

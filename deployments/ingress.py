@@ -20,7 +20,8 @@ from config import AppConfig
 from speculative.locate import light_vocab
 
 from .loopback import bind_replica_grpc, replica_meter
-from .protocol import ChatRequest, CompletionRequest, GenerateRequest, TargetUnavailable, error_body, new_id, now
+from .protocol import (ChatRequest, CompletionRequest, Done, GenerateRequest, Refused, TargetUnavailable, error_body, new_id,
+                       now)
 from .resume import resuming
 from .tenants import Admission, Tenants, refuse_open
 
@@ -380,11 +381,11 @@ class Ingress:
         draft_id = f"{route.draft_id}@{tenant}" if isolated else route.draft_id
         stream = self.pool.options(multiplexed_model_id=draft_id, stream=True).stream.remote(gen)
         first = await stream.__anext__()
-        if "error" in first and first.get("status") == 503:  # the replica is overloaded: retry later
-            return JSONResponse(error_body(first["error"], "server_error", code="overloaded"), status_code=503,
-                                headers={"Retry-After": str(max(1, math.ceil(first.get("retry_after", 1))))}), 0
-        if "error" in first:
-            return _error(400, first["error"]), 0
+        if isinstance(first, Refused) and first.status == 503:  # the replica is overloaded: retry later
+            return JSONResponse(error_body(first.error, "server_error", code="overloaded"), status_code=503,
+                                headers={"Retry-After": str(max(1, math.ceil(first.retry_after)))}), 0
+        if isinstance(first, Refused):
+            return _error(400, first.error), 0
         stream = self._resuming(stream, gen, draft_id, tenant)
         if req.stream:
             settle = Settle(lambda used, status, usage: self._settle(tenant, timing, used, status, usage))
@@ -432,23 +433,23 @@ class Ingress:
         parts, end = [], None
         try:
             async for item in stream:
-                if "finish_reason" in item:
+                if isinstance(item, Done):
                     end = item
                 else:
-                    parts.append(item["text"])
-                    if item["text"]:
+                    parts.append(item.text)
+                    if item.text:
                         timing.chunk()
         finally:
             await stream.aclose()  # a cancelled request ends in the draft pool too
-        self._observe(route, end["usage"])
+        self._observe(route, end.usage)
         text, model = "".join(parts), self.cfg.ingress.model_name
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": end["finish_reason"]}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": end.finish_reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": end["finish_reason"]}
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": end.finish_reason}
             obj = "text_completion"
-        return {"id": rid, "object": obj, "created": now(), "model": model, "choices": [choice], "usage": self._usage(end["usage"])}
+        return {"id": rid, "object": obj, "created": now(), "model": model, "choices": [choice], "usage": self._usage(end.usage)}
 
     def _settle(self, tenant: str, timing: Timing, used: int, status: int, usage: dict | None) -> None:
         self.tenants.done(tenant, used)
@@ -475,18 +476,18 @@ class Ingress:
             if chat:
                 yield chunk(None, None, role=True)
             async for item in stream:
-                if "finish_reason" in item:
-                    yield chunk(None if chat else "", item["finish_reason"])
-                    self._observe(route, item["usage"])
-                    usage = self._usage(item["usage"])
+                if isinstance(item, Done):
+                    yield chunk(None if chat else "", item.finish_reason)
+                    self._observe(route, item.usage)
+                    usage = self._usage(item.usage)
                     used, status = usage["total_tokens"], 200
                     if include_usage:
                         body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                                "usage": self._usage(item["usage"])}
+                                "usage": usage}
                         yield f"data: {json.dumps(body)}\n\n"
-                elif item["text"]:
+                elif item.text:
                     timing.chunk()
-                    yield chunk(item["text"], None)
+                    yield chunk(item.text, None)
         except (GeneratorExit, asyncio.CancelledError):  # the client went away mid-stream
             status = 499  # nginx's "client closed request", as the metrics' status
             raise

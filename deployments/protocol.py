@@ -168,3 +168,36 @@ class GenerateRequest:
     tenant: str | None = None
     #: output token ids already sent to the client by a replica that died: continue after them
     resume: list[int] = field(default_factory=list)
+
+
+# -- what a draft replica streams back for one request, in order: Refused; or Accepted, Chunk..., Done --
+@dataclass(frozen=True)
+class Refused:
+    """The replica did not take the request: as given (400), or overloaded (503, retry after)."""
+
+    error: str
+    status: int = 400
+    retry_after: float = 1.0
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The request runs; its prompt's length in tokens."""
+
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """New output: its text and token ids (one step's, or several held up to the stream interval)."""
+
+    text: str
+    tokens: list[int]
+
+
+@dataclass(frozen=True)
+class Done:
+    """The request ended: why (``stop``, ``length``, ...) and its usage (tokens, speculative stats)."""
+
+    finish_reason: str
+    usage: dict

@@ -8,6 +8,8 @@ from typing import AsyncIterator, Callable
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from .protocol import Chunk, Refused
+
 #: a request whose draft replica dies goes on on another one, this many times at most
 MAX_RESUMES = 2
 #: what a handle raises when the replica behind a stream died or cannot be reached
@@ -15,7 +17,7 @@ REPLICA_GONE = (RayActorError, ActorUnavailableError)
 
 
 async def resuming(stream, gen, reopen: Callable[[object], object], on_resume: Callable[[int, BaseException], None],
-                   max_resumes: int = MAX_RESUMES) -> AsyncIterator[dict]:
+                   max_resumes: int = MAX_RESUMES) -> AsyncIterator[object]:
     """The items of one request's stream, whose header item the caller has read already.
 
     If the stream fails with `REPLICA_GONE`, `on_resume(tokens sent, error)` is called and
@@ -28,10 +30,11 @@ async def resuming(stream, gen, reopen: Callable[[object], object], on_resume: C
         try:
             if attempt:  # a replacement: its header says whether it took the request
                 first = await stream.__anext__()
-                if "error" in first:
-                    raise RuntimeError(first["error"])
+                if isinstance(first, Refused):
+                    raise RuntimeError(first.error)
             async for item in stream:
-                sent.extend(item.get("tokens", ()))
+                if isinstance(item, Chunk):
+                    sent.extend(item.tokens)
                 yield item
             return
         except (GeneratorExit, asyncio.CancelledError):  # the client left: stop the decoding too

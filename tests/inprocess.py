@@ -27,7 +27,7 @@ from starlette.requests import Request
 
 from config import AppConfig, SamplingParams
 from deployments.drafts import DraftPool
-from deployments.protocol import GenerateRequest
+from deployments.protocol import Chunk, GenerateRequest
 from deployments.ingress import Ingress
 from deployments.metrics import MetricsServer
 from deployments.router import RouterServer
@@ -262,7 +262,7 @@ class LocalPool(DraftPool):
         return self.held[draft_id]
 
     async def serve(self, prompt: str = "Hello world", n: int = 10, draft_id: str = GENERAL,
-                    request_id: str | None = None, **req) -> list[dict]:
+                    request_id: str | None = None, **req) -> list:
         """One greedy request of ``n`` tokens (EOS ignored) through ``generate``: every item it streams."""
         gen = GenerateRequest(request_id or f"r-{time.monotonic_ns()}", SamplingParams(max_tokens=n, ignore_eos=True),
                               prompt=prompt, **req)
@@ -273,7 +273,7 @@ class LocalPool(DraftPool):
         engine = await self.loaded(draft_id)
         steps = 0
         async for item in self.generate(req, engine, draft_id):
-            if self.fail_after is not None and "tokens" in item:
+            if self.fail_after is not None and isinstance(item, Chunk):
                 steps += 1
                 if steps > self.fail_after:
                     self.fail_after = None

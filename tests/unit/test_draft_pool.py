@@ -15,7 +15,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from config import SamplingParams
 from deployments.drafts import RemoteVerifier
-from deployments.protocol import GenerateRequest
+from deployments.protocol import Accepted, GenerateRequest, Refused
 from deployments.protocol import TargetUnavailable
 from deployments.target import Target
 from inprocess import Handle, LocalPool, app_config, counter, hist, save_tiny_model
@@ -60,9 +60,9 @@ def test_a_request_streams_its_header_steps_and_usage_and_counts_every_step(fold
     items = loop.run(pool.serve(n=12, domain="code", lang="en", tenant="alice"))
     elapsed = time.perf_counter() - t0
     head, steps, end = items[0], items[1:-1], items[-1]
-    assert head == {"prompt_tokens": 11}  # a raw prompt: the tokenizer's chat template is not applied
-    assert sum(len(s["tokens"]) for s in steps) == 12 and end["finish_reason"] == "length"
-    u, spec = end["usage"], end["usage"]["speculative"]
+    assert head == Accepted(11)  # a raw prompt: the tokenizer's chat template is not applied
+    assert sum(len(s.tokens) for s in steps) == 12 and end.finish_reason == "length"
+    u, spec = end.usage, end.usage["speculative"]
     assert (u["prompt_tokens"], u["completion_tokens"]) == (11, 12)
     assert spec["steps"] == len(steps)
     assert spec["proposed"] > 0 and spec["alpha"] == spec["accepted"] / spec["proposed"]
@@ -112,8 +112,8 @@ def test_a_tenants_requests_share_a_cached_prefix_and_the_replica_counts_it(fold
     again = loop.run(pool.serve(prompt=opening + "sales rose.", n=8, tenant="alice"))
     pool.telemetry()
     hit = counter(pool.meter, "osd_engine_prefix_cache_hit_tokens_total") - before
-    assert hit >= 48 and [s["tokens"] for s in again[1:-1]] != [] and (
-        sum((s["tokens"] for s in again[1:-1]), []) == sum((s["tokens"] for s in first[1:-1]), []))
+    assert hit >= 48 and [s.tokens for s in again[1:-1]] != [] and (
+        sum((s.tokens for s in again[1:-1]), []) == sum((s.tokens for s in first[1:-1]), []))
     loop.run(pool.serve(prompt=opening + "sales rose.", n=8, tenant="bob"))
     pool.telemetry()
     assert counter(pool.meter, "osd_engine_prefix_cache_hit_tokens_total") - before == hit  # bob found nothing
@@ -132,15 +132,15 @@ def test_steps_closer_than_the_stream_interval_travel_together_first_and_last_at
     steps, every_steps = items[1:-1], every[1:-1]
     assert len(every_steps) > 2 and len(steps) == 2  # the first step at once, the rest with the last
     assert steps[0] == every_steps[0]
-    assert [t for s in steps for t in s["tokens"]] == [t for s in every_steps for t in s["tokens"]]
-    assert "".join(s["text"] for s in steps) == "".join(s["text"] for s in every_steps)
-    assert items[-1]["usage"]["speculative"]["steps"] == len(every_steps)  # every step still counted
+    assert [t for s in steps for t in s.tokens] == [t for s in every_steps for t in s.tokens]
+    assert "".join(s.text for s in steps) == "".join(s.text for s in every_steps)
+    assert items[-1].usage["speculative"]["steps"] == len(every_steps)  # every step still counted
 
 
 def test_the_step_counts_of_a_model_free_proposer_are_labelled_by_its_name(folder, loop):
     pool = LocalPool(engine_cfg(folder, draft={"kind": "ngram"}))
     items = loop.run(pool.serve(prompt="abcabcabcabc", n=12))
-    spec = items[-1]["usage"]["speculative"]
+    spec = items[-1].usage["speculative"]
     assert spec["proposed"] > 0 and spec["draft_version"] == 0
     assert counter(pool.meter, "osd_spec_decode_draft_version_draft_tokens_total", draft=GENERAL,
                    draft_version="ngram") == spec["proposed"]
@@ -153,20 +153,20 @@ def test_a_token_id_prompt_outside_the_vocabulary_is_refused_in_the_header(folde
         engine = await pool.engine_for(GENERAL)
         gen = GenerateRequest("r", SamplingParams(max_tokens=3), prompt_ids=ids)
         return [item async for item in pool.generate(gen, engine)]
-    assert loop.run(go([5, 128])) == [{"error": "prompt token id 128 is outside the vocabulary [0, 128)"}]
-    assert loop.run(go([-1])) == [{"error": "prompt token id -1 is outside the vocabulary [0, 128)"}]
-    assert loop.run(go([0, 127]))[0] == {"prompt_tokens": 2}
+    assert loop.run(go([5, 128])) == [Refused("prompt token id 128 is outside the vocabulary [0, 128)")]
+    assert loop.run(go([-1])) == [Refused("prompt token id -1 is outside the vocabulary [0, 128)")]
+    assert loop.run(go([0, 127]))[0] == Accepted(2)
     assert pool.running == 0
 
 
 def test_a_resumed_request_continues_after_the_tokens_already_sent(folder, loop):
     pool = LocalPool(app_config(folder))
     whole = loop.run(pool.serve(n=12))
-    tokens = [t for item in whole[1:-1] for t in item["tokens"]]
+    tokens = [t for item in whole[1:-1] for t in item.tokens]
     again = loop.run(pool.serve(n=12, resume=tokens[:5]))
-    rest = [t for item in again[1:-1] for t in item["tokens"]]
-    assert rest == tokens[5:] and again[-1]["usage"]["speculative"]["resumed_after"] == 5
-    assert again[-1]["usage"]["completion_tokens"] == 12
+    rest = [t for item in again[1:-1] for t in item.tokens]
+    assert rest == tokens[5:] and again[-1].usage["speculative"]["resumed_after"] == 5
+    assert again[-1].usage["completion_tokens"] == 12
 
 
 def test_a_dropped_cache_is_sent_whole_and_the_output_is_unchanged(folder, loop):
@@ -184,7 +184,7 @@ def test_a_dropped_cache_is_sent_whole_and_the_output_is_unchanged(folder, loop)
         return await verify(call)
     pool.verifier.verify = forgetful
     got = loop.run(pool.serve(n=12))
-    assert sum((i["tokens"] for i in got[1:-1]), []) == sum((i["tokens"] for i in expect[1:-1]), [])
+    assert sum((i.tokens for i in got[1:-1]), []) == sum((i.tokens for i in expect[1:-1]), [])
     dropped, again = calls[2], calls[3]
     assert dropped.start > 0 and again.start == 0 and len(again.tokens) == dropped.start + len(dropped.tokens)
     assert again.tokens[dropped.start:] == dropped.tokens and again.seq_id == dropped.seq_id
@@ -199,7 +199,7 @@ def test_the_learner_gets_a_record_of_a_request_whose_draft_proposed(folder, loo
     rec = learner.records[0]
     assert (rec.domain, rec.tenant, rec.draft_id) == ("sql", "bob", GENERAL)
     assert rec.prompt_len == 11 and len(rec.tokens) == 11 + 10
-    assert items[-1]["usage"]["speculative"]["proposed"] > 0
+    assert items[-1].usage["speculative"]["proposed"] > 0
     still = LocalPool(engine_cfg(folder, k={"fixed_k": 0}), learner=Handle(learner))
     loop.run(still.serve(n=6))
     assert len(learner.records) == 1  # nothing drafted, nothing to learn
@@ -218,7 +218,7 @@ def test_published_weights_are_kept_by_version_and_staged_into_the_loaded_draft(
     assert pool.load_weights("other", [state], 3) == 3 and "other" not in pool.engines
     assert engine.draft_version == 0
     items = loop.run(pool.serve(n=4))
-    assert items[-1]["usage"]["speculative"]["draft_version"] == 2  # installed before the next step
+    assert items[-1].usage["speculative"]["draft_version"] == 2  # installed before the next step
     assert pool.versions() == {GENERAL: 2}
     later = loop.run(pool.engine_for("other"))  # a draft loaded later starts at its published version
     assert later.draft_version == 3

@@ -271,7 +271,7 @@ def test_a_named_domains_draft_starts_from_its_own_checkpoint_in_the_pool_and_th
         assert len(trainer.model.model.layers) == 1 and torch.equal(trainer.keep_ids, keep)
         wait_for(lambda: pool.published.get("d-sql", ({}, 0))[1] >= 1)
         items = loop.run(pool.serve("Hello again", 6, "d-sql", domain="sql", tenant="alice"))
-        assert items[-1]["usage"]["speculative"]["draft_version"] >= 1
+        assert items[-1].usage["speculative"]["draft_version"] >= 1
     finally:
         server.background.stop()
         loop.close()
@@ -313,7 +313,7 @@ def test_a_new_draft_forks_what_its_tenants_general_draft_has_published(served, 
     for n, t in iso.learned_draft.runner.model.state_dict().items():
         assert torch.equal(t, server.base.state_dict()[n]), n
     items = loop.run(pool.serve("Hello fork", 6, "c0/en", tenant="alice"))
-    assert items[-1]["usage"]["speculative"]["draft_version"] == 1
+    assert items[-1].usage["speculative"]["draft_version"] == 1
 
     serve_requests(pool, loop, 2)  # the general draft learns on: the fork keeps what it started from
     wait_for(lambda: server.latest(GENERAL)[1] > version)

@@ -7,17 +7,17 @@ import pytest
 from ray.exceptions import RayActorError
 
 from config import SamplingParams
-from deployments.protocol import GenerateRequest
+from deployments.protocol import Accepted, Chunk, Done, GenerateRequest, Refused
 from deployments.resume import MAX_RESUMES, resuming
 
-HEADER = {"prompt_tokens": 5}
+HEADER = Accepted(5)
 
 
 class Stream:
     """A replica's stream: its items in order, then `fail` raised (if given) in place of item
     number `at`. Records whether it was cancelled."""
 
-    def __init__(self, items: list[dict], fail: BaseException | None = None, at: int | None = None):
+    def __init__(self, items: list, fail: BaseException | None = None, at: int | None = None):
         self.items, self.fail, self.at = list(items), fail, len(items) if at is None else at
         self.i, self.cancelled = 0, False
 
@@ -36,11 +36,11 @@ class Stream:
         self.cancelled = True
 
 
-def tok(*ids: int) -> dict:
-    return {"text": "".join(f"<{i}>" for i in ids), "tokens": list(ids)}
+def tok(*ids: int) -> Chunk:
+    return Chunk("".join(f"<{i}>" for i in ids), list(ids))
 
 
-END = {"finish_reason": "length", "usage": {"completion_tokens": 5}}
+END = Done("length", {"completion_tokens": 5})
 
 
 def run(first: Stream, replacements: list[Stream], **kw):
@@ -119,7 +119,7 @@ def test_past_the_resume_limit_the_replica_error_ends_the_request(limit):
 
 def test_a_replacement_that_refuses_the_request_ends_it_with_its_error():
     first = Stream([HEADER, tok(1)], RayActorError(), at=2)
-    refusing = Stream([{"error": "draft 'd:x' cannot be loaded"}])
+    refusing = Stream([Refused("draft 'd:x' cannot be loaded")])
     out, opened, resumes, error = run(first, [refusing])
     assert isinstance(error, RuntimeError) and "cannot be loaded" in str(error)
     assert out == [tok(1)] and len(resumes) == 1
