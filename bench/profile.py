@@ -10,7 +10,8 @@ physical limit of speculation at acceptance rate a,
 
 maximised over k (k = 0: target alone, S = 1), at the acceptance rates measured by ``osd bench``
 (``--alpha-from`` its JSON) or given (``--alpha``). For restricted heads it also reports how many of
-the target's greedy output tokens the kept ids cover.
+the target's greedy output tokens the kept ids cover. For each of our runtimes it splits a decode
+step's time between the linear layers' kernels, attention and the rest (:func:`step_split`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,53 @@ def _step_time(runner, context: list[int], extra: list[int], repeats: int) -> fl
     runner.forward("p", 0, context)
     n = len(context)
     return _median_time(lambda: runner.forward("p", n, extra, keep_last=len(extra)), repeats)
+
+
+#: the linear layers' kernels, by the profiler's op names (leaf ops: self time is the kernel's own)
+MATRIX_OPS = ("aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "aten::mm", "aten::addmm")
+#: torch's attention ops (Hugging Face eager and the torch attention of the fast path)
+ATTENTION_OPS = ("aten::bmm", "aten::_softmax", "aten::_scaled_dot_product_flash_attention_for_cpu",
+                 "aten::_scaled_dot_product_attention_math")
+
+
+def step_split(runner, context: list[int], token: list[int], repeats: int) -> dict:
+    """Where one decode step's time goes: milliseconds in the linear layers' kernels, in attention
+    (torch's attention ops, or the fast path's native kernel, timed around its calls) and in the
+    rest (norms, rotary embeddings, casts, indexing, Python), per step; ``outside_matrix_share``: the
+    share of the step not in the linear kernels."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from speculative.attend import PagedAttention
+
+    runner.forward("split", 0, context)
+    n = len(context)
+    step = lambda: runner.forward("split", n, token, keep_last=len(token))  # noqa: E731 - rewrites the same position
+    wall = _median_time(step, repeats)
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(repeats):
+            step()
+    ops = {e.key: e.self_cpu_time_total / 1e3 / repeats for e in prof.key_averages()}  # ms per step
+    matrix = sum(ops.get(k, 0.0) for k in MATRIX_OPS)
+    attention = sum(ops.get(k, 0.0) for k in ATTENTION_OPS)
+    native, real = [0.0], PagedAttention.attend
+
+    def timed(self, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return real(self, *a, **k)
+        finally:
+            native[0] += time.perf_counter() - t0
+    PagedAttention.attend = timed
+    try:
+        for _ in range(repeats):
+            step()
+    finally:
+        PagedAttention.attend = real
+    attention += 1e3 * native[0] / repeats
+    runner.release("split")
+    ms = 1e3 * wall
+    return {"step_ms": round(ms, 2), "matrix_ms": round(matrix, 2), "attention_ms": round(attention, 2),
+            "rest_ms": round(max(ms - matrix - attention, 0.0), 2), "outside_matrix_share": round(max(0.0, 1 - matrix / ms), 3)}
 
 
 def speculation_limit(a: float, c: float, v: dict[int, float], k_max: int) -> dict:
@@ -123,7 +171,8 @@ def profile(target_name: str, workload: str, context: int = 128, max_verify: int
             rel = {j: round(v / t1, 3) for j, v in verify.items()}
             entry = {"runtime": runtime_of(t_runner), "target_ms_per_step": round(1000 * t1, 2),
                      "verify_cost_relative": rel, "drafts": {},
-                     "kv_bytes_per_token": kv_bytes_per_token(target.config, path, eager_dtype=dtype)}
+                     "kv_bytes_per_token": kv_bytes_per_token(target.config, path, eager_dtype=dtype),
+                     "step_split": step_split(t_runner, ctx, extra[:1], repeats)}
             del t_runner
             for name, draft, keep in options:
                 runner = make_runner(draft, path, keep, name="draft", draft=True)
@@ -162,6 +211,11 @@ def format_profile(res: dict) -> str:
         kv = f"; KV cache {e['kv_bytes_per_token']} bytes per token" if e.get("kv_bytes_per_token") else ""
         lines.append(f"== {e['runtime']}: target {e['target_ms_per_step']:.1f} ms per step at context {res['context']}{kv}")
         lines.append("   v(j), j = 1..: " + ", ".join(f"{v:.2f}" for v in e["verify_cost_relative"].values()))
+        if e.get("step_split"):
+            sp = e["step_split"]
+            lines.append(f"   a step: linear kernels {sp['matrix_ms']:.1f} ms, attention {sp['attention_ms']:.1f}, the rest "
+                         f"{sp['rest_ms']:.1f} of {sp['step_ms']:.1f}: {100 * sp['outside_matrix_share']:.0f}% outside the "
+                         "linear kernels")
         lines.append(f"   {'draft':<24}{'ms/token':>10}{'c':>8}{'coverage':>10}  " + "  ".join(f"{a:>14}" for a in res["alphas"]))
         for name, d in e["drafts"].items():
             cov = d.get("head_coverage_of_target_tokens")

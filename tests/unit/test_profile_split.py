@@ -1,0 +1,21 @@
+"""`osd profile`'s split of a decode step: the linear kernels, attention and the rest, on the
+fast path (its native attention timed around its calls) and on Hugging Face eager (torch's ops)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.profile import step_split
+from conftest import tiny_llama
+from speculative.runtime import make_runner
+
+
+@pytest.mark.parametrize("path", ["int4", "none"])
+def test_a_step_is_split_between_linear_kernels_attention_and_the_rest(path):
+    runner = make_runner(tiny_llama(2, seed=0), path, name="target")
+    split = step_split(runner, list(range(3, 40)), [7], repeats=3)
+    assert split["matrix_ms"] > 0 and split["attention_ms"] > 0  # both found: op names and the native call
+    assert split["matrix_ms"] + split["attention_ms"] <= split["step_ms"] * 1.5  # profiled parts of a median step
+    assert split["rest_ms"] >= 0 and 0 <= split["outside_matrix_share"] < 1
+    assert split["outside_matrix_share"] == pytest.approx(1 - split["matrix_ms"] / split["step_ms"], abs=0.02)
+    assert runner.cached_length("split") == 0  # its sequence released
