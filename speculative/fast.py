@@ -153,8 +153,8 @@ class FastRunner(PooledCaches, ModelRunner):
         #: every sequence's keys and values: ``kv_tokens`` positions in all, in fixed blocks
         self.pool = BlockPool(self.n_layers, self.n_kv, self.head_dim, kv_tokens, block_tokens, kv_dtype)
         self._caches: dict[str, SeqCache] = {}  # type: ignore[assignment]
-        #: the native attention over the pool (:mod:`speculative.attend`); None: the torch attention
-        self.attention_kernel = load_kernel()
+        #: the native attention over the pool (:mod:`speculative.attend`, 16-bit pools); None: the torch attention
+        self.attention_kernel = load_kernel() if self.pool.kv.element_size() == 2 else None
         self._quantise()
 
     def _quantise(self) -> None:
@@ -244,7 +244,7 @@ class FastRunner(PooledCaches, ModelRunner):
         cos, sin = cos[0][:, None], sin[0][:, None]  # [R, 1, D]
         Hq, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         slots_new = torch.cat([cache.slots[c.start : c.start + n] for c, cache, n in zip(calls, caches, lens)])  # [R]
-        if self.attention_kernel is not None and self.pool.kv.element_size() == 2:
+        if self.attention_kernel is not None:
             plan = PagedAttention(self.attention_kernel, calls, caches, lens, Hq, Hkv, D)
         else:
             plan = _AttentionPlan(calls, caches, lens, Hq, Hkv, D)
