@@ -2,7 +2,8 @@
 
 1. Every linear layer of the target, one forward, M rows at once, for each candidate kernel:
    float32 ``F.linear``, fbgemm dynamic int8, ``torch._int_mm`` with per-row int8 activations,
-   int8 weight-only and int4 weight-only; and whether a row's result depends on the other rows of
+   int8 weight-only and int4 weight-only (torch's kernels, bfloat16 activations), and the native
+   int8 and int4 kernels (:mod:`speculative.qmatmul`, 8-bit activations); and whether a row's result depends on the other rows of
    the call (max |row computed with 8 others - row alone|).
 2. The int4 runtime's step split: a whole step vs its matrix kernels alone (the rest is per-op
    overhead).
@@ -25,7 +26,7 @@ from speculative.models import load_model
 from .bench import measurement_cli
 from .llamacpp import BackendUnavailable, gguf_of, load_llamacpp
 
-ROWS = (1, 2, 4, 8, 9)
+ROWS = (1, 2, 4, 8, 9, 16, 32, 64)
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -59,8 +60,10 @@ def _kernels(linears: list[torch.nn.Linear]) -> dict:
         "float32": [lin for lin in linears],
         "fbgemm_dynamic_int8": [fbgemm(lin) for lin in linears],
         "int_mm_per_row_int8": [int_mm(lin) for lin in linears],
-        "int8_weight_only": [Int8Linear(lin) for lin in linears],
-        "int4_weight_only": [Int4Linear(lin) for lin in linears],
+        "int8_weight_only": [Int8Linear(lin, native=False) for lin in linears],
+        "int4_weight_only": [Int4Linear(lin, native=False) for lin in linears],
+        "int8_native": [Int8Linear(lin) for lin in linears],  # 8-bit activations, integer products
+        "int4_native": [Int4Linear(lin) for lin in linears],
     }
 
 
@@ -87,11 +90,8 @@ def measure(target_name: str = EMBEDDED_TARGET, repeats: int = 9, prefill: tuple
     packed = [mod for layer in runner.layers for mod in (layer[1], layer[2], layer[4], layer[5])] + [runner.head]
     xs = {w: torch.randn(1, w, generator=g) for w in {target.config.hidden_size, target.config.intermediate_size}}
 
-    def in_features(mod) -> int:
-        return mod.weight.shape[1] * (2 if isinstance(mod, Int4Linear) else 1)
-
     out["int4_step_ms"] = _median_ms(lambda: runner.forward("s", 128, [5]), 4 * repeats)
-    out["int4_step_kernels_ms"] = _median_ms(lambda: [mod(xs[in_features(mod)]) for mod in packed], 4 * repeats)
+    out["int4_step_kernels_ms"] = _median_ms(lambda: [mod(xs[mod.in_features]) for mod in packed], 4 * repeats)
     out["prefill_ms"] = {"int4": {n: _median_ms(lambda: runner.forward("p", 0, ids[:n]), 3) for n in prefill}}
     try:
         llm = load_llamacpp(gguf_of(target_name), threads)

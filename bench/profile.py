@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import contextlib
 import time
 from pathlib import Path
 
@@ -71,13 +72,33 @@ ATTENTION_OPS = ("aten::bmm", "aten::_softmax", "aten::_scaled_dot_product_flash
                  "aten::_scaled_dot_product_attention_math")
 
 
+@contextlib.contextmanager
+def _timed(owner, name: str, total: list[float]):
+    """``owner.name`` timed into ``total[0]`` (seconds) while inside."""
+    real = getattr(owner, name)
+
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return real(*a, **k)
+        finally:
+            total[0] += time.perf_counter() - t0
+    setattr(owner, name, timed)
+    try:
+        yield
+    finally:
+        setattr(owner, name, real)
+
+
 def step_split(runner, context: list[int], token: list[int], repeats: int) -> dict:
-    """Where one decode step's time goes: milliseconds in the linear layers' kernels, in attention
-    (torch's attention ops, or the fast path's native kernel, timed around its calls) and in the
-    rest (norms, rotary embeddings, casts, indexing, Python), per step; ``outside_matrix_share``: the
-    share of the step not in the linear kernels."""
+    """Where one decode step's time goes: milliseconds in the linear layers' kernels (torch's, or
+    the native int4 kernel timed around its calls), in attention (torch's attention ops, or the
+    fast path's native kernel, timed around its calls) and in the rest (norms, rotary embeddings,
+    casts, indexing, Python), per step; ``outside_matrix_share``: the share of the step not in the
+    linear kernels."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
+    from speculative import fast
     from speculative.attend import PagedAttention
 
     runner.forward("split", 0, context)
@@ -90,21 +111,12 @@ def step_split(runner, context: list[int], token: list[int], repeats: int) -> di
     ops = {e.key: e.self_cpu_time_total / 1e3 / repeats for e in prof.key_averages()}  # ms per step
     matrix = sum(ops.get(k, 0.0) for k in MATRIX_OPS)
     attention = sum(ops.get(k, 0.0) for k in ATTENTION_OPS)
-    native, real = [0.0], PagedAttention.attend
-
-    def timed(self, *a, **k):
-        t0 = time.perf_counter()
-        try:
-            return real(self, *a, **k)
-        finally:
-            native[0] += time.perf_counter() - t0
-    PagedAttention.attend = timed
-    try:
+    native_attention, native_matrix = [0.0], [0.0]
+    with _timed(PagedAttention, "attend", native_attention), _timed(fast, "q4_mm", native_matrix):
         for _ in range(repeats):
             step()
-    finally:
-        PagedAttention.attend = real
-    attention += 1e3 * native[0] / repeats
+    attention += 1e3 * native_attention[0] / repeats
+    matrix += 1e3 * native_matrix[0] / repeats
     runner.release("split")
     ms = 1e3 * wall
     return {"step_ms": round(ms, 2), "matrix_ms": round(matrix, 2), "attention_ms": round(attention, 2),

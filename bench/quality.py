@@ -2,8 +2,9 @@
 
 The float32 model (Hugging Face eager) decodes held-out prompts greedily; each runtime then scores
 those same sequences in one forward, and we count the output positions where its argmax is the
-reference's token. Runtimes: int4 (the default; 8-bit head), int4 with a 4-bit head, int8, and
-llama.cpp on the same GGUF when installed.
+reference's token. Runtimes: int4 (the default; 8-bit head), int4 with a 4-bit head, int8, int4
+on torch's kernels (bfloat16 activations instead of the native kernels' 8 bits), and llama.cpp on
+the same GGUF when installed.
 
     python -m bench.quality --n 24 --max-tokens 48 --json results/fast/quality.json
 """
@@ -32,7 +33,7 @@ def agreement(target_name: str, workload: str, n: int, max_tokens: int, threads:
     tokens = sum(len(o) for _, o in seqs)
     out = {"prompts": len(seqs), "tokens": tokens, "agreement": {}, "skipped": {}}
     runners = {"int4": FastRunner(target, bits=4), "int4+head4": FastRunner(target, bits=4, head_bits=4),
-               "int8": FastRunner(target, bits=8)}
+               "int8": FastRunner(target, bits=8), "int4 (torch kernels)": FastRunner(target, bits=4, native=False)}
     for name, r in runners.items():
         hit = 0
         for ids, o in seqs:

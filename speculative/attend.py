@@ -10,96 +10,26 @@ output is bitwise the same whether it is decoded alone, verified with k others, 
 chunk or batched with other sequences: the exactness the fast path rests on holds by
 construction, not only to the last bit of a float64 sum.
 
-The kernel is compiled once per machine with the system's C compiler (``cc -O3 -march=native
--fopenmp``, about a second) into ``<cache_dir>/ext``. Where that fails (no compiler, not x86-64
-with AVX2 and F16C), :func:`load_kernel` logs why once and returns None, and the runner keeps the
-torch attention.
+The kernel is compiled once per machine (:mod:`speculative.native`). Where that fails,
+:func:`load_kernel` logs why once and returns None, and the runner keeps the torch attention.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).resolve().parent / "csrc" / "attend.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build(out_dir: Path) -> Path:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "f16c"} <= set(_cpu_flags().split()):
-        raise RuntimeError(f"needs x86-64 with AVX2 and F16C ({platform.machine()})")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()[:16]
-    lib = out_dir / f"attend-{key}.so"
-    if not lib.exists():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:  # built aside, then moved: processes may race
-            part = Path(tmp) / lib.name
-            res = subprocess.run([cc, *FLAGS, "-o", str(part), str(SOURCE), "-lm"], capture_output=True, text=True)
-            if res.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-500:]}")
-            os.replace(part, lib)
-    return lib
-
-
-class Kernel:
-    """The loaded kernel: called as the C function. Copied or pickled with a runner, it stays (or
-    becomes, in another process) this process's one loaded kernel."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, *args) -> int:
-        return self.fn(*args)
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __reduce__(self):
-        return load_kernel, ()
+from .native import Kernel, load
 
 
 @lru_cache(maxsize=1)
 def load_kernel() -> Kernel | None:
-    """The compiled kernel, or None where it cannot be built. Loaded after torch, so that its
-    OpenMP calls run on torch's own libgomp threads."""
-    from config import cache_dir
-
-    try:
-        lib = ctypes.CDLL(str(_build(cache_dir() / "ext")))
-    except Exception as e:  # noqa: BLE001 - any failure: the torch attention serves
-        log.warning("attention kernel unavailable (%s); using torch attention", e)
-        return None
-    fn = lib.osd_attend
+    """The compiled kernel (:mod:`speculative.native`), or None where it cannot be built."""
     P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [P, INT, I64, INT, INT, P, I64, INT, P, P, P, P, I64, ctypes.c_double, P, I64, INT]
-    fn.restype = INT
-    return Kernel(fn)
+    return load("attend.c", "osd_attend", [P, INT, I64, INT, INT, P, I64, INT, P, P, P, P, I64, ctypes.c_double, P, I64, INT],
+                "attention kernel", load_kernel)
 
 
 class PagedAttention:

@@ -40,6 +40,7 @@ from transformers import PreTrainedModel
 from .adapters import fused_delta, has_adapters, is_adapter_key
 from .attend import PagedAttention, load_kernel
 from .kvcache import BlockPool, PooledCaches, SeqCache, as_float64
+from .qmatmul import GROUP, load_q4, load_q8, pack_q4, pack_q8, q4_mm, q8_mm
 from .runner import ForwardCall, ModelRunner
 from .shape import FastPathError, supports_fast_path
 
@@ -72,16 +73,29 @@ def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, adapter
 
 
 class Int8Linear(nn.Module):
-    """y = x W^T + b with W stored as int8, one float scale per output row (symmetric, amax / 127);
-    x is rounded to bfloat16 for the kernel, y comes back in float32. Several linears of the same
-    input fuse into one (their rows stacked), which gives the same numbers as running them apart."""
+    """y = x W^T + b with W stored as int8, one float scale per output row (symmetric, amax / 127).
+    Two kernels, each computing an output row from its input row alone: the native one
+    (:mod:`speculative.qmatmul`, the default where it builds and the input width is a multiple of
+    32: x rounded to 8 bits per group of 32, integer dot products, outputs padded to 16) and torch's
+    ``aten._weight_int8pack_mm`` (x rounded to bfloat16, the scale too). y comes back in float32.
+    Several linears of the same input fuse into one (their rows stacked), which gives the same
+    numbers as running them apart."""
 
-    def __init__(self, *linears: nn.Linear):
+    def __init__(self, *linears: nn.Linear, native: bool = True):
         super().__init__()
         w = torch.cat([lin.weight.detach().float() for lin in linears])  # [N, K]
         scale = w.abs().amax(1).clamp_min(1e-12) / 127  # [N]
         self.register_buffer("weight", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous())
         self.register_buffer("scale", scale.to(torch.bfloat16))
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self.kernel = load_q8() if native and w.shape[1] % GROUP == 0 else None
+        if self.kernel is not None:  # the packed layout replaces torch's
+            pad = -w.shape[0] % 16
+            w8, wsum, sc = pack_q8(torch.cat([self.weight, self.weight.new_zeros(pad, w.shape[1])]),
+                                   torch.cat([scale, scale.new_ones(pad)]))
+            self.register_buffer("weight", w8)  # (the kernel's layout)
+            self.register_buffer("wsum", wsum)
+            self.register_buffer("scale", sc)
         self.bias, self.splits = _fused_bias(linears)
         self.set_adapter(linears)
 
@@ -90,18 +104,26 @@ class Int8Linear(nn.Module):
         self.adapter = _adapter_of(linears)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] float -> [M, N] float32
-        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scale).float()
+        if self.kernel is not None:
+            y = q8_mm(self.kernel, self.weight, self.wsum, self.scale, x)[:, : self.out_features]
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scale).float()
         return _finish(y, x, self.bias, self.adapter)
 
 
 class Int4Linear(nn.Module):
-    """y = x W^T + b with W in 4 bits, asymmetric per group of ``group`` inputs (scale and minimum in
-    bfloat16, like llama.cpp's Q4_1 blocks of 32: the embedded GGUF's weights are Q4_1, so a group
-    holds them up to the rounding of its scale and minimum); x is rounded to bfloat16 for the kernel
-    (``aten._weight_int4pack_mm_for_cpu``: each output row from its input row alone). Rows are padded
-    to a multiple of 16 (the kernel's tile). Fuses several linears like :class:`Int8Linear`."""
+    """y = x W^T + b with W in 4 bits, asymmetric per group of ``group`` inputs (a scale and a
+    minimum per group, like llama.cpp's Q4_1 blocks of 32: the embedded GGUF's weights are Q4_1, so
+    a group holds them up to the rounding of its scale and minimum). Two kernels, each computing an
+    output row from its input row alone:
+      - the native one (:mod:`speculative.qmatmul`, the default where it builds): x rounded to 8
+        bits per group of 32, integer dot products; scale and minimum in float16;
+      - torch's ``aten._weight_int4pack_mm_for_cpu`` (``native=False``, or no compiler): x rounded
+        to bfloat16; scale and minimum in bfloat16.
+    Output rows are padded to a multiple of 16 (both kernels' tile). Fuses several linears like
+    :class:`Int8Linear`."""
 
-    def __init__(self, *linears: nn.Linear, group: int = 32):
+    def __init__(self, *linears: nn.Linear, group: int = 32, native: bool = True):
         super().__init__()
         w = torch.cat([lin.weight.detach().float() for lin in linears])  # [N, K]
         n, k = w.shape
@@ -113,17 +135,26 @@ class Int4Linear(nn.Module):
         lo, hi = groups.amin(-1), groups.amax(-1)  # [N', K/g]
         scale = ((hi - lo) / 15).clamp_min(1e-12)
         q = ((groups - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(w.shape)
-        # the kernel computes (q - 8) * scale + zero: zero = lo + 8 * scale
-        self.register_buffer("scales_zeros", torch.stack([scale.t(), (lo + 8 * scale).t()], -1).to(torch.bfloat16).contiguous())
-        self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-        self.group, self.out_features = group, n
+        self.kernel = load_q4() if native and group == GROUP else None
+        if self.kernel is not None:
+            wq, dm = pack_q4(q, scale, lo)
+            self.register_buffer("weight", wq)  # (the kernel's layout)
+            self.register_buffer("dm", dm)
+        else:
+            # the kernel computes (q - 8) * scale + zero: zero = lo + 8 * scale
+            self.register_buffer("scales_zeros", torch.stack([scale.t(), (lo + 8 * scale).t()], -1).to(torch.bfloat16).contiguous())
+            self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        self.group, self.in_features, self.out_features = group, k, n
         self.bias, self.splits = _fused_bias(linears)
         self.set_adapter(linears)
 
     set_adapter = Int8Linear.set_adapter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] float -> [M, N] float32
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.weight, self.group, self.scales_zeros)
+        if self.kernel is not None:
+            y = q4_mm(self.kernel, self.weight, self.dm, x)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.weight, self.group, self.scales_zeros)
         return _finish(y[:, : self.out_features].float(), x, self.bias, self.adapter)
 
 
@@ -137,7 +168,7 @@ class FastRunner(PooledCaches, ModelRunner):
 
     def __init__(self, model: PreTrainedModel, vocab_map: torch.Tensor | None = None, name: str = "model",
                  bits: int = 4, head_bits: int = 8, kv_tokens: int = 32768, kv_dtype: str = "float16",
-                 block_tokens: int = 16):
+                 block_tokens: int = 16, native: bool = True):
         if bits not in (4, 8) or head_bits not in (4, 8):
             raise FastPathError(f"{name}: the fast path has int4 and int8 weights, not {bits} / {head_bits} bits")
         why = supports_fast_path(model)
@@ -150,6 +181,8 @@ class FastRunner(PooledCaches, ModelRunner):
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.bits, self.head_bits = bits, head_bits
+        #: the native int4 / int8 kernels (:mod:`speculative.qmatmul`) where they build; False: torch's
+        self.native = native
         #: every sequence's keys and values: ``kv_tokens`` positions in all, in fixed blocks
         self.pool = BlockPool(self.n_layers, self.n_kv, self.head_dim, kv_tokens, block_tokens, kv_dtype)
         self._caches: dict[str, SeqCache] = {}  # type: ignore[assignment]
@@ -162,8 +195,8 @@ class FastRunner(PooledCaches, ModelRunner):
 
         def lin(*linears: nn.Linear) -> nn.Module:  # int4 where the input width allows groups of 32
             if self.bits == 4 and linears[0].in_features % 32 == 0:
-                return Int4Linear(*linears)
-            return Int8Linear(*linears)
+                return Int4Linear(*linears, native=self.native)
+            return Int8Linear(*linears, native=self.native)
 
         self.layers = [
             (layer.input_layernorm, lin(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
@@ -175,7 +208,7 @@ class FastRunner(PooledCaches, ModelRunner):
         # agreement with the float32 model on its own greedy outputs is 97.0% so, 91.5% with a 4-bit
         # head (python -m bench.quality). A draft's head may take 4 bits: its precision moves
         # acceptance, never the output.
-        self.head = lin(m.lm_head) if self.head_bits == 4 else Int8Linear(m.lm_head)
+        self.head = lin(m.lm_head) if self.head_bits == 4 else Int8Linear(m.lm_head, native=self.native)
         self._sources = [(packed, srcs) for layer, (_, qkv, o, _, gu, d) in zip(m.model.layers, self.layers)
                          for packed, srcs in ((qkv, (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)),
                                               (o, (layer.self_attn.o_proj,)), (gu, (layer.mlp.gate_proj, layer.mlp.up_proj)),

@@ -139,9 +139,11 @@ def test_int8_is_close_to_the_float_model(shape):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
 
 
-def test_int4_holds_weights_on_its_grid_exactly():
+@pytest.mark.parametrize("native", [True, False])
+def test_int4_holds_weights_on_its_grid_exactly(native):
     """Weights on a 4-bit grid (as the GGUF's Q4_1 layers): the int4 runner computes the float model
-    up to bfloat16 activations, far closer than 4-bit rounding of arbitrary weights would."""
+    up to its rounding of activations (8 bits per group natively, bfloat16 in torch's kernel), far
+    closer than 4-bit rounding of arbitrary weights would."""
     model = _on_int4_grid(tiny_llama(3, seed=0, initializer_range=0.1))
     fast, ref = FastRunner(model, bits=4), ModelRunner(model)
     ids = list(range(2, 40))
@@ -149,12 +151,18 @@ def test_int4_holds_weights_on_its_grid_exactly():
     assert (a - b).abs().max() / b.abs().max() < 0.02
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
     lin = model.model.layers[0].mlp.down_proj
-    x = torch.randn(3, lin.in_features).bfloat16().float()  # exact in bfloat16: only the kernel's bfloat16 output rounding left
-    y, want = Int4Linear(lin)(x), lin(x)
+    # exact in bfloat16 and in 8 bits per group of 32 (each group's largest is 127 steps): only the
+    # kernels' output rounding is left
+    ints = torch.randint(-127, 128, (3, lin.in_features // 32, 32))
+    ints[..., 0] = 127
+    x = (ints.float() * 2**-7).view(3, -1)
+    packed = Int4Linear(lin, native=native)
+    assert (packed.kernel is not None) == native  # the native kernel builds on this machine
+    y, want = packed(x), lin(x)
     assert (y - want).abs().max() <= 2**-8 * want.abs().max()
     off_grid = torch.nn.Linear(lin.in_features, lin.out_features, bias=False)
     off_grid.weight.data = lin.weight.data + 0.3 * (lin.weight.data.std() * torch.randn_like(lin.weight))
-    err = (Int4Linear(off_grid)(x) - off_grid(x)).abs().max()
+    err = (Int4Linear(off_grid, native=native)(x) - off_grid(x)).abs().max()
     assert err > 4 * 2**-8 * off_grid(x).abs().max()  # weights off the grid do lose to 4-bit rounding
 
 

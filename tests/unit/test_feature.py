@@ -442,9 +442,9 @@ def test_verification_returns_the_layers_each_call_asks_for(target, runtime):
         ref = layer_features(target, ids, layers)  # the float model, uncached
         if bits is None:
             torch.testing.assert_close(g.features.float(), ref, atol=2e-3, rtol=2e-3)
-        else:  # quantised layers (and a float16 KV cache) stay close to the float ones, chunk by chunk
+        else:  # quantised layers, 8-bit activations and a float16 KV cache stay close to the float ones, chunk by chunk
             sim = torch.nn.functional.cosine_similarity(g.features.float().view(len(ids), -1, H), ref.view(len(ids), -1, H), dim=-1)
-            assert sim.min() > (0.98 if bits == 8 else 0.85), sim
+            assert sim.min() > 0.85, sim
     if bits is not None:  # the fast path's own numbers: the same call alone, layers in the other order, same bits
         alone = make("t2").verify([VerifyCall("a", 0, a, 1, features=True, feature_layers=(0, 1))])[0].features
         assert torch.equal(got[0].features, torch.cat([alone[:, H : 2 * H], alone[:, :H], alone[:, 2 * H :]], dim=-1))

@@ -1,0 +1,160 @@
+"""The native int4 / int8 matmul kernels (speculative/qmatmul.py, csrc/qmm.c): the packed layout,
+products against a float64 emulation of the same rounding, row by row whatever shares the call, on
+any thread count and on the AVX2 path as on AVX-512, through the linear layers, and torch's kernels
+where they cannot be built."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import pickle
+
+import pytest
+import torch
+
+from speculative import native, qmatmul
+from speculative.fast import FastRunner, Int4Linear, Int8Linear
+from speculative.qmatmul import load_q4, load_q8, pack_q4, pack_q8, q4_mm, q8_mm, unpack_q4
+
+from conftest import tiny_llama
+
+
+def _q4_weights(N: int, K: int, seed: int = 0):
+    """q [N, K] in 0..15, scale and minimum [N, K/32] exact in float16."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.int32)
+    scale = (torch.rand(N, K // 32, generator=g) * 0.01 + 0.001).half().float()
+    lo = (-8 * scale + torch.randn(N, K // 32, generator=g) * 0.001).half().float()
+    return q, scale, lo
+
+
+def _rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] rounded as the kernels round it: (integers [M, K/32, 32], group scales [M, K/32, 1])."""
+    g = x.view(x.shape[0], -1, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    xs = amax / 127
+    return torch.where(amax > 0, torch.round(g * (127 / amax)), torch.zeros_like(g)), xs
+
+
+def test_packing_keeps_every_weight():
+    q, scale, lo = _q4_weights(32, 96)
+    wq, dm = pack_q4(q, scale, lo)
+    assert wq.dtype == torch.uint8 and wq.numel() == 32 * 96 // 2  # two weights a byte
+    want = (q.float().view(32, 3, 32) * scale[..., None] + lo[..., None]).view(32, 96)
+    assert torch.equal(unpack_q4(wq, dm), want)
+    w8, wsum, _ = pack_q8(torch.randint(-127, 128, (16, 64), dtype=torch.int8), torch.ones(16))
+    assert wsum.dtype == torch.int32 and w8.dtype == torch.int8  # the kernel reads 32-bit sums
+
+
+@pytest.mark.parametrize("M", [1, 3, 4, 9])
+def test_q4_equals_the_product_with_the_rounded_rows(M):
+    """The kernel computes W x' for x' = x rounded to 8 bits a group: to float32 accumulation."""
+    q, scale, lo = _q4_weights(48, 160, seed=M)
+    wq, dm = pack_q4(q, scale, lo)
+    x = torch.randn(M, 160) * torch.rand(M, 160) ** 3 * 4  # heavy tails, as activations have
+    ints, xs = _rounded(x)
+    want = (ints * xs).view(M, 160).double() @ unpack_q4(wq, dm).double().t()
+    got = q4_mm(load_q4(), wq, dm, x)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    assert ((got - x.double() @ unpack_q4(wq, dm).double().t()).abs().max() / want.abs().max()).item() > 1e-4  # it does round
+
+
+def test_q8_is_exact_on_its_grid():
+    """Rows already on the 8-bit grid (each group's largest 127 steps of a power of two) and integer
+    weights: every product is exact."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randint(-127, 128, (32, 64), generator=g, dtype=torch.int8)
+    ints = torch.randint(-127, 128, (5, 2, 32), generator=g)
+    ints[..., 0] = -127
+    x = (ints.float() * 2**-6).view(5, 64)
+    got = q8_mm(load_q8(), *pack_q8(w, torch.full((32,), 0.5)), x)
+    assert torch.equal(got, (x.double() @ w.double().t() * 0.5).float())
+
+
+def test_a_row_is_the_same_whatever_shares_the_call_and_on_any_thread_count():
+    q, scale, lo = _q4_weights(64, 128, seed=3)
+    wq, dm = pack_q4(q, scale, lo)
+    w8 = pack_q8(torch.randint(-127, 128, (64, 128), dtype=torch.int8), torch.rand(64) + 0.1)
+    x = torch.randn(13, 128)
+    for f in (lambda x: q4_mm(load_q4(), wq, dm, x), lambda x: q8_mm(load_q8(), *w8, x)):
+        whole = f(x)
+        for lo_, hi in ((0, 1), (3, 4), (5, 12), (12, 13)):
+            assert torch.equal(f(x[lo_:hi]), whole[lo_:hi])
+        assert torch.equal(f(x[::2]), whole[::2])  # strided rows
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(f(x), whole)
+        finally:
+            torch.set_num_threads(before)
+
+
+def test_the_avx2_path_computes_the_same_numbers(tmp_path, monkeypatch):
+    """The kernels built without AVX-512 (what an AVX2-only machine runs) give bitwise the same
+    outputs: the served model does not depend on the instruction set."""
+    if "avx512_vnni" not in native._cpu_flags().split():
+        pytest.skip("this machine builds the AVX2 path already")
+    monkeypatch.setattr(native, "FLAGS", native.FLAGS + ["-mno-avx512f"])
+    monkeypatch.setenv("OSD_CACHE_DIR", str(tmp_path))
+    P, I64 = qmatmul.ctypes.c_void_p, qmatmul.ctypes.c_int64
+    q4 = native.load("qmm.c", "osd_q4_mm", [P, P, I64, I64, P, I64, I64, P, P, qmatmul.ctypes.c_int], "avx2", None)
+    q8 = native.load("qmm.c", "osd_q8_mm", [P, P, P, I64, I64, P, I64, I64, P, P, qmatmul.ctypes.c_int], "avx2", None)
+    assert q4 is not None and q8 is not None
+    q, scale, lo = _q4_weights(32, 256, seed=5)
+    wq, dm = pack_q4(q, scale, lo)
+    w8 = pack_q8(torch.randint(-127, 128, (32, 256), dtype=torch.int8), torch.rand(32) + 0.1)
+    x = torch.randn(7, 256) * 3
+    assert torch.equal(q4_mm(q4, wq, dm, x), q4_mm(load_q4(), wq, dm, x))
+    assert torch.equal(q8_mm(q8, *w8, x), q8_mm(load_q8(), *w8, x))
+
+
+def test_the_layers_use_the_kernels_and_keep_torch_a_flag_away():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 40, bias=True)
+    x = torch.randn(4, 64)
+    for cls in (Int4Linear, Int8Linear):
+        fast, torch_kernel = cls(lin), cls(lin, native=False)
+        assert fast.kernel is not None and torch_kernel.kernel is None
+        a, b = fast(x), torch_kernel(x)
+        assert a.shape == b.shape == (4, 40)
+        torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)  # two roundings of the same layer
+        assert not torch.equal(a, b)
+    r = FastRunner(tiny_llama(2, seed=0), bits=4, native=False)
+    assert all(m.kernel is None for layer in r.layers for m in layer if isinstance(m, (Int4Linear, Int8Linear)))
+    assert r.head.kernel is None
+
+
+def test_rows_of_the_wrong_width_are_refused():
+    q, scale, lo = _q4_weights(16, 64)
+    wq, dm = pack_q4(q, scale, lo)
+    with pytest.raises(ValueError, match="64 inputs"):
+        q4_mm(load_q4(), wq, dm, torch.randn(2, 32))
+    with pytest.raises(ValueError, match="64 inputs"):
+        q8_mm(load_q8(), *pack_q8(torch.ones(16, 64, dtype=torch.int8), torch.ones(16)), torch.randn(2, 96))
+
+
+def test_copies_and_pickles_keep_the_one_loaded_kernel():
+    layer = Int4Linear(torch.nn.Linear(64, 32))
+    assert copy.deepcopy(layer).kernel is layer.kernel is load_q4()
+    assert pickle.loads(pickle.dumps(layer.kernel)) is load_q4()
+    assert pickle.loads(pickle.dumps(Int8Linear(torch.nn.Linear(64, 32)).kernel)) is load_q8()
+
+
+def test_without_a_compiler_torchs_kernels_serve(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("OSD_CACHE_DIR", str(tmp_path))
+    load_q4.cache_clear()
+    load_q8.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=native.__name__):
+            assert load_q4() is None and load_q8() is None
+        assert "int4 matmul kernel unavailable" in caplog.text
+        r = FastRunner(tiny_llama(2, seed=0), bits=4)
+        assert all(m.kernel is None for layer in r.layers for m in layer if isinstance(m, Int4Linear))
+        logits = r.forward("a", 0, list(range(3, 23)), 20)
+    finally:
+        monkeypatch.undo()
+        load_q4.cache_clear()
+        load_q8.cache_clear()
+    assert torch.equal(logits, FastRunner(tiny_llama(2, seed=0), bits=4, native=False).forward("a", 0, list(range(3, 23)), 20))
+    assert Int4Linear(torch.nn.Linear(64, 32)).kernel is not None  # and built again afterwards
