@@ -29,7 +29,10 @@ def load_kernel() -> Kernel | None:
     """The compiled kernel (:mod:`speculative.native`), or None where it cannot be built."""
     P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     return load("attend.c", "osd_attend", [P, INT, I64, INT, INT, P, I64, INT, P, P, P, P, I64, ctypes.c_double, P, I64, INT],
-                "attention kernel", load_kernel)
+                "attention kernel", load_kernel, libs=("-lmvec",))
+
+
+SUB = 8  # rows of one sequence the kernel takes together (csrc/attend.c)
 
 
 class PagedAttention:
@@ -44,7 +47,7 @@ class PagedAttention:
         self.off = torch.repeat_interleave(table, torch.tensor(lens))  # [R]
         self.pos = torch.cat([torch.arange(c.start, c.start + n) for c, n in zip(calls, lens)])  # [R]
         self.R = int(self.pos.numel())
-        self.work_stride = (Hq // Hkv) * max(ends)
+        self.work_stride = SUB * (Hq // Hkv) * (max(ends) + 2 * D)  # scores, queries, sums (csrc/attend.c)
         self.threads = torch.get_num_threads()
         self.work = torch.empty(self.threads * self.work_stride, dtype=torch.float64)
 

@@ -40,7 +40,7 @@ from transformers import PreTrainedModel
 from .adapters import fused_delta, has_adapters, is_adapter_key
 from .attend import PagedAttention, load_kernel
 from .kvcache import BlockPool, PooledCaches, SeqCache, as_float64
-from .qmatmul import GROUP, load_q4, load_q8, pack_q4, pack_q8, q4_mm, q8_mm
+from .qmatmul import GROUP, load_q4, load_q8, load_rms, pack_q4, pack_q8, q4_mm, q8_mm, rms_norm
 from .runner import ForwardCall, ModelRunner
 from .shape import FastPathError, supports_fast_path
 
@@ -183,6 +183,8 @@ class FastRunner(PooledCaches, ModelRunner):
         self.bits, self.head_bits = bits, head_bits
         #: the native int4 / int8 kernels (:mod:`speculative.qmatmul`) where they build; False: torch's
         self.native = native
+        #: the native RMSNorm (one call a norm; :mod:`speculative.qmatmul`), or None: torch's
+        self.rms_kernel = load_rms() if native else None
         #: every sequence's keys and values: ``kv_tokens`` positions in all, in fixed blocks
         self.pool = BlockPool(self.n_layers, self.n_kv, self.head_dim, kv_tokens, block_tokens, kv_dtype)
         self._caches: dict[str, SeqCache] = {}  # type: ignore[assignment]
@@ -245,6 +247,12 @@ class FastRunner(PooledCaches, ModelRunner):
         self._quantise()
 
     # -- compute ------------------------------------------------------------------------
+    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The model's RMSNorm of rows x [R, hidden] float32: natively (one call) or torch's."""
+        if self.rms_kernel is None:
+            return _rms(norm, x)
+        return rms_norm(self.rms_kernel, x, norm.weight.detach(), _eps(norm))
+
     @torch.inference_mode()
     def forward(self, seq_id: str, start: int, tokens: list[int], keep_last: int = 1) -> torch.Tensor:
         """Logits for the last ``keep_last`` of ``tokens`` placed at positions start.. : [keep_last, V_model]."""
@@ -283,14 +291,14 @@ class FastRunner(PooledCaches, ModelRunner):
             plan = _AttentionPlan(calls, caches, lens, Hq, Hkv, D)
         outs: dict[int, torch.Tensor] = {}  # the layer outputs the features ask for
         for li, (norm1, qkv, o_proj, norm2, gate_up, down) in enumerate(self.layers):
-            heads = qkv(_rms(norm1, h)).view(-1, Hq + 2 * Hkv, D)  # [R, Hq + 2 Hkv, D]: q, k, v heads
+            heads = qkv(self._norm(norm1, h)).view(-1, Hq + 2 * Hkv, D)  # [R, Hq + 2 Hkv, D]: q, k, v heads
             qk = _rope(heads[:, : Hq + Hkv], cos, sin)  # [R, Hq + Hkv, D] (one rotation for q and k)
             q = qk[:, :Hq]  # [R, Hq, D]
             kv_new = torch.stack((qk[:, Hq:], heads[:, Hq + Hkv :])).transpose(1, 2)  # [2, Hkv, R, D]
             self.pool.kv[li][:, :, slots_new] = kv_new.to(self.pool.kv.dtype)  # every call's new rows, in 16 bits
             out = plan.attend(q, self.pool.kv[li], lambda i, end: caches[i].read(li, end))  # [R, Hq*D]
             h = h + o_proj(out)
-            g, u = gate_up(_rms(norm2, h)).split(gate_up.splits, dim=-1)  # [R, I] each
+            g, u = gate_up(self._norm(norm2, h)).split(gate_up.splits, dim=-1)  # [R, I] each
             h = h + down(nn.functional.silu(g) * u)
             if features and li in layers:
                 outs[li] = h
@@ -298,9 +306,9 @@ class FastRunner(PooledCaches, ModelRunner):
             cache.length = c.start + n
         ends = torch.cumsum(torch.tensor(lens), 0).tolist()
         rows = torch.cat([torch.arange(e - c.keep_last, e) for c, e in zip(calls, ends)])  # the rows asked for
-        logits = self.head(_rms(inner.norm, h[rows]))  # [sum keep_last, V_model]
+        logits = self.head(self._norm(inner.norm, h[rows]))  # [sum keep_last, V_model]
         if features:  # every row: the asked layers' outputs, then the final feature (after the final norm)
-            feats = list(torch.cat([outs[i] for i in layers] + [_rms(inner.norm, h)], dim=-1).split(lens))
+            feats = list(torch.cat([outs[i] for i in layers] + [self._norm(inner.norm, h)], dim=-1).split(lens))
         else:
             feats = None
         return list(logits.split([c.keep_last for c in calls])), feats
@@ -407,8 +415,11 @@ class _AttentionPlan:
 
 def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The model's RMSNorm (its weight and epsilon) as one fused op, row by row. x: [R, hidden]."""
-    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
-    return nn.functional.rms_norm(x, (x.shape[-1],), norm.weight.float(), eps)
+    return nn.functional.rms_norm(x, (x.shape[-1],), norm.weight.float(), _eps(norm))
+
+
+def _eps(norm: nn.Module) -> float:
+    return getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

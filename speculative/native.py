@@ -23,7 +23,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+#: -ffp-contract=off: the C's arithmetic as written (no fused multiply-adds the compiler picks per
+#: loop), so that a row's operations do not depend on which loop computed them
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 
 def _cpu_flags() -> str:
@@ -36,7 +38,7 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def build(source: Path, out_dir: Path) -> Path:
+def build(source: Path, out_dir: Path, libs: tuple[str, ...] = ()) -> Path:
     """The shared library of ``source`` under ``out_dir``, compiled if it is not there yet."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
@@ -44,13 +46,13 @@ def build(source: Path, out_dir: Path) -> Path:
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "f16c", "fma"} <= set(_cpu_flags().split()):
         raise RuntimeError(f"needs x86-64 with AVX2, FMA and F16C ({platform.machine()})")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), version, " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([source.read_text(), version, " ".join(FLAGS + list(libs)), _cpu_flags()]).encode()).hexdigest()[:16]
     lib = out_dir / f"{source.stem}-{key}.so"
     if not lib.exists():
         out_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:  # built aside, then moved: processes may race
             part = Path(tmp) / lib.name
-            res = subprocess.run([cc, *FLAGS, "-o", str(part), str(source), "-lm"], capture_output=True, text=True)
+            res = subprocess.run([cc, *FLAGS, "-o", str(part), str(source), *libs, "-lm"], capture_output=True, text=True)
             if res.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-500:]}")
             os.replace(part, lib)
@@ -75,12 +77,13 @@ class Kernel:
         return self.loader, ()
 
 
-def load(source: str, symbol: str, argtypes: list, what: str, loader) -> Kernel | None:
-    """``symbol`` of ``csrc/<source>`` (restype int), or None (logged once by the caller's cache)."""
+def load(source: str, symbol: str, argtypes: list, what: str, loader, libs: tuple[str, ...] = ()) -> Kernel | None:
+    """``symbol`` of ``csrc/<source>`` (restype int; linked with ``libs`` too), or None (logged once
+    by the caller's cache)."""
     from config import cache_dir
 
     try:
-        lib = ctypes.CDLL(str(build(CSRC / source, cache_dir() / "ext")))
+        lib = ctypes.CDLL(str(build(CSRC / source, cache_dir() / "ext", libs)))
     except Exception as e:  # noqa: BLE001 - any failure: the torch path serves
         log.warning("%s unavailable (%s); using torch", what, e)
         return None

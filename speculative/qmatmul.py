@@ -51,6 +51,22 @@ def load_q8() -> Kernel | None:
     return load("qmm.c", "osd_q8_mm", [P, P, P, I64, I64, P, I64, I64, P, P, ctypes.c_int], "int8 matmul kernel", load_q8)
 
 
+@lru_cache(maxsize=1)
+def load_rms() -> Kernel | None:
+    """The compiled RMSNorm (one call instead of torch's dozen ops a norm), or None."""
+    P, I64 = ctypes.c_void_p, ctypes.c_int64
+    return load("qmm.c", "osd_rms_norm", [P, I64, P, I64, I64, ctypes.c_double, P, ctypes.c_int], "RMSNorm kernel", load_rms)
+
+
+def rms_norm(kernel: Kernel, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [R, K] float32 (rows may be strided) -> x / sqrt(mean(x^2) + eps) * weight, [R, K] float32."""
+    if x.dtype != torch.float32 or x.stride(-1) != 1 or x.dim() != 2 or weight.dtype != torch.float32:
+        raise ValueError("rms_norm takes float32 rows of contiguous values and a float32 weight")
+    y = torch.empty(x.shape)
+    kernel(x.data_ptr(), x.stride(0), weight.data_ptr(), x.shape[0], x.shape[1], eps, y.data_ptr(), torch.get_num_threads())
+    return y
+
+
 def pack_q4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's layout of weights w = scale * q + lo: q [N, K] in 0..15, scale and lo [N, K/32]
     (N a multiple of 16). Returns (wq [N/16, K/32, 4, 16, 4] uint8, two 4-bit values a byte;

@@ -198,3 +198,19 @@ int osd_q8_mm(const int8_t *w8, const int32_t *wsum, const float *scale, int64_t
     }
     return 0;
 }
+
+/* RMSNorm of R rows of K (x rows x_stride apart; y contiguous): y = x / sqrt(mean(x^2) + eps) * w,
+   the mean of squares summed in double precision in order, each row alone. */
+int osd_rms_norm(const float *x, int64_t x_stride, const float *w, int64_t R, int64_t K, double eps, float *y,
+                 int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (R > 8)
+    for (int64_t r = 0; r < R; r++) {
+        const float *v = x + r * x_stride;
+        double ss = 0.0;
+        for (int64_t i = 0; i < K; i++) ss += (double)v[i] * (double)v[i];
+        const float inv = (float)(1.0 / sqrt(ss / (double)K + eps));
+        float *o = y + r * K;
+        for (int64_t i = 0; i < K; i++) o[i] = (v[i] * inv) * w[i];
+    }
+    return 0;
+}

@@ -158,3 +158,18 @@ def test_without_a_compiler_torchs_kernels_serve(monkeypatch, tmp_path, caplog):
         load_q8.cache_clear()
     assert torch.equal(logits, FastRunner(tiny_llama(2, seed=0), bits=4, native=False).forward("a", 0, list(range(3, 23)), 20))
     assert Int4Linear(torch.nn.Linear(64, 32)).kernel is not None  # and built again afterwards
+
+
+def test_the_native_rms_norm_matches_torchs_row_by_row():
+    from speculative.qmatmul import load_rms, rms_norm
+
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(11, 96, generator=g) * 3, torch.rand(96, generator=g) + 0.5
+    got = rms_norm(load_rms(), x, w, 1e-5)
+    torch.testing.assert_close(got, torch.nn.functional.rms_norm(x, (96,), w, 1e-5), rtol=1e-6, atol=1e-6)
+    assert torch.equal(rms_norm(load_rms(), x[3:4], w, 1e-5), got[3:4])  # alone as in the batch
+    wide = torch.randn(11, 200, generator=g)
+    wide[:, :96] = x
+    assert torch.equal(rms_norm(load_rms(), wide[:, :96], w, 1e-5), got)  # strided rows
+    with pytest.raises(ValueError, match="float32"):
+        rms_norm(load_rms(), x.double(), w, 1e-5)
