@@ -14,7 +14,7 @@ from speculative import native
 from speculative.attend import PagedAttention, load_kernel
 from speculative.fast import FastRunner
 from speculative.kvcache import BlockPool
-from speculative.qmatmul import load_q4, load_q8
+from speculative.qmatmul import load_q4, load_q8, load_rms
 
 Hq, Hkv, D = 6, 2, 16
 
@@ -102,7 +102,7 @@ def test_the_fast_runner_attends_through_the_kernel(monkeypatch):
 
 
 def test_without_a_compiler_the_torch_attention_serves(monkeypatch, tmp_path, caplog):
-    load_q4(), load_q8()  # the matmul kernels loaded before: only the attention goes without
+    load_q4(), load_q8(), load_rms()  # the other kernels loaded before: only the attention goes without
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("OSD_CACHE_DIR", str(tmp_path))
     load_kernel.cache_clear()

@@ -14,7 +14,7 @@ import torch
 
 from speculative import native, qmatmul
 from speculative.fast import FastRunner, Int4Linear, Int8Linear
-from speculative.qmatmul import load_q4, load_q8, pack_q4, pack_q8, q4_mm, q8_mm, unpack_q4
+from speculative.qmatmul import load_q4, load_q8, load_rms, pack_q4, pack_q8, q4_mm, q8_mm, rms_norm, unpack_q4
 
 from conftest import tiny_llama
 
@@ -143,26 +143,26 @@ def test_copies_and_pickles_keep_the_one_loaded_kernel():
 def test_without_a_compiler_torchs_kernels_serve(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("OSD_CACHE_DIR", str(tmp_path))
-    load_q4.cache_clear()
-    load_q8.cache_clear()
+    loaders = (load_q4, load_q8, load_rms)
+    for f in loaders:
+        f.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=native.__name__):
             assert load_q4() is None and load_q8() is None
         assert "int4 matmul kernel unavailable" in caplog.text
         r = FastRunner(tiny_llama(2, seed=0), bits=4)
         assert all(m.kernel is None for layer in r.layers for m in layer if isinstance(m, Int4Linear))
+        assert r.rms_kernel is None
         logits = r.forward("a", 0, list(range(3, 23)), 20)
     finally:
         monkeypatch.undo()
-        load_q4.cache_clear()
-        load_q8.cache_clear()
+        for f in loaders:
+            f.cache_clear()
     assert torch.equal(logits, FastRunner(tiny_llama(2, seed=0), bits=4, native=False).forward("a", 0, list(range(3, 23)), 20))
     assert Int4Linear(torch.nn.Linear(64, 32)).kernel is not None  # and built again afterwards
 
 
 def test_the_native_rms_norm_matches_torchs_row_by_row():
-    from speculative.qmatmul import load_rms, rms_norm
-
     g = torch.Generator().manual_seed(2)
     x, w = torch.randn(11, 96, generator=g) * 3, torch.rand(96, generator=g) + 0.5
     got = rms_norm(load_rms(), x, w, 1e-5)
