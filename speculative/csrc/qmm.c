@@ -163,39 +163,39 @@ static inline void tile_rows8(const int8_t *wt, const int32_t *wst, const float 
 }
 #endif
 
+/* the rows in 8 bits (work: xq [M][K], then xs and xsum [M][K/32]) */
+typedef struct { int8_t *xq; float *xs, *xsum; } Rows;
+
+static Rows quantise_rows(const float *x, int64_t x_stride, int64_t M, int64_t K, uint8_t *work) {
+    const int64_t G = K / 32;
+    Rows q = {(int8_t *)work, (float *)(work + M * K), (float *)(work + M * K) + M * G};
+    for (int64_t r = 0; r < M; r++) quantise_row(x + r * x_stride, K, q.xq + r * K, q.xs + r * G, q.xsum + r * G);
+    return q;
+}
+
 int osd_q4_mm(const uint8_t *wq, const uint16_t *dm, int64_t N, int64_t K, const float *x, int64_t x_stride,
               int64_t M, float *y, uint8_t *work, int threads) {
     if (N % 16 || K % 32 || M < 0) return -1;
-    const int64_t G = K / 32, T = N / 16;
-    int8_t *xq = (int8_t *)work;
-    float *xs = (float *)(work + M * K), *xsum = xs + M * G;
-    for (int64_t r = 0; r < M; r++) quantise_row(x + r * x_stride, K, xq + r * K, xs + r * G, xsum + r * G);
+    const int64_t G = K / 32;
+    const Rows q = quantise_rows(x, x_stride, M, K, work);
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < T; t++) {
-        const uint8_t *wt = wq + t * G * 256;
-        const uint16_t *dmt = dm + t * G * 32;
-        for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
-            const int nr = M - r0 < ROWS ? (int)(M - r0) : ROWS;
-            tile_rows(wt, dmt, G, xq, xs, xsum, K, r0, nr, y, N, 16 * t);
-        }
-    }
+    for (int64_t t = 0; t < N / 16; t++)
+        for (int64_t r0 = 0; r0 < M; r0 += ROWS)
+            tile_rows(wq + t * G * 256, dm + t * G * 32, G, q.xq, q.xs, q.xsum, K, r0, M - r0 < ROWS ? (int)(M - r0) : ROWS,
+                      y, N, 16 * t);
     return 0;
 }
 
 int osd_q8_mm(const int8_t *w8, const int32_t *wsum, const float *scale, int64_t N, int64_t K, const float *x,
               int64_t x_stride, int64_t M, float *y, uint8_t *work, int threads) {
     if (N % 16 || K % 32 || M < 0) return -1;
-    const int64_t G = K / 32, T = N / 16;
-    int8_t *xq = (int8_t *)work;
-    float *xs = (float *)(work + M * K), *xsum = xs + M * G;
-    for (int64_t r = 0; r < M; r++) quantise_row(x + r * x_stride, K, xq + r * K, xs + r * G, xsum + r * G);
+    const int64_t G = K / 32;
+    const Rows q = quantise_rows(x, x_stride, M, K, work);
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < T; t++) {
-        for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
-            const int nr = M - r0 < ROWS ? (int)(M - r0) : ROWS;
-            tile_rows8(w8 + t * G * 512, wsum + t * G * 16, scale, G, xq, xs, K, r0, nr, y, N, 16 * t);
-        }
-    }
+    for (int64_t t = 0; t < N / 16; t++)
+        for (int64_t r0 = 0; r0 < M; r0 += ROWS)
+            tile_rows8(w8 + t * G * 512, wsum + t * G * 16, scale, G, q.xq, q.xs, K, r0, M - r0 < ROWS ? (int)(M - r0) : ROWS,
+                       y, N, 16 * t);
     return 0;
 }
 
