@@ -12,8 +12,8 @@ Why this design (``python -m bench.kernels``, all 211 linear layers of SmolLM2-1
   - ``aten._weight_int4pack_mm_for_cpu`` (4-bit groups of 32, bfloat16 activations): **7.5 ms**
     (M=1), 8 (M=2), 11 (M=4), 17 (M=8). The embedded GGUF's layers are Q4_1, i.e. 4-bit groups of 32;
   - our native kernels (:mod:`speculative.qmatmul`: rows rounded to 8 bits a group of 32, integer
-    dot products, as llama.cpp does for Q4_1): 5.2 ms (M=1), 10.4 (M=8), 55.6 (M=64) for int4
-    against torch's 7.2, 17.4 and 108.7 in the same run; the default where a C compiler is found.
+    dot products, as llama.cpp does for Q4_1), the default where a C compiler is found: about half
+    of torch's int4 time from 8 rows up (docs/fast.md, "The native matrix kernels").
 All these weight-only kernels compute each output row from its input row alone: bitwise the same
 whatever else shares the call. int4 is the default (``quantize: auto``), the head stays in 8 bits.
 Hugging Face's eager Llama around those kernels makes 211 linear calls a step, grows its cache with

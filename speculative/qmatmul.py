@@ -6,17 +6,8 @@ rows, so its cost grows almost linearly with the rows of a call. A verify step o
 concurrency. The kernels here do what llama.cpp does for Q4_1 weights: each row of the input is
 rounded to 8 bits per group of 32 (one scale per group, and the rounded group's sum for the
 weights' minimum), and each group's product is an exact integer dot product (AVX-512 VNNI, or
-AVX2's ``maddubs``), scaled in float32. All 211 linears of SmolLM2-135M, 2 threads, AVX-512
-(``python -m bench.kernels``, results/fast/kernels_native.json):
-
-    rows of the call          1      8     32     64
-    torch int4 (ms)         7.2   17.4   56.7  108.7
-    native int4             5.2   10.4   30.9   55.6
-    torch int8             11.5   28.3   78.9  141.7
-    native int8             8.5   16.0   39.9   66.9
-
-Teacher-forced top-1 agreement with the float32 model (``python -m bench.quality --n 40``): 97.3%
-with these kernels, 97.6% with torch's (bfloat16 activations), 97.7% for llama.cpp.
+AVX2's ``maddubs``), scaled in float32. Measurements (time per rows of a call, agreement with
+the float model): docs/fast.md, "The native matrix kernels".
 
 Exactness: an output is computed from its own input row and weight row alone, in one fixed order
 (see the C file), by one thread: a row's result is bitwise the same whatever other rows share the
