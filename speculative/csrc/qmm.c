@@ -29,8 +29,8 @@
 /* a row of x in 8 bits: xq[i] = round(x[i] / xs_g) with xs_g = max |x| / 127 over the group, and
    xsum_g = xs_g * sum_i xq[i], the sum of the rounded row: the weights' minimum then multiplies the
    same rounded values as their steps do (the product is that of W with the rounded row). Taking the
-   exact sum instead would leave the steps' rounding error uncentred (q is 0..15): on SmolLM2-135M
-   that cost 2.5 points of top-1 agreement with the float model (python -m bench.quality). */
+   exact sum instead would leave the steps' rounding error uncentred (q is 0..15), which measurably
+   costs agreement with the float model (docs/fast.md, "The native matrix kernels"). */
 static void quantise_row(const float *x, int64_t K, int8_t *xq, float *xs, float *xsum) {
     for (int64_t g = 0; g < K / 32; g++) {
         const float *v = x + 32 * g;
