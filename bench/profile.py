@@ -16,9 +16,9 @@ step's time between the linear layers' kernels, attention and the rest (:func:`s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
-import contextlib
 import time
 from pathlib import Path
 
@@ -92,7 +92,7 @@ def _timed(owner, name: str, total: list[float]):
 
 def step_split(runner, context: list[int], token: list[int], repeats: int) -> dict:
     """Where one decode step's time goes: milliseconds in the linear layers' kernels (torch's, or
-    the native int4 kernel timed around its calls), in attention (torch's attention ops, or the
+    the native int4 and int8 kernels timed around their calls), in attention (torch's attention ops, or the
     fast path's native kernel, timed around its calls) and in the rest (norms, rotary embeddings,
     casts, indexing, Python), per step; ``outside_matrix_share``: the share of the step not in the
     linear kernels."""
@@ -112,7 +112,8 @@ def step_split(runner, context: list[int], token: list[int], repeats: int) -> di
     matrix = sum(ops.get(k, 0.0) for k in MATRIX_OPS)
     attention = sum(ops.get(k, 0.0) for k in ATTENTION_OPS)
     native_attention, native_matrix = [0.0], [0.0]
-    with _timed(PagedAttention, "attend", native_attention), _timed(fast, "q4_mm", native_matrix):
+    with (_timed(PagedAttention, "attend", native_attention), _timed(fast, "q4_mm", native_matrix),
+          _timed(fast, "q8_mm", native_matrix)):
         for _ in range(repeats):
             step()
     attention += 1e3 * native_attention[0] / repeats
