@@ -88,9 +88,11 @@ class LearnerConfig(BaseModel):
     window: int = Field(default=256, ge=1)
     #: fraction of wall time training may use (sleeps between steps); 1 = no sleeping
     max_cpu_share: float = Field(default=1.0, gt=0.0, le=1.0)
-    #: records per forward/backward inside a step (gradients accumulated: same step, smaller
-    #: pieces); ``pause`` is checked between pieces. None: the whole batch at once
-    micro_batch_records: int | None = Field(default=None, ge=1)
+    #: records per forward/backward inside a step, and per forward of the round's evaluations
+    #: (gradients accumulated: same step, smaller pieces); ``pause`` is checked between pieces.
+    #: One record needs no padding, so attention runs causal without a mask: a round's memory is
+    #: one record's activations, not the batch's padded square. None: the whole batch at once
+    micro_batch_records: int | None = Field(default=1, ge=1)
     #: > 0: learn a low-rank adapter of this rank on each projection of the draft, the base weights
     #: frozen (:mod:`speculative.adapters`); a version is the adapters alone. 0: the whole draft
     adapter_rank: int = Field(default=0, ge=0)

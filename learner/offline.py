@@ -478,13 +478,14 @@ def _batch_target(batch: Sequence[Sample]) -> SparseDist:
     )
 
 
-def _batches(samples: Sequence[Sample], positions: int) -> list[list[Sample]]:
-    """Consecutive samples packed until their output positions reach ``positions``."""
+def _batches(samples: Sequence[Sample], positions: int, records: int | None = None) -> list[list[Sample]]:
+    """Consecutive samples packed until their output positions reach ``positions`` (or their
+    number ``records``)."""
     out, cur, n = [], [], 0
     for s in samples:
         cur.append(s)
         n += s.n_out
-        if n >= positions:
+        if n >= positions or (records is not None and len(cur) >= records):
             out.append(cur)
             cur, n = [], 0
     if cur:
@@ -493,14 +494,19 @@ def _batches(samples: Sequence[Sample], positions: int) -> list[list[Sample]]:
 
 
 @torch.no_grad()
-def top1_hits_on(draft: PreTrainedModel, samples: Sequence[Sample], keep_ids: torch.Tensor | None = None, batch_positions: int = 512) -> torch.Tensor:
+def top1_hits_on(draft: PreTrainedModel, samples: Sequence[Sample], keep_ids: torch.Tensor | None = None, batch_positions: int = 512,
+                 batch_records: int | None = None, between: Callable[[], None] | None = None) -> torch.Tensor:
     """Per output position (samples in order): the draft's teacher-forced argmax (mapped through
-    ``keep_ids``) equals the target's most probable token. [sum T] bool."""
+    ``keep_ids``) equals the target's most probable token. [sum T] bool. Batches of at most
+    ``batch_positions`` output positions and ``batch_records`` samples (one sample: no padding);
+    ``between`` (if given) is called before each batch and may block."""
     was_training = draft.training
     draft.eval()
     out = []
     try:
-        for batch in _batches([s for s in samples if s.n_out > 0], batch_positions):
+        for batch in _batches([s for s in samples if s.n_out > 0], batch_positions, batch_records):
+            if between is not None:
+                between()
             pred = student_logits_for(draft, batch).argmax(dim=-1).cpu()  # [N] draft columns
             if keep_ids is not None:
                 pred = keep_ids.cpu()[pred]  # [N] target ids

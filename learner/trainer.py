@@ -250,9 +250,11 @@ class DraftTrainer:
     def holdout_samples(self) -> list[Sample]:
         return records_to_batch(self.holdout, "all")[0]
 
-    def holdout_hits(self, model: torch.nn.Module | None = None) -> torch.Tensor:
-        """Per held-back position: teacher-forced top-1 agreement with the target. [N] bool."""
-        return top1_hits_on(model if model is not None else self.model, self.holdout_samples(), self.keep_ids)
+    def holdout_hits(self, model: torch.nn.Module | None = None, pause: Callable[[], None] | None = None) -> torch.Tensor:
+        """Per held-back position: teacher-forced top-1 agreement with the target. [N] bool. In
+        pieces of ``micro_batch_records`` records, ``pause`` (if given) called before each."""
+        return top1_hits_on(model if model is not None else self.model, self.holdout_samples(), self.keep_ids,
+                            batch_records=self.cfg.micro_batch_records, between=pause)
 
     def agreement(self, model: torch.nn.Module | None = None) -> float | None:
         """Teacher-forced top-1 agreement on the held-back records (None without any)."""
@@ -280,11 +282,19 @@ class DraftTrainer:
         return draft_loss(self.model, samples, loss_fn, target, n_ph, self.cfg.feature_loss, rows=mask)
 
     @torch.no_grad()
-    def _eval_loss(self, samples, mask) -> float:
-        was = self.model.training
+    def _eval_loss(self, samples, mask, pause: Callable[[], None] | None = None) -> float:
+        """The loss over all rows of ``mask``, in the training step's pieces (``pause`` before each)."""
+        was, total = self.model.training, int(mask.sum())
         self.model.eval()
         try:
-            return float(self._loss(samples, mask))
+            loss = 0.0
+            for part, part_mask in self._pieces(samples, mask):
+                rows = int(part_mask.sum())
+                if rows:
+                    if pause is not None:
+                        pause()
+                    loss += float(self._loss(part, part_mask)) * (rows / total)
+            return loss
         finally:
             self.model.train(was)
 
@@ -348,9 +358,9 @@ class DraftTrainer:
             rep.seconds = time.perf_counter() - t0
             return rep
         snap = self.snapshot()
-        before_hits = self.holdout_hits()
+        before_hits = self.holdout_hits(pause=pause)
         rep.agreement_before = _rate(before_hits)
-        rep.loss_before = self._eval_loss(samples, mask)
+        rep.loss_before = self._eval_loss(samples, mask, pause)
         self.model.train()
         try:
             for i in range(cfg.steps_per_round):
@@ -384,8 +394,8 @@ class DraftTrainer:
             self.model.eval()
             raise
         self.model.eval()
-        rep.loss_after = self._eval_loss(samples, mask)
-        ok, reason = self.gate(baseline=rep.agreement_before, loss=rep.loss_after, baseline_hits=before_hits)
+        rep.loss_after = self._eval_loss(samples, mask, pause)
+        ok, reason = self.gate(baseline=rep.agreement_before, loss=rep.loss_after, baseline_hits=before_hits, pause=pause)
         rep.agreement_after = self._last_gate_agreement
         rep.accepted, rep.reason = ok, reason if not rep.stopped_early else f"{reason}; stopped early (yield)"
         if not ok:
@@ -415,6 +425,7 @@ class DraftTrainer:
         baseline: float | None = None,
         loss: float | None = None,
         baseline_hits: torch.Tensor | None = None,
+        pause: Callable[[], None] | None = None,
     ) -> tuple[bool, str]:
         """Whether ``candidate`` may replace the current weights: ``(ok, reason)``.
 
@@ -444,7 +455,7 @@ class DraftTrainer:
             return False, "non-finite loss"
         if baseline is None and model is not self.model:
             baseline = self.agreement()
-        hits = self.holdout_hits(model)
+        hits = self.holdout_hits(model, pause=pause)
         got = _rate(hits)
         self._last_gate_agreement = got
         if got is None or baseline is None:

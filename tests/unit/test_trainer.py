@@ -455,7 +455,8 @@ def test_micro_batched_step_equals_whole_batch_step(setup):
     calls = []
     whole.train_round(recs[:8])
     pieces.train_round(recs[:8], pause=lambda: calls.append(1))
-    assert len(calls) == 3  # ceil(8 / 3) pieces, pause before each
+    # ceil(8 / 3) pieces, pause before each: in the step and in the losses before and after it (no held-back records)
+    assert len(calls) == 3 * 3
     a, b = _weights(whole.model), _weights(pieces.model)
     assert all(torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4) for k in a)
     assert not all(torch.equal(a[k], _weights(draft)[k]) for k in a)  # the step did change the weights
@@ -489,7 +490,8 @@ def test_micro_batched_gradients_are_the_whole_batch_mean_even_with_pieces_of_on
     whole = _step_grads(DraftTrainer("d", draft, _cfg(**cfg)), batch)
     calls = []
     pieces = _step_grads(DraftTrainer("d", draft, _cfg(**cfg, micro_batch_records=1)), batch, pause=lambda: calls.append(1))
-    assert len(calls) == 4  # one piece a record; the record without a trainable row is skipped
+    # one piece a record; the record without a trainable row is skipped: in the step and the losses before and after
+    assert len(calls) == 4 * 3
     assert whole.keys() == pieces.keys() and whole
     assert all(torch.allclose(whole[k], pieces[k], atol=1e-6, rtol=1e-4) for k in whole)
     without = _step_grads(DraftTrainer("d", draft, _cfg(**cfg)), [recs[0], recs[1], recs[4]])
@@ -594,11 +596,11 @@ def test_paired_gate_allows_a_drop_within_its_noise_and_rejects_a_clear_one(setu
     clear = candidate(0, 30)  # 0.30
     for z, hits, ok in ((0.0, small, False), (1.0, small, True), (1.0, clear, False), (0.0, base, True)):
         tr = DraftTrainer("d", draft, _cfg(gate_margin=0.02, gate_z=z))
-        monkeypatch.setattr(tr, "holdout_hits", lambda model=None, h=hits: h)
+        monkeypatch.setattr(tr, "holdout_hits", lambda model=None, h=hits, **_: h)
         got, reason = tr.gate(baseline=0.6, baseline_hits=base)
         assert got is ok, (z, reason)
     tr = DraftTrainer("d", draft, _cfg(gate_margin=0.02, gate_z=1.0))
-    monkeypatch.setattr(tr, "holdout_hits", lambda model=None: clear)
+    monkeypatch.setattr(tr, "holdout_hits", lambda model=None, **_: clear)
     ok, reason = tr.gate(baseline=0.6, baseline_hits=base)
     assert not ok and "paired drop 0.3000 > 0.0748" in reason
 
@@ -616,7 +618,7 @@ def test_gate_boundaries_by_hand(setup, monkeypatch):
 
     def gate(cfg, hits, **kw):
         tr = DraftTrainer("d", draft, cfg)
-        monkeypatch.setattr(tr, "holdout_hits", lambda model=None: hits)
+        monkeypatch.setattr(tr, "holdout_hits", lambda model=None, **_: hits)
         return tr.gate(**kw)[0]
 
     # fixed margin: 0.5 = 0.75 - 0.25 exactly
@@ -633,7 +635,7 @@ def test_gate_boundaries_by_hand(setup, monkeypatch):
 def test_gate_keeps_a_given_baseline_for_a_separate_candidate(setup, monkeypatch):
     draft, _ = setup
     tr = DraftTrainer("d", draft, _cfg(gate_margin=0.0))
-    monkeypatch.setattr(tr, "holdout_hits", lambda model=None: _hits(10, 5))  # everyone scores 0.5
+    monkeypatch.setattr(tr, "holdout_hits", lambda model=None, **_: _hits(10, 5))  # everyone scores 0.5
     other = copy.deepcopy(draft)
     assert tr.gate(other, baseline=0.9)[0] is False  # not replaced by the current weights' 0.5
     assert tr.gate(other)[0] is True  # no baseline given: the current weights' agreement
@@ -973,3 +975,22 @@ def test_draft_opd_takes_the_rows_the_served_draft_got_wrong_from_the_records(se
         assert got != pytest.approx(float(forward_kl(logits, target).mean()), rel=1e-3)
     rep = tr.train_round(recs[:8])
     assert rep.steps > 0 and rep.loss_after < rep.loss_before
+
+
+def test_round_evaluations_run_in_pieces_that_agree_with_the_padded_batch(setup):
+    """The gate's held-back hits and the round's losses are computed a record at a time (no padding,
+    ``pause`` before each piece) and equal what the whole padded batch gives."""
+    draft, recs = setup
+    one = DraftTrainer("d", draft, _cfg(micro_batch_records=1))
+    whole = DraftTrainer("d", draft, _cfg(micro_batch_records=None))
+    for tr in (one, whole):
+        for r in recs[:5]:
+            tr.add_holdout(r)
+    calls = []
+    hits = one.holdout_hits(pause=lambda: calls.append(1))
+    assert len(calls) == sum(1 for r in recs[:5] if r.tokens.shape[0] > r.prompt_len)  # one piece a record
+    assert torch.equal(hits, whole.holdout_hits())
+    samples, mask = records_to_batch(recs[:6], "all")
+    calls.clear()
+    a = one._eval_loss(samples, mask, pause=lambda: calls.append(1))
+    assert len(calls) == 6 and a == pytest.approx(whole._eval_loss(samples, mask), rel=1e-5)
