@@ -1,7 +1,6 @@
 """Typed settings of the online learner: its rounds and gate (:class:`LearnerConfig`), the
-rollback on live acceptance (:class:`LiveWatchConfig`) and how its thread shares the machine
-(:class:`BackgroundConfig`). Here, with every other component's config, so that the application's
-config (:class:`config.AppConfig`) is typed all the way down and refused at the edge."""
+rollback on live acceptance (:class:`LiveWatchConfig`), how its thread shares the machine
+(:class:`BackgroundConfig`) and the learner deployment (:class:`LearnerServeConfig`)."""
 
 from __future__ import annotations
 
@@ -9,6 +8,8 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from .base import _Strict, cache_dir
 
 #: the losses ``learner.losses.get_loss`` knows (``learner.losses.LOSSES`` holds the functions)
 LOSS_NAMES = ("forward_kl", "reverse_kl", "jsd", "tvd", "draft_opd")
@@ -124,3 +125,30 @@ class BackgroundConfig(BaseModel):
     poll_s: float = Field(default=0.01, gt=0.0)
     #: bound of the hand-over queue; a full queue drops the record (counted), never blocks serving
     queue_max: int = Field(default=10_000, ge=1)
+
+
+class LearnerServeConfig(_Strict):
+    """The learner deployment: replay shards and checkpoints under ``state_dir`` (default
+    ``<cache_dir>/serve``), trained in rounds in a background thread of its own process.
+    ``trainer``: :class:`config.learner.LearnerConfig` (train_every, batch_records, lr,
+    gate_margin, ...); ``background``: :class:`config.learner.BackgroundConfig` (nice, threads);
+    ``shard_max_bytes``: per-draft replay bound. ``max_drafts``: drafts held in memory (a trainer
+    with its optimiser, a replay shard, held-back records); beyond it the least recently used is
+    parked on disk (checkpoints and logs) and comes back when it is next used (the general draft is
+    never parked). ``max_parked``: parked drafts kept on disk; beyond it the least recently
+    checkpointed is forgotten (checkpoints, replay and held-back logs deleted: a draft the router
+    retired leaves nothing behind; one used again starts anew, as a fork of its general draft)."""
+
+    enabled: bool = True
+    state_dir: str | None = None
+    #: a serving learner's rounds: more often, larger steps and on every position, against an
+    #: experiment's (``LearnerConfig()``); serve_config.yaml sets its own
+    trainer: LearnerConfig = LearnerConfig(train_every=16, batch_records=16, steps_per_round=4, lr=1e-3,
+                                           positions="all", gate_margin=0.0)
+    background: BackgroundConfig = BackgroundConfig()
+    shard_max_bytes: int = Field(default=64 << 20, gt=0)
+    max_drafts: int = Field(default=12, ge=1)
+    max_parked: int = Field(default=48, ge=0)
+
+    def root(self) -> Path:
+        return Path(self.state_dir) if self.state_dir else cache_dir() / "serve"

@@ -1,0 +1,131 @@
+"""The query router's settings."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from .base import _Strict
+
+
+#: Languages py3langid may answer by default: widely used languages plus every language of the
+#: chatterbot-corpus (restricting the label set avoids labels such as "la" or "an" on short
+#: English requests, and lifts accuracy on short texts; see ``osd route``).
+ROUTER_LANGUAGES: tuple[str, ...] = (
+    "ar", "bn", "cs", "da", "de", "el", "en", "es", "fa", "fi", "fr", "he", "hi", "hu", "id",
+    "it", "ja", "ko", "mr", "nl", "no", "or", "pl", "pt", "ro", "ru", "sv", "ta", "te", "th",
+    "tr", "uk", "ur", "vi", "yo", "zh",
+)
+
+
+class RouterConfig(_Strict):
+    """The query router: features, domains (named by a classifier or discovered by clustering)
+    and the choice of draft by observed acceptance.
+
+    mode: ``supervised`` routes by the classifier's label (below ``confidence_threshold`` to the
+    general draft); ``clusters`` by online clusters of embeddings, split by language; ``both`` by the
+    label when the classifier is confident and by cluster otherwise. Counts marked "records" are
+    routed queries (the router's clock), so behaviour does not depend on wall time.
+    """
+
+    mode: Literal["supervised", "clusters", "both"] = "both"
+    #: labelled examples (a workload JSONL, e.g. bench/data/router_train.jsonl) the classifier is
+    #: fitted on when a router deployment starts without a saved state (modes supervised / both);
+    #: None: no classifier unless a saved router brings one
+    examples: str | None = None
+    # features
+    max_chars: int = Field(default=2000, ge=16)  # text cut before language id and embedding
+    #: MiniLM input length in word pieces. 32 was enough on the built-in workload, but a new source
+    #: of a known domain often names its topic later (a schema before the question, a story before
+    #: the sum): leave-one-source-out recall of SQL 0.63 -> 0.97 and of GSM-style math 0.22 -> 0.83
+    #: going from 32 to 128 (docs/routing.md).
+    max_tokens: int = Field(default=128, ge=8, le=512)
+    #: A text longer than ``max_tokens`` word pieces is embedded twice, its first and its last
+    #: ``max_tokens`` pieces, and its feature is the normalised mean: the code after a long task
+    #: statement, the question after a schema. Leave-one-source-out recall of CodeI/O 0.67 -> 0.94
+    #: (docs/routing.md); a long text costs a second embedding.
+    tail_embedding: bool = True
+    #: MiniLM runtime. "onnx": onnxruntime on a graph exported once from the torch model (cached
+    #: under cache_dir()/router; the same embeddings to ~1e-7); "torch": sentence-transformers.
+    #: ``osd route`` p50 per query, one thread, float: 10.1 against 18.2 ms at max_tokens 32, 14.2
+    #: against 22.8 at 128; int8: 4.5 against 9.5, 7.1 against 10.3 (results/route_latency).
+    backend: Literal["torch", "onnx"] = "onnx"
+    #: int8 weights with dynamically quantized activations: about 1.7x faster with torch, 2.4x with
+    #: onnx (cosine to the float embedding >= 0.97 on the test texts; the same routing figures within a few
+    #: records: docs/routing.md). Activations are then scaled per batch, so texts are embedded one
+    #: at a time (a query's embedding must not depend on its neighbours in a batch).
+    quantize: bool = True
+    #: embeddings of this many distinct recent texts are kept (LRU by cleaned text): multi-turn
+    #: conversations re-send their history; 0 = off. 384 float32 each (4096: 6 MiB).
+    embed_cache: int = Field(default=4096, ge=0)
+    languages: tuple[str, ...] | None = ROUTER_LANGUAGES  # None: all 97 py3langid languages
+    #: language prior from labelled traffic (Router.fit with langs): languages never seen there
+    #: weigh this much against the seen ones (1 = no prior)
+    lang_prior_unseen: float = Field(default=0.1, gt=0.0, le=1.0)
+    batch_size: int = Field(default=32, ge=1)
+    threads: int = Field(default=1, ge=1)  # torch / onnxruntime threads for the embedder
+    # supervised domains
+    confidence_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
+    classifier_c: float = Field(default=10.0, gt=0.0)  # inverse L2 strength of the logistic regression
+    #: Named domains that stand for open-ended traffic: the classifier's label is taken only when
+    #: the query is also typical of the label's examples (else: online clusters). A logistic
+    #: regression sends traffic of domains no label names to its broadest class ("chat"), and a
+    #: new source of a topical domain (code, SQL, math) is best recognised by the classifier's
+    #: direction, not by distance: measured by ``osd route --open`` (docs/routing.md). "*": all.
+    open_domains: tuple[str, ...] = ("chat",)
+    #: the classifier also reads a TF-IDF of the character n-grams of the whole text beside the
+    #: embedding (a domain's symbols hold across its sources: docs/routing.md)
+    lexical: bool = True
+    #: records of general sources in the examples (``workloads.GENERAL_SOURCES``: ShareGPT's first
+    #: turns) train a background class, "none of the named domains", routed to clusters; False: left out
+    background: bool = True
+    #: background examples that a classifier of the named examples gives to a topical (not open)
+    #: domain with at least this probability are dropped (general traffic holds code, SQL, math)
+    background_filter: float = Field(default=0.5, gt=0.0, le=1.0)
+    #: of those, the ones given to their domain with at least this probability become examples of
+    #: it instead of being dropped (general traffic's code, SQL and math requests widen those
+    #: domains' examples); None: all are dropped
+    background_relabel: float | None = Field(default=None, gt=0.0, le=1.0)
+    #: n-grams first: a second logistic regression reads the character n-grams alone (about 1 ms),
+    #: and a query it gives to a topical (not open) domain with at least this probability is routed
+    #: there without being embedded (the embedding is ~90% of a query's time); None: every query is
+    #: embedded. ``osd route`` (docs/routing.md): p50 12.9 -> 2.4 ms on the workload (68% not
+    #: embedded); on the held-out sets only CodeI/O 0.59 -> 0.67 and left-out chat to clusters 0.86 -> 0.84 move.
+    lexical_gate: float | None = Field(default=0.9, gt=0.5, le=1.0)
+    typical_k: int = Field(default=1, ge=1)  # typicality: mean similarity to this many nearest examples
+    #: held-out in-domain queries called atypical (the threshold is this quantile of held-out scores)
+    typical_quantile: float = Field(default=0.2, ge=0.0, lt=1.0)
+    #: Domains whose queries form one mode per language ("chat" -> "chat/fr"); "*" for all.
+    lang_split_domains: tuple[str, ...] = ("chat",)
+    base_lang: str = "en"  # queries in this language keep the bare domain name
+    # discovered domains
+    cluster_threshold: float = Field(default=0.6, gt=0.0, lt=2.0)  # cosine distance to join a cluster
+    min_cluster_size: int = Field(default=5, ge=1)
+    noise_ttl: int = Field(default=200, ge=1)  # records a cluster has to reach min_cluster_size
+    max_clusters: int = Field(default=256, ge=1)
+    # draft lifecycle
+    spawn_min_records: int = Field(default=20, ge=1)  # a cluster this busy ...
+    spawn_window: int = Field(default=200, ge=1)  # ... within this many records ...
+    spawn_alpha: float = Field(default=0.5, ge=0.0, le=1.0)  # ... at acceptance below this gets a draft
+    spawn_min_tokens: int = Field(default=64, ge=1)  # proposed tokens needed to judge acceptance
+    idle_retire_records: int = Field(default=2000, ge=1)  # a cluster unseen this long is retired
+    idle_retire_s: float | None = Field(default=None, gt=0.0)  # ... or unseen this many seconds
+    max_drafts: int = Field(default=8, ge=1)  # drafts in memory, the general draft included
+    #: a named domain (a language variant too: "chat/es") gets a draft of its own, ``d-<domain>``
+    #: ("d-chat-es"), the first time the classifier names it (a spawn event; the least used draft
+    #: makes room at ``max_drafts``), which then trains on that domain's traffic alone; False: named
+    #: domains share the general draft and only busy clusters get drafts
+    named_drafts: bool = True
+    # choice of draft
+    explore_rate: float = Field(default=0.05, ge=0.0, le=1.0)  # uniform pick on top of Thompson sampling
+    prior: tuple[float, float] = (1.0, 1.0)  # Beta prior of a draft's acceptance (accepted, rejected)
+    decay: float = Field(default=0.995, gt=0.0, le=1.0)  # forgetting per observation (drifting drafts)
+    seed: int = 0
+
+    @field_validator("prior")
+    @classmethod
+    def _positive_prior(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if min(v) <= 0:
+            raise ValueError("prior pseudo-counts must be > 0")
+        return v
