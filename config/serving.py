@@ -57,6 +57,10 @@ class LoopConfig(_Strict):
     #: (a system prompt, a conversation re-sent), in whole blocks plus the matching head of one
     #: more; cached blocks no request holds are reused for new requests least recently used first
     prefix_cache: bool = True
+    #: bytes of cached prefixes that no running request holds, kept at most (least recently used
+    #: leave first): without a bound they fill the whole budget's pages in time, however little
+    #: runs. None: bounded by the budget alone
+    prefix_cache_bytes: int | None = Field(default=512 << 20, ge=0)
 
 
 class DraftPoolConfig(_Strict):

@@ -147,6 +147,8 @@ class DraftPool:
                                  compile=cfg.engine.model.compile)
             self.kv_bytes_per_token = per_token
             runner.prefix_caching = cfg.loop.prefix_cache
+            if cfg.loop.prefix_cache_bytes is not None:
+                runner.limit_prefix_cache(cfg.loop.prefix_cache_bytes // per_token)
             runner.drop_float_weights()  # the target never takes new weights: a packed copy is all it needs
             self.loop = EngineLoop(runner, cfg.loop, budget, k_max, on_step=self._count_forward)
             self.loop.start(name=f"engine-loop-{id(self):x}",

@@ -46,6 +46,10 @@ RAY_ENV = {
     # Ray starts its workers at nice 15; here the replicas are the service, and a client or another
     # server on the same cores would otherwise take them first
     "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0"),
+    # glibc gives each thread that allocates an arena of its own (64 MiB reserved, pages kept once
+    # touched); a replica's many threads (Ray's, the learner's, OpenMP's) then hold freed memory in
+    # a dozen of them. Two arenas: the same allocations, fewer pages kept (docs/faults.md)
+    "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2"),
 }
 
 

@@ -222,13 +222,17 @@ class FastRunner(PooledCaches, ModelRunner):
     def drop_float_weights(self) -> int:
         """Free the float projections the packed copy was made from; returns the bytes let go
         (424 MB for SmolLM2-135M's target). For a runner that will never take new weights (a
-        target): :meth:`load_state_dict` refuses afterwards. Embeddings, norms and the head stay."""
+        target): :meth:`load_state_dict` refuses afterwards. Embeddings, norms and the head stay,
+        copied into memory of their own: a loader's file mapping lives as long as any tensor on it
+        does, with every page of it that was read (the whole file, once the projections were packed)."""
         freed = 0
         for layer in self.model.model.layers:
             for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
                         layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
                 freed += lin.weight.numel() * lin.weight.element_size()
                 lin.weight = nn.Parameter(lin.weight.new_empty(0), requires_grad=False)
+        for t in [*self.model.parameters(), *self.model.buffers()]:
+            t.data = t.data.clone()
         self.float_dropped = True
         return freed
 

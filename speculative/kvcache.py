@@ -16,8 +16,13 @@ tenant). A new request's prompt takes the longest run of indexed blocks it match
 matching head of one more block, so its prefill starts after what is already cached (a shared
 system prompt, a conversation's history re-sent). Indexed blocks are never written: a sequence that
 steps back into one copies it first. Released blocks that are indexed stay cached, least recently
-used first out, until the pool needs them. Different salts never share a block, so one tenant's
-prompts cannot be timed by another's.
+used first out, until the pool needs them or their number passes ``max_idle_blocks``. Different
+salts never share a block, so one tenant's prompts cannot be timed by another's.
+
+Memory: the free list hands out the block freed last, so pages already written are reused before
+new ones become resident. Without ``max_idle_blocks`` the idle cache alone grows until every page
+of the pool is resident (the whole budget, however few tokens run); with it, resident memory stays
+near the most the running sequences held at once plus that many idle blocks.
 
 Exactness: keys and values are rounded to 16 bits when written and read back by every later step
 the same way, so a row's attention inputs do not depend on whether its context was prefilled,
@@ -71,6 +76,8 @@ class BlockPool:
         self._meta: dict[int, tuple[bytes, bytes, tuple[int, ...], bytes]] = {}
         self._children: dict[bytes, list[int]] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()
+        #: idle cached blocks kept at most (least recently used leave the index first); None: all
+        self.max_idle_blocks: int | None = None
         #: prompt positions looked up in the index, and found there
         self.prefix_stats = {"looked_up": 0, "hit": 0}
 
@@ -123,6 +130,11 @@ class BlockPool:
                 self._idle[b] = None
             else:
                 self._free.append(b)
+        if self.max_idle_blocks is not None:
+            while len(self._idle) > self.max_idle_blocks:
+                block, _ = self._idle.popitem(last=False)
+                self._unindex(block)
+                self._free.append(block)
 
     # -- the prefix index ---------------------------------------------------------------------
     @staticmethod
@@ -321,6 +333,10 @@ class PooledCaches:
         if self.prefix_caching:
             cache.write(c.start, list(c.tokens))
         return cache
+
+    def limit_prefix_cache(self, tokens: int | None) -> None:
+        """Keep at most ``tokens`` positions of idle cached prefixes (whole blocks; None: no bound)."""
+        self.pool.max_idle_blocks = None if tokens is None else tokens // self.pool.block_tokens
 
     def forget_prefixes(self, salt: str | None) -> int:
         """Cached prompt prefixes of ``salt`` leave the index (a tenant's records deleted)."""

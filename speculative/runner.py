@@ -145,6 +145,9 @@ class ModelRunner:
         :class:`speculative.kvcache.PooledCaches`); none here."""
         return 0
 
+    def limit_prefix_cache(self, tokens: int | None) -> None:
+        """Bound the cached prefixes no sequence holds (a runtime with prefix caching); none here."""
+
     def release(self, seq_id: str) -> None:
         self._caches.pop(seq_id, None)
 

@@ -354,6 +354,31 @@ def test_a_target_that_drops_its_float_weights_computes_the_same_and_takes_no_ne
         runner.load_state_dict(whole)
 
 
+def test_dropping_the_float_weights_lets_go_of_the_loaders_file_mapping(tmp_path):
+    """A model loaded from safetensors lives on a mapping of the file, every read page of which is
+    resident while any tensor is on it: after the drop no tensor is, so the mapping is gone."""
+    import gc
+
+    from transformers import AutoModelForCausalLM
+
+    _model().save_pretrained(tmp_path)
+    weights = str(tmp_path / "model.safetensors")
+
+    def mapped() -> bool:
+        return weights in open("/proc/self/maps").read()
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    runner = FastRunner(model, bits=4)
+    gc.collect()
+    assert mapped()  # the loader's mapping, held by the float weights
+    ids = list(range(2, 22))
+    before = runner.forward("a", 0, ids, 20)
+    runner.drop_float_weights()
+    gc.collect()
+    assert not mapped()
+    assert torch.equal(runner.forward("b", 0, ids, 20), before)  # embeddings and norms kept, copied
+
+
 def test_small_calls_attend_in_groups_bounded_in_key_positions_with_the_same_rows(monkeypatch):
     """Torch attention: decode steps of sequences with long contexts attend in groups of at most ATTEND_POSITIONS
     key positions (the float64 keys and values gathered stay bounded, not sequences x context):

@@ -127,6 +127,40 @@ def test_cached_blocks_no_one_holds_are_taken_back_least_recently_used_first():
         pass
 
 
+def test_idle_cached_blocks_past_the_bound_leave_least_recently_used_first_and_their_pages_are_reused():
+    """With ``max_idle_blocks`` the idle cache keeps the newest blocks only; a freed block goes back
+    on top of the free list, so the next sequence takes written pages, never one not yet resident."""
+    pool = BlockPool(1, 1, 4, max_tokens=8 * B, block_tokens=B)
+    pool.max_idle_blocks = 1
+    written = set()
+    for i in range(6):  # six sequences in turn, each leaving one settled (indexed) block
+        s = SeqCache(pool)
+        s.reserve(B + 1)
+        s.write(0, _ids(B + 1, seed=i))
+        s.write(B + 1, [5])
+        written.update(s.blocks)
+        s.free()
+        assert pool.cached_blocks == 1 and pool.free_blocks == 8  # the bound holds after every release
+    assert SeqCache(pool).attach(_ids(B + 1, seed=5)) == B  # the newest prefix stayed
+    assert all(SeqCache(pool).attach(_ids(B + 1, seed=i)) == 0 for i in range(5))
+    assert len(written) == 3  # pages ever written: the 2 a sequence holds + the 1 idle, of 8
+    pool.max_idle_blocks = None
+    s = SeqCache(pool)
+    s.reserve(B + 1)
+    s.write(0, _ids(B + 1, seed=6))
+    s.write(B + 1, [5])
+    s.free()
+    assert pool.cached_blocks == 2  # unbounded: the idle cache grows again
+
+
+def test_a_runners_prefix_cache_bound_is_in_tokens():
+    r = _runner(tiny_llama(), kv_tokens=1024)
+    r.limit_prefix_cache(5 * B + 3)
+    assert r.pool.max_idle_blocks == 5
+    r.limit_prefix_cache(None)
+    assert r.pool.max_idle_blocks is None
+
+
 def test_a_batch_of_requests_sharing_a_prefix_is_exact_and_the_pool_returns_to_empty():
     model = tiny_llama(2, seed=0)
     cached, fresh = _runner(model), _runner(model, caching=False)
