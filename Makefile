@@ -44,6 +44,7 @@ run: $(STAMP)
 # (tests/conftest.py: pytest_xdist_make_scheduler).
 test: $(STAMP) system-tools
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --durations=25 tests
 
 # Mutation testing of the files in tools/mutate.py's TARGETS: the sampling path, engine, proposers, k

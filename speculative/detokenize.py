@@ -19,6 +19,12 @@ from transformers import PreTrainedTokenizerBase
 REPLACEMENT = "\ufffd"
 
 
+def _text(decoded: str | list[str]) -> str:
+    """A tokenizer's decode of one sequence (typed as ``str | list[str]``: a batch decodes to a list)."""
+    assert isinstance(decoded, str)
+    return decoded
+
+
 def cut_at_stop(text: str, stop: list[str] | tuple[str, ...]) -> str:
     """Text before the earliest occurrence of any stop string (the stop string is not returned)."""
     cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
@@ -27,7 +33,7 @@ def cut_at_stop(text: str, stop: list[str] | tuple[str, ...]) -> str:
 
 def final_text(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], stop: list[str] | tuple[str, ...] = ()) -> str:
     """The text of a finished output: its decode (special tokens skipped), cut at the first stop string."""
-    return cut_at_stop(tokenizer.decode(token_ids, skip_special_tokens=True), stop)
+    return cut_at_stop(_text(tokenizer.decode(token_ids, skip_special_tokens=True)), stop)
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -90,7 +96,7 @@ class Detokenizer:
         return self._parts[0] if self._parts else ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return _text(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def update(self, ids: list[int]) -> str:
         """New final text of the output ``ids`` (the whole output so far)."""
@@ -174,7 +180,7 @@ class StopScanner:
         self.seen = 0  # output tokens checked
 
     def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return _text(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def hit(self, tokens: list[int], start: int = 0) -> bool:
         """Whether the output ``tokens[start:]`` (the whole output so far) holds a stop string."""

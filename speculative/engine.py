@@ -339,10 +339,12 @@ class SpeculativeEngine:
         if params.greedy:
             n, next_token = greedy_accept(draft, rows.argmax)
         elif params.seed is not None:  # seeded: the target's race winners, noise fixed by (seed, position)
+            assert rows.logits is not None, "a sampled request's verify call asks for full rows"
             p = warp_logits(rows.logits, params)  # [k+1, V] target
             winners = race_sample(p, race_noise(params.seed, range(start, start + k + 1), p.shape[-1]))  # [k+1]
             n, next_token = greedy_accept(draft, winners)
         else:
+            assert rows.logits is not None, "a sampled request's verify call asks for full rows"
             p = warp_logits(rows.logits, params)  # [k+1, V] target
             q = prop.probs if prop.probs is not None else torch.nn.functional.one_hot(draft, p.shape[-1]).float()
             n, next_token = rejection_accept(draft, q, p, st.generator)  # q: [k, V] draft
@@ -523,8 +525,11 @@ class SpeculativeEngine:
         """New draft weights: every scope where the learned draft is within reach of paying (its
         optimistic acceptance beats the break-even at today's costs) probes it after half its
         current gap; elsewhere the gap stands, since a probe there buys no information worth its cost."""
+        draft = self.learned_draft
+        if draft is None:
+            return
         for pol in (self.global_policy, *self.scope_policy.values()):
-            pol.probes.sooner([s for s in self.learned_draft.sources if pol.within_reach(s)])
+            pol.probes.sooner([s for s in draft.sources if pol.within_reach(s)])
 
     def stage_draft(self, state: dict, version: int) -> None:
         """Thread-safe hand-over of new draft weights: the next :meth:`step` installs them before
@@ -545,8 +550,9 @@ class SpeculativeEngine:
     def _install_staged(self) -> None:
         with self._staged_lock:
             staged, self._staged = self._staged, None
-        if staged is not None and staged[1] > self.learned_draft.version:
-            self.learned_draft.load_state_dict(*staged)
+        draft = self.learned_draft
+        if staged is not None and draft is not None and staged[1] > draft.version:
+            draft.load_state_dict(*staged)
             self._probe_sooner()
 
 

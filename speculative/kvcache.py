@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from typing import Callable
 
 import torch
 
@@ -322,6 +323,10 @@ class PooledCaches:
 
     #: reuse cached prompt prefixes across sequences (:meth:`attach_prefix`); a server turns it on
     prefix_caching = False
+    # what the runner provides
+    pool: BlockPool
+    _caches: dict[str, SeqCache]
+    _cached: Callable[[str, int, list[int]], tuple[SeqCache | None, int]]
 
     def _open(self, c) -> SeqCache:
         """The call's cache, cropped back to ``c.start`` (a new one at 0) with room for its tokens."""

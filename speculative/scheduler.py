@@ -399,7 +399,7 @@ class EngineLoop:
         seq.sink(Failed(error))
 
     def _finish(self, seq: Sequence) -> None:
-        st = seq.engine.requests.get(seq.request_id)
+        st = seq.engine.requests[seq.request_id]  # released below: the state goes to the sink
         self._release(seq)
         seq.sink(Finished(st))
 

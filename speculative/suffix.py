@@ -17,6 +17,7 @@ on requests and tokens with oldest-first eviction, and the proposer interface.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,7 +70,7 @@ class _Scope:
         self.sizes[seq_id] = 0
         self._bound()
 
-    def add(self, seq_id: str, tokens: list[int]) -> None:
+    def add(self, seq_id: str, tokens: Sequence[int] | np.ndarray) -> None:
         self.cache.add_active_response(seq_id, tokens)
         if seq_id in self.sizes:  # (evicted while active: the request's own tree still learns)
             self.sizes[seq_id] += len(tokens)
