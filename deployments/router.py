@@ -37,7 +37,10 @@ class RouterServer:
         elif cfg.examples and cfg.mode != "clusters":  # named domains from labelled examples
             fit_examples(self.router, cfg.examples)
         self.saved_at = self.router.t
-        self.router.extractor.embed(["warm up"])  # load MiniLM now, not on the first request
+        # load the embedder and language id now, at the longest input the embedder takes (its
+        # first input of a new length costs a second or two), not on the first requests; features
+        # only: the routing state (clusters, counts) is not touched
+        self.router.extractor.extract(["warm up " * cfg.max_tokens])
         self.route = serve.batch(max_batch_size=max_batch, batch_wait_timeout_s=batch_wait_s)(self._route_batch)
 
     def save(self) -> bool:
