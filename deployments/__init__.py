@@ -1,1 +1,1 @@
-"""Ray Serve deployments and the app builder (a later issue): each wraps the Ray-free core."""
+"""Ray Serve deployments and the app builder (`deployments.app`): each wraps the Ray-free core in transport."""
