@@ -18,12 +18,13 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def measure(config: str | None = None, drafts: int = 6, adapter_rank: int | None = None) -> dict:
+def served_draft(config: str | None = None):
+    """(the config, the runner of its learned draft as the learner replica builds it: cut from the
+    target, which is let go), on one torch thread as the learner trains."""
     import torch
 
     from deployments.launch import DEFAULT_CONFIG, read_config
     from drafts.build import build_proposer
-    from learner.trainer import DraftTrainer
     from speculative.models import load_tokenizer, load_weights
     from speculative.proposers import learned_draft
 
@@ -33,6 +34,15 @@ def measure(config: str | None = None, drafts: int = 6, adapter_rank: int | None
     runner = learned_draft(build_proposer(cfg.engine.draft, target, load_tokenizer(cfg.engine.model.name))).runner
     del target
     gc.collect()
+    return cfg, runner
+
+
+def measure(config: str | None = None, drafts: int = 6, adapter_rank: int | None = None) -> dict:
+    import torch
+
+    from learner.trainer import DraftTrainer
+
+    cfg, runner = served_draft(config)
     tcfg = cfg.learner.trainer
     if adapter_rank is not None:
         tcfg = tcfg.model_copy(update={"adapter_rank": adapter_rank})

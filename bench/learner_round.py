@@ -51,19 +51,10 @@ def make_records(workload: str, n: int, max_tokens: int, config: str | None) -> 
 def one_round(records_path: str, micro: int, config: str | None) -> dict:
     import time
 
-    import torch
-
-    from deployments.launch import DEFAULT_CONFIG, read_config
-    from drafts.build import build_proposer
+    from bench.learner_memory import served_draft
     from learner.trainer import DraftTrainer
-    from speculative.models import load_tokenizer, load_weights
-    from speculative.proposers import learned_draft
 
-    torch.set_num_threads(1)
-    _, cfg, _ = read_config(config or DEFAULT_CONFIG)
-    target = load_weights(cfg.engine.model)
-    runner = learned_draft(build_proposer(cfg.engine.draft, target, load_tokenizer(cfg.engine.model.name))).runner
-    del target
+    cfg, runner = served_draft(config)
     records = pickle.loads(Path(records_path).read_bytes())
     tcfg = cfg.learner.trainer.model_copy(update={"micro_batch_records": micro or None, "checkpoint_dir": None})
     trainer = DraftTrainer("general", runner.model, tcfg, keep_ids=runner.vocab_map)

@@ -284,16 +284,14 @@ class DraftTrainer:
     @torch.no_grad()
     def _eval_loss(self, samples, mask, pause: Callable[[], None] | None = None) -> float:
         """The loss over all rows of ``mask``, in the training step's pieces (``pause`` before each)."""
-        was, total = self.model.training, int(mask.sum())
+        was = self.model.training
         self.model.eval()
         try:
             loss = 0.0
-            for part, part_mask in self._pieces(samples, mask):
-                rows = int(part_mask.sum())
-                if rows:
-                    if pause is not None:
-                        pause()
-                    loss += float(self._loss(part, part_mask)) * (rows / total)
+            for part, part_mask, share in self._pieces(samples, mask):
+                if pause is not None:
+                    pause()
+                loss += float(self._loss(part, part_mask)) * share
             return loss
         finally:
             self.model.train(was)
@@ -315,14 +313,19 @@ class DraftTrainer:
         self.opt.load_state_dict(copy.deepcopy(opt_state))
 
     def _pieces(self, samples: Sequence[Sample], mask: torch.Tensor):
-        """(samples, row mask) in pieces of ``micro_batch_records`` samples (one piece without it)."""
-        n = self.cfg.micro_batch_records or len(samples)
+        """(samples, row mask, share of the rows) in pieces of ``micro_batch_records`` samples (one
+        piece without it); pieces without a row of ``mask`` are left out. The mean over all rows is
+        the sum of the pieces' means weighted by their shares."""
+        n, total = self.cfg.micro_batch_records or len(samples), int(mask.sum())
         offsets = [0]
         for smp in samples:
             offsets.append(offsets[-1] + smp.n_out)
         for i in range(0, len(samples), n):
             j = min(i + n, len(samples))
-            yield samples[i:j], mask[offsets[i]:offsets[j]]
+            part_mask = mask[offsets[i]:offsets[j]]
+            rows = int(part_mask.sum())
+            if rows:
+                yield samples[i:j], part_mask, rows / total
 
     def train_round(
         self,
@@ -370,18 +373,14 @@ class DraftTrainer:
                 ts = time.perf_counter()
                 self.opt.zero_grad(set_to_none=True)
                 step_samples, step_mask = (samples, mask) if i == 0 or next_batch is None else records_to_batch(next_batch(), cfg.positions, self.prompt_head)
-                total = int(step_mask.sum())
-                if total == 0:
+                if not bool(step_mask.any()):
                     continue
-                for part, part_mask in self._pieces(step_samples, step_mask):  # mean over all rows = sum of weighted piece means
-                    rows = int(part_mask.sum())
-                    if rows == 0:
-                        continue
+                for part, part_mask, share in self._pieces(step_samples, step_mask):
                     if pause is not None:
                         t_wait = time.perf_counter()
                         pause()
                         ts += time.perf_counter() - t_wait  # waiting is not training time
-                    (self._loss(part, part_mask) * (rows / total)).backward()
+                    (self._loss(part, part_mask) * share).backward()
                 if cfg.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
                 self.opt.step()

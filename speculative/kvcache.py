@@ -113,9 +113,7 @@ class BlockPool:
             raise KVCacheFull(f"the KV cache pool has {self.free_blocks} free blocks of {self.block_tokens} tokens, "
                               f"{n} more are needed (capacity {self.capacity_tokens} tokens)")
         while len(self._free) < n:
-            block, _ = self._idle.popitem(last=False)
-            self._unindex(block)
-            self._free.append(block)
+            self._evict_idle()
         out = [self._free.pop() for _ in range(n)]
         for b in out:
             self._refs[b] = 1
@@ -133,9 +131,13 @@ class BlockPool:
                 self._free.append(b)
         if self.max_idle_blocks is not None:
             while len(self._idle) > self.max_idle_blocks:
-                block, _ = self._idle.popitem(last=False)
-                self._unindex(block)
-                self._free.append(block)
+                self._evict_idle()
+
+    def _evict_idle(self) -> None:
+        """The least recently used idle cached block leaves the index for the free list."""
+        block, _ = self._idle.popitem(last=False)
+        self._unindex(block)
+        self._free.append(block)
 
     # -- the prefix index ---------------------------------------------------------------------
     @staticmethod
