@@ -474,7 +474,7 @@ def run_mixture(
     language variant takes its domain's: chat/es -> chat's): such a domain's draft is built by
     ``engine_factory(start)`` instead of forked from the general draft; a draft forked from it
     (a cluster's) keeps its head."""
-    from router import Router
+    from router.router import Router
     from router.features import FeatureExtractor
 
     for m in methods:

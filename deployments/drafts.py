@@ -548,12 +548,24 @@ class DraftPoolDeployment(DraftPool, NodeInfo):
         self._load = serve.multiplexed(max_num_models_per_replica=cfg.drafts.drafts_per_replica)(load)
         if learner_handle is not None:  # a learner sharing the machine keeps its rounds for the gaps in traffic
             self._touch_task = asyncio.get_running_loop().create_task(self._touch_while_running())
+        # the general draft loads now, not on the first request (which would wait 0.6 s for it)
+        self._preload_task = asyncio.get_running_loop().create_task(self._preload_general())
         if cfg.drafts.share_outputs_s > 0:
             ctx = serve.get_replica_context()
             self.name = ctx.replica_tag
             self.peers = serve.get_deployment_handle(ctx.deployment, ctx.app_name)
             # Serve runs the constructor on the replica's event loop: the task lives there
             self._share_task = asyncio.get_running_loop().create_task(self._share_every())
+
+    async def _preload_general(self, learner_wait_s: float = 120.0) -> None:
+        """Load the general draft after the learner is up (a replica starting with the others would
+        otherwise ask it before it answers, and serve the starting weights until its next publish)."""
+        try:
+            if self.learner is not None:
+                await asyncio.wait_for(self.learner.latest.remote(GENERAL), learner_wait_s)
+            await self.preload(GENERAL)
+        except Exception as e:  # noqa: BLE001 - the first request loads it instead
+            log.warning("the general draft did not load at start (%s: %s); the first request loads it", type(e).__name__, e)
 
     async def _touch_while_running(self) -> None:
         """Every second while requests run here: tell the learner that traffic flows (fire and forget)."""

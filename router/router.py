@@ -49,6 +49,7 @@ from config import RouterConfig
 from router.bandit import AcceptanceBandit
 from router.domains import BACKGROUND, DomainClassifier, OnlineClusters
 from router.features import UND, FeatureExtractor, QueryFeatures, clean_text
+from router.route import Route
 
 GENERAL = "general"  # the draft every query can fall back to; never retired
 #: RouterConfig fields that change how fast the router runs, not where it routes: a save made
@@ -88,25 +89,6 @@ def fork_parent(draft_id: str, domains) -> str | None:
     if base == GENERAL or start_domain(draft_id, domains) is not None:
         return None
     return GENERAL + at + tenant
-
-
-@dataclass(frozen=True)
-class Route:
-    """Where one query goes and why; recorded with the request for metrics and dashboards."""
-
-    domain: str  # routing domain: "code", "chat/fr" (classifier), "c3/fr" (cluster) or "unknown"
-    lang: str  # ISO 639-1 code or "und"
-    draft_id: str
-    confidence: float  # classifier probability, or cosine similarity to the cluster (0: new cluster)
-    reason: str  # "classifier" | "classifier: n-grams" | "cluster" | "bandit-explore" | "fallback: ..."
-    topic: str | None = None  # the classifier's label, when it ran (even if unsure)
-    cluster: int | None = None
-    lang_conf: float = 0.0
-    latency_ms: float = 0.0
-    typicality: float | None = None  # similarity to the topic's nearest training example(s)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass(frozen=True)

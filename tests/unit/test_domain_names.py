@@ -11,7 +11,7 @@ from collections import Counter, defaultdict
 import numpy as np
 
 from config import MetricsConfig, RouterConfig
-from router import Router
+from router.router import Router
 from router.domains import Cluster, name_clusters
 from telemetry import Meter
 from telemetry.hub import Hub

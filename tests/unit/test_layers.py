@@ -93,3 +93,20 @@ def test_no_import_circle_between_modules():
         if v not in index:
             visit(v)
     assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_what_the_ingress_receives_from_the_router_unpickles_without_the_router():
+    """The ingress unpickles each ``Route`` the router answers: that must import the light
+    ``router.route`` only, not ``router.router`` with scikit-learn and SciPy behind it (a second of
+    imports on the first request, and their memory in the ingress for good)."""
+    import pickle
+    import subprocess
+    import sys
+
+    from router.router import Route
+
+    blob = pickle.dumps(Route("c3/en", "en", "general", 0.8, "cluster"))
+    probe = ("import pickle, sys; r = pickle.loads(sys.stdin.buffer.read()); "
+             "print(r.draft_id, sorted(m for m in ('router.router', 'sklearn', 'scipy', 'numpy', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], input=blob, capture_output=True, cwd=ROOT, check=True)
+    assert out.stdout.decode().split() == ["general", "[]"], out

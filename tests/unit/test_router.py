@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from config import RouterConfig
-from router import EMBED_DIM, GENERAL, UNKNOWN, FeatureExtractor, Router
+from router.features import EMBED_DIM, FeatureExtractor
+from router.router import GENERAL, UNKNOWN, Router
 from router.features import clean_text
 from router.router import named_draft_id
 

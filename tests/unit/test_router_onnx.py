@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from config import RouterConfig
-from router import EMBED_DIM, FeatureExtractor
+from router.features import EMBED_DIM, FeatureExtractor
 from router import features
 from router.features import ONNX_FILE, ONNX_INT8_FILE, onnx_dir, onnx_stats
 

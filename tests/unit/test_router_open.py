@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from config import RouterConfig
-from router import GENERAL, Router
+from router.router import GENERAL, Router
 from router.cli import _outcome, open_set_report
 from router.domains import BACKGROUND, DomainClassifier
 from workloads import WorkloadRecord, load_workload

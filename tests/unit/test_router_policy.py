@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 
 from config import RouterConfig, ValidationError
-from router import GENERAL, UNKNOWN, AcceptanceBandit, OnlineClusters, QueryFeatures, Router
+from router.bandit import AcceptanceBandit
+from router.domains import OnlineClusters
+from router.features import QueryFeatures
+from router.router import GENERAL, UNKNOWN, Router
 from router.domains import BACKGROUND, Cluster
 
 D = 384
