@@ -248,18 +248,23 @@ def save_adapter(draft: PreTrainedModel, path: str | Path, base: dict, meta: dic
     return (Path(path) / ADAPTER_WEIGHTS).stat().st_size
 
 
-def load_adapter(draft: PreTrainedModel, name: str, base: dict) -> dict:
-    """Put the adapters saved at ``name`` (a folder, or ``"shipped"``) on ``draft``, in place, after
-    checking they were trained on the same ``base``; returns their meta."""
-    path = adapter_folder(name)
+def read_adapter(name: str | Path, base: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """The adapters saved at ``name`` (a folder, or ``"shipped"``) in float32, and their meta, after
+    checking they were trained on the same ``base``."""
+    path = adapter_folder(str(name))
     if not (path / ADAPTER_META).is_file():
         raise ModelLoadError(f"not a saved adapter (no {ADAPTER_META}): {path}")
     info = json.loads((path / ADAPTER_META).read_text())
     if info["base"] != base:
         raise ModelLoadError(f"adapter {name} was trained on the draft {info['base']}, this draft is {base}")
-    state = {k: v.float() for k, v in load_file(str(path / ADAPTER_WEIGHTS)).items()}
+    return {k: v.float() for k, v in load_file(str(path / ADAPTER_WEIGHTS)).items()}, info["meta"]
+
+
+def load_adapter(draft: PreTrainedModel, name: str, base: dict) -> dict:
+    """Put the adapters saved at ``name`` on ``draft``, in place (:func:`read_adapter`); returns their meta."""
+    state, meta = read_adapter(name, base)
     load_state(draft, state)
-    return info["meta"]
+    return meta
 
 
 def adapter_base(cfg: DraftConfig, target: PreTrainedModel) -> dict:

@@ -43,8 +43,9 @@ from urllib.parse import quote
 import numpy as np
 import torch
 
-from drafts.build import load_draft, save_draft
-from speculative.adapters import adapter_parameters, adapter_state, add_adapters, has_adapters, load_state, share_base
+from drafts.build import ADAPTER_META, load_draft, read_adapter, save_adapter, save_draft
+from speculative.adapters import (adapter_parameters, adapter_state, add_adapters, base_fingerprint, has_adapters,
+                                 load_state, share_base)
 from config.learner import LearnerConfig
 from learner.live import LiveWatch, Verdict
 from learner.losses import SparseDist, get_loss
@@ -172,7 +173,7 @@ def _all_finite(model: torch.nn.Module) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(text)
@@ -233,6 +234,7 @@ class DraftTrainer:
         self.rejected = 0
         self.history: list[RoundReport] = []
         self.skipped: list[int] = []  # checkpoint versions that did not load (moved aside)
+        self._base_id: dict | None = None
         if self.ckpt_root is not None:
             if self.load_latest() is None:
                 if self.skipped:  # none loaded: the initial weights, above every version a replica may hold
@@ -500,8 +502,12 @@ class DraftTrainer:
         if root is None:
             return
         root.mkdir(parents=True, exist_ok=True)
-        save_draft(self.model, root / f"v{version}", self.keep_ids, {"draft_id": self.draft_id, "version": version, **(meta or {})})
-        _write_atomic(root / LATEST, f"v{version}\n")
+        meta = {"draft_id": self.draft_id, "version": version, **(meta or {})}
+        if has_adapters(self.model):  # the base never changes: a version is its adapters (MBs, not the draft's 100+)
+            save_adapter(self.model, root / f"v{version}", self._base(), meta, dtype=torch.float32)
+        else:
+            save_draft(self.model, root / f"v{version}", self.keep_ids, meta)
+        write_atomic(root / LATEST, f"v{version}\n")
         for old in self.versions()[: -self.cfg.keep_versions]:
             if old != version:
                 shutil.rmtree(root / f"v{old}", ignore_errors=True)
@@ -515,6 +521,17 @@ class DraftTrainer:
         path = root / f"v{version}"
         if not path.is_dir():
             raise FileNotFoundError(f"draft {self.draft_id!r}: no checkpoint v{version} in {root}")
+        if (path / ADAPTER_META).is_file():  # adapters alone, saved on this same base
+            if not has_adapters(self.model):
+                raise ValueError("a checkpoint of adapters, but this draft learns whole")
+            state, _meta = read_adapter(path, self._base())
+            if set(state) != set(adapter_state(self.model)):
+                raise ValueError("not a version of this adapter draft (its adapters differ)")
+            if not all(bool(torch.isfinite(v).all()) for v in state.values()):
+                raise ValueError("non-finite weights")
+            self.model.load_state_dict(state, strict=False)
+            self.opt = self._new_optimizer()
+            return
         model, keep, _meta = load_draft(path)
         if not _all_finite(model):
             raise ValueError("non-finite weights")
@@ -530,6 +547,13 @@ class DraftTrainer:
             self.model.load_state_dict(model.state_dict(), strict=True)
         self.keep_ids = keep
         self.opt = self._new_optimizer()  # the optimiser state belongs to other weights
+
+    def _base(self) -> dict:
+        """What this draft's adapter checkpoints sit on (checked when one is loaded): the base's
+        fingerprint (:func:`speculative.adapters.base_fingerprint`), computed once (it never changes)."""
+        if self._base_id is None:
+            self._base_id = {"fingerprint": base_fingerprint(self.model)}
+        return self._base_id
 
     def load_latest(self) -> int | None:
         """Load the newest checkpoint that reads back whole (weights, keep_ids, version); None if
@@ -564,7 +588,7 @@ class DraftTrainer:
                 self._checkpoint(self.version, {"recovered_from": v, "skipped": self.skipped})
                 log.warning("draft %r: serving the weights of v%d again, as v%d", self.draft_id, v, self.version)
             elif self.latest_version() != v:
-                _write_atomic(root / LATEST, f"v{v}\n")
+                write_atomic(root / LATEST, f"v{v}\n")
             log.info("draft %r: loaded checkpoint v%d", self.draft_id, v)
             return self.version
         return None

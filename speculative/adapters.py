@@ -146,6 +146,23 @@ def load_whole(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
                     m.lora_B.zero_()
 
 
+def base_fingerprint(model: nn.Module, samples: int = 4096) -> str:
+    """A short id of ``model``'s base (every tensor but the adapters): names, shapes, dtypes and an
+    evenly strided sample of each tensor's values, hashed. Two bases of the same shapes but other
+    values (a truncated target against a distilled draft) differ; adapters saved on one are not
+    loaded on the other. Milliseconds, not a pass over every weight."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        if is_adapter_key(name):
+            continue
+        flat = t.detach().reshape(-1)
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(flat[:: max(1, flat.numel() // samples)].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def base_memo(model: nn.Module) -> dict[int, torch.Tensor]:
     """``copy.deepcopy``'s memo that makes a copy of anything holding ``model`` share its base
     tensors (every one but the adapters') instead of copying them."""

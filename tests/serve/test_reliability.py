@@ -401,7 +401,8 @@ def test_the_learner_killed_mid_round_loses_no_record_and_no_version(server, ref
     probe = root / "checkpoints" / "ckpt-probe"
     shutil.copytree(general / f"v{good}", probe / "v1")
     shutil.copytree(general / f"v{good}", probe / "v2")
-    (probe / "v2" / "weights.safetensors").write_bytes((probe / "v2" / "weights.safetensors").read_bytes()[:1000])
+    weights = next((probe / "v2").glob("*.safetensors"))  # a whole draft's weights, or an adapter draft's adapters
+    weights.write_bytes(weights.read_bytes()[:1000])
     (probe / "LATEST").write_text("v2\n")
     victim = _kill("Learner")
     t_kill = time.monotonic()

@@ -953,6 +953,37 @@ def test_an_adapter_learner_publishes_only_adapters_and_the_served_draft_follows
     assert again.version == v and _same(again.state(), state)
 
 
+def test_an_adapter_drafts_checkpoints_hold_its_adapters_alone_and_load_only_on_the_same_base(setup, target, tmp_path):
+    """A version of an adapter draft is saved as its adapters (float32, a small share of the whole
+    draft's bytes), reloads exactly after a restart, rolls back from the command line, and is
+    refused (moved aside, the initial weights served above it) on a base of other values."""
+    from learner.ops import main as draft_main, versions
+
+    draft, recs = setup
+    cfg = _cfg(tmp_path, lr=3e-3, batch_records=12, adapter_rank=2)
+    tr = DraftTrainer("d", draft, cfg)
+    v0 = tr.state()
+    assert tr.train_round(recs[:12]).accepted
+    v, state = tr.publish()
+    folder = tmp_path / "d" / f"v{v}"
+    saved = sum(f.stat().st_size for f in folder.iterdir())
+    whole = sum(p.numel() * p.element_size() for p in draft.parameters())
+    assert (folder / "osd_adapter.json").is_file() and not (folder / "osd_draft.json").exists()
+    assert saved < 0.2 * whole, (saved, whole)
+    again = DraftTrainer("d", draft, cfg)  # a restart
+    assert again.version == v and _same(again.state(), state) and not again.skipped
+    assert draft_main(["rollback", "--checkpoint-dir", str(tmp_path), "--draft", "d", "--version", "0"]) == 0
+    assert versions(tmp_path, "d")["d"]["versions"][v + 1]["rolled_back_from"] == 0
+    back = DraftTrainer("d", draft, cfg)
+    assert back.version == v + 1 and _same(back.state(), v0)
+    other = truncated_draft(target, 1)
+    with torch.no_grad():
+        other.model.layers[0].mlp.down_proj.weight.mul_(1.01)  # same shapes, other values
+    elsewhere = DraftTrainer("d", other, cfg)
+    assert elsewhere.skipped == [v + 1, v, 0] and elsewhere.version == v + 2  # none loads: above every skipped one
+    assert _same(elsewhere.state(), DraftTrainer("fresh", other, _cfg(adapter_rank=2)).state())
+
+
 def test_draft_opd_takes_the_rows_the_served_draft_got_wrong_from_the_records(setup):
     """loss draft_opd: the trainer's loss over a batch is forward KL on the rows where the served
     draft was right and reverse KL on those where it was wrong, read from each record's
