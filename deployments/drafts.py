@@ -42,7 +42,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from config import AppConfig
 from drafts.build import build_proposer, domain_proposers
 from learner.replay import LEARNED_SOURCES, RecordBuilder
-from router.router import GENERAL, start_domain
+from config.draft_ids import GENERAL, start_domain
 from speculative import RequestError, SpeculativeEngine, TargetRows, VerifyCall
 from speculative.adapters import base_memo
 from speculative.detokenize import Detokenizer
@@ -151,6 +151,7 @@ class DraftPool:
                 runner.limit_prefix_cache(cfg.loop.prefix_cache_bytes // per_token)
             runner.drop_float_weights()  # the target never takes new weights: a packed copy is all it needs
             self.loop = EngineLoop(runner, cfg.loop, budget, k_max, on_step=self._count_forward)
+            import os, sys; sys.setswitchinterval(float(os.environ.get("OSD_SWITCH", "0.005")))
             self.loop.start(name=f"engine-loop-{id(self):x}",
                             threads=cfg.target.num_threads or cfg.engine.model.num_threads)
 

@@ -46,49 +46,21 @@ from typing import Literal, Sequence
 import numpy as np
 
 from config import RouterConfig
+from config.draft_ids import GENERAL, NAMED, fork_parent, named_draft_id, start_domain  # noqa: F401 - re-exported
 from router.bandit import AcceptanceBandit
 from router.domains import BACKGROUND, DomainClassifier, OnlineClusters
 from router.features import UND, FeatureExtractor, QueryFeatures, clean_text
 from router.route import Route
 
-GENERAL = "general"  # the draft every query can fall back to; never retired
 #: RouterConfig fields that change how fast the router runs, not where it routes: a save made
 #: under other values of these loads (load_state)
 RUNTIME_FIELDS = {"threads", "embed_cache", "batch_size"}
 UNKNOWN = "unknown"  # domain of queries routed by a fallback
-NAMED = "d-"  # prefix of a named domain's own draft: d-sql, d-chat-es (no "/": draft ids go in URLs)
 ON_NGRAMS = "classifier: n-grams"  # reason of a query the n-gram gate routed (not embedded)
 _FORMAT = 5  # 2: the classifier keeps its examples and typicality thresholds; 3: lexical features, background;
 # 4: long texts embedded by their first and last pieces (saved embeddings of older formats differ);
 # 5: the classifier as JSON + npz, not joblib (a pickle: loading one could run code); older saves are not loaded
 log = logging.getLogger(__name__)
-
-
-def named_draft_id(domain: str) -> str:
-    """The draft a named domain gets of its own: "sql" -> "d-sql", "chat/es" -> "d-chat-es"."""
-    return NAMED + domain.replace("/", "-")
-
-
-def start_domain(draft_id: str, domains) -> str | None:
-    """Of ``domains`` (those with a starting draft of their own), the one whose starting draft
-    ``draft_id`` takes: its named domain's, else that domain's parent's (d-chat-es takes chat's
-    when chat/es has none); a tenant's copy (``d-sql@alice``) as its draft's; None for the general
-    draft, a cluster's, or a domain without one."""
-    base = draft_id.split("@", 1)[0]
-    own = [d for d in domains if base == named_draft_id(d) or base.startswith(named_draft_id(d) + "-")]
-    return max(own, key=len) if own else None
-
-
-def fork_parent(draft_id: str, domains) -> str | None:
-    """The draft whose current weights ``draft_id`` starts from when it is first trained and
-    served: the general draft of its tenant scope (``general``, or ``general@alice`` for an
-    isolated tenant's copy, so that no tenant's learning reaches another's drafts); None for a
-    general draft itself and for a draft that starts from its domain's own starting draft
-    (``start_domain``), whose head and token ids may differ from the general draft's."""
-    base, at, tenant = draft_id.partition("@")
-    if base == GENERAL or start_domain(draft_id, domains) is not None:
-        return None
-    return GENERAL + at + tenant
 
 
 @dataclass(frozen=True)

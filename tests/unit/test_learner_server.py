@@ -13,6 +13,7 @@ import torch
 
 from deployments.learner import LearnerServer
 from inprocess import Handle, LocalPool, Loop, app_config, counter, save_tiny_model
+from learner.lifecycle import known_drafts
 from learner.trainer import RoundReport
 from router.router import GENERAL
 
@@ -177,7 +178,7 @@ def test_a_restarted_learner_reloads_its_drafts_and_announces_them(served, folde
         assert {d: t.version for d, t in again.learner.trainers.items()} == {**versions, "quiet": 0}
     finally:
         again.background.stop()
-    assert LearnerServer._known_drafts(tmp_path / "nowhere") == []
+    assert known_drafts(tmp_path / "nowhere") == []
 
 
 def test_rounds_are_counted_by_their_outcome(served):
@@ -293,7 +294,7 @@ def test_a_new_draft_forks_what_its_tenants_general_draft_has_published(served, 
     with server.background.exclusive:  # no round between the two reads
         state, version = server.latest(GENERAL)
         assert version >= 1
-        changed = [n for n, v in state.items() if not np.array_equal(v, server.base.state_dict()[n].numpy())]
+        changed = [n for n, v in state.items() if not np.array_equal(v, server.book.base.state_dict()[n].numpy())]
         assert changed  # it learned: a fork differs from the configured draft
         runner = loop.run(pool.loaded("c0/en")).learned_draft.runner
     assert loop.run(pool.loaded("c0/en")).draft_version == 1
@@ -311,7 +312,7 @@ def test_a_new_draft_forks_what_its_tenants_general_draft_has_published(served, 
     iso = loop.run(pool.loaded("c0/en@iso"))  # general@iso has published nothing
     assert iso.draft_version == 0 and server.latest("c0/en@iso") is None
     for n, t in iso.learned_draft.runner.model.state_dict().items():
-        assert torch.equal(t, server.base.state_dict()[n]), n
+        assert torch.equal(t, server.book.base.state_dict()[n]), n
     items = loop.run(pool.serve("Hello fork", 6, "c0/en", tenant="alice"))
     assert items[-1].usage["speculative"]["draft_version"] == 1
 
@@ -320,7 +321,7 @@ def test_a_new_draft_forks_what_its_tenants_general_draft_has_published(served, 
     server.background.stop()
     again = LearnerServer(learner_cfg(folder, tmp_path / "learner"), publish=Published())
     try:
-        assert again.learner.trainers["c0/en"].version == 1 and not again.forks
+        assert again.learner.trainers["c0/en"].version == 1 and not again.book.forks
         assert {d: v for d, _, v in again.announce}["c0/en"] == 1
         for n, t in again.learner.trainers["c0/en"].model.state_dict().items():
             assert np.array_equal(t.numpy(), state[n]), n
@@ -367,7 +368,7 @@ def test_idle_drafts_are_parked_on_disk_and_come_back_when_used(folder, tmp_path
             wait_for(lambda: server.latest(d) is not None)
         wait_for(lambda: "a" not in server.learner.trainers)  # a, b and general: a was used least recently
         assert sorted(server.learner.trainers) == sorted([GENERAL, "b"]) and server.stats()["parked"] == ["a"]
-        assert "a" not in server.learner.shards and "a" not in server.served and list(server.used) == [GENERAL, "b"]
+        assert "a" not in server.learner.shards and "a" not in server.book.served and list(server.book.used) == [GENERAL, "b"]
         assert counter(server.meter, "osd_learner_parked_total") == 1
         assert server.telemetry()["gauges"][("osd_learner_drafts_in_memory", ())] == 2
         state, version = server.latest("a")  # a replica loads it: back from its checkpoint
@@ -409,7 +410,7 @@ def test_a_new_draft_of_a_parked_tenant_general_draft_forks_it_from_disk(folder,
         server.latest("other")  # a third draft: the tenant's general draft is the idle one
         wait_for(lambda: iso not in server.learner.trainers)
         forked, v = server.latest("c1@iso")
-        assert v == 1 and server.forks["c1@iso"] == {"parent": iso, "parent_version": version}
+        assert v == 1 and server.book.forks["c1@iso"] == {"parent": iso, "parent_version": version}
         assert all(np.array_equal(forked[n], state[n]) for n in state)
     finally:
         server.background.stop()
@@ -437,7 +438,7 @@ def test_beyond_max_parked_the_longest_parked_draft_is_forgotten(folder, tmp_pat
         assert counter(server.meter, "osd_learner_forgotten_total") == 1
         assert [e["draft"] for e in server.meter._events if e["kind"] == "forget"] == ["a"]
         _, version = server.latest("a")  # anew: a fork of the general draft's latest
-        assert version == 1 and server.forks["a"]["parent"] == GENERAL and len(server.learner.shards["a"]) == 0
+        assert version == 1 and server.book.forks["a"]["parent"] == GENERAL and len(server.learner.shards["a"]) == 0
     finally:
         server.background.stop()
         loop.close()
@@ -532,7 +533,7 @@ def test_an_adapter_fork_starts_from_its_parents_adapters_on_the_one_shared_base
             assert np.array_equal(v.numpy(), state[k]), k
         for k, v in adapter_state(served.learned_draft.runner.model).items():
             assert np.array_equal(v.numpy(), state[k]), k
-        base = {n: p.data_ptr() for n, p in server.base.named_parameters()}
+        base = {n: p.data_ptr() for n, p in server.book.base.named_parameters()}
         for t in (fork, server.learner.trainers[GENERAL]):
             shared = [n for n, p in t.model.named_parameters() if n in base and p.data_ptr() == base[n]]
             assert len(shared) == len(base)
