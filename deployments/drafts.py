@@ -31,16 +31,15 @@ import logging
 import math
 import time
 import weakref
-from collections import OrderedDict, deque
 from dataclasses import replace
 
-import numpy as np
 import torch
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from config import AppConfig
 from drafts.build import build_proposer, domain_proposers
+from drafts.outputs import KeptOutputs, PublishedWeights
 from learner.replay import LEARNED_SOURCES, RecordBuilder
 from config.draft_ids import GENERAL, start_domain
 from speculative import RequestError, SpeculativeEngine, TargetRows, VerifyCall
@@ -168,22 +167,17 @@ class DraftPool:
             self.view = TargetView(target, self.verifier.release)
         self.learner = learner_handle  # finished requests' replay records go there (None: no learning)
         del target  # split: the weights live in the Target deployment only
-        #: draft id -> (state dict, version): those of the drafts loaded here, and of at most
-        #: ``drafts_per_replica`` others, most recent last (another asks the learner when it loads)
-        self.published: OrderedDict[str, tuple[dict, int]] = OrderedDict()
         # drafts loaded in this replica; whoever loads them holds them (multiplexing's LRU cache)
         self.engines: weakref.WeakValueDictionary[str, SpeculativeEngine] = weakref.WeakValueDictionary()
-        # recent finished outputs by draft id, this replica's and the others':
-        # (request id, scope, int32 ids, tenant)
-        self.served: OrderedDict[str, deque] = OrderedDict()
-        #: request id -> tenant of every output this replica's suffix trees or kept outputs may hold
-        #: (bounded: beyond what the trees of every loaded draft and the kept outputs can hold)
-        self.owners: OrderedDict[str, str | None] = OrderedDict()
+        #: the published weights of the drafts loaded here, and of at most ``drafts_per_replica`` in
+        #: all (another asks the learner when it loads)
+        self.published = PublishedWeights(cfg.drafts.drafts_per_replica, lambda d: d in self.engines)
+        # recent finished outputs by draft id, this replica's and the others', and whose they are
+        # (bounded: beyond what the trees of every loaded draft and the kept outputs can hold)
         sx = cfg.engine.draft.suffix
-        self.max_owners = sx.max_requests * sx.max_scopes * (cfg.drafts.drafts_per_replica + 1)
+        self.outputs = KeptOutputs(sx.max_requests, sx.max_scopes, sx.max_requests * sx.max_scopes * (cfg.drafts.drafts_per_replica + 1))
         self.peers = None  # the pool's handle, when outputs are shared (the deployment sets it)
         self.name = "replica"
-        self.outbox: list[tuple] = []  # (draft id, request id, scope, ids, tenant) not yet sent to the others
 
     # -- drafts ----------------------------------------------------------------------------
     async def engine_for(self, draft_id: str) -> SpeculativeEngine:
@@ -207,13 +201,12 @@ class DraftPool:
                 self.meter.inc("osd_draft_pool_learner_unanswered_total", draft=draft_id)
                 latest = None
             weights = self.published.get(draft_id)  # a broadcast may have come meanwhile
-            if latest is not None and latest[1] > (weights or ({}, 0))[1]:
+            if latest is not None and self.published.offer(draft_id, *latest):
                 weights = latest
-                self._keep(draft_id, latest)
         if weights is not None and engine.learned_draft is not None:
             engine.swap_draft(*weights)
         if engine.learns_from_traffic:  # what was served of this draft before it loaded here
-            for rid, scope, ids, _ in self.served.get(draft_id, ()):
+            for rid, scope, ids, _ in self.outputs.of(draft_id):
                 engine.add_served(rid, ids, scope)
         engine.calibrate(verify_s=self.verify_s)
         self.engines[draft_id] = engine
@@ -227,52 +220,13 @@ class DraftPool:
             import ray
 
             state = ray.get(state)
-        if version > self.published.get(draft_id, ({}, 0))[1]:
-            self._keep(draft_id, (state, version))
+        if self.published.offer(draft_id, state, version):
             engine = self.engines.get(draft_id)
             if engine is not None and engine.learned_draft is not None:
                 engine.stage_draft(state, version)
-        return self.published[draft_id][1] if draft_id in self.published else 0
-
-    def _keep(self, draft_id: str, published: tuple[dict, int]) -> None:
-        """Keep a draft's published weights; beyond ``drafts_per_replica`` entries the least
-        recently published of the drafts not loaded here are forgotten (a replica would otherwise
-        hold a copy of every draft the learner ever published)."""
-        self.published[draft_id] = published
-        self.published.move_to_end(draft_id)
-        for d in [d for d in self.published if d not in self.engines]:
-            if len(self.published) <= self.cfg.drafts.drafts_per_replica:
-                break
-            del self.published[d]
+        return self.published.version(draft_id)
 
     # -- outputs shared between replicas (suffix trees) -----------------------------------------
-    def _own(self, rid: str, tenant: str | None) -> None:
-        """Whose output request ``rid`` is (for ``forget_tenant``), oldest forgotten first."""
-        self.owners[rid] = tenant
-        self.owners.move_to_end(rid)
-        while len(self.owners) > self.max_owners:
-            self.owners.popitem(last=False)
-
-    def _remember(self, draft_id: str, item: tuple) -> None:
-        """Keep a finished output of ``draft_id``, ``(request id, scope, ids, tenant)`` (bounded like
-        a scope's tree: the oldest go first)."""
-        self._own(item[0], item[3])
-        bounds = self.cfg.engine.draft.suffix
-        q = self.served.get(draft_id)
-        if q is None:
-            q = self.served[draft_id] = deque(maxlen=bounds.max_requests)
-            while len(self.served) > bounds.max_scopes:
-                self.served.popitem(last=False)
-        self.served.move_to_end(draft_id)
-        q.append(item)
-
-    def _finished(self, draft_id: str, rid: str, scope: str, output: list[int], tenant: str | None = None) -> None:
-        item = (rid, scope, np.asarray(output, dtype=np.int32), tenant)
-        self._remember(draft_id, item)
-        if self.peers is not None:
-            self.outbox.append((draft_id, *item))
-            del self.outbox[: -self.cfg.engine.draft.suffix.max_requests]  # peers unreachable for long: the newest
-
     async def add_served(self, origin: str, items: list) -> int:
         """Outputs another replica finished, ``(draft id, request id, scope, ids, tenant)``: into this
         replica's loaded engines of those drafts, and kept for drafts loaded later. A replica's own
@@ -280,7 +234,7 @@ class DraftPool:
         if origin == self.name:
             return 0
         for draft_id, rid, scope, ids, *rest in items:
-            self._remember(draft_id, (rid, scope, ids, rest[0] if rest else None))
+            self.outputs.remember(draft_id, (rid, scope, ids, rest[0] if rest else None))
             engine = self.engines.get(draft_id)
             if engine is not None:
                 await self._on_engine(lambda e=engine, r=rid, i=ids, s=scope: e.add_served(r, i, s))
@@ -293,27 +247,18 @@ class DraftPool:
         on the loop that appends to them."""
         engine = self.engines.get(draft_id)
         trees = None if engine is None else await self._on_engine(lambda: sorted(engine.served_ids()))
-        return {"kept": [item[0] for item in self.served.get(draft_id, ())], "trees": trees}
+        return {"kept": [item[0] for item in self.outputs.of(draft_id)], "trees": trees}
 
     async def forget_tenant(self, tenant: str) -> dict:
         """A tenant's records are deleted: its outputs leave this replica's kept outputs, its outbox
         and the suffix trees of its loaded engines (on the engine loop's thread, between two steps),
         so that no draft here proposes its text again, and its prompts' blocks leave the prefix
         cache. Returns how many left each."""
-        kept = 0
-        for q in self.served.values():
-            stay = [item for item in q if item[3] != tenant]
-            kept += len(q) - len(stay)
-            q.clear()
-            q.extend(stay)
-        self.outbox = [item for item in self.outbox if item[4] != tenant]
-        ids = {rid for rid, t in self.owners.items() if t == tenant}
+        kept, ids = self.outputs.forget_tenant(tenant)
         trees = 0
         for engine in list(self.engines.values()):
             if engine.learns_from_traffic:
                 trees += await self._on_engine(lambda e=engine: e.forget_served(ids))
-        for rid in ids:
-            self.owners.pop(rid, None)
         prefixes = 0
         if self.loop is not None:  # its prompts' cached KV blocks
             prefixes = await self._on_engine(lambda: self.loop.forget_prefixes(tenant))
@@ -327,14 +272,14 @@ class DraftPool:
 
     async def kept(self) -> list[tuple]:
         """Every output this replica keeps, ``(draft id, request id, scope, ids, tenant)``, oldest draft first."""
-        return [(d, *item) for d, q in self.served.items() for item in q]
+        return self.outputs.all()
 
     async def catch_up(self) -> int:
         """A replica just started (scaling out, or replacing one that died) takes in what the
         running replicas keep, so that its suffix trees do not start empty; returns how many."""
         if self.peers is None:
             return 0
-        seen = {(d, item[0]) for d, q in self.served.items() for item in q}
+        seen = {(item[0], item[1]) for item in self.outputs.all()}
         fresh = []
         for answer in await self.peers.broadcast("kept").results_async():
             for item in answer:
@@ -345,9 +290,9 @@ class DraftPool:
 
     async def share_served(self) -> int:
         """Send the outputs finished here since the last call to every replica of the pool."""
-        if self.peers is None or not self.outbox:
+        if self.peers is None or not self.outputs.outbox:
             return 0
-        batch, self.outbox = self.outbox, []
+        batch = self.outputs.take_outbox()
         await self.peers.broadcast("add_served", self.name, batch).results_async()
         self.meter.inc("osd_draft_pool_outputs_shared_total", len(batch), direction="sent")
         return len(batch)
@@ -405,7 +350,7 @@ class DraftPool:
         if self.learner is not None:  # traffic: a learner sharing the machine keeps its rounds for the gaps
             contextvars.Context().run(self.learner.touch.remote)  # fire and forget, outside this request's context
         if engine.learns_from_traffic:  # its output joins the trees, even if it is cancelled: whose it is
-            self._own(req.request_id, req.tenant)
+            self.outputs.own(req.request_id, req.tenant)
         # scope: per-domain acceptance priors and suffix trees (an isolated tenant has its own engine)
         events = self._loop_events(req, engine, prompt) if self.loop is not None else self._own_events(req, engine, prompt)
         first = await events.__anext__()
@@ -451,7 +396,7 @@ class DraftPool:
                     held_text, held_tokens, sent_at = [], [], now
             s = st.stats
             if engine.learns_from_traffic and st.output:  # the other replicas' suffix trees learn it too
-                self._finished(draft_id, req.request_id, req.domain, st.output, req.tenant)
+                self.outputs.finished(draft_id, req.request_id, req.domain, st.output, req.tenant, share=self.peers is not None)
             if record is not None and s.drafts:  # the draft proposed: its misses are signal
                 self.learner.record.remote(record.finish(st.tokens, st.prompt_len, req.domain, req.tenant, draft_id))
             yield Done(

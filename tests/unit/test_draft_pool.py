@@ -71,7 +71,7 @@ def test_a_request_streams_its_header_steps_and_usage_and_counts_every_step(fold
     assert spec["verify_wait_ms"] >= spec["target_ms"] > 0
     waited = counter(pool.meter, "osd_spec_decode_verify_wait_seconds_total", draft=GENERAL)
     assert 0 < waited < elapsed and spec["verify_wait_ms"] == pytest.approx(1e3 * waited / spec["steps"], rel=1e-9)
-    assert pool.served == {} and pool.outbox == []  # no suffix tree here: outputs are not kept
+    assert pool.outputs.served == {} and pool.outputs.outbox == []  # no suffix tree here: outputs are not kept
     forward = hist(pool.meter, "osd_target_forward_seconds")  # the co-located target's batches, timed around
     assert forward[0] == spec["steps"] and 0 < spec["target_ms"] * spec["steps"] / 1e3 <= forward[1]
     m, labels = pool.meter, {"tenant": "alice", "domain": "code", "language": "en", "draft": GENERAL}
@@ -210,10 +210,10 @@ def test_published_weights_are_kept_by_version_and_staged_into_the_loaded_draft(
     loop.run(pool.serve(n=4))
     engine = pool.held[GENERAL]
     state = {k: v.clone() for k, v in engine.learned_draft.runner.model.state_dict().items()}
-    assert pool.load_weights("first", [state], 1) == 1 and pool.published["first"][1] == 1  # v1 of a new draft
-    assert pool.load_weights("nothing", [state], 0) == 0 and "nothing" not in pool.published  # the base: nothing
-    assert pool.load_weights(GENERAL, [state], 2) == 2 and pool.published[GENERAL][1] == 2
-    assert pool.load_weights(GENERAL, [state], 1) == 2 and pool.published[GENERAL][1] == 2  # older: ignored
+    assert pool.load_weights("first", [state], 1) == 1 and pool.published.version("first") == 1  # v1 of a new draft
+    assert pool.load_weights("nothing", [state], 0) == 0 and pool.published.get("nothing") is None  # the base: nothing
+    assert pool.load_weights(GENERAL, [state], 2) == 2 and pool.published.version(GENERAL) == 2
+    assert pool.load_weights(GENERAL, [state], 1) == 2 and pool.published.version(GENERAL) == 2  # older: ignored
     assert pool.load_weights(GENERAL, [state], 2) == 2
     assert pool.load_weights("other", [state], 3) == 3 and "other" not in pool.engines
     assert engine.draft_version == 0
@@ -229,11 +229,11 @@ def test_a_new_replica_starts_from_the_learners_latest_weights(folder, loop):
     state = {k: v.clone() for k, v in loop.run(probe.engine_for(GENERAL)).learned_draft.runner.model.state_dict().items()}
     learner = Recorder(latest=(state, 4))
     pool = LocalPool(app_config(folder), learner=Handle(learner))
-    assert loop.run(pool.engine_for(GENERAL)).draft_version == 4 and pool.published[GENERAL][1] == 4
+    assert loop.run(pool.engine_for(GENERAL)).draft_version == 4 and pool.published.version(GENERAL) == 4
     loop.run(pool.engine_for(GENERAL))
     assert learner.asked == [GENERAL]  # known now: not asked again
     none = LocalPool(app_config(folder), learner=Handle(Recorder(latest=None)))
-    assert loop.run(none.engine_for(GENERAL)).draft_version == 0 and GENERAL not in none.published
+    assert loop.run(none.engine_for(GENERAL)).draft_version == 0 and none.published.get(GENERAL) is None
 
 
 # -- suffix trees over the whole pool's traffic ----------------------------------------------------
@@ -252,10 +252,10 @@ def replicas(folder, n: int) -> list:
 def test_finished_outputs_reach_the_other_replicas_and_a_new_replica_catches_up(folder, loop):
     a, b = replicas(folder, 2)
     loop.run(a.serve(n=8, request_id="q1", domain="code"))
-    assert [(d, rid, scope) for d, rid, scope, _, _ in a.outbox] == [(GENERAL, "q1", "code")]
+    assert [(d, rid, scope) for d, rid, scope, _, _ in a.outputs.outbox] == [(GENERAL, "q1", "code")]
     assert loop.run(b.share_served()) == 0  # nothing finished there: nothing sent
     assert not [c for c in a.peers.calls if c[0] == "broadcast:add_served"]
-    assert loop.run(a.share_served()) == 1 and a.outbox == []
+    assert loop.run(a.share_served()) == 1 and a.outputs.outbox == []
     assert loop.run(a.share_served()) == 0
     assert loop.run(b.served_ids(GENERAL)) == {"kept": ["q1"], "trees": None}  # not loaded in b: kept for later
     assert loop.run(a.served_ids(GENERAL))["kept"] == ["q1"]  # its own, once (its broadcast came back, ignored)
@@ -275,27 +275,30 @@ def test_finished_outputs_reach_the_other_replicas_and_a_new_replica_catches_up(
     assert ids["q1"].dtype == np.int32 and len(ids["q1"]) == 8
 
 
-def test_kept_outputs_are_bounded_per_draft_and_in_drafts(folder, loop):
+def test_kept_outputs_are_bounded_as_the_suffix_trees_and_queued_for_peers_only_when_there_are_some(folder, loop):
+    """The replica's kept outputs take the suffix trees' bounds (max_requests 3, max_scopes 2;
+    the bounds themselves: tests/unit/test_outputs.py), and a served output waits in the outbox
+    only where there are peers to send it to."""
     (a,) = replicas(folder, 1)
     for i in range(5):
-        a._finished("d1", f"x{i}", "s", [1, 2, 3])
-    assert [item[0] for item in a.served["d1"]] == ["x2", "x3", "x4"]  # max_requests 3: the oldest go
-    assert [item[1] for item in a.outbox] == ["x2", "x3", "x4"]  # peers unreachable: the newest wait
-    a._finished("d2", "y0", "s", [1])
-    a._remember("d1", ("x5", "s", np.array([1], dtype=np.int32), None))  # d1 used again: d2 is now the oldest
-    a._finished("d3", "z0", "s", [1])
-    assert list(a.served) == ["d1", "d3"]  # max_scopes 2: the least recently used draft goes
+        loop.run(a.serve(n=2, request_id=f"x{i}", draft_id="d1"))
+    assert [item[0] for item in a.outputs.served["d1"]] == ["x2", "x3", "x4"]  # max_requests 3: the oldest go
+    assert [item[1] for item in a.outputs.outbox] == ["x2", "x3", "x4"]  # peers unreachable: the newest wait
+    for d in ("d2", "d1", "d3"):  # d1 used again: d2 is now the oldest
+        loop.run(a.serve(n=2, request_id=f"y-{d}", draft_id=d))
+    assert list(a.outputs.served) == ["d1", "d3"]  # max_scopes 2: the least recently used draft goes
     alone = LocalPool(engine_cfg(folder, **SUFFIX))  # no peers: kept, nothing queued to send
-    alone._finished("d1", "x", "s", [1])
-    assert alone.outbox == [] and loop.run(alone.share_served()) == 0 and loop.run(alone.catch_up()) == 0
+    loop.run(alone.serve(n=2, request_id="x", draft_id="d1"))
+    assert [item[0] for item in alone.outputs.served["d1"]] == ["x"]
+    assert alone.outputs.outbox == [] and loop.run(alone.share_served()) == 0 and loop.run(alone.catch_up()) == 0
 
 
 def test_a_replicas_own_broadcast_is_ignored_and_outputs_of_unloaded_drafts_are_kept(folder, loop):
     (a,) = replicas(folder, 1)
     item = ("d1", "x", "s", np.array([1, 2], dtype=np.int32))
-    assert loop.run(a.add_served(a.name, [item])) == 0 and "d1" not in a.served
+    assert loop.run(a.add_served(a.name, [item])) == 0 and "d1" not in a.outputs.served
     assert loop.run(a.add_served("other", [item, ("d2", "y", "s", np.array([3], dtype=np.int32))])) == 2
-    assert [item[0] for item in a.served["d1"]] == ["x"] and list(a.served) == ["d1", "d2"]
+    assert [item[0] for item in a.outputs.served["d1"]] == ["x"] and list(a.outputs.served) == ["d1", "d2"]
 
 
 def test_forgetting_a_tenant_reaches_kept_outputs_the_outbox_and_every_loaded_engines_trees(folder, loop):
@@ -337,8 +340,8 @@ def test_forgetting_a_tenant_reaches_kept_outputs_the_outbox_and_every_loaded_en
     assert threads == [f"engine-loop-{id(a):x}"]  # a's trees changed on its engine loop's thread
     for p in (a, b):
         assert loop.run(p.served_ids(GENERAL)) == {"kept": ["bo1"], "trees": ["bo1"]}
-        assert "alice" not in p.owners.values()
-    assert a.outbox == []
+        assert "alice" not in p.outputs.owners.values()
+    assert a.outputs.outbox == []
     c = LocalPool(cfg)
     c.name, c.peers = "r2", Handle(a, b, c)
     loop.run(c.catch_up())
@@ -434,16 +437,16 @@ def test_a_replica_keeps_the_published_weights_of_few_drafts_it_does_not_hold(fo
     learner = Recorder(latest=(state, 7))
     pool = LocalPool(cfg, learner=Handle(learner))
     loop.run(pool.loaded("held"))  # loaded (asked the learner: v7)
-    assert list(pool.published) == ["held"] and learner.asked == ["held"]
+    assert list(pool.published.weights) == ["held"] and learner.asked == ["held"]
     for i, d in enumerate(["x", "y", "z"]):
         pool.load_weights(d, [state], 10 + i)
-    assert list(pool.published) == ["held", "z"]  # x and y forgotten, the loaded one kept
+    assert list(pool.published.weights) == ["held", "z"]  # x and y forgotten, the loaded one kept
     pool.load_weights("held", [state], 8)
-    assert list(pool.published) == ["z", "held"]
-    assert pool.load_weights("w", [state], 20) == 20 and list(pool.published) == ["held", "w"]
+    assert list(pool.published.weights) == ["z", "held"]
+    assert pool.load_weights("w", [state], 20) == 20 and list(pool.published.weights) == ["held", "w"]
     assert loop.run(pool.engine_for("w")).draft_version == 20 and learner.asked == ["held"]  # kept: not asked
     assert loop.run(pool.engine_for("x")).draft_version == 7 and learner.asked == ["held", "x"]  # from the learner
-    assert list(pool.published) == ["held", "x"]  # x pushed w out: w's engine is gone
+    assert list(pool.published.weights) == ["held", "x"]  # x pushed w out: w's engine is gone
 
 
 def test_a_draft_loads_with_its_starting_weights_when_the_learner_does_not_answer(folder, loop):
@@ -460,7 +463,7 @@ def test_a_draft_loads_with_its_starting_weights_when_the_learner_does_not_answe
     pool = LocalPool(app_config(folder, drafts={"learner_wait_s": 0.2}), learner=Handle(learner))
     t0 = time.perf_counter()
     engine = loop.run(pool.engine_for("c1/en"))
-    assert time.perf_counter() - t0 < 5 and engine.draft_version == 0 and "c1/en" not in pool.published
+    assert time.perf_counter() - t0 < 5 and engine.draft_version == 0 and pool.published.get("c1/en") is None
     assert counter(pool.meter, "osd_draft_pool_learner_unanswered_total", draft="c1/en") == 1
     learner.__class__ = Recorder  # answering again
     learner._latest = ({k: v.clone() for k, v in engine.learned_draft.runner.model.state_dict().items()}, 3)

@@ -345,8 +345,8 @@ def test_an_isolated_tenant_gets_nothing_another_tenants_traffic_taught_and_sees
     assert shared.router.router.t == t and set(shared.router.router.summary()["clusters"]) == clusters
     pool = shared.pools[0]
     assert pool.held[f"{GENERAL}@iso"] is not pool.held[GENERAL]  # its own engine: trees and k priors
-    assert [item[3] for item in pool.served[GENERAL]] == ["alice", "alice"]
-    assert [item[3] for item in pool.served[f"{GENERAL}@iso"]] == ["iso"]
+    assert [item[3] for item in pool.outputs.served[GENERAL]] == ["alice", "alice"]
+    assert [item[3] for item in pool.outputs.served[f"{GENERAL}@iso"]] == ["iso"]
 
 
 def test_deleting_a_tenants_records_reaches_every_pool_replicas_kept_outputs_and_suffix_trees(folder):
@@ -361,7 +361,7 @@ def test_deleting_a_tenants_records_reaches_every_pool_replicas_kept_outputs_and
     body = {"prompt": "Hello world", "max_tokens": 8, "ignore_eos": True}
     for key in (KEY, ADMIN, KEY):  # alice, ops, alice: on the two replicas in turn
         assert run(a.post(body, key=key))[0] == 200
-    owners = {rid: t for p in pools for rid, t in p.owners.items()}
+    owners = {rid: t for p in pools for rid, t in p.outputs.owners.items()}
     assert sorted(owners.values()) == ["alice", "alice", "ops"]
     assert run(answer(run(a.ingress.delete_tenant(request(key=KEY), "alice"))))[0] == 403
     status, out, _ = run(answer(run(a.ingress.delete_tenant(request(key=ADMIN), "alice"))))
@@ -695,9 +695,9 @@ def test_records_reach_the_learner_and_its_updates_reach_the_pool(learning):
     for i in range(4):
         run(learning.post({"prompt": f"Hello {i}", "max_tokens": 8, "ignore_eos": True}))
     deadline = time.monotonic() + 60
-    while learning.pools[0].published.get(GENERAL, ({}, 0))[1] < 1 and time.monotonic() < deadline:
+    while learning.pools[0].published.version(GENERAL) < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert learning.pools[0].published[GENERAL][1] >= 1
+    assert learning.pools[0].published.version(GENERAL) >= 1
     _, body, _ = run(learning.post({"prompt": "Hello again", "max_tokens": 8, "ignore_eos": True}))
     assert body["usage"]["speculative"]["draft_version"] >= 1  # installed before the next step
     got, stats, _ = run(answer_of(learning.ingress.learner_call(request(key=ADMIN), "stats")))

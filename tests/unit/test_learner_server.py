@@ -270,7 +270,7 @@ def test_a_named_domains_draft_starts_from_its_own_checkpoint_in_the_pool_and_th
         serve_requests(pool, loop, 4, draft_id="d-sql", domain="sql")
         trainer = server.learner.trainers["d-sql"]
         assert len(trainer.model.model.layers) == 1 and torch.equal(trainer.keep_ids, keep)
-        wait_for(lambda: pool.published.get("d-sql", ({}, 0))[1] >= 1)
+        wait_for(lambda: pool.published.version("d-sql") >= 1)
         items = loop.run(pool.serve("Hello again", 6, "d-sql", domain="sql", tenant="alice"))
         assert items[-1].usage["speculative"]["draft_version"] >= 1
     finally:
