@@ -29,6 +29,7 @@ target-only output, and a seeded sample equals the seed's sample, under any conc
 from __future__ import annotations
 
 import concurrent.futures as cf
+import sys
 import threading
 import time
 from collections import deque
@@ -223,6 +224,8 @@ class EngineLoop:
         thread (:func:`speculative.runtime.own_threads`); the calling thread then goes back to one,
         as do threads started later. Time the target on the loop's thread too (:meth:`call`)."""
         ready = threading.Event()
+        if self.cfg.gil_switch_s is not None:  # the loop's thread gets the GIL back soon after each kernel
+            sys.setswitchinterval(self.cfg.gil_switch_s)
 
         def run() -> None:
             if threads:

@@ -7,6 +7,7 @@ share its steps, join or leave."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from config import EngineConfig, KPolicyConfig, LoopConfig, SamplingParams
@@ -215,6 +216,23 @@ def test_only_the_loop_thread_runs_torch_on_several_threads():
     finally:
         loop.stop()
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("switch_s", [0.0005, None])
+def test_a_started_loop_sets_the_processs_gil_switch_interval_as_configured(switch_s):
+    """The loop's thread lets the GIL go in every native kernel; the configured switch interval
+    bounds how long another thread of the replica keeps it (None: Python's own left as it is)."""
+    import sys
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.004)
+    loop, _, _ = _setup(draft=False, gil_switch_s=switch_s)
+    try:
+        loop.start()
+        assert sys.getswitchinterval() == pytest.approx(0.004 if switch_s is None else switch_s)
+    finally:
+        loop.stop()
+        sys.setswitchinterval(before)
 
 
 def test_the_loop_thread_serves_requests_and_runs_calls_between_steps():
