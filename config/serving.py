@@ -64,8 +64,7 @@ class LoopConfig(_Strict):
     #: Python's GIL switch interval in a process that runs an engine loop (``sys.setswitchinterval``,
     #: process-wide). The loop's thread lets the GIL go in every native kernel call; at Python's
     #: default, 5 ms, the replica's event loop or Ray's threads, taking it meanwhile, could keep it
-    #: that long. At 0.5 ms concurrency 1 over HTTP made 8% more tokens/s (docs/serving.md). None:
-    #: Python's default
+    #: that long (measured: docs/serving.md, "The GIL's switch interval"). None: Python's default
     gil_switch_s: float | None = Field(default=0.0005, gt=0.0)
 
 
