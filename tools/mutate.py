@@ -34,6 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 _ROUTER_TESTS = ["tests/unit/test_router_policy.py", "tests/unit/test_router.py", "tests/unit/test_router_open.py",
                  "tests/unit/test_mixture.py"]
+#: the replay records the learner trains on: built from verification, encoded, sharded, sampled
+_REPLAY_TESTS = ["tests/unit/test_replay.py", "tests/unit/test_trainer.py", "tests/unit/test_background.py",
+                 "tests/unit/test_feature.py", "tests/unit/test_detokenize.py"]
 
 #: file -> (module, functions to mutate (None: all; a class name takes its methods), tests that cover it, fast first)
 TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
@@ -65,10 +68,9 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
                           ["tests/unit/test_losses.py", "tests/unit/test_offline.py", "tests/unit/test_trainer.py",
                            "tests/unit/test_feature.py"]),
     "speculative/detokenize.py": ("speculative.detokenize", None, ["tests/unit/test_detokenize.py"]),
-    # the replay records the learner trains on: built from verification, encoded, sharded, sampled
-    "learner/replay.py": ("learner.replay", None, ["tests/unit/test_replay.py", "tests/unit/test_trainer.py",
-                                                   "tests/unit/test_background.py", "tests/unit/test_feature.py",
-                                                   "tests/unit/test_detokenize.py"]),
+    "learner/record.py": ("learner.record", None, _REPLAY_TESTS),
+    "learner/builder.py": ("learner.builder", None, _REPLAY_TESTS),
+    "learner/shards.py": ("learner.shards", None, _REPLAY_TESTS),
     # the router: named domains (classifier, background, typicality), discovered ones (online
     # clusters), and the acceptance bandit that picks a draft among a domain's candidates
     "router/domains.py": ("router.domains", None, _ROUTER_TESTS),
@@ -215,23 +217,25 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
      "h = self.runner.step(seq_id, start, feats[start:m], tokens[start + 1 : m + 1])[-1:]  # [1, H] f^_m"):
         "the slice's end m + 1 -> m + 2: the check above returns early unless len(tokens) == m + 1, so both "
         "ends take the tokens to the end (the line's other mutants are killed)",
-    ("learner/replay.py", "encode_record", "blobs.append(t.numpy().astype(dt, copy=False).tobytes())"):
+    ("learner/record.py", "encode_record", "blobs.append(t.numpy().astype(dt, copy=False).tobytes())"):
         "copy=True: a copy of the array is made before its bytes are taken; the bytes are the same",
-    ("learner/replay.py", "ReplayShard.__init__", "if self._log_bytes > self._compact_at or self._rewrite_after_replay:"):
+    ("learner/shards.py", "ReplayShard.__init__", "if self._log_bytes > self._compact_at or self._rewrite_after_replay:"):
         "'>=': a log of exactly the threshold's size is compacted on opening too; compaction rewrites the "
         "same live records, so only the file's size differs",
-    ("learner/replay.py", "ReplayShard._maybe_compact", "if self._fh is not None and self._log_bytes > self._compact_at:"):
+    ("learner/shards.py", "ReplayShard._maybe_compact", "if self._fh is not None and self._log_bytes > self._compact_at:"):
         "'>=': as in __init__, compacting at exactly the threshold keeps the same live records",
-    ("learner/replay.py", "ReplayShard.update_loss",
+    ("learner/shards.py", "ReplayShard.update_loss",
      "self._write(b\"L\" + _LOSS.pack(seq, math.nan if loss is None else loss), sync=False)"):
         "sync=True: the loss frame is also fsynced when the shard is configured to fsync; what is written "
         "is the same (durability against power loss, not content)",
-    ("learner/replay.py", "ReplayShard._write", "if sync and self.cfg.fsync:"):
+    ("learner/shards.py", "_private_dir", "path.mkdir(mode=0o700, parents=True, exist_ok=True)", "448 -> 449"):
+        "the folder is made 0701 (before the umask): the next line narrows any wider folder to 0700",
+    ("learner/shards.py", "ReplayShard._write", "if sync and self.cfg.fsync:"):
         "'or': frames are fsynced although fsync is off; the same bytes reach the file (durability only)",
-    ("learner/replay.py", "ReplayShard._prune_heap", "if len(self._heap) > 2 * len(self._live) + 64:"):
+    ("learner/shards.py", "ReplayShard._prune_heap", "if len(self._heap) > 2 * len(self._live) + 64:"):
         "when the lazy heap is rebuilt: it is rebuilt from the live records, and stale entries are skipped "
         "either way, so the size bound changes memory and time, not which record is evicted",
-    ("learner/replay.py", "ReplayShard._victim", "if s != protect or len(self._keys) == 1:"):
+    ("learner/shards.py", "ReplayShard._victim", "if s != protect or len(self._keys) == 1:"):
         "'== 0' for '== 1': the loop never meets the protected newcomer alone (a record over max_bytes is "
         "refused before it is inserted, and max_records >= 1); the line's other mutants are killed",
     ("speculative/feature.py", "FeatureRunner.step", "if start < have:"): _CROP0,
@@ -342,15 +346,15 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
      "centroids = np.stack([c.centroid for c in cs]) if cs else np.zeros((0, 0), np.float32)", "0 -> 1"):
         "the centroids of no cluster: from_state zips them with the (empty) metadata, so an empty array of shape "
         "(0, 0), (1, 0) or (0, 1) loads as the same empty set",
-    ("learner/replay.py", "RecordBuilder.finish", "if got != s.emitted or s.start + s.n_teacher - 1 > length:",
+    ("learner/builder.py", "RecordBuilder.finish", "if got != s.emitted or s.start + s.n_teacher - 1 > length:",
      "s.start + s.n_teacher -> s.start - s.n_teacher"):
         "the bound is unreachable once the emitted tokens matched: n_teacher - 1 = min(accepted, emitted) <= "
         "len(emitted), and those tokens lie inside the final ones, so start + n_teacher - 1 <= length always",
-    ("learner/replay.py", "RecordBuilder.finish", "if got != s.emitted or s.start + s.n_teacher - 1 > length:", "1 -> 2"):
+    ("learner/builder.py", "RecordBuilder.finish", "if got != s.emitted or s.start + s.n_teacher - 1 > length:", "1 -> 2"):
         "the same unreachable bound, one lower",
-    ("learner/replay.py", "ReplayShard._replay", "pos = nxt if nxt >= 0 else len(data)", "nxt >= 0 -> nxt > 0"):
+    ("learner/shards.py", "ReplayShard._replay", "pos = nxt if nxt >= 0 else len(data)", "nxt >= 0 -> nxt > 0"):
         "the search starts at pos + 1 >= 1, so a found frame is never at 0: '>= 0' and '> 0' agree",
-    ("learner/replay.py", "ReplayShard._replay", "pos = nxt if nxt >= 0 else len(data)", "0 -> 1"):
+    ("learner/shards.py", "ReplayShard._replay", "pos = nxt if nxt >= 0 else len(data)", "0 -> 1"):
         "'>= 1': the same as '> 0' for a position searched from pos + 1, above",
     ("router/bandit.py", "AcceptanceBandit.choose", "if self.rng.random() < self.cfg.explore_rate:"):
         "'<=': numpy's random() draws doubles in [0, 1), equal to the rate with probability about 2^-53 (a "
