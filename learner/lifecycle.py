@@ -34,7 +34,8 @@ from config.draft_ids import GENERAL, fork_parent, start_domain
 from config.learner import LearnerConfig
 from speculative.adapters import load_state, share_base
 
-from .trainer import LATEST, DraftTrainer, OnlineLearner, draft_folder
+from .checkpoints import LATEST, draft_folder
+from .trainer import DraftTrainer, OnlineLearner
 
 log = logging.getLogger("osd.learner")
 

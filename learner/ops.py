@@ -17,7 +17,7 @@ from typing import Sequence
 from urllib.parse import unquote
 
 from drafts.build import ADAPTER_META, DRAFT_META, read_meta
-from learner.trainer import LATEST, checkpoint_versions, draft_folder, latest_checkpoint, write_atomic
+from learner.checkpoints import LATEST, checkpoint_versions, draft_folder, latest_checkpoint, write_atomic
 from speculative.publish import publish_folder
 
 __all__ = ["versions", "rollback", "main"]

@@ -27,10 +27,7 @@ import copy
 import functools
 import logging
 import math
-import os
 import random
-import re
-import shutil
 import threading
 import time
 from collections import defaultdict, deque
@@ -38,15 +35,13 @@ import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
-from urllib.parse import quote
 
 import numpy as np
 import torch
 
-from drafts.build import ADAPTER_META, load_draft, read_adapter, save_adapter, save_draft
-from speculative.adapters import (adapter_parameters, adapter_state, add_adapters, base_fingerprint, has_adapters,
-                                 load_state, share_base)
+from speculative.adapters import adapter_parameters, adapter_state, add_adapters, has_adapters, load_state, share_base
 from config.learner import LearnerConfig
+from learner.checkpoints import DraftCheckpoints, draft_folder
 from learner.live import LiveWatch, Verdict
 from learner.losses import SparseDist, get_loss
 from learner.offline import (Sample, draft_loss, set_trainable, to_student_space, top1_hits_on,
@@ -57,8 +52,6 @@ __all__ = ["LearnerConfig", "RoundReport", "DraftTrainer", "OnlineLearner", "rec
 
 log = logging.getLogger(__name__)
 
-LATEST = "LATEST"
-_VERSION_DIR = re.compile(r"^v(\d+)$")
 
 
 @dataclass
@@ -136,50 +129,17 @@ def _same_width(samples: list[Sample]) -> list[Sample]:
     return out
 
 
-def draft_folder(draft_id: str) -> str:
-    """The name of a draft's checkpoint folder: its id, quoted so that any id is one folder name
-    (a per-language draft's ``/``, or a ``..`` in an isolated tenant's name, cannot nest or escape
-    it); ``@``, ``:`` and the characters of the router's ids (``c3-en``) stay as they are.
-    :func:`urllib.parse.unquote` reads it back."""
-    name = quote(draft_id, safe="@:")
-    return name.replace(".", "%2E") if name in (".", "..") else name
-
-
-def checkpoint_versions(root: Path | None) -> list[int]:
-    """The versions checkpointed in one draft's folder (``<checkpoint_dir>/<draft_folder(draft_id)>``), ascending."""
-    if root is None or not root.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _VERSION_DIR.match(p.name)) and p.is_dir())
-
-
-def latest_checkpoint(root: Path | None) -> int | None:
-    """The version that one draft's ``LATEST`` file names (None: no such file)."""
-    if root is None or not (root / LATEST).exists():
-        return None
-    m = _VERSION_DIR.match((root / LATEST).read_text().strip())
-    return int(m.group(1)) if m else None
-
-
 def _state_numpy(model: torch.nn.Module) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().clone().numpy() for k, v in model.state_dict().items()}
-
-
-def _rate(hits: torch.Tensor) -> float | None:
-    """Share of True in ``hits`` (None when empty)."""
-    return float(hits.float().mean()) if hits.numel() else None
 
 
 def _all_finite(model: torch.nn.Module) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _rate(hits: torch.Tensor) -> float | None:
+    """Share of True in ``hits`` (None when empty)."""
+    return float(hits.float().mean()) if hits.numel() else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,8 +194,9 @@ class DraftTrainer:
         self.rejected = 0
         self.history: list[RoundReport] = []
         self.skipped: list[int] = []  # checkpoint versions that did not load (moved aside)
-        self._base_id: dict | None = None
-        if self.ckpt_root is not None:
+        root = self.ckpt_root
+        self.ckpts = DraftCheckpoints(root, draft_id, cfg.keep_versions) if root is not None else None
+        if self.ckpts is not None:
             if self.load_latest() is None:
                 if self.skipped:  # none loaded: the initial weights, above every version a replica may hold
                     self.version = max(self.skipped) + 1
@@ -492,106 +453,34 @@ class DraftTrainer:
 
     def versions(self) -> list[int]:
         """Checkpointed versions, ascending."""
-        return checkpoint_versions(self.ckpt_root)
+        return self.ckpts.versions() if self.ckpts is not None else []
 
     def latest_version(self) -> int | None:
-        return latest_checkpoint(self.ckpt_root)
+        return self.ckpts.latest() if self.ckpts is not None else None
 
     def _checkpoint(self, version: int, meta: dict | None = None) -> None:
-        root = self.ckpt_root
-        if root is None:
-            return
-        root.mkdir(parents=True, exist_ok=True)
-        meta = {"draft_id": self.draft_id, "version": version, **(meta or {})}
-        if has_adapters(self.model):  # the base never changes: a version is its adapters (MBs, not the draft's 100+)
-            save_adapter(self.model, root / f"v{version}", self._base(), meta, dtype=torch.float32)
-        else:
-            save_draft(self.model, root / f"v{version}", self.keep_ids, meta)
-        write_atomic(root / LATEST, f"v{version}\n")
-        for old in self.versions()[: -self.cfg.keep_versions]:
-            if old != version:
-                shutil.rmtree(root / f"v{old}", ignore_errors=True)
+        if self.ckpts is not None:
+            self.ckpts.save(self.model, version, self.keep_ids, meta)
 
     def _load_version(self, version: int) -> None:
-        """Load checkpoint ``version`` into the training copy; raises (the copy untouched) when it
-        is missing, unreadable, of another shape, or holds a NaN/Inf weight."""
-        root = self.ckpt_root
-        if root is None:
+        """Load checkpoint ``version`` into the training copy (:meth:`DraftCheckpoints.load_into`)."""
+        if self.ckpts is None:
             raise RuntimeError("no checkpoint_dir configured")
-        path = root / f"v{version}"
-        if not path.is_dir():
-            raise FileNotFoundError(f"draft {self.draft_id!r}: no checkpoint v{version} in {root}")
-        if (path / ADAPTER_META).is_file():  # adapters alone, saved on this same base
-            if not has_adapters(self.model):
-                raise ValueError("a checkpoint of adapters, but this draft learns whole")
-            state, _meta = read_adapter(path, self._base())
-            if set(state) != set(adapter_state(self.model)):
-                raise ValueError("not a version of this adapter draft (its adapters differ)")
-            if not all(bool(torch.isfinite(v).all()) for v in state.values()):
-                raise ValueError("non-finite weights")
-            self.model.load_state_dict(state, strict=False)
-            self.opt = self._new_optimizer()
-            return
-        model, keep, _meta = load_draft(path)
-        if not _all_finite(model):
-            raise ValueError("non-finite weights")
-        n_head = self.model.get_output_embeddings().weight.shape[0]
-        if keep is not None and len(keep) != n_head:
-            raise ValueError(f"keep_ids has {len(keep)} ids but the draft head has {n_head} rows")
-        if has_adapters(self.model):  # the base is shared with the other domains and never loaded into
-            learned = adapter_state(model)
-            if set(learned) != set(adapter_state(self.model)):
-                raise ValueError("not a version of this adapter draft (its adapters differ, or it has none)")
-            self.model.load_state_dict(learned, strict=False)
-        else:
-            self.model.load_state_dict(model.state_dict(), strict=True)
-        self.keep_ids = keep
+        self.keep_ids = self.ckpts.load_into(self.model, version, self.keep_ids)
         self.opt = self._new_optimizer()  # the optimiser state belongs to other weights
 
-    def _base(self) -> dict:
-        """What this draft's adapter checkpoints sit on (checked when one is loaded): the base's
-        fingerprint (:func:`speculative.adapters.base_fingerprint`), computed once (it never changes)."""
-        if self._base_id is None:
-            self._base_id = {"fingerprint": base_fingerprint(self.model)}
-        return self._base_id
-
     def load_latest(self) -> int | None:
-        """Load the newest checkpoint that reads back whole (weights, keep_ids, version); None if
-        there is none.
-
-        A checkpoint folder appears whole or not at all (written beside, then renamed), so a
-        folder newer than ``LATEST`` is one whose ``LATEST`` update a crash cut off: it is loaded
-        (and re-announced by the learner). A folder that does not load (truncated, corrupt,
-        non-finite) is moved aside to ``corrupt-v<N>`` with the reason logged, and the newest good
-        weights are checkpointed again under a version above every skipped one, so that a replica
-        still holding a skipped version takes them. Leftovers of a save cut short are removed.
-        """
-        root = self.ckpt_root
-        self.skipped: list[int] = []
-        if root is None or not root.is_dir():
+        """Load the newest checkpoint that reads back whole (:meth:`DraftCheckpoints.load_newest`:
+        unreadable ones moved aside, the newest good weights served above them); None if there is none."""
+        if self.ckpts is None:
+            self.skipped = []
             return None
-        for tmp in root.glob(".tmp-*"):
-            shutil.rmtree(tmp, ignore_errors=True)
-        for v in sorted(self.versions(), reverse=True):
-            try:
-                self._load_version(v)
-            except Exception as e:  # noqa: BLE001 - whatever is wrong with it, it is not served
-                aside = root / f"corrupt-v{v}-{int(time.time())}"
-                log.error("draft %r: checkpoint v%d is unreadable (%s: %s); skipped, moved to %s",
-                          self.draft_id, v, type(e).__name__, e, aside.name)
-                os.replace(root / f"v{v}", aside)
-                self.skipped.append(v)
-                continue
-            self.version = v
-            if self.skipped:
-                self.version = max(self.skipped) + 1
-                self._checkpoint(self.version, {"recovered_from": v, "skipped": self.skipped})
-                log.warning("draft %r: serving the weights of v%d again, as v%d", self.draft_id, v, self.version)
-            elif self.latest_version() != v:
-                write_atomic(root / LATEST, f"v{v}\n")
-            log.info("draft %r: loaded checkpoint v%d", self.draft_id, v)
-            return self.version
-        return None
+        version, self.skipped, self.keep_ids = self.ckpts.load_newest(self.model, self.keep_ids)
+        if version is None:
+            return None
+        self.version = version
+        self.opt = self._new_optimizer()
+        return version
 
     def rollback(self, version: int) -> tuple[int, dict[str, np.ndarray]]:
         """Restore the weights of checkpoint ``version`` and re-publish them under a NEW version

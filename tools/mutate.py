@@ -110,6 +110,12 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
                               ["tests/unit/test_draft_pool.py", "tests/unit/test_ingress.py", "tests/unit/test_learner_server.py"]),
     "deployments/learner.py": ("deployments.learner", {"LearnerServer"},
                                ["tests/unit/test_learner_server.py", "tests/unit/test_ingress.py"]),
+    # which drafts the learner holds, a draft's checkpoints, what an engine replica keeps besides engines
+    "learner/lifecycle.py": ("learner.lifecycle", None, ["tests/unit/test_lifecycle.py", "tests/unit/test_learner_server.py"]),
+    "learner/checkpoints.py": ("learner.checkpoints", None, ["tests/unit/test_trainer.py", "tests/unit/test_adapters.py",
+                                                             "tests/unit/test_learner_server.py"]),
+    "drafts/outputs.py": ("drafts.outputs", None, ["tests/unit/test_outputs.py", "tests/unit/test_draft_pool.py",
+                                                   "tests/unit/test_ingress.py"]),
     "deployments/router.py": ("deployments.router", {"RouterServer"}, ["tests/unit/test_servers.py", "tests/unit/test_ingress.py"]),
     "deployments/metrics.py": ("deployments.metrics", {"MetricsServer"}, ["tests/unit/test_servers.py"]),
     # loading models and tokenizers, prompts and chats as ids, EOS ids, devices, vocabularies (the
@@ -385,9 +391,9 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     ("learner/trainer.py", "DraftTrainer._pause", "time.sleep(min(left, 0.01))"):
         "the poll interval of a pause (10 or 20 ms): how soon a yield is noticed, not what is trained; a test of it "
         "would time the scheduler",
-    ("learner/trainer.py", "DraftTrainer._checkpoint", 'shutil.rmtree(root / f"v{old}", ignore_errors=True)'):
+    ("learner/checkpoints.py", "DraftCheckpoints.save", 'shutil.rmtree(self.root / f"v{old}", ignore_errors=True)'):
         "versions() lists the folders that exist; only another process deleting one in between makes rmtree fail",
-    ("learner/trainer.py", "DraftTrainer.load_latest", "shutil.rmtree(tmp, ignore_errors=True)"):
+    ("learner/checkpoints.py", "DraftCheckpoints.load_newest", "shutil.rmtree(tmp, ignore_errors=True)"):
         "the leftovers of a cut-short save are folders listed a moment before; as above",
     ("learner/trainer.py", "OnlineLearner.store",
      'if trainer is not None and record.context == "teacher" and self._rng.random() < self.cfg.holdout_fraction:',
@@ -514,21 +520,14 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "the clock equal to the deadline to the nanosecond: at most one more 0 s sleep and try",
     ("deployments/drafts.py", "RemoteVerifier.verify", "return await asyncio.wait_for(self.handle.verify.remote(call), max(0.001, deadline - time.monotonic()))", "0.001 -> 0.002"):
         "the floor of a try's time limit once the deadline has passed, where the next check gives up anyway",
-    ("deployments/drafts.py", "DraftPool.load_weights", "if version > self.published.get(draft_id, ({}, 0))[1]:", "version > self.published.get(draft_id, ({}, 0))[1] -> version >= self.published.get(draft_id, ({}, 0))[1]"):
-        "versions are unique per draft: the same version again carries the same weights, and the engine installs only a newer version than it runs",
-    ("deployments/drafts.py", "DraftPool.engine_for", "if latest is not None and latest[1] > (weights or ({}, 0))[1]:",
-     "latest[1] > (weights or ({}, 0))[1] -> latest[1] >= (weights or ({}, 0))[1]"):
-        "versions are unique per draft: a broadcast of the version the learner answered carries the same weights",
     ("workloads/__init__.py", "_sample", "if k >= len(pool):", "k >= len(pool) -> k > len(pool)"):
         "with k equal to the pool's size rng.sample(pool, k) is a uniformly random permutation as the shuffle is: another seeded order, the same records",
-    ("deployments/learner.py", "LearnerServer._park_idle", "parked = False", "False -> True"):
+    ("learner/lifecycle.py", "DraftBook.park_idle", "parked = False", "False -> True"):
         "when to look, not what is forgotten: the bound is enforced at start and after every park, so with nothing newly parked nothing is beyond it (looking anyway only lists the folder again)",
-    ("deployments/learner.py", "LearnerServer._forget_oldest", "shutil.rmtree(ckpt / draft_folder(d), ignore_errors=True)", "True -> False"):
+    ("learner/lifecycle.py", "DraftBook.forget_oldest", "shutil.rmtree(self.ckpt_dir / draft_folder(d), ignore_errors=True)", "True -> False"):
         "the folder was just listed and only the learner thread deletes drafts: removing a folder the process wrote succeeds either way",
-    ("deployments/learner.py", "LearnerServer._known_drafts", "if most is not None and len(names) > most:", "len(names) > most -> len(names) >= most"):
+    ("learner/lifecycle.py", "known_drafts", "if most is not None and len(names) > most:", "len(names) > most -> len(names) >= most"):
         "with exactly most drafts the cut keeps them all (rest[len(names) - most:] is the whole list)",
-    ("deployments/learner.py", "LearnerServer._trainer", "base.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()}, strict=True)", "True -> False"):
-        "the parent's published state and the fork are the same configured draft (a draft with a start of its own forks nothing): every key matches, strict or not",
     ("deployments/ingress.py", "Ingress._decode", "return self.tokenizer.decode([i for i in ids if 0 <= i < len(self.tokenizer)])", "0 <= i < len(self.tokenizer) -> 0 <= i <= len(self.tokenizer)"):
         "a fast tokenizer decodes the id just past its vocabulary to nothing (checked for the test tokenizer and SmolLM2's), as if left out",
     ("deployments/target.py", "BatchedTarget._evict", "idle = [s for s, t in self.last_used.items() if now - t > self.cfg.cache_ttl_s and s not in keep]", "now - t > self.cfg.cache_ttl_s -> now - t >= self.cfg.cache_ttl_s"):

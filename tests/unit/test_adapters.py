@@ -191,7 +191,8 @@ def test_an_adapter_learner_skips_a_whole_draft_checkpoint_and_keeps_the_shared_
     on) is not a version of an adapter draft: the trainer moves it aside and starts above it, and
     the base it shares with the other domains is not written."""
     from drafts.build import save_draft
-    from learner.trainer import LATEST, DraftTrainer, LearnerConfig, draft_folder
+    from learner.checkpoints import LATEST, draft_folder
+    from learner.trainer import DraftTrainer, LearnerConfig
 
     draft = tiny_llama(1, seed=7)
     base = {k: v.clone() for k, v in draft.state_dict().items()}

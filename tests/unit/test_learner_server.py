@@ -465,7 +465,7 @@ def test_a_draft_the_router_retires_is_parked_with_every_tenants_copy(served):
     assert counter(server.meter, "osd_learner_parked_total") == 2
     from pathlib import Path
 
-    from learner.trainer import draft_folder, latest_checkpoint
+    from learner.checkpoints import draft_folder, latest_checkpoint
 
     version = latest_checkpoint(Path(server.trainer_cfg.checkpoint_dir) / draft_folder("c1/en"))
     assert version >= 1 and server.latest("c1/en")[1] == version and "c1/en" in server.learner.trainers

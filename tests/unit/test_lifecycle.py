@@ -12,7 +12,8 @@ from config.draft_ids import GENERAL
 from drafts.build import truncated_draft
 from learner.lifecycle import DraftBook, known_drafts
 from learner.replay import ShardConfig
-from learner.trainer import LearnerConfig, OnlineLearner, draft_folder
+from learner.checkpoints import draft_folder
+from learner.trainer import LearnerConfig, OnlineLearner
 from telemetry.meter import Meter
 
 

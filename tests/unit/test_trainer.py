@@ -744,7 +744,7 @@ def test_a_checkpoint_of_another_architecture_is_skipped_not_loaded_in_part(setu
 
 
 def test_checkpoint_lookups_of_a_missing_folder_or_latest_file(setup):
-    from learner.trainer import checkpoint_versions, latest_checkpoint
+    from learner.checkpoints import checkpoint_versions, latest_checkpoint
 
     assert checkpoint_versions(None) == [] and latest_checkpoint(None) is None
     tr = DraftTrainer("d", setup[0], _cfg())  # no checkpoint_dir
@@ -752,7 +752,7 @@ def test_checkpoint_lookups_of_a_missing_folder_or_latest_file(setup):
 
 
 def test_checkpoint_lookups_on_disk(tmp_path):
-    from learner.trainer import checkpoint_versions, latest_checkpoint
+    from learner.checkpoints import checkpoint_versions, latest_checkpoint
 
     assert checkpoint_versions(tmp_path / "missing") == [] and latest_checkpoint(tmp_path / "missing") is None
     for name in ("v2", "v10", "v1x", "corrupt-v3-1", ".tmp-v4"):
@@ -855,7 +855,7 @@ def test_a_draft_ids_checkpoint_folder_is_one_name_that_reads_back():
     the folder must be one name inside the checkpoint folder, and unquote gives the id back."""
     from urllib.parse import unquote
 
-    from learner.trainer import draft_folder
+    from learner.checkpoints import draft_folder
 
     assert draft_folder("general") == "general" and draft_folder("c3-en") == "c3-en"
     assert draft_folder("general@iso") == "general@iso"  # the names checkpoints were written under before
