@@ -150,7 +150,6 @@ class DraftPool:
                 runner.limit_prefix_cache(cfg.loop.prefix_cache_bytes // per_token)
             runner.drop_float_weights()  # the target never takes new weights: a packed copy is all it needs
             self.loop = EngineLoop(runner, cfg.loop, budget, k_max, on_step=self._count_forward)
-            import os, sys; sys.setswitchinterval(float(os.environ.get("OSD_SWITCH", "0.005")))
             self.loop.start(name=f"engine-loop-{id(self):x}",
                             threads=cfg.target.num_threads or cfg.engine.model.num_threads)
 

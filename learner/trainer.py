@@ -313,6 +313,7 @@ class DraftTrainer:
         cfg = self.cfg
         rep = RoundReport(draft_id=self.draft_id, records=len(records))
         t0 = time.perf_counter()
+        # 1. the batch: the records' teacher rows (positions the loss reads)
         samples, mask = records_to_batch(records, cfg.positions, self.prompt_head)
         rep.positions = int(mask.sum())
         if rep.positions == 0:
@@ -323,10 +324,13 @@ class DraftTrainer:
             rep.stopped_early, rep.reason = True, "yielded before the first step"
             rep.seconds = time.perf_counter() - t0
             return rep
+        # 2. before: a snapshot to restore, the held-back agreement and the batch's loss
         snap = self.snapshot()
         before_hits = self.holdout_hits(pause=pause)
         rep.agreement_before = _rate(before_hits)
         rep.loss_before = self._eval_loss(samples, mask, pause)
+        # 3. the steps: each a forward/backward in pieces (pausing while requests are live), one
+        #    optimiser step, then a sleep that keeps training within max_cpu_share
         self.model.train()
         try:
             for i in range(cfg.steps_per_round):
@@ -356,6 +360,8 @@ class DraftTrainer:
             self.model.eval()
             raise
         self.model.eval()
+        # 4. after: the batch's loss again, and the gate on the held-back agreement; a rejected
+        #    candidate gives the snapshot back
         rep.loss_after = self._eval_loss(samples, mask, pause)
         ok, reason = self.gate(baseline=rep.agreement_before, loss=rep.loss_after, baseline_hits=before_hits, pause=pause)
         rep.agreement_after = self._last_gate_agreement
