@@ -223,6 +223,8 @@ class DraftPool:
             engine = self.engines.get(draft_id)
             if engine is not None and engine.learned_draft is not None:
                 engine.stage_draft(state, version)
+                if self.loop is not None:  # installed at the loop's next step boundary, requests running or not
+                    self.loop.call(engine.install_staged)
         return self.published.version(draft_id)
 
     # -- outputs shared between replicas (suffix trees) -----------------------------------------

@@ -216,10 +216,10 @@ def test_published_weights_are_kept_by_version_and_staged_into_the_loaded_draft(
     assert pool.load_weights(GENERAL, [state], 1) == 2 and pool.published.version(GENERAL) == 2  # older: ignored
     assert pool.load_weights(GENERAL, [state], 2) == 2
     assert pool.load_weights("other", [state], 3) == 3 and "other" not in pool.engines
-    assert engine.draft_version == 0
+    pool.loop.call(lambda: None).result(5)  # a step boundary of the engine loop, no request running
+    assert engine.draft_version == 2 and pool.versions() == {GENERAL: 2}  # installed there, not at the next request
     items = loop.run(pool.serve(n=4))
-    assert items[-1].usage["speculative"]["draft_version"] == 2  # installed before the next step
-    assert pool.versions() == {GENERAL: 2}
+    assert items[-1].usage["speculative"]["draft_version"] == 2
     later = loop.run(pool.engine_for("other"))  # a draft loaded later starts at its published version
     assert later.draft_version == 3
 
