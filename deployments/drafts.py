@@ -508,8 +508,10 @@ class DraftPoolDeployment(DraftPool, NodeInfo):
         """Load the general draft after the learner is up (a replica starting with the others would
         otherwise ask it before it answers, and serve the starting weights until its next publish)."""
         try:
-            if self.learner is not None:
-                await asyncio.wait_for(self.learner.latest.remote(GENERAL), learner_wait_s)
+            if self.learner is not None:  # its answer is kept: the load below does not ask again
+                latest = await asyncio.wait_for(self.learner.latest.remote(GENERAL), learner_wait_s)
+                if latest is not None:
+                    self.published.offer(GENERAL, *latest)
             await self.preload(GENERAL)
         except Exception as e:  # noqa: BLE001 - the first request loads it instead
             log.warning("the general draft did not load at start (%s: %s); the first request loads it", type(e).__name__, e)

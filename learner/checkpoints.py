@@ -66,7 +66,8 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _all_finite(tensors) -> bool:
+def all_finite(tensors) -> bool:
+    """Every value of every tensor finite (no NaN, no Inf)."""
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
@@ -117,12 +118,12 @@ class DraftCheckpoints:
             state, _meta = read_adapter(path, self.base(model))
             if set(state) != set(adapter_state(model)):
                 raise ValueError("not a version of this adapter draft (its adapters differ)")
-            if not _all_finite(state.values()):
+            if not all_finite(state.values()):
                 raise ValueError("non-finite weights")
             model.load_state_dict(state, strict=False)
             return keep_ids
         saved, keep, _meta = load_draft(path)  # a whole draft (the only form before adapter checkpoints)
-        if not _all_finite(saved.parameters()):
+        if not all_finite(saved.parameters()):
             raise ValueError("non-finite weights")
         n_head = model.get_output_embeddings().weight.shape[0]
         if keep is not None and len(keep) != n_head:

@@ -41,7 +41,7 @@ import torch
 
 from speculative.adapters import adapter_parameters, adapter_state, add_adapters, has_adapters, load_state, share_base
 from config.learner import LearnerConfig
-from learner.checkpoints import DraftCheckpoints, draft_folder
+from learner.checkpoints import DraftCheckpoints, all_finite, draft_folder
 from learner.live import LiveWatch, Verdict
 from learner.losses import SparseDist, get_loss
 from learner.offline import (Sample, draft_loss, set_trainable, to_student_space, top1_hits_on,
@@ -131,10 +131,6 @@ def _same_width(samples: list[Sample]) -> list[Sample]:
 
 def _state_numpy(model: torch.nn.Module) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().clone().numpy() for k, v in model.state_dict().items()}
-
-
-def _all_finite(model: torch.nn.Module) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 def _rate(hits: torch.Tensor) -> float | None:
@@ -417,7 +413,7 @@ class DraftTrainer:
             load_state(model, {k: torch.as_tensor(v) for k, v in candidate.items()})
         else:
             model = candidate
-        if not _all_finite(model):
+        if not all_finite(model.parameters()):
             return False, "non-finite parameter"
         if loss is not None and not math.isfinite(loss):
             return False, "non-finite loss"
