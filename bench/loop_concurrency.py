@@ -60,13 +60,14 @@ async def _level(pool, engine, texts: list[str], concurrency: int, max_tokens: i
             text = queue.pop(0)
             req = GenerateRequest(request_id=uuid.uuid4().hex, params=SamplingParams(max_tokens=max_tokens),
                                   messages=[{"role": "user", "content": text}])
-            t0, ids = time.perf_counter(), []
+            t0, ids, seen = time.perf_counter(), [], False
             async for item in pool.generate(req, engine):
                 if isinstance(item, Refused):
                     raise RuntimeError(item.error)
-                if isinstance(item, Chunk) and item.tokens:
-                    if not ids:
+                if isinstance(item, Chunk):
+                    if item.text and not seen:  # time to first text, as a client sees it
                         ttft.append(time.perf_counter() - t0)
+                        seen = True
                     ids += item.tokens
             outputs[i] = ids
 

@@ -370,7 +370,10 @@ class DraftPool:
         self.running += 1
         record = RecordBuilder() if self.learner is not None and engine.learned_draft is not None else None
         waited = 0.0  # seconds this request waited on verification (hop + batching + target compute)
-        interval, sent_at = self.cfg.drafts.stream_interval_s, -math.inf  # the first step at once
+        # the first text at once, then at most one chunk an interval; a step whose text is held
+        # back (the detokeniser keeps the newest token until the next one shows it is final, so the
+        # prefill's token alone has none) waits for text instead of starting the interval's clock
+        interval, sent_at = self.cfg.drafts.stream_interval_s, -math.inf
         held_text: list[str] = []
         held_tokens: list[int] = []
         try:
@@ -392,7 +395,7 @@ class DraftPool:
                 held_text.append(detok.finish(output) if res.finished else detok.update(output))
                 held_tokens += res.emitted
                 now = time.perf_counter()
-                if res.finished or now - sent_at >= interval:  # steps closer than the interval travel together
+                if res.finished or (now - sent_at >= interval and (interval == 0 or any(held_text))):
                     yield Chunk("".join(held_text), held_tokens)
                     held_text, held_tokens, sent_at = [], [], now
             s = st.stats
