@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Callable, Generator, Iterator, Sequence
 
 import torch
+import yaml
 
 from config import QUANTIZE_CHOICES, KPolicyConfig, SamplingParams, layer_list
 from learner.offline import DistillConfig, collect_teacher_data, distill
@@ -846,6 +847,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", default=None, help="write the result JSON here")
         p.add_argument("--png", default=None, help="write the plot here")
         p.add_argument("--quiet", action="store_true")
+        p.add_argument("--config", default=None, help=CONFIG_HELP)
         if name == "shift":
             p.add_argument("--order", default=",".join(DEFAULT_SHIFT_ORDER), help="domain block order")
             p.add_argument("--fractions", default="0.3,0.5,0.7,1.0")
@@ -891,6 +893,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--json", default=None)
     x.add_argument("--png", default=None)
     x.add_argument("--quiet", action="store_true")
+    x.add_argument("--config", default=None, help=CONFIG_HELP)
     r = sub.add_parser("report", help="the figures of online / shift / mixture result JSONs, from their per-request rows")
     r.add_argument("json", nargs="+", help="result files written with --json")
     r.add_argument("--segment", type=int, default=20, help="alpha per this many requests")
@@ -924,11 +927,53 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--compile", action="store_true", help="lean runtime: fuse its layers with torch.compile at start (see ModelConfig.compile)")
     o.add_argument("--json", default=None)
     o.add_argument("--quiet", action="store_true")
+    o.add_argument("--config", default=None, help=CONFIG_HELP)
     return ap
 
 
+CONFIG_HELP = ("a YAML file of this command's options, by name (max_tokens: 32, methods: static,online, "
+               "workload: [a.jsonl, b.jsonl], interleave: true); options given on the command line win")
+
+
+def config_argv(path: str | Path) -> list[str]:
+    """The options of an experiment's YAML file as command-line words, so that the parser checks
+    them as it checks flags (unknown names, choices, types): ``max_tokens: 32`` -> ``--max-tokens
+    32``; a list gives several values; ``true`` gives a switch alone and ``false`` leaves it off."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise SystemExit(f"{path}: an experiment's config is a mapping of option names to values")
+    words: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag == "--config":
+            raise SystemExit(f"{path}: a config file cannot name another (config: {value})")
+        if value is True:
+            words.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):
+            words += [flag, *(str(v) for v in value)]
+        elif isinstance(value, dict):
+            raise SystemExit(f"{path}: {key} takes a value or a list, not a mapping")
+        else:
+            words += [flag, str(value)]
+    return words
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line; with ``--config FILE``, the file's options first and the command line's
+    after them, so that what is typed wins."""
+    ap = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(argv)
+    if getattr(args, "config", None) is None:
+        return args
+    at = argv.index(args.cmd) + 1
+    return ap.parse_args(argv[:at] + config_argv(args.config) + argv[at:])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if args.cmd == "report":
         for path in args.json:
             print(f"== {path}")

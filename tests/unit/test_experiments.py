@@ -532,3 +532,42 @@ def test_stream_starts_the_round_budget_before_each_round(factory):
     finally:
         learner.close()
     assert budget.starts == 3 and any("round" in r for r in res["rows"])
+
+
+def test_an_experiment_reads_its_options_from_a_yaml_file_and_the_command_line_wins(tmp_path):
+    from bench.experiments import parse_args
+
+    flags = ["shift", "--workload", "a.jsonl", "b.jsonl", "--domains", "sql", "code", "--n", "120", "--max-tokens", "32",
+             "--methods", "static,online", "--interleave", "--lr", "0.001", "--feature-layers", "2,15", "--fractions", "1.0"]
+    cfg = tmp_path / "exp.yaml"
+    cfg.write_text("workload: [a.jsonl, b.jsonl]\ndomains: [sql, code]\nn: 120\nmax_tokens: 32\nmethods: static,online\n"
+                   "interleave: true\nadaptive: false\nlr: 0.001\nfeature_layers: '2,15'\nfractions: '1.0'\n")
+    from_file = parse_args(["shift", "--config", str(cfg)])
+    assert vars(from_file) == {**vars(parse_args(flags)), "config": str(cfg)}
+    assert from_file.workload == ["a.jsonl", "b.jsonl"] and from_file.n == 120 and from_file.feature_layers == [2, 15]
+    assert from_file.interleave and not from_file.adaptive
+    typed = parse_args(["shift", "--n", "7", "--config", str(cfg), "--lr", "0.5"])  # typed options win, before or after
+    assert typed.n == 7 and typed.lr == 0.5 and typed.max_tokens == 32
+
+
+@pytest.mark.parametrize("text", ["n_records: 3\n", "quantize: int3\n", "n: many\n", "config: other.yaml\n",
+                                  "- n\n- 3\n", "order: {a: 1}\n"])
+def test_an_experiment_config_with_an_unknown_option_or_a_bad_value_is_refused(tmp_path, text):
+    from bench.experiments import parse_args
+
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(text)
+    with pytest.raises(SystemExit):
+        parse_args(["online", "--config", str(cfg)])
+
+
+def test_the_shipped_experiment_configs_parse():
+    from pathlib import Path
+
+    from bench.experiments import parse_args
+
+    shipped = sorted((Path(__file__).resolve().parents[2] / "bench" / "configs").glob("*.yaml"))
+    assert shipped
+    for path in shipped:
+        args = parse_args(["shift", "--config", str(path)])
+        assert args.draft_adapter == "shipped" and args.adapter_rank == 16 and args.order == "sql,code"
