@@ -31,8 +31,9 @@ class RouterConfig(_Strict):
 
     mode: Literal["supervised", "clusters", "both"] = "both"
     #: labelled examples (a workload JSONL, e.g. bench/data/router_train.jsonl) the classifier is
-    #: fitted on when a router deployment starts without a saved state (modes supervised / both);
-    #: None: no classifier unless a saved router brings one
+    #: fitted on when a router deployment starts without a saved state: in modes supervised / both
+    #: it routes by them; in mode clusters they only name the discovered domains close to one
+    #: (``... (near sql)``); None: no classifier unless a saved router brings one
     examples: str | None = None
     # features
     max_chars: int = Field(default=2000, ge=16)  # text cut before language id and embedding

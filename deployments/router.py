@@ -34,7 +34,7 @@ class RouterServer:
         loaded = load_state(state_dir, cfg, self.router.extractor) if state_dir is not None else None
         if loaded is not None:
             self.router = loaded
-        elif cfg.examples and cfg.mode != "clusters":  # named domains from labelled examples
+        elif cfg.examples:  # named domains from labelled examples (mode clusters: they name clusters only)
             fit_examples(self.router, cfg.examples)
         self.saved_at = self.router.t
         # load the embedder and language id now, at the longest input the embedder takes (its
@@ -86,7 +86,7 @@ class RouterServer:
         self._events()
         self.meter.set("osd_router_clusters", len(self.router.clusters.clusters))
         self.meter.set("osd_router_drafts", len(self.router.drafts))
-        self.router.clusters.refresh_names()
+        self.router.refresh_names()
         self.meter.replace("osd_domain_info", {(c.key, c.name): 1 for c in self.router.clusters.clusters.values() if c.name})
         return self.meter.snapshot()
 

@@ -53,7 +53,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import numpy as np
 from scipy import sparse
@@ -194,6 +194,19 @@ class DomainClassifier:
 
     def typical(self, label: str, score: float) -> bool:
         return score >= self.thresholds.get(label, -1.0)
+
+    def nearest_typical(self, X: np.ndarray) -> list[str | None]:
+        """For each embedding X [n, d], the named label it is most typical of, where it is typical
+        of one (its typicality at or above the label's calibrated threshold, as a routed query must
+        be), else None: what a discovered domain is close to."""
+        X = np.asarray(X, dtype=np.float32)
+        if not self.examples or not len(X):
+            return [None] * len(X)
+        labels = sorted(self.examples)
+        scores = np.stack([self._knn(self.examples[c], X) for c in labels], axis=1)  # [n, labels]
+        margin = scores - np.array([self.thresholds.get(c, -1.0) for c in labels])  # [n, labels]
+        best = margin.argmax(axis=1)
+        return [labels[j] if margin[i, j] >= 0 else None for i, j in enumerate(best)]
 
     def predict(self, X: np.ndarray, texts: Sequence[str] | None = None) -> tuple[list[str], np.ndarray]:
         """Labels [n] (``BACKGROUND`` among them, if it was trained) and their probabilities [n] for
@@ -449,14 +462,20 @@ class OnlineClusters:
                                                       f"alpha {c.alpha:.2f} < {cfg.spawn_alpha}"))
         return events
 
-    def refresh_names(self) -> None:
+    def refresh_names(self, near: Callable[[np.ndarray], list[str | None]] | None = None) -> None:
         """Name every cluster from the words counted so far (:func:`name_clusters`), when some were
         counted since the last time: done where names are read (the operator's views, every few
-        seconds at most), not on every routed query, since it scores every cluster's words."""
+        seconds at most), not on every routed query, since it scores every cluster's words.
+        ``near``: centroids [m, d] -> the named domain each is close to, or None; a close one is
+        added to the name (``select table customers (near sql)``)."""
         if self._renamed:
             return
-        for cid, name in name_clusters(list(self.clusters.values())).items():
-            self.clusters[cid].name = name
+        clusters = list(self.clusters.values())
+        close = near(np.stack([c.centroid for c in clusters])) if near is not None and clusters else [None] * len(clusters)
+        names = name_clusters(clusters)
+        for c, domain in zip(clusters, close):
+            name = names[c.id]
+            c.name = name if domain is None else f"{name} (near {domain})" if name else f"near {domain}"
         self._renamed = True
 
     def _remove(self, c: Cluster, reason: str) -> ClusterEvent:

@@ -357,9 +357,14 @@ class Router:
         out, self._events = self._events, []
         return out
 
+    def refresh_names(self) -> None:
+        """The discovered domains' names (:meth:`OnlineClusters.refresh_names`), each with the
+        named domain it is close to when the classifier knows named domains."""
+        self.clusters.refresh_names(self.classifier.nearest_typical if self.classifier.fitted else None)
+
     def summary(self) -> dict:
         """Drafts, clusters and per-domain acceptance estimates, for logs and dashboards."""
-        self.clusters.refresh_names()
+        self.refresh_names()
         return {
             "t": self.t, "mode": self.cfg.mode, "classes": self.classifier.classes,
             "drafts": {d: {"domain": dom, "value": round(self.value(d), 2)} for d, dom in self.drafts.items()},

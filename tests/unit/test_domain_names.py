@@ -96,3 +96,46 @@ def test_names_reach_the_metrics_as_an_info_gauge_that_follows_renames():
     assert hub.stats()["acceptance"]["c0/en"]["name"] == "select table orders2500"
     assert hub.stats(tenant="alice", admin=False)["domain_names"] == {"c0/en": "select table orders2500"}
     assert hub.stats(tenant="bob", admin=False)["domain_names"] == {}  # another tenant's domain: not its name
+
+
+def test_a_cluster_close_to_a_named_domain_carries_its_name_and_one_far_from_every_named_domain_does_not(extractor):
+    """Mode clusters with a classifier fitted on examples of two kinds (sql, python): routing stays
+    by clusters, and each cluster of those kinds is named as near its kind; clusters of the two
+    kinds the classifier never saw (cooking, travel) are near none."""
+    rng = random.Random(1)
+    router = Router(RouterConfig(mode="clusters", lexical=False, background=False), extractor=extractor)
+    examples = [(kind, q) for kind in ("sql", "python") for q in _queries(kind, 16, rng)]
+    router.fit([q for _, q in examples], [kind for kind, _ in examples], ["en"] * len(examples))
+    queries = [(kind, q) for kind in KINDS for q in _queries(kind, 10, rng)]
+    rng.shuffle(queries)
+    kinds_of = defaultdict(Counter)
+    for kind, q in queries:
+        route = router.route(q)
+        assert route.domain.startswith("c")  # still routed by cluster
+        kinds_of[route.domain][kind] += 1
+    router.refresh_names()
+    seen = Counter()
+    for c in router.clusters.clusters.values():
+        if c.count < 3:
+            continue
+        kind = kinds_of[c.key].most_common(1)[0][0]
+        assert c.name is not None
+        if kind in ("sql", "python"):
+            assert c.name.endswith(f"(near {kind})"), (c.key, c.name)
+        else:
+            assert "near" not in c.name, (c.key, c.name, kind)
+        seen[kind] += 1
+    assert all(seen[k] for k in KINDS), seen
+
+
+def test_the_nearest_typical_label_by_hand():
+    from router.domains import DomainClassifier
+
+    clf = DomainClassifier()
+    e = np.eye(4, dtype=np.float32)
+    clf.examples = {"a": e[[0]], "b": e[[1]]}
+    clf.thresholds = {"a": 0.9, "b": 0.5}
+    rows = np.array([[1, 0, 0, 0], [0.6, 0.8, 0, 0], [0.8, 0.6, 0, 0], [0, 0, 1, 0]], np.float32)
+    # row 2: closer to a (0.8) than to b (0.6), but a wants 0.9: b (0.6 >= 0.5) is the typical one
+    assert clf.nearest_typical(rows) == ["a", "b", "b", None]
+    assert DomainClassifier().nearest_typical(rows) == [None] * 4  # no examples: no named domain

@@ -483,7 +483,10 @@ def test_the_router_deployment_fits_its_examples_at_start(train, held_out, tmp_p
     assert len(server.router.classifier.examples["chat"]) == sum(r.domain == "chat" for r in train)  # no ShareGPT
     routes = server.router.route_batch([r.text for r in held_out["dbgpt-example"]])
     assert sum(x.domain == "sql" for x in routes) >= 9
-    assert not RouterServer(RouterConfig(mode="clusters", examples=str(examples))).router.classifier.fitted
+    # mode clusters: the examples only name the clusters close to them; every query is routed by cluster
+    clusters = RouterServer(RouterConfig(mode="clusters", examples=str(examples))).router
+    assert clusters.classifier.classes == ["chat", "code", "math", "sql"]
+    assert all(x.domain not in clusters.classifier.classes for x in clusters.route_batch([r.text for r in held_out["dbgpt-example"]]))
     server.save()
     examples.write_text("")  # a saved router is reloaded, the examples not read again
     again = RouterServer(RouterConfig(mode="both", examples=str(examples)), state_dir=str(tmp_path / "state"))

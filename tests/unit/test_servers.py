@@ -112,7 +112,7 @@ def test_only_snapshots_are_merged(loop):
     assert a.meter.replica not in server.hub.gauges
 
 
-def test_the_router_fits_its_examples_only_when_it_names_domains(tmp_path):
+def test_the_router_fits_its_examples_when_given_and_in_mode_clusters_routes_by_cluster_still(tmp_path):
     from workloads import WorkloadRecord, save_workload
 
     recs = [WorkloadRecord(f"SELECT col{i} FROM table{i} WHERE id = {i}", "sql", "en", "spider") for i in range(8)]
@@ -120,7 +120,9 @@ def test_the_router_fits_its_examples_only_when_it_names_domains(tmp_path):
     save_workload(recs, tmp_path / "ex.jsonl")
     examples = str(tmp_path / "ex.jsonl")
     assert RouterServer(RouterConfig(mode="both", examples=examples, background=False)).router.classifier.fitted
-    assert not RouterServer(RouterConfig(mode="clusters", examples=examples)).router.classifier.fitted
+    clusters = RouterServer(RouterConfig(mode="clusters", examples=examples, background=False)).router
+    assert clusters.classifier.fitted  # to name the clusters close to a named domain
+    assert clusters.route("SELECT col3 FROM table3 WHERE id = 3").domain not in ("sql", "math")
     assert not RouterServer(RouterConfig(mode="both")).router.classifier.fitted  # no examples: nothing named
 
 
