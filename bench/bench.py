@@ -163,7 +163,7 @@ def run_bench(
     alone = SpeculativeEngine(engine.target, engine.tokenizer, None, engine.cfg)  # target-only, runtime served
     lookup = None
     if "spec_lookup" in methods:
-        cfg = engine.cfg.model_copy(update={"draft": DraftConfig(kind="ngram")})
+        cfg = engine.cfg.model_copy(update={"draft": DraftConfig(proposers=["ngram"])})
         lookup = SpeculativeEngine(engine.target, engine.tokenizer, NgramProposer(cfg.draft.ngram), cfg)
         lookup.costs.verify_s.update(engine.costs.verify_s)
         lookup.costs.draft_s["ngram"] = 0.0
@@ -374,11 +374,14 @@ def engine_config_from_args(args) -> EngineConfig:
         model=ModelConfig(name=args.target, device=getattr(args, "device", "cpu"), dtype=getattr(args, "dtype", "float32"),
                           quantize=args.quantize, compile=getattr(args, "compile", False)),
         draft=DraftConfig(
-            kind=args.draft,
+            # --draft ngram / none: prompt lookup alone / target-only; else the learned draft, after
+            # prompt lookup with --ngram-first
+            proposers=(["ngram"] if args.draft == "ngram" else [] if args.draft == "none" else
+                       ["ngram", "draft"] if args.ngram_first else ["draft"]),
+            kind=args.draft if args.draft in ("truncated", "fresh", "path") else "truncated",
             num_layers=args.draft_layers,
             path=args.draft_path,
             head_vocab=args.head_vocab,
-            ngram_first=args.ngram_first,
             checkpoint=args.draft_checkpoint,
             adapter=getattr(args, "draft_adapter", None),
         ),

@@ -5,7 +5,7 @@ its own per level, greedy). Reports aggregate tokens/s and what the engine loop'
 were made of (sequences and tokens per forward, the target's compute), so that the server's
 figures (``osd bench-serve``) can be split into what the loop gives and what the transport takes.
 
-``--draft none`` serves target-only through the same loop (continuous batching, no speculation).
+``--proposers`` (none listed) serves target-only through the same loop (continuous batching, no speculation).
 """
 
 from __future__ import annotations
@@ -19,18 +19,21 @@ from bench.bench import select, write_json
 from bench.serve_bench import DEFAULT_WORKLOAD
 
 
-def build_pool(config: str | None, draft: str | None, torch_attention: bool = False):
-    """The serve config's engine replica (co-located placement), learner off; ``torch_attention``:
-    its target attends with torch ops instead of the native kernel (speculative/attend.py)."""
+def build_pool(config: str | None, proposers: list[str] | None = None, torch_attention: bool = False):
+    """The serve config's engine replica (co-located placement), learner off; ``proposers``: these
+    instead of the config's (``[]``: target-only); ``torch_attention``: its target attends with
+    torch ops instead of the native kernel (speculative/attend.py)."""
     from deployments.drafts import DraftPool
     from deployments.launch import read_config
 
     _, cfg, _ = read_config(config) if config else read_config()
-    if draft is not None:
-        cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={
-            "draft": cfg.engine.draft.model_copy(update={"kind": draft, "use_suffix": draft != "none" and cfg.engine.draft.use_suffix,
-                                                        "ngram_first": draft != "none" and cfg.engine.draft.ngram_first,
-                                                        "adapter": cfg.engine.draft.adapter if draft == "truncated" else None})})})
+    if proposers is not None:
+        from config import DraftConfig
+
+        draft = cfg.engine.draft.model_dump()
+        draft.update(proposers=proposers, select=draft["select"] if proposers else "order",
+                     adapter=draft["adapter"] if "draft" in proposers else None)
+        cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"draft": DraftConfig.model_validate(draft)})})
     pool = DraftPool(cfg.model_copy(update={"placement": "colocated"}))
     if torch_attention:
         pool.loop.target.attention_kernel = None
@@ -90,16 +93,16 @@ async def _level(pool, engine, texts: list[str], concurrency: int, max_tokens: i
     }
 
 
-def run(config: str | None, draft: str | None, workload: str, n: int, levels: list[int], max_tokens: int,
+def run(config: str | None, proposers: list[str] | None, workload: str, n: int, levels: list[int], max_tokens: int,
         torch_attention: bool = False) -> dict:
     from router.router import GENERAL
     from workloads import load_workload
 
-    pool = build_pool(config, draft, torch_attention)
+    pool = build_pool(config, proposers, torch_attention)
     try:
         engine = asyncio.run(pool.engine_for(GENERAL))
         records = select(load_workload(workload), n * len(levels))
-        out = {"config": config, "draft": draft or "config", "workload": workload,
+        out = {"config": config, "proposers": "config" if proposers is None else proposers, "workload": workload,
                "attention": "kernel" if pool.loop.target.attention_kernel is not None else "torch", "n": n, "max_tokens": max_tokens,
                "step_cost": vars(pool.loop.step_cost) if pool.loop.step_cost else None, "levels": []}
         for i, c in enumerate(levels):
@@ -118,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.loop_concurrency", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None, help="serve config (default serve_config.yaml)")
-    ap.add_argument("--draft", default=None, choices=["none", "truncated", "suffix", "ngram"],
-                    help="the draft kind instead of the config's (none: target-only through the same loop)")
+    ap.add_argument("--proposers", nargs="*", default=None, choices=["suffix", "ngram", "draft"],
+                    help="these proposers instead of the config's (none listed: target-only through the same loop)")
     ap.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
     ap.add_argument("--n", type=int, default=24, help="requests per level (each level its own prompts)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-attention", action="store_true", help="the target attends with torch ops, not the native kernel")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    res = run(args.config, args.draft, args.workload, args.n, args.concurrency, args.max_tokens, args.torch_attention)
+    res = run(args.config, args.proposers, args.workload, args.n, args.concurrency, args.max_tokens, args.torch_attention)
     if len(res["levels"]) > 1:
         print(f"concurrency {res['levels'][-1]['concurrency']} / {res['levels'][0]['concurrency']}: "
               f"{res['levels'][-1]['tokens_per_s'] / res['levels'][0]['tokens_per_s']:.2f}x")

@@ -23,7 +23,7 @@ def run(workload: str, n: int, max_tokens: int, threads: int, turns: int = 1) ->
 
     torch.set_num_threads(threads)
     records = load_workload(workload)[:n]
-    engine = build_engine(EngineConfig(model=ModelConfig(), draft=DraftConfig(kind="none")), calibrate=False)
+    engine = build_engine(EngineConfig(model=ModelConfig(), draft=DraftConfig(proposers=[])), calibrate=False)
     cached = engine.target
     cached.prefix_caching = True
     plain = SpeculativeEngine(make_runner(cached.model, "int4", name="target"), engine.tokenizer, None, engine.cfg)

@@ -30,7 +30,7 @@ class AppConfig(_Strict):
     replica_grpc_host: str | None = "127.0.0.1"
     engine: EngineConfig = EngineConfig(
         model=ModelConfig(num_threads=1),
-        draft=DraftConfig(kind="truncated", num_layers=2, ngram_first=True),
+        draft=DraftConfig(proposers=["ngram", "draft"], kind="truncated", num_layers=2),
     )
     target: TargetServeConfig = TargetServeConfig()
     loop: LoopConfig = LoopConfig()

@@ -58,26 +58,30 @@ def layer_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-class DraftConfig(_Strict):
-    """The proposer.
+#: the proposers a config can list: the suffix tree over past traffic, prompt lookup, the learned draft
+ProposerName = Literal["suffix", "ngram", "draft"]
 
-    kind:
+
+class DraftConfig(_Strict):
+    """The proposers: which ones a request's steps may use, and how a step picks among them.
+
+    ``proposers``, in order (empty: target-only decoding):
+      - ``suffix``: the suffix tree over past traffic (settings: ``suffix``)
+      - ``ngram``: prompt lookup in the request's own tokens (settings: ``ngram``)
+      - ``draft``: the learned draft model (``kind`` and the fields after it)
+    ``select``: ``order`` tries them in the list's order and the first with something to propose
+    drafts the step; ``controller`` picks per step the one with the best expected tokens per unit
+    of cost (settings: ``controller``, :class:`ControllerConfig`).
+
+    The learned draft, ``kind``:
       - ``truncated``: the target's first ``num_layers`` decoder layers + final norm + head (copied, trainable)
       - ``fresh``: a randomly initialised ``num_layers``-layer model of the target's architecture
         sharing (a copy of) the target's embeddings
       - ``path``: any causal LM at ``path`` (must share the target's vocabulary)
-      - ``ngram``: model-free prompt lookup only
-      - ``suffix``: model-free suffix tree over past traffic only (``suffix`` holds its settings)
       - ``feature``: one decoder layer over the target's own features (EAGLE-style,
         ``speculative.feature``), initialised from the target's last layer, learned online
-      - ``none``: no proposer (target-only decoding)
     ``head_vocab``: keep only the N most frequent target tokens in the draft's output head
     (the 49152-row head dominates a small draft's cost); ids are mapped back to the target's.
-    ``ngram_first``: try prompt lookup before the learned draft on every step.
-    ``use_suffix``: add the suffix tree over past traffic to a model kind (in the fixed order it is
-    tried first, before prompt lookup and the draft); ``suffix`` holds its settings.
-    ``controller``: instead of trying proposers in a fixed order, pick per step the one with the
-    best expected tokens per unit of cost (see :class:`ControllerConfig`); None: the fixed order.
     ``checkpoint``: a saved draft (``osd train-draft`` output) to load instead of building one;
     ``"default"`` is the general starting draft that ``osd distill`` builds and caches.
     ``feature_layers`` (kind ``feature``): target decoder layers (0-based, before the last) whose
@@ -89,15 +93,15 @@ class DraftConfig(_Strict):
     trains these adapters per domain.
     """
 
-    kind: Literal["truncated", "fresh", "path", "feature", "ngram", "suffix", "none"] = "truncated"
+    proposers: list[ProposerName] = ["draft"]
+    select: Literal["order", "controller"] = "order"
+    ngram: NgramConfig = NgramConfig()
+    suffix: SuffixConfig = SuffixConfig()
+    controller: ControllerConfig = ControllerConfig()
+    kind: Literal["truncated", "fresh", "path", "feature"] = "truncated"
     num_layers: int = Field(default=2, ge=1)
     path: str | None = None
     head_vocab: int | None = Field(default=None, ge=16)
-    ngram_first: bool = False
-    ngram: NgramConfig = NgramConfig()
-    use_suffix: bool = False
-    suffix: SuffixConfig = SuffixConfig()
-    controller: ControllerConfig | None = None
     checkpoint: str | None = None
     feature_layers: list[int] = []
     adapter: str | None = None
@@ -106,15 +110,42 @@ class DraftConfig(_Strict):
     #: takes its domain's (d-chat-es: "chat/es", else "chat"); tenants' copies their draft's
     domain_checkpoints: dict[str, str] = {}
 
+    @property
+    def learned(self) -> bool:
+        """Whether a learned draft model is among the proposers."""
+        return "draft" in self.proposers
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_way(cls, data):
+        """Settings of the earlier form, refused with the way to write them now."""
+        if not isinstance(data, dict):
+            return data
+        old = [k for k in ("ngram_first", "use_suffix") if k in data]
+        if old or data.get("kind") in ("ngram", "suffix", "none"):
+            raise ValueError(
+                f"draft.{old[0] if old else 'kind: ' + str(data['kind'])} is gone: list the proposers in draft.proposers "
+                "(suffix, ngram, draft, in the order tried), e.g. proposers: [suffix, ngram, draft]; [ngram] for prompt "
+                "lookup alone; [] for target-only decoding")
+        if "controller" in data and "select" not in data:
+            raise ValueError("draft.controller holds the controller's settings; choose it with draft.select: controller "
+                             "(or select: order to keep a fixed order)")
+        return data
+
     @model_validator(mode="after")
-    def _path_needed(self) -> "DraftConfig":
+    def _consistent(self) -> "DraftConfig":
+        if len(set(self.proposers)) != len(self.proposers):
+            raise ValueError(f"draft.proposers lists a proposer twice: {self.proposers}")
+        if self.select == "controller" and not self.proposers:
+            raise ValueError("draft.select: controller needs at least one proposer in draft.proposers")
         if self.kind == "path" and not self.path:
             raise ValueError("draft.kind='path' needs draft.path (a model folder or HF id)")
-        if self.domain_checkpoints and self.kind in ("ngram", "suffix", "none"):
-            raise ValueError(f"draft.domain_checkpoints needs a learned draft, not draft.kind={self.kind!r}")
-        if self.adapter and (self.kind != "truncated" or self.checkpoint):
+        if self.domain_checkpoints and not self.learned:
+            raise ValueError(f"draft.domain_checkpoints needs a learned draft ('draft' in draft.proposers), not {self.proposers}")
+        if self.adapter and (self.kind != "truncated" or self.checkpoint or not self.learned):
             raise ValueError(f"draft.adapter starts a built truncated draft, not kind={self.kind!r}"
-                             f"{' with a checkpoint' if self.checkpoint else ''}")
+                             f"{' with a checkpoint' if self.checkpoint else ''}"
+                             f"{'' if self.learned else ' without a draft in draft.proposers'}")
         if self.feature_layers and self.kind != "feature":
             raise ValueError(f"draft.feature_layers is for draft.kind='feature', not {self.kind!r}")
         if len(set(self.feature_layers)) != len(self.feature_layers) or any(i < 0 for i in self.feature_layers):

@@ -30,7 +30,7 @@ def build(cfg: AppConfig, options: dict[str, dict] | None = None) -> Application
     def dep(d):
         return d.options(**opts[d.name]) if d.name in opts else d
 
-    learner = dep(Learner).bind(cfg) if cfg.learner.enabled and cfg.engine.draft.kind not in ("ngram", "none") else None
+    learner = dep(Learner).bind(cfg) if cfg.learner.enabled and cfg.engine.draft.learned else None
     router = dep(RouterDeployment).bind(cfg.router, cfg.replica_grpc_host, cfg.metrics,
                                         str(cfg.learner.root() / "router"), cfg.router_save_s, learner)
     target = dep(Target).bind(cfg.engine.model, cfg.target, cfg.engine.k.k_max, cfg.replica_grpc_host, cfg.metrics) \

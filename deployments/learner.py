@@ -49,7 +49,7 @@ class LearnerServer:
         tok = load_tokenizer(cfg.engine.model.name)
         learned = learned_draft(build_proposer(cfg.engine.draft, target, tok))
         if learned is None:
-            raise ValueError(f"the learner needs a learned draft; draft kind {cfg.engine.draft.kind!r} has none")
+            raise ValueError(f"the learner needs a learned draft; draft.proposers {cfg.engine.draft.proposers} has none")
         base, keep_ids = learned.runner.model, learned.runner.vocab_map
         # named domains' own starting drafts: (model, keep ids) by domain, as the pool builds them
         starts = {d: (r.model, r.vocab_map) for d, p in domain_proposers(cfg.engine.draft, target, tok).items()

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from config import ControllerConfig, DraftConfig, EngineConfig, ModelConfig
+from config import DraftConfig, EngineConfig, ModelConfig
 from speculative.adapters import adapter_rank, adapter_state, add_adapters, load_state
 from speculative.engine import SpeculativeEngine
 from speculative.publish import publish_folder
@@ -301,11 +301,10 @@ def build_draft_model(
 
         keep = frequent_token_ids(target_tok, cfg.head_vocab, texts) if cfg.head_vocab else None
         return feature_draft(target, keep, cfg.feature_layers).to(target.device), keep
-    elif cfg.kind == "path":
+    else:  # path
+        assert cfg.path is not None  # DraftConfig checks it
         check_same_vocab(target_tok, load_tokenizer(cfg.path))  # refused before any weights load
         draft = load_weights(ModelConfig(name=cfg.path, dtype=str(target.dtype).removeprefix("torch.")))
-    else:
-        raise ValueError(f"draft kind {cfg.kind!r} has no model")
     keep = None
     if cfg.head_vocab:
         keep = frequent_token_ids(target_tok, cfg.head_vocab, texts)
@@ -319,31 +318,31 @@ def build_proposer(
     cfg: DraftConfig, target: PreTrainedModel, target_tok: PreTrainedTokenizerBase, texts: Iterable[str] = (),
     quantize: str = "none",
 ):
-    """The proposer for ``cfg``: None (target only), prompt lookup, the suffix tree, a learned
-    draft, or several of them, tried in a fixed order (suffix tree, prompt lookup, draft) or chosen
-    per step by the controller. The draft runs on the runtime ``quantize`` names (as the target's;
-    ``ModelConfig.quantize``)."""
-    if cfg.kind == "none":
-        return None
+    """The proposer for ``cfg``: None (no proposer: target only), one proposer, or the listed ones
+    tried in their order or chosen per step by the controller (``cfg.select``). The learned draft
+    runs on the runtime ``quantize`` names (as the target's; ``ModelConfig.quantize``)."""
     parts = []
-    if cfg.kind == "suffix" or cfg.use_suffix:
-        from speculative.suffix import SuffixProposer  # needs arctic-inference: only when asked for
+    for name in cfg.proposers:
+        if name == "suffix":
+            from speculative.suffix import SuffixProposer  # needs arctic-inference: only when asked for
 
-        parts.append(SuffixProposer(cfg.suffix))
-    if cfg.kind == "ngram" or cfg.ngram_first:
-        parts.append(NgramProposer(cfg.ngram))
-    if cfg.kind == "feature":
-        from speculative.runtime import resolve_quantize
-        from speculative.feature import FeatureDraftProposer, FeatureRunner
+            parts.append(SuffixProposer(cfg.suffix))
+        elif name == "ngram":
+            parts.append(NgramProposer(cfg.ngram))
+        elif cfg.kind == "feature":
+            from speculative.feature import FeatureDraftProposer, FeatureRunner
+            from speculative.runtime import resolve_quantize
 
-        draft, keep = build_draft_model(cfg, target, target_tok, texts)
-        mode = resolve_quantize(quantize, target)  # the draft's head in the runtime's bits
-        runner = FeatureRunner(draft, keep, head_bits={"int4": 4, "int8": 8}.get(mode))
-        parts.append(FeatureDraftProposer(runner, target.config.vocab_size))
-    elif cfg.kind not in ("ngram", "suffix"):
-        draft, keep = build_draft_model(cfg, target, target_tok, texts)
-        parts.append(DraftModelProposer(make_runner(draft, quantize, keep, name="draft", draft=True), target.config.vocab_size))
-    if cfg.controller is not None:
+            draft, keep = build_draft_model(cfg, target, target_tok, texts)
+            mode = resolve_quantize(quantize, target)  # the draft's head in the runtime's bits
+            runner = FeatureRunner(draft, keep, head_bits={"int4": 4, "int8": 8}.get(mode))
+            parts.append(FeatureDraftProposer(runner, target.config.vocab_size))
+        else:
+            draft, keep = build_draft_model(cfg, target, target_tok, texts)
+            parts.append(DraftModelProposer(make_runner(draft, quantize, keep, name="draft", draft=True), target.config.vocab_size))
+    if not parts:
+        return None
+    if cfg.select == "controller":
         return ControllerProposer(*parts, probe_every=cfg.controller.probe_every)
     return parts[0] if len(parts) == 1 else ChainedProposer(*parts)
 
@@ -357,13 +356,14 @@ def domain_proposers(cfg: DraftConfig, target: PreTrainedModel, target_tok: PreT
             for d, path in cfg.domain_checkpoints.items()}
 
 
-def controller_over(learned=None, cfg: DraftConfig = DraftConfig(use_suffix=True, controller=ControllerConfig())):
+def controller_over(learned=None, cfg: DraftConfig = DraftConfig()):
     """The controller over a fresh suffix tree, prompt lookup and ``learned`` (an existing learned
-    draft's proposer, when given): what the experiments and the bench compare with ``cfg``'s settings."""
+    draft's proposer, when given): what the experiments and the bench compare, with ``cfg``'s
+    settings of each."""
     from speculative.suffix import SuffixProposer
 
     parts = [SuffixProposer(cfg.suffix), NgramProposer(cfg.ngram)] + ([learned] if learned is not None else [])
-    return ControllerProposer(*parts, probe_every=(cfg.controller or ControllerConfig()).probe_every)
+    return ControllerProposer(*parts, probe_every=cfg.controller.probe_every)
 
 
 def build_engine(cfg: EngineConfig = EngineConfig(), texts: Iterable[str] = (), calibrate: bool = True) -> SpeculativeEngine:

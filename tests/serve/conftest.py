@@ -76,8 +76,8 @@ def server(tmp_path_factory):
 
     # ... whose drafts are the other proposers: suffix tree, prompt lookup and a feature-conditioned
     # draft (reading the target's features in the replica), chosen per step by the controller
-    engine = {**app["args"]["engine"], "draft": {"kind": "feature", "use_suffix": True, "ngram_first": True,
-                                                 "controller": {"probe_every": 2}}}
+    engine = {**app["args"]["engine"], "draft": {"kind": "feature", "proposers": ["suffix", "ngram", "draft"],
+                                                 "select": "controller", "controller": {"probe_every": 2}}}
     split = AppConfig.model_validate({**app["args"], "engine": engine, "placement": "split", "learner": {"enabled": False}})
     small = {"ray_actor_options": {"num_cpus": 0.1}}
     serve.run(build(split, {"Ingress": small, "Router": small, "DraftPool": small, "Target": small}), name="split",
@@ -100,7 +100,7 @@ def client(server):
 @pytest.fixture(scope="package")
 def reference():
     """The in-process target alone (no draft), raw prompts as /v1/completions takes them."""
-    engine = build_engine(EngineConfig(draft=DraftConfig(kind="none"), chat_template=False), calibrate=False)
+    engine = build_engine(EngineConfig(draft=DraftConfig(proposers=[]), chat_template=False), calibrate=False)
     return engine
 
 

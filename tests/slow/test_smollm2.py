@@ -70,7 +70,7 @@ def test_ngram_greedy_equals_hf(engine, hf_reference):
         ModelRunner(engine.target.model, name="target"),
         engine.tokenizer,
         NgramProposer(NgramConfig(max_n=3, min_n=1)),
-        EngineConfig(draft=DraftConfig(kind="ngram"), k=KPolicyConfig(fixed_k=3)),
+        EngineConfig(draft=DraftConfig(proposers=["ngram"]), k=KPolicyConfig(fixed_k=3)),
     )
     proposed = accepted = 0
     for prompt in PROMPTS:

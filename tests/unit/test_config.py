@@ -50,11 +50,27 @@ def test_draft_config_validation():
         DraftConfig(head_vocab=4)
     with pytest.raises(ValidationError, match="min_n"):
         NgramConfig(min_n=3, max_n=2)
-    for kind in ("ngram", "suffix", "none"):  # a domain's own starting draft needs a learned draft
+    for proposers in (["ngram"], ["suffix", "ngram"], []):  # a domain's own starting draft needs a learned draft
         with pytest.raises(ValidationError, match="domain_checkpoints needs a learned draft"):
-            DraftConfig(kind=kind, domain_checkpoints={"sql": "/d"})
+            DraftConfig(proposers=proposers, domain_checkpoints={"sql": "/d"})
     for kind in ("truncated", "feature"):
         assert DraftConfig(kind=kind, domain_checkpoints={"sql": "/d"}).domain_checkpoints == {"sql": "/d"}
+
+
+def test_the_proposers_are_one_list_and_a_selection_rule_and_the_earlier_form_is_refused_with_the_new_one():
+    cfg = DraftConfig(proposers=["suffix", "ngram", "draft"], select="controller")
+    assert cfg.learned and not DraftConfig(proposers=["suffix"]).learned and DraftConfig().proposers == ["draft"]
+    for bad in ({"proposers": ["ngram", "ngram"]}, {"proposers": ["medusa"]}, {"proposers": [], "select": "controller"},
+                {"select": "best"}):
+        with pytest.raises(ValidationError):
+            DraftConfig(**bad)
+    for old in ({"use_suffix": True}, {"ngram_first": True}, {"kind": "ngram"}, {"kind": "suffix"}, {"kind": "none"}):
+        with pytest.raises(ValidationError, match="is gone: list the proposers in draft.proposers"):
+            DraftConfig(**old)
+    # controller settings alone used to mean "choose by the controller": now the rule is said
+    with pytest.raises(ValidationError, match="choose it with draft.select: controller"):
+        DraftConfig(controller={"probe_every": 3})
+    assert DraftConfig(select="order", controller={"probe_every": 3}).controller.probe_every == 3
 
 
 def test_kpolicy_and_engine_config_validation():

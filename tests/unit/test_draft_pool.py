@@ -21,7 +21,7 @@ from deployments.target import Target
 from inprocess import Handle, LocalPool, app_config, counter, hist, save_tiny_model
 from router.router import GENERAL
 
-SUFFIX = {"draft": {"kind": "suffix", "suffix": {"max_requests": 3, "max_scopes": 2}}}
+SUFFIX = {"draft": {"proposers": ["suffix"], "suffix": {"max_requests": 3, "max_scopes": 2}}}
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,7 @@ def test_steps_closer_than_the_stream_interval_travel_together_first_text_and_la
 
 
 def test_the_step_counts_of_a_model_free_proposer_are_labelled_by_its_name(folder, loop):
-    pool = LocalPool(engine_cfg(folder, draft={"kind": "ngram"}))
+    pool = LocalPool(engine_cfg(folder, draft={"proposers": ["ngram"]}))
     items = loop.run(pool.serve(prompt="abcabcabcabc", n=12))
     spec = items[-1].usage["speculative"]
     assert spec["proposed"] > 0 and spec["draft_version"] == 0
@@ -313,7 +313,7 @@ def test_forgetting_a_tenant_reaches_kept_outputs_the_outbox_and_every_loaded_en
     and a replica that starts afterwards takes in none of them. The trees change on the engine loop."""
     import threading
 
-    cfg = engine_cfg(folder, draft={"kind": "suffix", "suffix": {"max_requests": 16, "max_scopes": 4}})
+    cfg = engine_cfg(folder, draft={"proposers": ["suffix"], "suffix": {"max_requests": 16, "max_scopes": 4}})
     a, b = LocalPool(cfg), LocalPool(cfg)
     a.name, b.name = "r0", "r1"
     a.peers = b.peers = Handle(a, b)

@@ -347,21 +347,27 @@ def test_build_proposer_composes_what_the_config_asks_for(target, tok):
     def kinds(p) -> list[str]:
         return [type(x).__name__ for x in p.proposers]
 
-    assert build_proposer(DraftConfig(kind="none", use_suffix=True), target, tok) is None
-    assert type(build_proposer(DraftConfig(kind="ngram"), target, tok)) is NgramProposer
-    assert type(build_proposer(DraftConfig(kind="suffix"), target, tok)) is SuffixProposer
+    assert build_proposer(DraftConfig(proposers=[]), target, tok) is None
+    assert type(build_proposer(DraftConfig(proposers=["ngram"]), target, tok)) is NgramProposer
+    assert type(build_proposer(DraftConfig(proposers=["suffix"]), target, tok)) is SuffixProposer
     assert type(build_proposer(DraftConfig(kind="truncated", num_layers=1), target, tok)) is DraftModelProposer
-    chain = build_proposer(DraftConfig(kind="truncated", num_layers=1, use_suffix=True, ngram_first=True), target, tok)
+    chain = build_proposer(DraftConfig(proposers=["suffix", "ngram", "draft"], num_layers=1), target, tok)
     assert type(chain) is ChainedProposer and kinds(chain) == ["SuffixProposer", "NgramProposer", "DraftModelProposer"]
-    ctl = build_proposer(DraftConfig(kind="ngram", use_suffix=True, controller=ControllerConfig(probe_every=5)), target, tok)
+    # in the list's order, whatever it is
+    again = build_proposer(DraftConfig(proposers=["draft", "suffix"], num_layers=1), target, tok)
+    assert type(again) is ChainedProposer and kinds(again) == ["DraftModelProposer", "SuffixProposer"]
+    ctl = build_proposer(DraftConfig(proposers=["suffix", "ngram"], select="controller",
+                                     controller=ControllerConfig(probe_every=5)), target, tok)
     assert type(ctl) is ControllerProposer and kinds(ctl) == ["SuffixProposer", "NgramProposer"] and ctl.probe_every == 5
+    one = build_proposer(DraftConfig(proposers=["ngram"], select="controller"), target, tok)
+    assert type(one) is ControllerProposer and kinds(one) == ["NgramProposer"]
     int4 = build_proposer(DraftConfig(kind="truncated", num_layers=1), target, tok, quantize="int4")
     assert int4.runner.head_bits == 4  # a small draft's head (most of its weights) in the layers' bits
     for quantize, bits in (("none", None), ("int8", 8), ("int4", 4)):
         feature = build_proposer(DraftConfig(kind="feature"), target, tok, quantize=quantize)
         assert type(feature) is FeatureDraftProposer and feature.runner.head_bits == bits
     learned = NgramProposer(NgramConfig(max_n=2))
-    over = controller_over(learned, DraftConfig(use_suffix=True))
+    over = controller_over(learned, DraftConfig())
     assert kinds(over) == ["SuffixProposer", "NgramProposer", "NgramProposer"] and over.proposers[-1] is learned
     assert over.probe_every == ControllerConfig().probe_every
     assert kinds(controller_over()) == ["SuffixProposer", "NgramProposer"]
@@ -470,7 +476,7 @@ def test_a_saved_adapter_starts_a_built_draft_where_training_left_it(target, tok
     with pytest.raises(ModelLoadError, match="not a saved adapter"):
         build_draft_model(cfg.model_copy(update={"adapter": str(tmp_path)}), target, tok)
     with pytest.raises(ValueError, match="draft.adapter"):
-        DraftConfig(kind="ngram", adapter=str(tmp_path / "a"))
+        DraftConfig(proposers=["ngram"], adapter=str(tmp_path / "a"))
 
 
 def test_osd_distill_with_an_adapter_rank_writes_the_shipped_adapter_on_the_full_head():

@@ -320,7 +320,7 @@ def test_an_isolated_tenant_gets_nothing_another_tenants_traffic_taught_and_sees
     second answer is drafted from her first); an isolated tenant sending that prompt afterwards is
     drafted exactly as on a fresh server (its own engine, trees and k priors, nothing of alice's), and
     its usage names its own draft and no router cluster, while alice's names hers."""
-    cfg = app_config(folder, engine={"draft": {"kind": "suffix"}})
+    cfg = app_config(folder, engine={"draft": {"proposers": ["suffix"]}})
     body = {"prompt": "Hello world, tell me", "max_tokens": 24, "ignore_eos": True}
 
     def spec(b):
@@ -353,7 +353,7 @@ def test_deleting_a_tenants_records_reaches_every_pool_replicas_kept_outputs_and
     """``DELETE /admin/tenants/{tenant}/records`` (admin key; a tenant's key is refused) is
     broadcast to every draft pool replica: the tenant's outputs leave their kept outputs and the
     trees of their loaded engines, other tenants' stay; without a learner too."""
-    cfg = app_config(folder, engine={"draft": {"kind": "suffix"}})
+    cfg = app_config(folder, engine={"draft": {"proposers": ["suffix"]}})
     pools = [LocalPool(cfg), LocalPool(cfg)]
     a = App(cfg, pools=pools)
     for p in pools:

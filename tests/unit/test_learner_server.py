@@ -214,8 +214,8 @@ def test_rounds_are_counted_by_their_outcome(served):
 def test_a_learner_needs_a_learned_draft(folder, tmp_path):
     cfg = learner_cfg(folder, tmp_path / "l")
     cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"draft": cfg.engine.draft.model_copy(
-        update={"kind": "ngram"})})})
-    with pytest.raises(ValueError, match="the learner needs a learned draft; draft kind 'ngram' has none"):
+        update={"proposers": ["ngram"], "adapter": None})})})
+    with pytest.raises(ValueError, match=r"the learner needs a learned draft; draft.proposers \['ngram'\] has none"):
         LearnerServer(cfg)
 
 

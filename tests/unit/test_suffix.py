@@ -269,12 +269,13 @@ def test_build_proposer_composes_suffix_lookup_and_draft(target, tok):
     from drafts.build import build_proposer
     from speculative.proposers import ChainedProposer, DraftModelProposer
 
-    chain = build_proposer(DraftConfig(num_layers=1, use_suffix=True, ngram_first=True), target, tok)
+    chain = build_proposer(DraftConfig(proposers=["suffix", "ngram", "draft"], num_layers=1), target, tok)
     assert isinstance(chain, ChainedProposer) and chain.sources == ("suffix", "ngram", "draft")
-    ctl = build_proposer(DraftConfig(num_layers=1, use_suffix=True, controller=ControllerConfig(probe_every=5)), target, tok)
+    ctl = build_proposer(DraftConfig(proposers=["suffix", "draft"], select="controller", num_layers=1,
+                                     controller=ControllerConfig(probe_every=5)), target, tok)
     assert isinstance(ctl, ControllerProposer) and ctl.sources == ("suffix", "draft") and ctl.probe_every == 5
     assert isinstance(ctl.draft, DraftModelProposer)
-    assert isinstance(build_proposer(DraftConfig(kind="suffix"), target, tok), SuffixProposer)
+    assert isinstance(build_proposer(DraftConfig(proposers=["suffix"]), target, tok), SuffixProposer)
 
 
 def test_bounds_are_inclusive_exactly_max_tokens_and_max_scopes_are_kept():
