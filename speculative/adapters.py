@@ -18,6 +18,8 @@ base linear's own tensors, so adapter learners of many domains share one base (:
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 from transformers import PreTrainedModel
@@ -58,7 +60,8 @@ def add_adapters(model: nn.Module, rank: int, targets: tuple[str, ...] = TARGETS
     lm_head = getattr(model, "lm_head", None)
     if head and isinstance(lm_head, nn.Linear) and not isinstance(lm_head, LoRALinear):
         model.lm_head = LoRALinear(lm_head, rank, seed=10_000)  # the (possibly tied) weight, frozen
-    for li, layer in enumerate(model.model.layers):
+    layers: nn.ModuleList = model.model.layers  # type: ignore[union-attr,assignment]  # a Llama-style decoder
+    for li, layer in enumerate(layers):
         for parent in (layer.self_attn, layer.mlp):
             for name in targets:
                 lin = getattr(parent, name, None)
@@ -186,9 +189,11 @@ def fused_delta(linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, torch.Ten
     none has an adapter. A linear without one contributes zero rows."""
     if not any(isinstance(lin, LoRALinear) for lin in linears):
         return None
-    dev = linears[0].weight.device
+    assert all(isinstance(lin, nn.Linear) for lin in linears)
+    lins = cast(tuple[nn.Linear, ...], linears)
+    dev = lins[0].weight.device
     parts = [lin.delta() if isinstance(lin, LoRALinear) else
-             (torch.zeros(0, lin.in_features, device=dev), torch.zeros(lin.out_features, 0, device=dev)) for lin in linears]
+             (torch.zeros(0, lin.in_features, device=dev), torch.zeros(lin.out_features, 0, device=dev)) for lin in lins]
     a = torch.cat([p[0] for p in parts])  # [sum r, in]
     b = torch.block_diag(*[p[1] for p in parts])  # [sum out, sum r]
     return a.contiguous(), b.contiguous()

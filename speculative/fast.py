@@ -36,6 +36,8 @@ away (``ModelConfig.quantize = "none"``).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 from transformers import PreTrainedModel
@@ -75,7 +77,19 @@ def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, adapter
     return y
 
 
-class Int8Linear(nn.Module):
+class _PackedLinear(nn.Module):
+    """What the packed linears share: their buffers are tensors, and the linears' low-rank
+    adapters ride beside the packed product."""
+
+    weight: torch.Tensor
+    adapter: tuple[torch.Tensor, torch.Tensor] | None
+
+    def set_adapter(self, linears) -> None:
+        """Take the linears' low-rank adapters (:mod:`speculative.adapters`), or none."""
+        self.adapter = _adapter_of(linears)
+
+
+class Int8Linear(_PackedLinear):
     """y = x W^T + b with W stored as int8, one float scale per output row (symmetric, amax / 127).
     Two kernels, each computing an output row from its input row alone: the native one
     (:mod:`speculative.qmatmul`, the default where it builds and the input width is a multiple of
@@ -83,6 +97,9 @@ class Int8Linear(nn.Module):
     ``aten._weight_int8pack_mm`` (x rounded to bfloat16, the scale too). y comes back in float32.
     Several linears of the same input fuse into one (their rows stacked), which gives the same
     numbers as running them apart."""
+
+    scale: torch.Tensor
+    wsum: torch.Tensor
 
     def __init__(self, *linears: nn.Linear, native: bool = True):
         super().__init__()
@@ -102,10 +119,6 @@ class Int8Linear(nn.Module):
         self.bias, self.splits = _fused_bias(linears)
         self.set_adapter(linears)
 
-    def set_adapter(self, linears) -> None:
-        """Take the linears' low-rank adapters (:mod:`speculative.adapters`), or none."""
-        self.adapter = _adapter_of(linears)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] float -> [M, N] float32
         if self.kernel is not None:
             y = q8_mm(self.kernel, self.weight, self.wsum, self.scale, x)[:, : self.out_features]
@@ -114,7 +127,7 @@ class Int8Linear(nn.Module):
         return _finish(y, x, self.bias, self.adapter)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_PackedLinear):
     """y = x W^T + b with W in 4 bits, asymmetric per group of ``group`` inputs (a scale and a
     minimum per group, like llama.cpp's Q4_1 blocks of 32: the embedded GGUF's weights are Q4_1, so
     a group holds them up to the rounding of its scale and minimum). Two kernels, each computing an
@@ -125,6 +138,9 @@ class Int4Linear(nn.Module):
         to bfloat16; scale and minimum in bfloat16.
     Output rows are padded to a multiple of 16 (both kernels' tile). Fuses several linears like
     :class:`Int8Linear`."""
+
+    dm: torch.Tensor
+    scales_zeros: torch.Tensor
 
     def __init__(self, *linears: nn.Linear, group: int = 32, native: bool = True):
         super().__init__()
@@ -150,8 +166,6 @@ class Int4Linear(nn.Module):
         self.group, self.in_features, self.out_features = group, k, n
         self.bias, self.splits = _fused_bias(linears)
         self.set_adapter(linears)
-
-    set_adapter = Int8Linear.set_adapter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] float -> [M, N] float32
         if self.kernel is not None:
@@ -198,7 +212,7 @@ class FastRunner(PooledCaches, ModelRunner):
     def _quantise(self) -> None:
         m = self.model
 
-        def lin(*linears: nn.Linear) -> nn.Module:  # int4 where the input width allows groups of 32
+        def lin(*linears: nn.Linear) -> _PackedLinear:  # int4 where the input width allows groups of 32
             if self.bits == 4 and linears[0].in_features % 32 == 0:
                 return Int4Linear(*linears, native=self.native)
             return Int8Linear(*linears, native=self.native)
@@ -214,7 +228,7 @@ class FastRunner(PooledCaches, ModelRunner):
         # head (python -m bench.quality). A draft's head may take 4 bits: its precision moves
         # acceptance, never the output.
         self.head = lin(m.lm_head) if self.head_bits == 4 else Int8Linear(m.lm_head, native=self.native)
-        self._sources = [(packed, srcs) for layer, (_, qkv, o, _, gu, d) in zip(m.model.layers, self.layers)
+        self._sources: list[tuple[_PackedLinear, tuple[nn.Module, ...]]] = [(packed, srcs) for layer, (_, qkv, o, _, gu, d) in zip(m.model.layers, self.layers)
                          for packed, srcs in ((qkv, (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)),
                                               (o, (layer.self_attn.o_proj,)), (gu, (layer.mlp.gate_proj, layer.mlp.up_proj)),
                                               (d, (layer.mlp.down_proj,)))] + [(self.head, (m.lm_head,))]
@@ -258,7 +272,7 @@ class FastRunner(PooledCaches, ModelRunner):
         """The model's RMSNorm of rows x [R, hidden] float32: natively (one call) or torch's."""
         if self.rms_kernel is None:
             return _rms(norm, x)
-        return rms_norm(self.rms_kernel, x, norm.weight.detach(), _eps(norm))
+        return rms_norm(self.rms_kernel, x, cast(torch.Tensor, norm.weight).detach(), _eps(norm))
 
     @torch.inference_mode()
     def forward(self, seq_id: str, start: int, tokens: list[int], keep_last: int = 1) -> torch.Tensor:
@@ -275,7 +289,9 @@ class FastRunner(PooledCaches, ModelRunner):
                                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """:meth:`forward_batch`, plus each call's features after the final norm, [len(tokens), H]
         float32; with ``layers``, those decoder layers' outputs first, [len(tokens), (len(layers) + 1) H]."""
-        return self._batch(calls, True, layers)
+        logits, feats = self._batch(calls, True, layers)
+        assert feats is not None  # asked for
+        return logits, feats
 
     @torch.inference_mode()
     def _batch(self, calls: list[ForwardCall], features: bool, layers: tuple[int, ...] = ()
@@ -292,6 +308,7 @@ class FastRunner(PooledCaches, ModelRunner):
         cos, sin = cos[0][:, None], sin[0][:, None]  # [R, 1, D]
         Hq, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         slots_new = torch.cat([cache.slots[c.start : c.start + n] for c, cache, n in zip(calls, caches, lens)])  # [R]
+        plan: PagedAttention | _AttentionPlan
         if self.attention_kernel is not None:
             plan = PagedAttention(self.attention_kernel, calls, caches, lens, Hq, Hkv, D)
         else:
@@ -422,11 +439,11 @@ class _AttentionPlan:
 
 def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The model's RMSNorm (its weight and epsilon) as one fused op, row by row. x: [R, hidden]."""
-    return nn.functional.rms_norm(x, (x.shape[-1],), norm.weight.float(), _eps(norm))
+    return nn.functional.rms_norm(x, (x.shape[-1],), cast(torch.Tensor, norm.weight).float(), _eps(norm))
 
 
 def _eps(norm: nn.Module) -> float:
-    return getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+    return cast(float, getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6))
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

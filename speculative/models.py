@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -40,10 +41,9 @@ def _dequantise_gguf(gguf: Path, dest: Path) -> None:
         quantised = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         # save_pretrained refuses a GGUF-loaded model: copy its weights into a fresh model whose
         # config carries no quantization_config.
-        cfg = quantised.config.to_dict()
-        cfg.pop("quantization_config", None)
-        cfg = type(quantised.config).from_dict(cfg)
-        plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        fields = quantised.config.to_dict()
+        fields.pop("quantization_config", None)
+        plain = AutoModelForCausalLM.from_config(type(quantised.config).from_dict(fields), dtype=torch.float32)
         plain.load_state_dict(quantised.state_dict())
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
@@ -81,7 +81,7 @@ def load_weights(cfg: ModelConfig) -> PreTrainedModel:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype], **kw)
     except (OSError, ValueError) as e:
         raise _cannot_load(cfg.name, e) from None
-    return model.to(cfg.device).eval()
+    return model.to(cfg.device).eval()  # type: ignore[arg-type]  # transformers types .to(device) for str too
 
 
 def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -123,7 +123,7 @@ def encode_messages(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) ->
     depending on the tokenizer). A tokenizer without a template gets the turns joined by lines."""
     if not getattr(tokenizer, "chat_template", None):
         return list(tokenizer("\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:")["input_ids"])
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)

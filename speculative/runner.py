@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -214,11 +214,12 @@ class ModelRunner:
             keep[b, P - plen[b] : P + tlen[b]] = 1
         cache = DynamicCache(config=self.model.config)
         if P:
-            ref = next(p for p in past if p is not None)  # a cached sequence: shapes and dtype of a KV row
+            ref: DynamicCache = next(p for p in past if p is not None)  # a cached sequence: shapes and dtype of a KV row
             for layer in range(self.model.config.num_hidden_layers):
                 ks, vs = [], []
                 for b in range(B):
-                    k, v = self._layer_kv(past[b] if past[b] is not None else ref, layer, plen[b])  # [1, H, plen, D]
+                    own = past[b]
+                    k, v = self._layer_kv(own if own is not None else ref, layer, plen[b])  # [1, H, plen, D]
                     pad = P - plen[b]
                     ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
                     vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
@@ -229,8 +230,9 @@ class ModelRunner:
         for b, c in enumerate(calls):
             new = DynamicCache(config=self.model.config)
             lo, hi = P - plen[b], P + tlen[b]  # this sequence's real positions in the batch cache
-            for layer, kv in enumerate(cache.layers):
-                new.update(kv.keys[b : b + 1, :, lo:hi].clone(), kv.values[b : b + 1, :, lo:hi].clone(), layer)
+            for layer in range(len(cache.layers)):
+                k, v = self._layer_kv(cache, layer, hi)
+                new.update(k[b : b + 1, :, lo:].clone(), v[b : b + 1, :, lo:].clone(), layer)
             self._caches[c.seq_id] = new
             results.append(logits[b, tlen[b] - c.keep_last : tlen[b]])
         return results
@@ -251,8 +253,9 @@ class ModelRunner:
         return cache if c.start else None
 
     @staticmethod
-    def _layer_kv(cache: DynamicCache | None, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = cache.layers[layer]
+    def _layer_kv(cache: DynamicCache, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n`` positions of one layer's keys and values ([B, H, n, D] each)."""
+        kv: Any = cache.layers[layer]  # a full-attention layer: keys and values are tensors
         return kv.keys[:, :, :n], kv.values[:, :, :n]
 
     def verify(self, calls: list[VerifyCall], max_batch_tokens: int = 64) -> list[TargetRows]:
@@ -263,12 +266,14 @@ class ModelRunner:
         for group in verify_groups(calls, max_batch_tokens):
             t0 = time.perf_counter()
             fwd = [ForwardCall(calls[i].seq_id, calls[i].start, calls[i].tokens, calls[i].rows) for i in group]
+            feats: list[torch.Tensor | None]
             if any(calls[i].features for i in group):
                 layers = sorted({j for i in group if calls[i].features for j in calls[i].feature_layers})
-                logits, feats = self.forward_batch_features(fwd, tuple(layers))
-                feats = [_select(f, layers, calls[i].feature_layers) for i, f in zip(group, feats)]
+                logits, fused = self.forward_batch_features(fwd, tuple(layers))
+                feats = [_select(f, layers, calls[i].feature_layers) for i, f in zip(group, fused)]
             else:
-                logits, feats = self.forward_batch(fwd), [None] * len(group)
+                logits = self.forward_batch(fwd)
+                feats = [None for _ in group]
             seconds = time.perf_counter() - t0
             for i, lg, f in zip(group, logits, feats):
                 out[i] = target_rows(lg, calls[i], seconds, len(group), f)
