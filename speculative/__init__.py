@@ -12,7 +12,7 @@ _WHERE = {
     "StepResult": "engine",
     "CostModel": "kpolicy", "KPolicy": "kpolicy", "expected_speedup": "kpolicy", "expected_tokens": "kpolicy",
     "ModelLoadError": "locate", "VocabMismatchError": "models",
-    "ChainedProposer": "proposers", "DraftModelProposer": "proposers", "NgramProposer": "proposers",
+    "ChainedProposer": "proposers", "DraftModelProposer": "proposers", "LearnedDraft": "proposers", "NgramProposer": "proposers",
     "Proposal": "proposers",
     "ForwardCall": "runner", "ModelRunner": "runner", "TargetRows": "runner", "VerifyCall": "runner",
     "SpecStats": "stats",

@@ -26,7 +26,7 @@ from config import EngineConfig, SamplingParams
 from .detokenize import StopScanner, final_text
 from .kpolicy import CostModel, KPolicy, StepChoice
 from .models import encode_prompt, eos_token_ids
-from .proposers import EMPTY, DraftModelProposer, Proposal, Proposer, learned_draft
+from .proposers import EMPTY, DraftModelProposer, LearnedDraft, Proposal, Proposer, learned_draft
 from .runner import ModelRunner, TargetRows, VerifyCall
 from .sampling import greedy_accept, race_noise, race_sample, rejection_accept, warp_logits
 from .stats import SpecStats
@@ -469,9 +469,9 @@ class SpeculativeEngine:
         if verify_s is None:
             verify_s = time_verify(self.target, self.cfg.k.k_max, context, repeats)
         self.costs.verify_s.update(verify_s)
-        if self.learned_draft is not None and not self.learned_draft.wants_features:
-            # (a feature draft needs the target's features to run: its cost is measured online)
-            runner, seq = self.learned_draft.runner, "__calibrate__"
+        draft = self.learned_draft
+        if isinstance(draft, DraftModelProposer):  # (a feature draft needs the target's features to run: measured online)
+            runner, seq = draft.runner, "__calibrate__"
             ids = _calibration_ids(context + 1, self.vocab_size)
             try:
                 runner.forward(seq, 0, ids[:context])
@@ -509,7 +509,7 @@ class SpeculativeEngine:
         return self.proposer.cached_ids() if self.proposer is not None else set()
 
     @property
-    def learned_draft(self) -> DraftModelProposer | None:
+    def learned_draft(self) -> LearnedDraft | None:
         """The draft-model proposer (alone or inside a chain), if any."""
         return learned_draft(self.proposer)
 

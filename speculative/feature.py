@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Sequence
+from typing import Sequence, cast
 
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from .adapters import load_whole
-from .proposers import EMPTY, DraftModelProposer, Proposal
+from .proposers import EMPTY, LearnedDraft, Proposal
 
 
 class FeatureDraft(nn.Module):
@@ -188,7 +188,7 @@ def feature_draft(target: PreTrainedModel, keep_ids: torch.Tensor | None = None,
     draft = FeatureDraft(target.config, head.shape[0], feature_layers)
     H = target.config.hidden_size
     with torch.no_grad():
-        emb = target.get_input_embeddings().weight
+        emb = cast(torch.Tensor, target.get_input_embeddings().weight)
         draft.embed_tokens.weight.copy_(emb)
         draft.feature_norm.weight.fill_(float(emb.float().pow(2).mean().sqrt()))  # an embedding's RMS
         if draft.feature_layers:
@@ -256,21 +256,20 @@ class FeatureRunner:
         self._head = self._pack()
 
 
-class FeatureDraftProposer(DraftModelProposer):
+class FeatureDraftProposer(LearnedDraft):
     """Proposes with a :class:`FeatureDraft` from the target's features, which verification returns
     (``wants_features``). Learned online like the token draft (same learner, same versions)."""
 
     sources = ("feature",)
     wants_features = True
 
+    runner: FeatureRunner
+
     def __init__(self, runner: FeatureRunner, target_vocab: int):
         super().__init__(runner, target_vocab)
         self._feats: dict[str, torch.Tensor] = {}  # seq -> [m, W] float32 target features, positions 0..m-1
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        """The target layers whose outputs verification returns besides the final feature."""
-        return self.runner.model.feature_layers
+        #: the target layers whose outputs verification returns besides the final feature (the model's)
+        self.feature_layers = runner.model.feature_layers
 
     def observe_features(self, seq_id: str, start: int, features: torch.Tensor) -> None:
         have = self._feats.get(seq_id)
@@ -283,9 +282,9 @@ class FeatureDraftProposer(DraftModelProposer):
 
     def propose(self, seq_id, tokens, choose_k, params, gen) -> Proposal:
         feats = self._feats.get(seq_id)
-        m = 0 if feats is None else feats.shape[0]
-        if m == 0 or len(tokens) != m + 1:  # before the prompt was verified (or after a gap): nothing to read
+        if feats is None or not len(feats) or len(tokens) != len(feats) + 1:  # before the prompt was verified (or after a gap)
             return EMPTY
+        m = feats.shape[0]
         k = choose_k("feature")
         if k <= 0:
             return EMPTY

@@ -4,8 +4,11 @@ Interface (after transformers' candidate generators): ``propose()`` returns the 
 the draft distribution q they were drawn from; ``feedback()`` tells the proposer how much of the
 sequence the verifier kept, so it can roll back its own state.
 
-- :class:`DraftModelProposer`: a small causal LM (truncated target, fresh model, any model by path,
-  optionally with a head restricted to the target's most frequent tokens).
+- :class:`LearnedDraft`: what the learned drafts share (a model the learner trains, its caches
+  per sequence, its distribution over the target's vocabulary); :class:`DraftModelProposer`, a
+  small causal LM (truncated target, fresh model, any model by path, optionally with a head
+  restricted to the target's most frequent tokens), and the feature-conditioned draft
+  (:mod:`speculative.feature`) are its two kinds.
 - :class:`NgramProposer`: model-free prompt lookup (match the last n tokens earlier in the context).
 - :class:`ChainedProposer`: proposers in a fixed order; the first that proposes drafts the step.
 - :class:`ControllerProposer`: per step, the proposer with the best expected tokens per unit of
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -70,7 +73,7 @@ class Proposer:
         return (self,)
 
     @property
-    def draft(self) -> "DraftModelProposer | None":
+    def draft(self) -> "LearnedDraft | None":
         """The learned draft model among its parts (the one whose weights the learner sends), if any."""
         return None
 
@@ -105,12 +108,27 @@ class Proposer:
         return set()
 
 
-class DraftModelProposer(Proposer):
-    """Proposes k tokens autoregressively with a small LM and its own KV cache per sequence."""
+class DraftRunner(Protocol):
+    """What a learned draft's proposer needs of its runner besides proposing: the model the learner
+    trains, the draft head's ids in the target's vocabulary (None: the same), dropping a
+    sequence's cache, taking new weights."""
 
-    sources = ("draft",)
+    model: Any
+    vocab_map: torch.Tensor | None
 
-    def __init__(self, runner: ModelRunner, target_vocab: int):
+    def release(self, seq_id: str) -> None: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class LearnedDraft(Proposer):
+    """A learned draft model: the learner trains its weights and publishes them; the proposer keeps
+    how many of each sequence's cached positions hold final tokens, and draws the draft's tokens
+    (with q, when sampling) over the target's vocabulary."""
+
+    runner: DraftRunner
+
+    def __init__(self, runner: DraftRunner, target_vocab: int):
         self.runner = runner
         self.target_vocab = target_vocab
         self._valid: dict[str, int] = {}  # seq -> cached positions that hold final tokens
@@ -138,8 +156,33 @@ class DraftModelProposer(Proposer):
             return int(race_sample(q[None], race_noise(params.seed, [position], q.shape[-1]))[0]), q
         return int(torch.multinomial(q, 1, generator=gen)), q
 
-    def begin(self, seq_id: str, prompt: list[int], scope: str | None = None) -> None:
-        pass
+    @property
+    def draft(self) -> "LearnedDraft":
+        return self
+
+    def feedback(self, seq_id: str, committed: int) -> None:
+        self._valid[seq_id] = min(self._valid.get(seq_id, 0), committed)
+
+    def release(self, seq_id: str, tokens: list[int] | None = None) -> None:
+        self._valid.pop(seq_id, None)
+        self.runner.release(seq_id)
+
+    def load_state_dict(self, state: dict, version: int) -> None:
+        """Swap draft weights between steps. KV caches computed with the old weights are dropped."""
+        self.runner.load_state_dict(state)
+        for seq_id in list(self._valid):
+            self._valid[seq_id] = 0
+        self.version = version
+
+
+class DraftModelProposer(LearnedDraft):
+    """Proposes k tokens autoregressively with a small LM and its own KV cache per sequence."""
+
+    sources = ("draft",)
+    runner: ModelRunner
+
+    def __init__(self, runner: ModelRunner, target_vocab: int):
+        super().__init__(runner, target_vocab)
 
     def propose(self, seq_id, tokens, choose_k, params, gen) -> Proposal:
         k = choose_k("draft")
@@ -165,24 +208,6 @@ class DraftModelProposer(Proposer):
         self._valid[seq_id] = pos
         probs = torch.stack(rows) if rows else None  # [k, V_target] (sampling only)
         return Proposal(draft_tokens, probs, "draft", time.perf_counter() - t0, consumed)
-
-    @property
-    def draft(self) -> "DraftModelProposer":
-        return self
-
-    def feedback(self, seq_id: str, committed: int) -> None:
-        self._valid[seq_id] = min(self._valid.get(seq_id, 0), committed)
-
-    def release(self, seq_id: str, tokens: list[int] | None = None) -> None:
-        self._valid.pop(seq_id, None)
-        self.runner.release(seq_id)
-
-    def load_state_dict(self, state: dict, version: int) -> None:
-        """Swap draft weights between steps. KV caches computed with the old weights are dropped."""
-        self.runner.load_state_dict(state)
-        for seq_id in list(self._valid):
-            self._valid[seq_id] = 0
-        self.version = version
 
 
 class NgramProposer(Proposer):
@@ -218,7 +243,7 @@ def model_free_proposal(source: str, choose_k: ChooseK, find: Callable[[int], li
     return Proposal(list(found), None, source, time.perf_counter() - t0) if found else EMPTY
 
 
-def learned_draft(proposer: Proposer | None) -> "DraftModelProposer | None":
+def learned_draft(proposer: Proposer | None) -> "LearnedDraft | None":
     """The draft-model proposer of a proposer (itself, or the one inside a chain), if any."""
     return proposer.draft if proposer is not None else None
 
@@ -264,7 +289,7 @@ class ChainedProposer(Proposer):
             p.release(seq_id, tokens)
 
     @property
-    def draft(self) -> DraftModelProposer | None:
+    def draft(self) -> LearnedDraft | None:
         """The learned draft among the proposers (a token draft or a feature-conditioned one)."""
         return next((p.draft for p in self.proposers if p.draft is not None), None)
 
