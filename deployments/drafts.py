@@ -327,7 +327,7 @@ class DraftPool:
         # the learned draft's version, or the model-free proposer that drafted ("ngram", "suffix")
         version = res.draft_version if res.source in LEARNED_SOURCES else res.source
         count_step(self.meter, labels, k=len(res.draft_tokens), accepted=res.accepted, emitted=len(res.emitted),
-                   proposer=res.source, version=version, draft_s=res.draft_s, waited_s=waited_s)
+                   proposer=res.source, version=version, draft_s=res.draft_s, waited_s=waited_s, cost=res.cost)
 
     # -- one request ------------------------------------------------------------------------
     def _prompt_ids(self, req: GenerateRequest) -> list[int]:

@@ -88,6 +88,10 @@ class StepResult:
     #: the proposer reads them (a feature-conditioned draft); None otherwise
     features: torch.Tensor | None = None
     features_start: int = 0
+    #: the step's cost in target-only steps by the engine's cost model, v(k + 1) + k c (the k
+    #: policy's denominator; 1 for a step with nothing drafted): output tokens over the sum of it
+    #: estimate the speed-up over target-only decoding
+    cost: float = 1.0
 
     @property
     def proposed(self) -> int:
@@ -360,6 +364,7 @@ class SpeculativeEngine:
                 self.proposer.observe_features(pending.request_id, f_start, feats)
             self.proposer.feedback(pending.request_id, start + n)
         emitted = self._append(st, prop.tokens[:n] + [next_token])
+        cost = self.costs.relative_verify(k + 1) + k * self.costs.c(prop.source) if k else 1.0  # before this step's times
         self._observe(st, prop, n, len(emitted), len(pending.call.tokens), rows.seconds, rows.batch)
         return StepResult(
             request_id=pending.request_id,
@@ -379,6 +384,7 @@ class SpeculativeEngine:
             finish_reason=st.finish_reason,
             features=feats,
             features_start=f_start,
+            cost=cost,
         )
 
     def _append(self, st: RequestState, new: list[int]) -> list[int]:

@@ -75,6 +75,9 @@ CATALOG: dict[str, Family] = _families(
            SPEC),
     Family("osd_spec_decode_emitted_tokens_total", "counter", "Output tokens of the speculative steps (over "
            "osd_spec_decode_num_steps_total: tokens per target step)", SPEC),
+    Family("osd_spec_decode_step_cost_total", "counter", "The speculative steps' cost in target-only steps, v(k + 1) + "
+           "k c by the engine's cost model (output tokens over it: the estimated speed-up over target-only decoding)",
+           SPEC),
     Family("osd_spec_decode_proposer_draft_tokens_total", "counter", "Draft tokens proposed, by the proposer that "
            "drafted the step (draft = the learned draft, suffix, ngram)", ("tenant", "domain", "proposer")),
     Family("osd_spec_decode_proposer_accepted_tokens_total", "counter", "Draft tokens accepted, by the proposer that "

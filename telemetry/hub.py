@@ -34,7 +34,7 @@ FORGET_EPOCH_S = 3600.0
 #: the dashboard's acceptance and rates: over the trailing window (seconds)
 WINDOW_S = 30.0
 _PER_DOMAIN = frozenset({"osd_spec_decode_num_steps_total", "osd_spec_decode_emitted_tokens_total",
-                         "osd_spec_decode_proposer_draft_tokens_total", "osd_spec_decode_proposer_accepted_tokens_total"})
+                         "osd_spec_decode_step_cost_total", "osd_spec_decode_proposer_draft_tokens_total", "osd_spec_decode_proposer_accepted_tokens_total"})
 #: the acceptance chart's line for every domain past the busiest ``MetricsConfig.chart_domains`` (and
 #: the domains past the label cap, ``other``)
 OTHER_DOMAINS = "(other domains)"
@@ -343,12 +343,14 @@ class Hub:
 
     @staticmethod
     def _per_domain(counters: dict[Key, float], mine) -> dict:
-        """domain -> {steps, emitted, tokens_per_step, proposers: {name: {drafted, accepted, share}}}
-        (``share``: of the domain's draft tokens), for the tenants ``mine`` keeps."""
+        """domain -> {steps, emitted, tokens_per_step, cost, speedup, proposers: {name: {drafted,
+        accepted, share}}} (``share``: of the domain's draft tokens; ``speedup``: output tokens over
+        the steps' cost in target-only steps, the estimated speed-up over target-only decoding),
+        for the tenants ``mine`` keeps."""
         out: dict[str, dict] = {}
 
         def slot(domain: str) -> dict:
-            return out.setdefault(domain, {"steps": 0.0, "emitted": 0.0, "proposers": {}})
+            return out.setdefault(domain, {"steps": 0.0, "emitted": 0.0, "cost": 0.0, "proposers": {}})
 
         for (name, values), v in counters.items():
             if name not in _PER_DOMAIN or not mine(values[0]):  # each of them is labelled by tenant first
@@ -357,11 +359,14 @@ class Hub:
                 slot(values[1])["steps"] += v
             elif name == "osd_spec_decode_emitted_tokens_total":
                 slot(values[1])["emitted"] += v
+            elif name == "osd_spec_decode_step_cost_total":
+                slot(values[1])["cost"] += v
             elif name in ("osd_spec_decode_proposer_draft_tokens_total", "osd_spec_decode_proposer_accepted_tokens_total"):
                 p = slot(values[1])["proposers"].setdefault(values[2], {"drafted": 0.0, "accepted": 0.0})
                 p["drafted" if name == "osd_spec_decode_proposer_draft_tokens_total" else "accepted"] += v
         for d in out.values():
             d["tokens_per_step"] = d["emitted"] / d["steps"] if d["steps"] else None
+            d["speedup"] = d["emitted"] / d["cost"] if d["cost"] else None
             drafted = sum(p["drafted"] for p in d["proposers"].values())
             for p in d["proposers"].values():
                 p["share"] = p["drafted"] / drafted if drafted else None

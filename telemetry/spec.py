@@ -7,14 +7,16 @@ from .meter import Meter
 
 
 def count_step(m: Meter, labels: dict, *, k: int, accepted: int, emitted: int, proposer: str, version: str | int,
-               draft_s: float, waited_s: float) -> None:
+               draft_s: float, waited_s: float, cost: float = 1.0) -> None:
     """One step of a request into ``m``. ``labels``: tenant, domain, language, draft; ``k`` draft
     tokens proposed by ``proposer`` (the learned draft, "suffix", "ngram"), ``accepted`` of them;
     ``emitted`` output tokens; ``version``: the learned draft's version, or the model-free
-    proposer's name; ``draft_s`` spent proposing, ``waited_s`` waiting for the step's verification."""
+    proposer's name; ``draft_s`` spent proposing, ``waited_s`` waiting for the step's verification;
+    ``cost``: the step's in target-only steps (``StepResult.cost``)."""
     draft = labels["draft"]
     m.inc("osd_spec_decode_num_steps_total", **labels)
     m.inc("osd_spec_decode_emitted_tokens_total", emitted, **labels)
+    m.inc("osd_spec_decode_step_cost_total", cost, **labels)
     m.observe("osd_spec_decode_k", k, draft=draft)
     m.inc("osd_spec_decode_draft_seconds_total", draft_s, draft=draft)
     m.inc("osd_spec_decode_verify_wait_seconds_total", waited_s, draft=draft)

@@ -117,12 +117,12 @@ function render(s) {
     return x ? `${fmt(100 * x.share, 0)}% @ ${fmt(x.alpha, 2)}` : "-";
   };
   document.getElementById("domains").innerHTML = "<tr><th>domain</th><th>alpha</th><th>drafted</th><th>accepted</th>" +
-    "<th>tokens / step</th>" + PROPOSERS.map((p) => `<th>${p === "draft" || p === "feature" ? "learned " + p : p}</th>`).join("") + "</tr>" +
+    "<th>tokens / step</th><th>est. speed-up</th>" + PROPOSERS.map((p) => `<th>${p === "draft" || p === "feature" ? "learned " + p : p}</th>`).join("") + "</tr>" +
     Object.entries(s.acceptance).map(([d, a]) =>
       `<tr><td><span class="swatch" style="background:${domains.includes(d) ? color(d) : "#e2e8f0"}"></span>` +
       `${esc(label(d))}</td><td>${fmt(a.alpha, 3)}</td>` +
       `<td>${fmt(a.drafted, 0)}</td><td>${fmt(a.accepted, 0)}</td>` +
-      `<td>${fmt(per[d] && per[d].tokens_per_step, 2)}</td>` + PROPOSERS.map((p) => `<td>${share(d, p)}</td>`).join("") +
+      `<td>${fmt(per[d] && per[d].tokens_per_step, 2)}</td><td>${per[d] && per[d].speedup != null ? fmt(per[d].speedup, 2) + "x" : "-"}</td>` + PROPOSERS.map((p) => `<td>${share(d, p)}</td>`).join("") +
       "</tr>").join("");
   if (s.drafts) {
     const loss = (s.learner && s.learner.loss) || {};

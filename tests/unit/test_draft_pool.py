@@ -142,6 +142,26 @@ def test_steps_closer_than_the_stream_interval_travel_together_first_text_and_la
     assert items[-1].usage["speculative"]["steps"] == len(every_steps)  # every step still counted
 
 
+def test_the_steps_cost_counts_one_target_step_each_without_a_draft_and_more_with_one(folder, loop):
+    """osd_spec_decode_step_cost_total: a step with nothing drafted costs exactly one target-only
+    step; a drafted step v(k + 1) + k c >= 1, so the estimated speed-up (output tokens over the
+    cost) is at most the tokens per step (below 1 where the drafts are rejected, as on this random
+    tiny model)."""
+    def total(pool, name):
+        return sum(v for (n, _), v in pool.meter._counters.items() if n == name)
+
+    for proposers in ([], ["ngram"]):
+        pool = LocalPool(engine_cfg(folder, draft={"proposers": proposers}))
+        loop.run(pool.serve(prompt="abcabcabcabcabcabc", n=24))
+        steps, emitted, cost = (total(pool, f"osd_spec_decode_{x}_total") for x in ("num_steps", "emitted_tokens", "step_cost"))
+        drafted = total(pool, "osd_spec_decode_num_drafts_total")
+        assert steps > 0 and cost >= steps
+        if not proposers:
+            assert drafted == 0 and cost == steps and emitted == steps  # target-only: one token a step at one step's cost
+        else:
+            assert drafted > 0 and cost > steps and emitted / cost < emitted / steps  # verifying k + 1 tokens costs more
+
+
 def test_the_step_counts_of_a_model_free_proposer_are_labelled_by_its_name(folder, loop):
     pool = LocalPool(engine_cfg(folder, draft={"proposers": ["ngram"]}))
     items = loop.run(pool.serve(prompt="abcabcabcabc", n=12))

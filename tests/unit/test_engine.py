@@ -114,6 +114,25 @@ def test_perfect_draft_accepts_everything(k, build, prompts):
         assert gen.stats.steps == math.ceil(20 / (k + 1))
 
 
+def test_a_steps_cost_is_the_k_policys_denominator_at_the_costs_known_before_it(build, prompts):
+    """StepResult.cost = v(k + 1) + k c(source), in target-only steps, from the cost model as it
+    stood before the step (hand-set here: verifying 4 tokens costs 1.5 steps, a draft token 0.1),
+    and exactly 1 for a step with nothing drafted."""
+    engine = build("perfect-k3")
+    rid = engine.add_request(prompts[0], SamplingParams(max_tokens=12, ignore_eos=True))
+    costs = []
+    while not engine.requests[rid].finished:
+        engine.costs.verify_s, engine.costs.draft_s = {1: 0.010, 4: 0.015}, {"draft": 0.001}
+        res = engine.step(rid)
+        costs.append((res.proposed, res.cost))
+    engine.release(rid)
+    assert {k for k, _ in costs} == {3}  # the target as its own draft: k = 3 every step
+    assert all(c == pytest.approx(1.5 + 3 * 0.1) for _, c in costs)
+    plain = build("none")
+    gen = plain.generate(prompts[0], SamplingParams(max_tokens=4, ignore_eos=True), on_step=lambda r: costs.append((0, r.cost)))
+    assert gen.stats.steps == 4 and costs[-4:] == [(0, 1.0)] * 4
+
+
 # -- ending a request --------------------------------------------------------------------------
 def _eos_case(prompts, greedy_reference):
     """A prompt and greedy output whose token at index 3 does not occur before it."""

@@ -614,9 +614,10 @@ def test_the_acceptance_chart_draws_the_busiest_domains_and_adds_up_the_rest_ove
 def test_per_domain_tokens_per_step_and_what_each_proposer_drafted_scoped_by_tenant():
     d, hub = Meter("DraftPool", replica="d"), Hub(MetricsConfig())
     sql = {**SPEC, "domain": "sql"}
-    for emitted in (3, 1, 2, 2):  # four steps of alice's sql: 8 tokens
+    for emitted, cost in ((3, 1.5), (1, 1.0), (2, 1.25), (2, 1.25)):  # four steps of alice's sql: 8 tokens for 5 plain steps
         d.inc("osd_spec_decode_num_steps_total", **sql)
         d.inc("osd_spec_decode_emitted_tokens_total", emitted, **sql)
+        d.inc("osd_spec_decode_step_cost_total", cost, **sql)
     for proposer, drafted, accepted in (("suffix", 6, 5), ("draft", 2, 0), ("suffix", 4, 1)):
         d.inc("osd_spec_decode_proposer_draft_tokens_total", drafted, tenant=SPEC["tenant"], domain="sql", proposer=proposer)
         d.inc("osd_spec_decode_proposer_accepted_tokens_total", accepted, tenant=SPEC["tenant"], domain="sql", proposer=proposer)
@@ -624,6 +625,7 @@ def test_per_domain_tokens_per_step_and_what_each_proposer_drafted_scoped_by_ten
     hub.merge(d.snapshot())
     got = hub.stats()["domains"]
     assert got["sql"]["tokens_per_step"] == 2.0 and got["chat"]["tokens_per_step"] == 0.0
+    assert got["sql"]["speedup"] == 8 / 5 and got["chat"]["speedup"] is None  # chat's step carried no cost
     assert got["sql"]["proposers"] == {"suffix": {"drafted": 10, "accepted": 6, "share": 10 / 12, "alpha": 0.6},
                                        "draft": {"drafted": 2, "accepted": 0, "share": 2 / 12, "alpha": 0.0}}
     assert set(hub.stats(tenant="bob", admin=False)["domains"]) == {"chat"}  # a tenant sees its own domains
