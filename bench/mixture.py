@@ -398,7 +398,8 @@ def _run_method(method, engine_factory, stream, learner_cfg, router, *, max_toke
         # the named routes: a cluster's key is no domain name
         routed = [r for r in rows if r.get("route_domain") not in (None, "unknown") and r.get("cluster") is None]
         if method != "clusters" and routed:
-            out["route_accuracy"] = sum(same_mode(r["route_domain"], r["label"], router.cfg.base_lang) for r in routed) / len(routed)
+            base = router.cfg.language.base_lang
+            out["route_accuracy"] = sum(same_mode(r["route_domain"], r["label"], base) for r in routed) / len(routed)
             out["routed_share"] = len(routed) / len(rows)
     return out
 
@@ -489,7 +490,8 @@ def run_mixture(
     in_stream = {r.text for r in stream}
     # as a served router fits its examples (router.router.fit_examples): general traffic is the
     # classifier's background class when the config says so, else left out
-    train = [r for r in named_for_routing(train_records, keep_general=router_cfg.background) if r.text not in in_stream]
+    train = [r for r in named_for_routing(train_records, keep_general=router_cfg.classifier.background)
+             if r.text not in in_stream]
     extractor = extractor if extractor is not None else FeatureExtractor(router_cfg)
     counts: dict[str, int] = {}
     for r in stream:
@@ -503,7 +505,8 @@ def run_mixture(
     for m in methods:
         router = None
         if m != "single":
-            router = Router(router_cfg.model_copy(update={"mode": m, "seed": seed}), extractor)
+            bandit = router_cfg.bandit.model_copy(update={"seed": seed})
+            router = Router(router_cfg.model_copy(update={"mode": m, "bandit": bandit}), extractor)
             if m in ("supervised", "both"):
                 router.fit([r.text for r in train], [training_label(r) for r in train])
         res[m] = _run_method(m, engine_factory, stream, learner_cfg, router, max_tokens=max_tokens, k=k,
@@ -610,8 +613,9 @@ def main(args) -> int:
                          steps_per_round=args.steps_per_round, lr=args.lr, gate_margin=args.gate_margin,
                          holdout_fraction=args.holdout_fraction, positions=args.positions,
                          resample=not args.no_resample)
-    rcfg = RouterConfig(spawn_min_records=args.spawn_min_records, spawn_window=args.spawn_window,
-                        spawn_alpha=args.spawn_alpha, spawn_min_tokens=args.spawn_min_tokens, max_drafts=args.max_drafts)
+    rcfg = RouterConfig(drafts={"spawn_min_records": args.spawn_min_records, "spawn_window": args.spawn_window,
+                                "spawn_alpha": args.spawn_alpha, "spawn_min_tokens": args.spawn_min_tokens,
+                                "max_drafts": args.max_drafts})
     log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     factory = real_engine_factory(args, texts=[r.text for r in records])
     result = run_mixture(factory, records, train, lcfg, rcfg, methods=[m for m in args.methods.split(",") if m],

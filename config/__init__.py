@@ -27,7 +27,8 @@ from .draft import ControllerConfig, DraftConfig, KPolicyConfig, NgramConfig, Su
 from .engine import EngineConfig
 from .learner import LOSS_NAMES, BackgroundConfig, LearnerConfig, LearnerServeConfig, LiveWatchConfig, check_loss_name
 from .model import QUANTIZE_CHOICES, ModelConfig
-from .router import ROUTER_LANGUAGES, RouterConfig
+from .router import (ROUTER_LANGUAGES, BanditConfig, ClassifierConfig, ClusterConfig, DraftLifecycleConfig, EmbedderConfig,
+                     LanguageConfig, RouterConfig)
 from .sampling import GREEDY_BELOW, MAX_STOP_CHARS, MAX_STOPS, SamplingParams
 from .serving import DraftPoolConfig, IngressConfig, LoopConfig, MetricsConfig, TargetServeConfig
 
@@ -50,6 +51,12 @@ __all__ = [
     "SamplingParams",
     "EngineConfig",
     "RouterConfig",
+    "EmbedderConfig",
+    "LanguageConfig",
+    "ClassifierConfig",
+    "ClusterConfig",
+    "DraftLifecycleConfig",
+    "BanditConfig",
     "TargetServeConfig",
     "DraftPoolConfig",
     "IngressConfig",

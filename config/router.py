@@ -19,23 +19,9 @@ ROUTER_LANGUAGES: tuple[str, ...] = (
 )
 
 
-class RouterConfig(_Strict):
-    """The query router: features, domains (named by a classifier or discovered by clustering)
-    and the choice of draft by observed acceptance.
+class EmbedderConfig(_Strict):
+    """The sentence embedder (MiniLM) that routing reads: input length, runtime, cache, threads."""
 
-    mode: ``supervised`` routes by the classifier's label (below ``confidence_threshold`` to the
-    general draft); ``clusters`` by online clusters of embeddings, split by language; ``both`` by the
-    label when the classifier is confident and by cluster otherwise. Counts marked "records" are
-    routed queries (the router's clock), so behaviour does not depend on wall time.
-    """
-
-    mode: Literal["supervised", "clusters", "both"] = "both"
-    #: labelled examples (a workload JSONL, e.g. bench/data/router_train.jsonl) the classifier is
-    #: fitted on when a router deployment starts without a saved state: in modes supervised / both
-    #: it routes by them; in mode clusters they only name the discovered domains close to one
-    #: (``... (near sql)``); None: no classifier unless a saved router brings one
-    examples: str | None = None
-    # features
     max_chars: int = Field(default=2000, ge=16)  # text cut before language id and embedding
     #: MiniLM input length in word pieces. 32 was enough on the built-in workload, but a new source
     #: of a known domain often names its topic later (a schema before the question, a story before
@@ -60,13 +46,25 @@ class RouterConfig(_Strict):
     #: embeddings of this many distinct recent texts are kept (LRU by cleaned text): multi-turn
     #: conversations re-send their history; 0 = off. 384 float32 each (4096: 6 MiB).
     embed_cache: int = Field(default=4096, ge=0)
+    batch_size: int = Field(default=32, ge=1)
+    threads: int = Field(default=1, ge=1)  # torch / onnxruntime threads for the embedder
+
+
+class LanguageConfig(_Strict):
+    """Language identification (py3langid) and how languages split domains."""
+
     languages: tuple[str, ...] | None = ROUTER_LANGUAGES  # None: all 97 py3langid languages
     #: language prior from labelled traffic (Router.fit with langs): languages never seen there
     #: weigh this much against the seen ones (1 = no prior)
     lang_prior_unseen: float = Field(default=0.1, gt=0.0, le=1.0)
-    batch_size: int = Field(default=32, ge=1)
-    threads: int = Field(default=1, ge=1)  # torch / onnxruntime threads for the embedder
-    # supervised domains
+    #: Domains whose queries form one mode per language ("chat" -> "chat/fr"); "*" for all.
+    lang_split_domains: tuple[str, ...] = ("chat",)
+    base_lang: str = "en"  # queries in this language keep the bare domain name
+
+
+class ClassifierConfig(_Strict):
+    """The classifier of named domains, fitted on labelled examples (``RouterConfig.examples``)."""
+
     confidence_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
     classifier_c: float = Field(default=10.0, gt=0.0)  # inverse L2 strength of the logistic regression
     #: Named domains that stand for open-ended traffic: the classifier's label is taken only when
@@ -97,15 +95,20 @@ class RouterConfig(_Strict):
     typical_k: int = Field(default=1, ge=1)  # typicality: mean similarity to this many nearest examples
     #: held-out in-domain queries called atypical (the threshold is this quantile of held-out scores)
     typical_quantile: float = Field(default=0.2, ge=0.0, lt=1.0)
-    #: Domains whose queries form one mode per language ("chat" -> "chat/fr"); "*" for all.
-    lang_split_domains: tuple[str, ...] = ("chat",)
-    base_lang: str = "en"  # queries in this language keep the bare domain name
-    # discovered domains
+
+
+class ClusterConfig(_Strict):
+    """Discovered domains: online clusters of embeddings, one set per language."""
+
     cluster_threshold: float = Field(default=0.6, gt=0.0, lt=2.0)  # cosine distance to join a cluster
     min_cluster_size: int = Field(default=5, ge=1)
     noise_ttl: int = Field(default=200, ge=1)  # records a cluster has to reach min_cluster_size
     max_clusters: int = Field(default=256, ge=1)
-    # draft lifecycle
+
+
+class DraftLifecycleConfig(_Strict):
+    """Which domains get a draft of their own, and when a draft is retired."""
+
     spawn_min_records: int = Field(default=20, ge=1)  # a cluster this busy ...
     spawn_window: int = Field(default=200, ge=1)  # ... within this many records ...
     spawn_alpha: float = Field(default=0.5, ge=0.0, le=1.0)  # ... at acceptance below this gets a draft
@@ -118,7 +121,11 @@ class RouterConfig(_Strict):
     #: makes room at ``max_drafts``), which then trains on that domain's traffic alone; False: named
     #: domains share the general draft and only busy clusters get drafts
     named_drafts: bool = True
-    # choice of draft
+
+
+class BanditConfig(_Strict):
+    """The choice of draft per domain by observed acceptance (Thompson sampling)."""
+
     explore_rate: float = Field(default=0.05, ge=0.0, le=1.0)  # uniform pick on top of Thompson sampling
     prior: tuple[float, float] = (1.0, 1.0)  # Beta prior of a draft's acceptance (accepted, rejected)
     decay: float = Field(default=0.995, gt=0.0, le=1.0)  # forgetting per observation (drifting drafts)
@@ -130,3 +137,29 @@ class RouterConfig(_Strict):
         if min(v) <= 0:
             raise ValueError("prior pseudo-counts must be > 0")
         return v
+
+
+class RouterConfig(_Strict):
+    """The query router: features, domains (named by a classifier or discovered by clustering)
+    and the choice of draft by observed acceptance.
+
+    mode: ``supervised`` routes by the classifier's label (below ``classifier.confidence_threshold``
+    to the general draft); ``clusters`` by online clusters of embeddings, split by language; ``both``
+    by the label when the classifier is confident and by cluster otherwise. Counts marked "records"
+    are routed queries (the router's clock), so behaviour does not depend on wall time. The
+    settings of each part are a section of their own: ``embedder``, ``language``, ``classifier``,
+    ``clusters``, ``drafts`` (which domains get drafts) and ``bandit`` (the choice among them).
+    """
+
+    mode: Literal["supervised", "clusters", "both"] = "both"
+    #: labelled examples (a workload JSONL, e.g. bench/data/router_train.jsonl) the classifier is
+    #: fitted on when a router deployment starts without a saved state: in modes supervised / both
+    #: it routes by them; in mode clusters they only name the discovered domains close to one
+    #: (``... (near sql)``); None: no classifier unless a saved router brings one
+    examples: str | None = None
+    embedder: EmbedderConfig = EmbedderConfig()
+    language: LanguageConfig = LanguageConfig()
+    classifier: ClassifierConfig = ClassifierConfig()
+    clusters: ClusterConfig = ClusterConfig()
+    drafts: DraftLifecycleConfig = DraftLifecycleConfig()
+    bandit: BanditConfig = BanditConfig()

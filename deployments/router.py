@@ -26,7 +26,7 @@ class RouterServer:
 
     def __init__(self, cfg: RouterConfig, max_batch: int = 16, batch_wait_s: float = 0.002,
                  metrics: MetricsConfig | None = None, state_dir: str | None = None, on_retire=None):
-        torch.set_num_threads(cfg.threads)
+        torch.set_num_threads(cfg.embedder.threads)
         self.on_retire = on_retire  # the drafts the router retired, handed on (to the learner, which parks them)
         self.meter = replica_meter("Router", metrics or MetricsConfig())
         self.router = Router(cfg)
@@ -40,7 +40,7 @@ class RouterServer:
         # load the embedder and language id now, at the longest input the embedder takes (its
         # first input of a new length costs a second or two), not on the first requests; features
         # only: the routing state (clusters, counts) is not touched
-        self.router.extractor.extract(["warm up " * cfg.max_tokens])
+        self.router.extractor.extract(["warm up " * cfg.embedder.max_tokens])
         self.route = serve.batch(max_batch_size=max_batch, batch_wait_timeout_s=batch_wait_s)(self._route_batch)
 
     def save(self) -> bool:

@@ -3,12 +3,12 @@
 For each (domain, draft) the bandit keeps decayed token counts, accepted a and rejected b
 (proposed - accepted), fed by the engine's per-step ``StepResult.accepted`` / ``proposed``. The
 per-token acceptance rate of a draft in a domain has the posterior Beta(a0 + a, b0 + b), with prior
-``cfg.prior`` = (a0, b0). Counts are multiplied by ``cfg.decay`` at every observation of the arm, so
+``cfg.bandit.prior`` = (a0, b0). Counts are multiplied by ``cfg.bandit.decay`` at every observation of the arm, so
 at most about proposed / (1 - decay) tokens count: a draft that is retrained (or drifts) is
 re-estimated, and the posterior never gets so narrow that exploration stops.
 
 ``choose`` is Thompson sampling (one draw per candidate, take the largest) plus, with probability
-``cfg.explore_rate``, a uniform pick. A domain that no candidate has served yet gets the default
+``cfg.bandit.explore_rate``, a uniform pick. A domain that no candidate has served yet gets the default
 (the general draft, or the domain's own draft). Seeded: same observations, same choices.
 """
 
@@ -25,7 +25,7 @@ class AcceptanceBandit:
     def __init__(self, cfg: RouterConfig = RouterConfig()):
         self.cfg = cfg
         self.counts: dict[tuple[str, str], list[float]] = {}  # (domain, draft) -> [accepted, rejected]
-        self.rng = np.random.default_rng(cfg.seed)
+        self.rng = np.random.default_rng(cfg.bandit.seed)
 
     def observe(self, domain: str, draft_id: str, accepted: int, proposed: int) -> None:
         """One speculative step (or a request's total): ``accepted`` of ``proposed`` tokens kept."""
@@ -34,13 +34,13 @@ class AcceptanceBandit:
         if proposed == 0:
             return  # k = 0 steps say nothing about the draft
         ab = self.counts.setdefault((domain, draft_id), [0.0, 0.0])
-        ab[0] = ab[0] * self.cfg.decay + accepted
-        ab[1] = ab[1] * self.cfg.decay + proposed - accepted
+        ab[0] = ab[0] * self.cfg.bandit.decay + accepted
+        ab[1] = ab[1] * self.cfg.bandit.decay + proposed - accepted
 
     def posterior(self, domain: str, draft_id: str) -> tuple[float, float]:
         """Beta parameters of the draft's acceptance rate in the domain."""
         a, b = self.counts.get((domain, draft_id), (0.0, 0.0))
-        return self.cfg.prior[0] + a, self.cfg.prior[1] + b
+        return self.cfg.bandit.prior[0] + a, self.cfg.bandit.prior[1] + b
 
     def mean(self, domain: str, draft_id: str) -> float:
         a, b = self.posterior(domain, draft_id)
@@ -56,7 +56,7 @@ class AcceptanceBandit:
         if not self.seen(domain):
             return default, False
         best = max(candidates, key=lambda d: self.mean(domain, d))
-        if self.rng.random() < self.cfg.explore_rate:
+        if self.rng.random() < self.cfg.bandit.explore_rate:
             pick = candidates[int(self.rng.integers(len(candidates)))]
         else:
             a, b = np.array([self.posterior(domain, d) for d in candidates]).T  # [m], [m]

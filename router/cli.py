@@ -52,15 +52,15 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--mode", choices=["supervised", "clusters", "both"], default="both")
     p.add_argument("--confidence-threshold", type=float, default=None)
-    p.add_argument("--max-tokens", type=int, default=None, help="MiniLM input length (RouterConfig.max_tokens)")
+    p.add_argument("--max-tokens", type=int, default=None, help="MiniLM input length (RouterConfig.embedder.max_tokens)")
     p.add_argument("--tail-embedding", action=argparse.BooleanOptionalAction, default=None,
-                   help="embed a long text's last word pieces too (RouterConfig.tail_embedding; default: the config's, on)")
+                   help="embed a long text's last word pieces too (RouterConfig.embedder.tail_embedding; default: the config's, on)")
     p.add_argument("--quantize", action=argparse.BooleanOptionalAction, default=None,
-                   help="int8 MiniLM (RouterConfig.quantize; default: the config's, int8)")
+                   help="int8 MiniLM (RouterConfig.embedder.quantize; default: the config's, int8)")
     p.add_argument("--backend", choices=["torch", "onnx"], default=None,
-                   help="MiniLM runtime (RouterConfig.backend); default: the config's")
+                   help="MiniLM runtime (RouterConfig.embedder.backend); default: the config's")
     p.add_argument("--embed-cache", type=int, default=None,
-                   help="embeddings cached by text (RouterConfig.embed_cache; 0 = off); default: the config's. "
+                   help="embeddings cached by text (RouterConfig.embedder.embed_cache; 0 = off); default: the config's. "
                         "The cache is emptied after the warm-up and before the batched timing either way")
     p.add_argument("--load", default=None, help="route with a router saved by --save instead of training one")
     p.add_argument("--save", default=None, help="save the trained router (after routing) to this folder")
@@ -71,22 +71,22 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="records of other sources and unnamed domains (osd workload open): leave-one-source-out, "
                         "leave-one-domain-out and unnamed-domain figures; 'none' to skip")
     p.add_argument("--open-domains", default=None,
-                   help="comma-separated RouterConfig.open_domains ('*' all, '' none); default: the config's")
-    p.add_argument("--typical-quantile", type=float, default=None, help="RouterConfig.typical_quantile")
+                   help="comma-separated RouterConfig.classifier.open_domains ('*' all, '' none); default: the config's")
+    p.add_argument("--typical-quantile", type=float, default=None, help="RouterConfig.classifier.typical_quantile")
     p.add_argument("--keep-general", action="store_true",
                    help="also train on the general sources (workloads.GENERAL_SOURCES: ShareGPT as 'chat'), as "
                         "routers did before; for comparison")
-    p.add_argument("--typical-k", type=int, default=None, help="RouterConfig.typical_k")
+    p.add_argument("--typical-k", type=int, default=None, help="RouterConfig.classifier.typical_k")
     p.add_argument("--lexical", action=argparse.BooleanOptionalAction, default=None,
-                   help="character n-gram features beside the embedding (RouterConfig.lexical)")
+                   help="character n-gram features beside the embedding (RouterConfig.classifier.lexical)")
     p.add_argument("--background", action=argparse.BooleanOptionalAction, default=None,
-                   help="the training file's general traffic as a background class (RouterConfig.background)")
-    p.add_argument("--background-filter", type=float, default=None, help="RouterConfig.background_filter")
+                   help="the training file's general traffic as a background class (RouterConfig.classifier.background)")
+    p.add_argument("--background-filter", type=float, default=None, help="RouterConfig.classifier.background_filter")
     p.add_argument("--background-relabel", type=float, default=None,
-                   help="RouterConfig.background_relabel: filtered background examples given their domain with at least "
+                   help="RouterConfig.classifier.background_relabel: filtered background examples given their domain with at least "
                         "this probability join it")
     p.add_argument("--lexical-gate", type=float, default=None,
-                   help="RouterConfig.lexical_gate: route without embedding a query whose n-grams alone give a "
+                   help="RouterConfig.classifier.lexical_gate: route without embedding a query whose n-grams alone give a "
                         "topical domain this probability; 0: embed every query")
     p.add_argument("--no-lang-prior", dest="lang_prior", action="store_false",
                    help="language id without the prior learned from the training file's lang labels")
@@ -141,22 +141,24 @@ def evaluate(args: argparse.Namespace) -> dict:
     if args.load:
         router = Router.load(args.load)
     else:
-        overrides = {"mode": args.mode}
-        if args.quantize is not None:
-            overrides["quantize"] = args.quantize
-        for key in ("confidence_threshold", "max_tokens", "typical_quantile", "typical_k", "backend", "embed_cache",
-                    "lexical", "background", "background_filter", "background_relabel", "tail_embedding"):
+        embedder: dict = {}
+        classifier: dict = {}
+        for key in ("quantize", "max_tokens", "backend", "embed_cache", "tail_embedding"):
             if getattr(args, key) is not None:
-                overrides[key] = getattr(args, key)
+                embedder[key] = getattr(args, key)
+        for key in ("confidence_threshold", "typical_quantile", "typical_k", "lexical", "background", "background_filter",
+                    "background_relabel"):
+            if getattr(args, key) is not None:
+                classifier[key] = getattr(args, key)
         if args.open_domains is not None:
-            overrides["open_domains"] = tuple(d for d in args.open_domains.split(",") if d)
+            classifier["open_domains"] = tuple(d for d in args.open_domains.split(",") if d)
         if args.keep_general:
-            overrides["background"] = False
+            classifier["background"] = False
         if args.lexical_gate is not None:
-            overrides["lexical_gate"] = args.lexical_gate or None
-        router = Router(RouterConfig(**overrides))
+            classifier["lexical_gate"] = args.lexical_gate or None
+        router = Router(RouterConfig(mode=args.mode, embedder=embedder, classifier=classifier))
         banned = {r.text for f in [args.workload, *args.exclude] for r in load_workload(f)}
-        pool = named_for_routing(train_file, keep_general=args.keep_general or router.cfg.background)
+        pool = named_for_routing(train_file, keep_general=args.keep_general or router.cfg.classifier.background)
         train = [r for r in pool if r.text not in banned]
         t0 = time.perf_counter()
         router.fit([r.text for r in train], [training_label(r, args.keep_general) for r in train],
@@ -197,7 +199,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         cm = confusion_matrix(truth, pred, labels=labels)
         report["topic"] = {
             "n": len(truth), "accuracy": float(accuracy_score(truth, pred)),
-            "below_threshold": sum(x.confidence < cfg.confidence_threshold for x in routes if x.topic) / len(truth),
+            "below_threshold": sum(x.confidence < cfg.classifier.confidence_threshold for x in routes if x.topic) / len(truth),
             "routed_to_domain": {d: sum(_outcome(x) == d for r, x in named if r.domain == d)
                                  / max(1, sum(r.domain == d for r, _ in named)) for d in sorted(set(truth))},
             "general_to_clusters": (sum(_outcome(x) == "cluster" for r, x in zip(records, routes) if is_general(r))
@@ -263,7 +265,7 @@ def open_set_report(cfg: RouterConfig, extractor, train: Sequence, workload: Seq
             pool.append(r)
     # the background class (general traffic of the training file) is in every router's training;
     # the general traffic of the workload is never trained on and judged like an unnamed kind
-    background = [] if keep_general or not cfg.background else [r for r in train if is_general(r)]
+    background = [] if keep_general or not cfg.classifier.background else [r for r in train if is_general(r)]
     trained = {r.text for r in background}
     general = {} if keep_general else {r.text: WorkloadRecord(r.text, "general", r.lang, r.source)
                                        for r in [*train, *workload] if is_general(r) and r.text not in trained}
@@ -346,7 +348,7 @@ def _print(report: dict) -> None:
     for name, part in (("embedded", lat.get("embedded")), ("routed on their n-grams, not embedded", lat.get("on_ngrams"))):
         if part and part["n"]:
             print(f"  {name}: {part['n']} queries, p50 {part['p50']:.1f} ms, p90 {part['p90']:.1f} ms")
-    cfg, cache = report["config"], report["embed_cache"]
+    cfg, cache = report["config"]["embedder"], report["embed_cache"]
     print(f"embedder: backend {cfg['backend']}, quantize {cfg['quantize']}, {cfg['threads']} thread(s); embedding "
           f"cache {cache['max']} entries: {cache['hits']} hits, {cache['misses']} misses while routing")
     print(f"routes by draft: {report['routes']['draft_id']}; by reason: {report['routes']['reason']}")

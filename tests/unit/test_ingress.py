@@ -750,7 +750,7 @@ def test_named_domains_are_served_by_drafts_of_their_own_from_their_checkpoints(
     recs += [WorkloadRecord(f"What is {i} plus {i + 3}? Show the steps.", "math", "en", "gsm8k") for i in range(8)]
     save_workload(recs, tmp_path / "ex.jsonl")
     keep = save_domain_draft(tmp_path / "sql", make_llama)
-    a = App(app_config(folder, router={"mode": "both", "examples": str(tmp_path / "ex.jsonl"), "background": False},
+    a = App(app_config(folder, router={"mode": "both", "examples": str(tmp_path / "ex.jsonl"), "classifier": {"background": False}},
                        engine=domain_engine(folder, {"sql": str(tmp_path / "sql")})))
     tok = load_tokenizer(folder)
     for prompt, draft_id, layers, ids in (("SELECT name FROM users WHERE id = 3", "d-sql", 1, keep),

@@ -48,7 +48,7 @@ def test_mixture_forks_per_domain_drafts_and_serves_every_record(target, make_en
              + stream[:2]  # overlap is dropped
              + [WorkloadRecord("Write an essay on the history of print.", "chat", "en", "sharegpt:1")])  # background
     lcfg = LearnerConfig(train_every=3, batch_records=4, steps_per_round=2, lr=1e-3, holdout_fraction=0.0, positions="all")
-    rcfg = RouterConfig(spawn_min_records=3, spawn_window=20, spawn_alpha=1.0, spawn_min_tokens=1, min_cluster_size=2)
+    rcfg = RouterConfig(drafts={"spawn_min_records": 3, "spawn_window": 20, "spawn_alpha": 1.0, "spawn_min_tokens": 1}, clusters={"min_cluster_size": 2})
     res = run_mixture(factory, stream, train, lcfg, rcfg, n_per_label=6, max_tokens=6, k=3, window=4,
                       extractor=extractor, log=None)
     assert res["labels"] == {"sql": 6, "chat/en": 6, "chat/es": 6} and res["train_records"] == 25
@@ -110,7 +110,7 @@ def test_the_open_set_router_names_what_it_knows_and_clusters_the_rest(target, m
     train = (_recs(SQL, "sql", "en", " (train)") + _recs(EN, "chat", "en", " (train)")
              + [WorkloadRecord(t, "chat", "en", f"sharegpt:{i}") for i, t in enumerate(general)])  # background
     lcfg = LearnerConfig(train_every=4, batch_records=4, steps_per_round=1, lr=1e-3, holdout_fraction=0.0, positions="all")
-    rcfg = RouterConfig(spawn_min_records=2, spawn_window=20, spawn_alpha=1.0, spawn_min_tokens=1, min_cluster_size=2)
+    rcfg = RouterConfig(drafts={"spawn_min_records": 2, "spawn_window": 20, "spawn_alpha": 1.0, "spawn_min_tokens": 1}, clusters={"min_cluster_size": 2})
     res = run_mixture(factory, stream, train, lcfg, rcfg, methods=["both"], n_per_label=4, max_tokens=6, k=3, window=4,
                       extractor=extractor, log=None)
     both = res["methods"]["both"]
@@ -448,7 +448,7 @@ def test_the_oracle_sees_a_domain_draft_that_starts_better(target, make_engine, 
     stream = _recs(SQL[:4], "sql", "en", "") + _recs(EN[:4], "chat", "en", "") + _recs(ES[:4], "chat", "es", "")
     train = _recs(SQL, "sql", "en", " (train)") + _recs(EN, "chat", "en", " (train)") + _recs(ES, "chat", "es", " (train)")
     lcfg = LearnerConfig(train_every=1000, holdout_fraction=0.0)  # no rounds: every draft keeps its starting weights
-    res = run_mixture(factory, stream, train, lcfg, RouterConfig(background=False), methods=["supervised"],
+    res = run_mixture(factory, stream, train, lcfg, RouterConfig(classifier={"background": False}), methods=["supervised"],
                       n_per_label=4, max_tokens=8, k=3, window=4, extractor=extractor, log=None, starts={"chat": "copy"})
     assert res["domain_starts"] == {"chat": "copy"}
     e = res["methods"]["supervised"]

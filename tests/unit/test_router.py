@@ -3,6 +3,8 @@ batching, state on disk. The model is loaded once for the module (about 5 s)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -58,7 +60,7 @@ BAD = ["", "   \n\t ", "😀🎉🔥👍", "12345 + 678 = ?!", "\x00\x01\x02\x07
 @pytest.fixture(scope="module")
 def trained(extractor) -> Router:
     texts = [t for ts in TRAIN.values() for t in ts]
-    return Router(RouterConfig(mode="supervised", confidence_threshold=0.3), extractor).fit(
+    return Router(RouterConfig(mode="supervised", classifier={"confidence_threshold": 0.3}), extractor).fit(
         texts, [d for d, ts in TRAIN.items() for _ in ts])
 
 
@@ -88,8 +90,8 @@ def test_embeddings_normalised_and_batch_equals_single(extractor):
 def test_long_and_odd_text_is_cut_and_cleaned(extractor):
     cfg = extractor.cfg
     long = "The cat sat on the mat. " * 5000  # 120 kB
-    assert len(clean_text(long, cfg.max_chars)) <= cfg.max_chars
-    np.testing.assert_allclose(extractor.embed([long])[0], extractor.embed([long[: cfg.max_chars]])[0], atol=1e-5)
+    assert len(clean_text(long, cfg.embedder.max_chars)) <= cfg.embedder.max_chars
+    np.testing.assert_allclose(extractor.embed([long])[0], extractor.embed([long[: cfg.embedder.max_chars]])[0], atol=1e-5)
     weird = "Hello\x00 world\ud800 \x1b[0m and more"  # NUL, lone surrogate, escape sequence
     assert clean_text(weird, 100) == "Hello  world?  [0m and more"
     f = extractor(weird)
@@ -112,12 +114,12 @@ def test_a_private_route_names_configured_domains_only_and_changes_nothing(train
     """An isolated tenant's route (``route_private``): a confident named domain and its own draft,
     anything else ``unknown`` on the general draft; never a cluster, whatever the traffic made, and
     the router's clock, clusters, drafts, draft use and embedding cache stay as they were."""
-    router = Router(RouterConfig(mode="both", confidence_threshold=0.99), extractor)  # traffic: to clusters
+    router = Router(RouterConfig(mode="both", classifier={"confidence_threshold": 0.99}), extractor)  # traffic: to clusters
     router.classifier = trained.classifier
     for _ in range(3):
         router.route_batch(["zxq vbn plorth wug", SAMPLES["en"], SAMPLES["fr"]] + [t for t, _ in HELD_OUT])
     router.events()
-    router.cfg = router.cfg.model_copy(update={"confidence_threshold": 0.3})
+    router.cfg = router.cfg.model_copy(update={"classifier": router.cfg.classifier.model_copy(update={"confidence_threshold": 0.3})})
     before = (router.t, dict(router.drafts), dict(router.usage), {c.key: c.count for c in router.clusters.clusters.values()},
               extractor.cache_info()["size"], extractor.cache_info()["hits"])
     assert router.clusters.clusters  # the shared traffic made clusters
@@ -137,7 +139,7 @@ def test_a_private_route_names_configured_domains_only_and_changes_nothing(train
 
 
 def test_non_english_chat_is_its_own_mode(extractor):
-    router = Router(RouterConfig(mode="supervised", confidence_threshold=0.0), extractor)
+    router = Router(RouterConfig(mode="supervised", classifier={"confidence_threshold": 0.0}), extractor)
     router.fit([t for ts in TRAIN.values() for t in ts], [d for d, ts in TRAIN.items() for _ in ts])
     router.register_draft("chat-fr", domain="chat/fr")
     r = router.route("Bonjour ! Comment vas-tu aujourd'hui ? Tu as bien dormi ?")
@@ -162,7 +164,7 @@ def test_bad_input_goes_to_general_and_never_crashes(extractor, trained, mode):
 
 
 def test_state_round_trips_to_disk(extractor, trained, tmp_path):
-    router = Router(RouterConfig(mode="both", confidence_threshold=0.6, explore_rate=0.3), extractor)
+    router = Router(RouterConfig(mode="both", classifier={"confidence_threshold": 0.6}, bandit={"explore_rate": 0.3}), extractor)
     router.classifier = trained.classifier
     router.register_draft("code-draft", domain="code")
     router.register_draft("free")
@@ -208,7 +210,7 @@ def test_the_saved_classifier_is_plain_arrays_and_json_and_loading_a_state_unpic
         def __reduce__(self):
             return (open, (str(marker), "w"))
 
-    cfg = RouterConfig(mode="both", confidence_threshold=0.6)
+    cfg = RouterConfig(mode="both", classifier={"confidence_threshold": 0.6})
     router = Router(cfg, extractor)
     router.classifier = clf
     root = tmp_path / "state"
@@ -224,7 +226,7 @@ def test_the_saved_classifier_is_plain_arrays_and_json_and_loading_a_state_unpic
 
 def test_batch_routing_equals_one_by_one(extractor, trained):
     def fresh() -> Router:
-        r = Router(RouterConfig(mode="both", confidence_threshold=0.6), extractor)
+        r = Router(RouterConfig(mode="both", classifier={"confidence_threshold": 0.6}), extractor)
         r.classifier = trained.classifier
         return r
 
@@ -246,7 +248,7 @@ def test_language_prior_from_labelled_traffic_fixes_related_languages(tmp_path):
     router = Router(RouterConfig(mode="supervised"), fx).fit(
         ["what is a list", "select name from singer", "سلام", "Hola amigo"], ["chat", "sql", "chat", "chat"],
         langs=["en", "en", "fa", "es"])
-    assert fx.lang_prior["fa"] == 1.0 and fx.lang_prior["ur"] == RouterConfig().lang_prior_unseen
+    assert fx.lang_prior["fa"] == 1.0 and fx.lang_prior["ur"] == RouterConfig().language.lang_prior_unseen
     assert [fx.language(t)[0] for t in PERSIAN_SHORT] == ["fa"] * len(PERSIAN_SHORT)
     assert fx.language(SAMPLES["ru"])[0] == "ru"  # an unseen language with clear evidence still wins
     router.save(tmp_path)
@@ -260,7 +262,7 @@ def test_saved_state_is_two_generations_and_a_corrupt_one_is_skipped(extractor, 
     another router config is not loaded; nothing loadable: None (a fresh router)."""
     from router.router import load_state, save_state
 
-    cfg = RouterConfig(mode="both", confidence_threshold=0.99)  # most queries to clusters
+    cfg = RouterConfig(mode="both", classifier={"confidence_threshold": 0.99})  # most queries to clusters
     router = Router(cfg, extractor)
     router.classifier = trained.classifier
     router.register_draft("code-draft", domain="code")
@@ -282,19 +284,29 @@ def test_saved_state_is_two_generations_and_a_corrupt_one_is_skipped(extractor, 
     np.save(tmp_path / "previous" / "centroids.npy", np.zeros((0, 0), np.float32))
     assert first["clusters"] and load_state(tmp_path, cfg, extractor) is None
     save_state(router, tmp_path)
-    assert load_state(tmp_path, RouterConfig(mode="both", confidence_threshold=0.5), extractor) is None
+    assert load_state(tmp_path, RouterConfig(mode="both", classifier={"confidence_threshold": 0.5}), extractor) is None
     assert load_state(tmp_path, cfg, extractor) is not None
     # speed-only settings do not make a save foreign
-    assert load_state(tmp_path, cfg.model_copy(update={"embed_cache": 7, "threads": 2, "batch_size": 3}), extractor) is not None
+    fast = cfg.embedder.model_copy(update={"embed_cache": 7, "threads": 2, "batch_size": 3})
+    assert load_state(tmp_path, cfg.model_copy(update={"embedder": fast}), extractor) is not None
+    # a save from before the settings had sections (flat) loads, each setting in its section
+    saved = tmp_path / "current" / "config.json"
+    nested = json.loads(saved.read_text())
+    flat = {k: v for k, v in nested.items() if not isinstance(v, dict)}
+    for section in ("embedder", "language", "classifier", "clusters", "drafts", "bandit"):
+        flat.update(nested[section])
+    saved.write_text(json.dumps(flat))
+    back = load_state(tmp_path, cfg, extractor)
+    assert back is not None and back.cfg == cfg and back.summary() == router.summary()
 
 
 def test_language_confidence_under_a_prior_is_the_normalised_posterior():
     from router.features import _load_langid
 
-    fx = FeatureExtractor(RouterConfig(languages=("fa", "ur", "ar", "en")), lang_prior={"fa": 1.0, "en": 1.0})
+    fx = FeatureExtractor(RouterConfig(language={"languages": ("fa", "ur", "ar", "en")}), lang_prior={"fa": 1.0, "en": 1.0})
     text = PERSIAN_SHORT[0]
     ranked = _load_langid(("fa", "ur", "ar", "en")).rank(text)
-    post = {lang: p * (1.0 if lang in ("fa", "en") else RouterConfig().lang_prior_unseen) for lang, p in ranked}
+    post = {lang: p * (1.0 if lang in ("fa", "en") else RouterConfig().language.lang_prior_unseen) for lang, p in ranked}
     best = max(post, key=post.get)
     lang, conf = fx.language(text)
     assert (lang, conf) == (best, pytest.approx(post[best] / sum(post.values()), rel=1e-6))
@@ -306,15 +318,15 @@ def test_the_language_set_is_checked_and_bounds_the_answers():
 
     with pytest.raises(ValueError, match=r"\['zz'\]"):
         _load_langid(("en", "zz"))
-    fx = FeatureExtractor(RouterConfig(languages=("en", "fr")))
+    fx = FeatureExtractor(RouterConfig(language={"languages": ("en", "fr")}))
     assert fx.language(SAMPLES["ru"])[0] in ("en", "fr")  # only the allowed ones are answered
-    lang, conf = FeatureExtractor(RouterConfig(languages=("en", "fr", "de"))).language(
+    lang, conf = FeatureExtractor(RouterConfig(language={"languages": ("en", "fr", "de")})).language(
         "The weather is lovely today and we are going for a walk in the park.")
     assert lang == "en" and 0.5 < conf <= 1.0  # a probability over the allowed languages
-    every = FeatureExtractor(RouterConfig(languages=None))
+    every = FeatureExtractor(RouterConfig(language={"languages": None}))
     prior = every.fit_lang_prior(["en", "ru"])
     assert set(prior) == set(_load_langid(None).nb_classes) and len(prior) > 90 and prior["ru"] == 1.0
-    assert prior["fr"] == RouterConfig().lang_prior_unseen
+    assert prior["fr"] == RouterConfig().language.lang_prior_unseen
 
 
 def test_clean_text_cuts_at_max_chars_and_blanks_control_characters():
@@ -328,13 +340,13 @@ def test_named_drafts_off_or_no_room_keeps_named_domains_on_the_general_draft(tr
     the general draft alone, none spawns either; with room for one more, a second named domain
     retires the first domain's draft (the least used) to make room."""
     texts = [t for t, _ in HELD_OUT]
-    for cfg in (RouterConfig(mode="supervised", confidence_threshold=0.3, named_drafts=False),
-                RouterConfig(mode="supervised", confidence_threshold=0.3, max_drafts=1)):
+    for cfg in (RouterConfig(mode="supervised", classifier={"confidence_threshold": 0.3}, drafts={"named_drafts": False}),
+                RouterConfig(mode="supervised", classifier={"confidence_threshold": 0.3}, drafts={"max_drafts": 1})):
         router = Router(cfg, extractor)
         router.classifier = trained.classifier
         assert {r.draft_id for r in router.route_batch(texts)} == {GENERAL} and not router.events()
         assert router.drafts == {GENERAL: None}
-    router = Router(RouterConfig(mode="supervised", confidence_threshold=0.3, max_drafts=2), extractor)
+    router = Router(RouterConfig(mode="supervised", classifier={"confidence_threshold": 0.3}, drafts={"max_drafts": 2}), extractor)
     router.classifier = trained.classifier
     first, second = [(t, d) for t, d in HELD_OUT if d == "code"][0], [(t, d) for t, d in HELD_OUT if d == "sql"][0]
     assert router.route(first[0]).draft_id == "d-code" and router.route(second[0]).draft_id == "d-sql"

@@ -34,8 +34,8 @@ def root(tmp_path_factory):
     path = tmp_path_factory.mktemp("osd-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OSD_CACHE_DIR", str(path))
-        FeatureExtractor(RouterConfig(backend="onnx", quantize=False, embed_cache=0)).embed(["warm up"])
-        FeatureExtractor(RouterConfig(backend="onnx", quantize=True, embed_cache=0)).embed(["warm up"])
+        FeatureExtractor(RouterConfig(embedder={"backend": "onnx", "quantize": False, "embed_cache": 0})).embed(["warm up"])
+        FeatureExtractor(RouterConfig(embedder={"backend": "onnx", "quantize": True, "embed_cache": 0})).embed(["warm up"])
         yield path
 
 
@@ -47,16 +47,16 @@ def cache_root(root, monkeypatch):
 
 def onnx_fx(**kw) -> FeatureExtractor:
     """float32 onnx without a cache unless told"""
-    return FeatureExtractor(RouterConfig(backend="onnx", **{"quantize": False, "embed_cache": 0, **kw}))
+    return FeatureExtractor(RouterConfig(embedder={"backend": "onnx", "quantize": False, "embed_cache": 0, **kw}))
 
 
 @pytest.fixture(scope="module")
 def torch_emb() -> np.ndarray:
-    return FeatureExtractor(RouterConfig(backend="torch", quantize=False, embed_cache=0)).embed(TEXTS)
+    return FeatureExtractor(RouterConfig(embedder={"backend": "torch", "quantize": False, "embed_cache": 0})).embed(TEXTS)
 
 
 def test_onnx_is_the_default_backend():
-    assert RouterConfig().backend == "onnx" and RouterConfig().embed_cache > 0
+    assert RouterConfig().embedder.backend == "onnx" and RouterConfig().embedder.embed_cache > 0
 
 
 @pytest.mark.parametrize("quantize, floor", [(False, 0.999), (True, 0.97)])
@@ -91,7 +91,7 @@ def test_a_long_text_is_the_mean_of_its_first_and_its_last_pieces(cache_root, ba
     its first and its last ``max_tokens`` pieces (the cut moved to the start of a word); a text
     that fits is embedded once, as without the tail."""
     def fx(**kw):
-        return FeatureExtractor(RouterConfig(backend=backend, quantize=False, embed_cache=0, **kw))
+        return FeatureExtractor(RouterConfig(embedder={"backend": backend, "quantize": False, "embed_cache": 0, **kw}))
 
     with_tail, head_only = fx(), fx(tail_embedding=False)
     tok = with_tail.model.tokenizer
@@ -109,7 +109,7 @@ def test_a_long_text_is_the_mean_of_its_first_and_its_last_pieces(cache_root, ba
 
 
 def test_the_tail_starts_at_a_word_and_holds_max_tokens_pieces(cache_root):
-    fx = FeatureExtractor(RouterConfig(max_tokens=8, embed_cache=0))
+    fx = FeatureExtractor(RouterConfig(embedder={"max_tokens": 8, "embed_cache": 0}))
     tok = fx.model.tokenizer
     text = "short words then unbelievably extraordinarily long ones"
     # short words then un ##bel ##ie ##va ##bly extra ##ord ##ina ##rily long ones: 14 pieces
@@ -125,7 +125,7 @@ def test_the_tail_starts_at_a_word_and_holds_max_tokens_pieces(cache_root):
     assert len(tok.tokenize(word)) == 14 and len(tok.tokenize(ten)) == 10
 
     def tail(max_tokens, text):
-        fx_ = FeatureExtractor(RouterConfig(max_tokens=max_tokens, embed_cache=0))
+        fx_ = FeatureExtractor(RouterConfig(embedder={"max_tokens": max_tokens, "embed_cache": 0}))
         return tok.convert_ids_to_tokens(fx_._tails_of(fx_._pieces([text]))[0][1:-1])
 
     assert tail(8, "hello " + word) == ["##r", "##w", "##p", "##q", "##z", "##x"]  # no word start: mid-word
@@ -317,11 +317,11 @@ def test_a_cached_export_that_is_whole_but_does_not_load_is_exported_again(tmp_p
 
 
 def test_the_int8_torch_backend_is_quantized_and_batch_independent():
-    fx = FeatureExtractor(RouterConfig(backend="torch", quantize=True, embed_cache=0, batch_size=4))
+    fx = FeatureExtractor(RouterConfig(embedder={"backend": "torch", "quantize": True, "embed_cache": 0, "batch_size": 4}))
     batch = fx.embed(TEXTS)
     single = np.stack([fx.embed([t])[0] for t in TEXTS])
     np.testing.assert_allclose(batch, single, atol=0, rtol=0)  # one text at a time: activations scaled per text
-    exact = FeatureExtractor(RouterConfig(backend="torch", quantize=False, embed_cache=0)).embed(TEXTS[:1])
+    exact = FeatureExtractor(RouterConfig(embedder={"backend": "torch", "quantize": False, "embed_cache": 0})).embed(TEXTS[:1])
     assert 0.8 < float(batch[0] @ exact[0]) < 0.99999  # near float32 (0.90 on this text), but int8
 
 

@@ -18,6 +18,7 @@ from config import RouterConfig
 from router.router import GENERAL, Router
 from router.cli import _outcome, open_set_report
 from router.domains import BACKGROUND, DomainClassifier
+from router_settings import router_config
 from workloads import WorkloadRecord, load_workload
 
 DATA = Path(__file__).resolve().parents[2] / "bench" / "data"
@@ -48,7 +49,7 @@ def held_out() -> dict[str, list[WorkloadRecord]]:
 
 
 def _router(extractor, train, **cfg) -> Router:
-    return Router(RouterConfig(**cfg), extractor).fit([r.text for r in train], [r.domain for r in train])
+    return Router(router_config(**cfg), extractor).fit([r.text for r in train], [r.domain for r in train])
 
 
 def _outcomes(router, records) -> Counter:
@@ -270,7 +271,7 @@ def test_the_ngram_gate_routes_clear_topical_queries_without_embedding_them(extr
     other = held_out["quotes"] + held_out["verne-2889"] + held_out["alice"]
     texts = [r.text for r in topical + other]
     gate = _router(extractor, train)
-    assert gate.cfg.lexical_gate == 0.9
+    assert gate.cfg.classifier.lexical_gate == 0.9
     before = extractor.cache_info()
     routes = gate.route_batch(texts)
     after = extractor.cache_info()
@@ -413,7 +414,7 @@ def test_a_router_with_the_background_class_sends_a_domain_it_was_not_told_of_to
     by = _by_source(load_workload(DATA / "open.jsonl"), 30)
     math = by["gsm-symbolic"] + by["mathgenerator"]
     with_bg = Router(RouterConfig(), extractor).fit(texts, labels)
-    without = Router(RouterConfig(background=False), extractor).fit([r.text for r in no_math], [r.domain for r in no_math])
+    without = Router(RouterConfig(classifier={"background": False}), extractor).fit([r.text for r in no_math], [r.domain for r in no_math])
     went_with, went_without = _outcomes(with_bg, math), _outcomes(without, math)
     n = len(math)  # 60: measured 58 against 38 to clusters
     assert went_with["cluster"] >= 0.85 * n and went_with["cluster"] >= went_without["cluster"] + 0.2 * n, (

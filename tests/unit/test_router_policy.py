@@ -18,6 +18,7 @@ from router.domains import OnlineClusters
 from router.features import QueryFeatures
 from router.router import GENERAL, UNKNOWN, Router
 from router.domains import BACKGROUND, Cluster
+from router_settings import router_config
 
 D = 384
 CENTRES = {m: v / np.linalg.norm(v) for m, v in
@@ -57,7 +58,7 @@ class StubExtractor:
 def cfg(**kw) -> RouterConfig:
     base = dict(mode="clusters", min_cluster_size=3, noise_ttl=20, spawn_min_records=5, spawn_window=50,
                 spawn_min_tokens=10, spawn_alpha=0.5, idle_retire_records=30, max_drafts=4, explore_rate=0.0)
-    return RouterConfig(**{**base, **kw})
+    return router_config(**{**base, **kw})
 
 
 def stream(router: Router, mode: str, n: int, start: int = 0, accepted: int = 1, proposed: int = 4, lang: str = "en"):
@@ -209,7 +210,7 @@ def test_idle_in_seconds_expires_a_cluster():
 
 
 def test_bandit_prefers_better_acceptance_and_still_explores():
-    bandit = AcceptanceBandit(RouterConfig(seed=7, explore_rate=0.05))
+    bandit = AcceptanceBandit(RouterConfig(bandit={"seed": 7, "explore_rate": 0.05}))
     rng = np.random.default_rng(0)
     for _ in range(300):  # steps of 4 tokens: d-good keeps 70%, d-poor 30%
         bandit.observe("code", "d-good", int(rng.binomial(4, 0.7)), 4)
@@ -222,7 +223,7 @@ def test_bandit_prefers_better_acceptance_and_still_explores():
     assert bandit.mean("code", "d-good") == pytest.approx(0.7, abs=0.05)
     # seeded: the same observations and seed give the same choices
     def replay(seed: int) -> list:
-        b = AcceptanceBandit(RouterConfig(seed=seed, explore_rate=0.05))
+        b = AcceptanceBandit(RouterConfig(bandit={"seed": seed, "explore_rate": 0.05}))
         b.counts = {k: list(v) for k, v in bandit.counts.items()}
         return [b.choose("code", ["d-poor", "d-good"], GENERAL) for _ in range(300)]
 
@@ -230,7 +231,7 @@ def test_bandit_prefers_better_acceptance_and_still_explores():
 
 
 def test_bandit_thompson_alone_explores_uncertain_draft():
-    bandit = AcceptanceBandit(RouterConfig(seed=1, explore_rate=0.0))
+    bandit = AcceptanceBandit(RouterConfig(bandit={"seed": 1, "explore_rate": 0.0}))
     for _ in range(50):
         bandit.observe("math", GENERAL, 1, 4)  # general: 25%, well known
     picks = Counter(bandit.choose("math", [GENERAL, "new"], GENERAL)[0] for _ in range(500))
@@ -249,7 +250,7 @@ def test_bandit_default_for_unseen_domain_and_bad_counts():
 
 
 def test_bandit_forgets_old_observations():
-    bandit = AcceptanceBandit(RouterConfig(decay=0.9))
+    bandit = AcceptanceBandit(RouterConfig(bandit={"decay": 0.9}))
     for _ in range(100):
         bandit.observe("chat", "d", 4, 4)
     for _ in range(100):
@@ -258,7 +259,7 @@ def test_bandit_forgets_old_observations():
 
 
 def test_bandit_posterior_adds_the_prior_to_the_decayed_counts():
-    bandit = AcceptanceBandit(RouterConfig(prior=(2.0, 5.0), decay=0.5))
+    bandit = AcceptanceBandit(RouterConfig(bandit={"prior": (2.0, 5.0), "decay": 0.5}))
     assert bandit.posterior("sql", "d") == (2.0, 5.0)  # never observed: the prior alone
     bandit.observe("sql", "d", 3, 4)
     bandit.observe("sql", "d", 1, 4)  # counts: accepted 3 * 0.5 + 1, rejected 1 * 0.5 + 3
@@ -267,7 +268,7 @@ def test_bandit_posterior_adds_the_prior_to_the_decayed_counts():
 
 
 def test_bandit_with_one_candidate_takes_it_even_in_an_unseen_domain():
-    bandit = AcceptanceBandit(RouterConfig(explore_rate=1.0))
+    bandit = AcceptanceBandit(RouterConfig(bandit={"explore_rate": 1.0}))
     assert bandit.choose("new", ["own"], default=GENERAL) == ("own", False)
     bandit.observe("new", "other", 4, 4)
     assert all(bandit.choose("new", ["own"], default=GENERAL) == ("own", False) for _ in range(20))
@@ -455,8 +456,9 @@ def test_a_retired_draft_leaves_its_cluster_and_no_other():
 
 
 def test_config_refuses_bad_values():
-    for bad in ({"mode": "magic"}, {"max_drafts": 0}, {"prior": (0.0, 1.0)}, {"explore_rate": 2.0}, {"typo": 1}):
-        with pytest.raises(ValidationError):
+    for bad in ({"mode": "magic"}, {"drafts": {"max_drafts": 0}}, {"bandit": {"prior": (0.0, 1.0)}},
+                {"bandit": {"explore_rate": 2.0}}, {"typo": 1}, {"explore_rate": 0.1}, {"bandit": {"typo": 1}}):
+        with pytest.raises(ValidationError):  # (a section's field at the top is unknown there)
             RouterConfig(**bad)
 
 

@@ -27,7 +27,7 @@ def test_the_router_saves_only_what_changed(tmp_path, loop):
 
 
 def test_the_router_reports_its_draft_events_once_with_its_gauges(loop):
-    cfg = RouterConfig(mode="clusters", min_cluster_size=2, spawn_min_records=2, spawn_min_tokens=1, spawn_alpha=1.0)
+    cfg = RouterConfig(mode="clusters", clusters={"min_cluster_size": 2}, drafts={"spawn_min_records": 2, "spawn_min_tokens": 1, "spawn_alpha": 1.0})
     server = RouterServer(cfg)
     for _ in range(12):
         route = loop.run(server.route("SELECT name FROM users WHERE id = 3"))
@@ -119,8 +119,8 @@ def test_the_router_fits_its_examples_when_given_and_in_mode_clusters_routes_by_
     recs += [WorkloadRecord(f"What is {i} plus {i + 3}? Show the steps.", "math", "en", "gsm8k") for i in range(8)]
     save_workload(recs, tmp_path / "ex.jsonl")
     examples = str(tmp_path / "ex.jsonl")
-    assert RouterServer(RouterConfig(mode="both", examples=examples, background=False)).router.classifier.fitted
-    clusters = RouterServer(RouterConfig(mode="clusters", examples=examples, background=False)).router
+    assert RouterServer(RouterConfig(mode="both", examples=examples, classifier={"background": False})).router.classifier.fitted
+    clusters = RouterServer(RouterConfig(mode="clusters", examples=examples, classifier={"background": False})).router
     assert clusters.classifier.fitted  # to name the clusters close to a named domain
     assert clusters.route("SELECT col3 FROM table3 WHERE id = 3").domain not in ("sql", "math")
     assert not RouterServer(RouterConfig(mode="both")).router.classifier.fitted  # no examples: nothing named
@@ -130,8 +130,7 @@ def test_a_draft_the_router_retires_while_routing_is_handed_on_with_no_telemetry
     """With metrics off nobody pulls telemetry: a cluster's draft retired while routing still
     reaches ``on_retire`` (the learner) after that routing call, and the router keeps no backlog
     of events."""
-    cfg = RouterConfig(mode="clusters", min_cluster_size=2, spawn_min_records=2, spawn_min_tokens=1, spawn_alpha=1.0,
-                       idle_retire_records=6, explore_rate=0.0)
+    cfg = RouterConfig(mode="clusters", clusters={"min_cluster_size": 2}, drafts={"spawn_min_records": 2, "spawn_min_tokens": 1, "spawn_alpha": 1.0, "idle_retire_records": 6}, bandit={"explore_rate": 0.0})
     handed = []
     server = RouterServer(cfg, metrics=MetricsConfig(enabled=False), on_retire=handed.extend)
     for _ in range(6):

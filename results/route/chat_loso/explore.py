@@ -16,7 +16,7 @@ in ``--cache``. Variants:
 * ``--bgw W``: the background's examples weighted W (on top of balanced class weights).
 
 Run from the repository root: ``python results/route/chat_loso/explore.py --variant src``. The
-features are those before ``RouterConfig.tail_embedding`` (the first word pieces only), as when
+features are those before ``RouterConfig.embedder.tail_embedding`` (the first word pieces only), as when
 the outputs beside it were written.
 """
 import argparse
@@ -50,7 +50,7 @@ if not os.path.exists(a.cache):
     train = load_workload("bench/data/router_train.jsonl")
     workload = load_workload("bench/data/workload.jsonl")
     open_records = load_workload("bench/data/open.jsonl")
-    cfg = RouterConfig(tail_embedding=False)  # the features when this was run: first word pieces only
+    cfg = RouterConfig(embedder={"tail_embedding": False})  # the features when this was run: first word pieces only
     router = Router(cfg)
     named = sorted({r.domain for r in named_for_routing(train)})
     pool, seen = [], set()
@@ -69,7 +69,7 @@ pool, unnamed, background, feats, named = d["pool"], d["unnamed"], d["background
 pf, uf, bf = feats[:len(pool)], feats[len(pool):len(pool)+len(unnamed)], feats[len(pool)+len(unnamed):]
 X = np.stack([f.embedding for f in pf + bf]); src = np.array([r.source.split(":")[0] for r in pool] + ["background"] * len(bf))
 dom = np.array([r.domain for r in pool] + [D.BACKGROUND] * len(bf)); texts = [f.text for f in pf + bf]; langs = [r.lang for r in pool + background]
-cfg = RouterConfig(typical_quantile=a.q, typical_k=a.k, tail_embedding=False)
+cfg = RouterConfig(classifier={"typical_quantile": a.q, "typical_k": a.k}, embedder={"tail_embedding": False})
 CUR = {}
 orig_fit = D.DomainClassifier.fit
 def fit(self, Xf, labels, texts=None, topical=()):
