@@ -79,7 +79,7 @@ class DraftConfig(_Strict):
         sharing (a copy of) the target's embeddings
       - ``path``: any causal LM at ``path`` (must share the target's vocabulary)
       - ``feature``: one decoder layer over the target's own features (EAGLE-style,
-        ``speculative.feature``), initialised from the target's last layer, learned online
+        ``speculative.feature_draft``), initialised from the target's last layer, learned online
     ``head_vocab``: keep only the N most frequent target tokens in the draft's output head
     (the 49152-row head dominates a small draft's cost); ids are mapped back to the target's.
     ``checkpoint``: a saved draft (``osd train-draft`` output) to load instead of building one;

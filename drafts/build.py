@@ -185,7 +185,7 @@ def load_draft(path: str | Path) -> tuple[PreTrainedModel, torch.Tensor | None, 
     cfg = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
     keep = torch.tensor(info["keep_ids"], dtype=torch.long) if info["keep_ids"] is not None else None
     if info.get("arch") == "feature":
-        from speculative.feature import FeatureDraft
+        from speculative.feature_draft import FeatureDraft
 
         draft = FeatureDraft(cfg, len(keep) if keep is not None else cfg.vocab_size)
         _load_exactly(draft, path)
@@ -297,7 +297,7 @@ def build_draft_model(
     elif cfg.kind == "fresh":
         draft = fresh_draft(target, cfg.num_layers)
     elif cfg.kind == "feature":
-        from speculative.feature import feature_draft
+        from speculative.feature_draft import feature_draft
 
         keep = frequent_token_ids(target_tok, cfg.head_vocab, texts) if cfg.head_vocab else None
         return feature_draft(target, keep, cfg.feature_layers).to(target.device), keep

@@ -399,7 +399,8 @@ def build_engine(case: Case, models: Models):
     # the suffix tree learns from every sample before: its proposals depend on the case's history
     suffix = SuffixProposer(SuffixConfig(max_depth=8, spec_factor=2.0, min_token_prob=0.05))
     def feature(layers=()):
-        from speculative.feature import FeatureDraftProposer, FeatureRunner, feature_draft
+        from speculative.feature import FeatureDraftProposer, FeatureRunner
+        from speculative.feature_draft import feature_draft
 
         base = models.target.model if isinstance(models.target, ModelRunner) else models.target
         keep = torch.tensor(RESTRICTED) if case.restricted else None

@@ -64,6 +64,7 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     # the feature-conditioned draft (its fusion, its cache of features, its proposer) and the losses
     # every draft is distilled with
     "speculative/feature.py": ("speculative.feature", None, ["tests/unit/test_feature.py"]),
+    "speculative/feature_draft.py": ("speculative.feature_draft", None, ["tests/unit/test_feature.py"]),
     "learner/losses.py": ("learner.losses", None,
                           ["tests/unit/test_losses.py", "tests/unit/test_offline.py", "tests/unit/test_trainer.py",
                            "tests/unit/test_feature.py"]),
@@ -319,14 +320,14 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
      'if n > 1:'):
         "one new query at position start attends to the L = start + 1 cached positions, none of which is after it: the mask for n = 1 (or n >= 0) masks nothing",
     # the feature-conditioned draft
-    ("speculative/feature.py", "FeatureDraft.__init__", "cfg.layer_types = cfg.layer_types[:1]"):
+    ("speculative/feature_draft.py", "FeatureDraft.__init__", "cfg.layer_types = cfg.layer_types[:1]"):
         "runs only for configs with layer_types; the Llama configs the draft is built from carry none in this "
         "transformers (getattr(cfg, 'layer_types', None) is None), so the branch is never taken",
-    ("speculative/feature.py", "FeatureDraft.forward", "if attention_mask is None and T > 1:"):
+    ("speculative/feature_draft.py", "FeatureDraft.forward", "if attention_mask is None and T > 1:"):
         "`or`, `T >= 1`, `T > 0`: the causal mask is built in more cases, where it changes nothing: for one new "
         "pair it is all zeros (the pair sees the cache and itself), and the only caller passing a mask "
         "(teacher forcing) passes the same causal mask with no cache (test_pairs_fed_at_once_... kills the rest)",
-    ("speculative/feature.py", "FeatureDraft.forward",
+    ("speculative/feature_draft.py", "FeatureDraft.forward",
      "use_cache=past_key_values is not None, cache_position=cache_position, position_embeddings=pos_emb)"):
         "the decoder layer of this transformers updates the cache it is given whatever use_cache says (the "
         "flag is read by the model, not the layer); without a cache there is nothing to update",
@@ -405,7 +406,7 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
      "rep.steps > 0 -> rep.steps >= 0"):
         "an accepted round has taken a step: its first step's rows are counted before the loop (none: it "
         "returns unaccepted), so a round that reaches the gate has steps >= 1",
-    ("speculative/feature.py", "FeatureDraft.teacher_forced_logits", "return self.teacher_forced(batch, targets=False)[0]",
+    ("speculative/feature_draft.py", "FeatureDraft.teacher_forced_logits", "return self.teacher_forced(batch, targets=False)[0]",
      "False -> True"):
         "the logits-only call then also builds the feature-loss targets, which it drops: the same logits, more work",
     ("learner/offline.py", "draft_loss", 'if feature_loss > 0 and getattr(draft, "uses_features", False):',

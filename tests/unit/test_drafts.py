@@ -248,7 +248,7 @@ def test_the_default_feature_draft_is_its_own(target, tok, tmp_path, monkeypatch
     from config import DraftConfig
     from drafts.build import build_draft_model, default_draft_path
     from osd.cli import distill_args
-    from speculative.feature import FeatureDraft
+    from speculative.feature_draft import FeatureDraft
 
     monkeypatch.setenv("OSD_CACHE_DIR", str(tmp_path))
     args = distill_args(["--kind", "feature", "--seconds", "5"])
@@ -408,7 +408,7 @@ def test_a_saved_draft_missing_a_tensor_or_with_another_is_refused(target, keep,
     from safetensors.torch import load_file, save_file
 
     from drafts.build import DRAFT_WEIGHTS
-    from speculative.feature import feature_draft
+    from speculative.feature_draft import feature_draft
 
     untied = truncated_draft(target, 1)
     untied.config = copy.deepcopy(untied.config)

@@ -17,7 +17,8 @@ from learner.replay import decode_record, encode_record
 from learner.trainer import DraftTrainer, LearnerConfig
 from speculative import ModelRunner, SpeculativeEngine
 from speculative.fast import FastRunner
-from speculative.feature import FeatureDraftProposer, FeatureRunner, feature_draft
+from speculative.feature import FeatureDraftProposer, FeatureRunner
+from speculative.feature_draft import feature_draft
 from speculative.runner import VerifyCall
 
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
@@ -376,7 +377,7 @@ def test_teacher_data_carries_the_features_serving_records(trained_target, tok):
 def test_offline_distillation_raises_held_out_agreement_and_serves_from_its_checkpoint(trained_target, tok, tmp_path):
     from drafts.build import build_draft_model, load_draft, save_draft
     from learner.offline import DistillConfig, collect_teacher_data, distill
-    from speculative.feature import FeatureDraft
+    from speculative.feature_draft import FeatureDraft
 
     rng = random.Random(2)
     prompts = [tok(digits(rng, 4))["input_ids"] for _ in range(48)]
@@ -546,7 +547,7 @@ def test_a_fusing_draft_learns_online_and_keeps_its_layers_through_a_checkpoint(
 
 
 def test_feature_layers_are_checked():
-    from speculative.feature import FeatureDraft
+    from speculative.feature_draft import FeatureDraft
     from conftest import tiny_llama
 
     with pytest.raises(ValueError, match="feature_layers"):
