@@ -16,7 +16,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Generator
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -26,7 +26,8 @@ from config import EngineConfig, SamplingParams
 from .detokenize import StopScanner, final_text
 from .kpolicy import CostModel, KPolicy, StepChoice
 from .models import encode_prompt, eos_token_ids
-from .proposers import EMPTY, DraftModelProposer, LearnedDraft, Proposal, Proposer, learned_draft
+from .proposers import (EMPTY, DraftForward, DraftModelProposer, DraftOutput, LearnedDraft, Proposal, Proposer, learned_draft,
+                        run_alone)
 from .runner import ModelRunner, TargetRows, VerifyCall
 from .sampling import greedy_accept, race_noise, race_sample, rejection_accept, warp_logits
 from .stats import SpecStats
@@ -314,6 +315,12 @@ class SpeculativeEngine:
         """Phase 1: installs staged draft weights, asks the k policy for k and the proposer for
         d_1..d_k (with q), and states the target call that verifies them. ``k_cap``: at most this
         many (the engine loop's limit when the step is shared with other sequences)."""
+        return run_alone(self.propose_steps(request_id, k_cap))
+
+    def propose_steps(self, request_id: str, k_cap: int | None = None
+                      ) -> Generator[DraftForward, DraftOutput, "PendingStep"]:
+        """:meth:`propose` as steps that yield the draft model's forwards (the engine loop runs those
+        of all its sequences on one draft together: :data:`speculative.proposers.ProposalSteps`)."""
         if self._staged is not None:
             self._install_staged()
         st = self.requests.get(request_id)
@@ -326,7 +333,8 @@ class SpeculativeEngine:
             budget = min(budget, k_cap)
         prop: Proposal = EMPTY
         if self.proposer is not None and budget > 0:
-            prop = self.proposer.propose(request_id, st.tokens, StepChoice(st.policy, budget), st.params, st.generator)
+            prop = yield from self.proposer.propose_steps(request_id, st.tokens, StepChoice(st.policy, budget), st.params,
+                                                          st.generator)
         feed = st.tokens[st.target_len :] + prop.tokens  # the uncached suffix + d_1..d_k
         call = VerifyCall(request_id, st.target_len, feed, prop.k + 1, not st.params.greedy, self.cfg.record_top_k,
                           features=self.wants_features, feature_layers=self.feature_layers)

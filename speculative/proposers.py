@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Generator, Protocol, Sequence, TypeVar
 
 import torch
 
 from config import NgramConfig, SamplingParams
 
-from .runner import ModelRunner
+from .runner import ForwardCall, ModelRunner
 from .sampling import race_noise, race_sample, warp_logits
 
 #: The k policy, asked once per step by the proposer that is about to propose: source -> k. The
@@ -48,6 +48,43 @@ class Proposal:
 
 
 EMPTY = Proposal([], None, "none")
+
+
+@dataclass
+class DraftForward:
+    """A draft-model forward a proposal in the making waits on: the draft's runner and the call."""
+
+    runner: ModelRunner
+    call: ForwardCall  # its last ``keep_last`` rows come back
+
+
+@dataclass
+class DraftOutput:
+    """What came back for a :class:`DraftForward`: its rows and its share of the forward's time."""
+
+    logits: torch.Tensor  # [keep_last, V_draft]
+    seconds: float
+
+
+#: a proposal in the making (:meth:`Proposer.propose_steps`): it yields the draft forwards it needs,
+#: one at a time, is sent their rows, and returns what it proposes. The engine loop drives the
+#: proposals of all its sequences together, so that those waiting on the same draft model share one
+#: forward a round (:meth:`speculative.scheduler.EngineLoop.step`); :func:`run_alone` drives one.
+ProposalSteps = Generator[DraftForward, DraftOutput, Proposal]
+R = TypeVar("R")
+
+
+def run_alone(steps: Generator[DraftForward, DraftOutput, R]) -> R:
+    """Drive ``steps`` with each draft forward run by itself (one sequence, in-process)."""
+    try:
+        fw = next(steps)
+        while True:
+            t0 = time.perf_counter()
+            c = fw.call
+            logits = fw.runner.forward(c.seq_id, c.start, c.tokens, c.keep_last)
+            fw = steps.send(DraftOutput(logits, time.perf_counter() - t0))
+    except StopIteration as stop:
+        return stop.value
 
 
 class Proposer:
@@ -84,6 +121,14 @@ class Proposer:
         self, seq_id: str, tokens: list[int], choose_k: ChooseK, params: SamplingParams, gen: torch.Generator | None
     ) -> Proposal:
         raise NotImplementedError
+
+    def propose_steps(
+        self, seq_id: str, tokens: list[int], choose_k: ChooseK, params: SamplingParams, gen: torch.Generator | None
+    ) -> ProposalSteps:
+        """:meth:`propose` as a proposal in the making (:data:`ProposalSteps`). A proposer without a
+        batched draft model proposes at once, waiting on no forward."""
+        return self.propose(seq_id, tokens, choose_k, params, gen)
+        yield  # (a generator)
 
     def feedback(self, seq_id: str, committed: int) -> None:
         """The first ``committed`` tokens of the sequence are final (prompt + accepted output)."""
@@ -185,10 +230,16 @@ class DraftModelProposer(LearnedDraft):
         super().__init__(runner, target_vocab)
 
     def propose(self, seq_id, tokens, choose_k, params, gen) -> Proposal:
+        return run_alone(self.propose_steps(seq_id, tokens, choose_k, params, gen))
+
+    def propose_steps(self, seq_id, tokens, choose_k, params, gen) -> ProposalSteps:
+        """k forwards of one token each (the first catches up on the lag), each one a yield: the
+        engine loop runs those of all sequences on this draft together. The proposal's seconds are
+        its own work plus its share of each forward."""
         k = choose_k("draft")
         if k <= 0:
             return EMPTY
-        t0 = time.perf_counter()
+        spent, t = 0.0, time.perf_counter()
         start = min(self._valid.get(seq_id, 0), len(tokens) - 1)
         feed = tokens[start:]  # the lag: 1 token normally, more after prompt lookup or at the start
         consumed = len(feed)
@@ -196,7 +247,10 @@ class DraftModelProposer(LearnedDraft):
         draft_tokens: list[int] = []
         rows = []
         for i in range(k):
-            logits = self.runner.forward(seq_id, pos, feed)[-1]  # [V_draft]
+            spent += time.perf_counter() - t
+            out = yield DraftForward(self.runner, ForwardCall(seq_id, pos, feed, 1))
+            t, spent = time.perf_counter(), spent + out.seconds
+            logits = out.logits[-1]  # [V_draft]
             pos += len(feed)
             tok, q = self._draw(logits, params, gen, len(tokens) + i)
             if q is not None:
@@ -207,7 +261,7 @@ class DraftModelProposer(LearnedDraft):
         # the cache now holds tokens + d_1..d_{k-1}
         self._valid[seq_id] = pos
         probs = torch.stack(rows) if rows else None  # [k, V_target] (sampling only)
-        return Proposal(draft_tokens, probs, "draft", time.perf_counter() - t0, consumed)
+        return Proposal(draft_tokens, probs, "draft", spent + time.perf_counter() - t, consumed)
 
 
 class NgramProposer(Proposer):
@@ -270,8 +324,11 @@ class ChainedProposer(Proposer):
             p.begin(seq_id, prompt, scope)
 
     def propose(self, seq_id, tokens, choose_k, params, gen) -> Proposal:
+        return run_alone(self.propose_steps(seq_id, tokens, choose_k, params, gen))
+
+    def propose_steps(self, seq_id, tokens, choose_k, params, gen) -> ProposalSteps:
         for p in self.ordered(seq_id, choose_k):
-            prop = p.propose(seq_id, tokens, choose_k, params, gen)
+            prop = yield from p.propose_steps(seq_id, tokens, choose_k, params, gen)
             if prop.k:
                 return prop
         return EMPTY
@@ -329,8 +386,8 @@ class ControllerProposer(ChainedProposer):
         order = sorted(range(len(self.proposers)), key=lambda i: (since[i] < self.probe_every, -score[i], i))
         return [self.proposers[i] for i in order]
 
-    def propose(self, seq_id, tokens, choose_k, params, gen) -> Proposal:
-        prop = super().propose(seq_id, tokens, choose_k, params, gen)
+    def propose_steps(self, seq_id, tokens, choose_k, params, gen) -> ProposalSteps:
+        prop = yield from super().propose_steps(seq_id, tokens, choose_k, params, gen)
         since = self._since[seq_id]
         for i, p in enumerate(self.proposers):
             since[i] = 0 if prop.source in p.sources else since[i] + 1

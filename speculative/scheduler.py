@@ -10,7 +10,8 @@ speculation inside it. Each :meth:`EngineLoop.step`:
      prompts take what is left of ``step_tokens`` in chunks (chunked prefill: a long prompt is
      spread over several steps and never stalls the others for its whole prefill);
   3. **propose**: each decoding sequence's engine drafts its k tokens (suffix tree, prompt
-     lookup or learned draft, k from its k policy);
+     lookup or learned draft, k from its k policy); the sequences drafting with the same draft
+     model share its forwards, one batched forward a round (a k-token draft takes k rounds);
   4. **verify**: one ragged target forward over all of the step's calls;
   5. **accept** per sequence, and hand each request its :class:`StepResult` through its sink.
 
@@ -34,13 +35,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Generator
 
 import torch
 
 from config import LoopConfig, SamplingParams
 
 from .engine import PendingStep, RequestError, RequestState, SpeculativeEngine, StepResult, _calibration_ids
+from .proposers import DraftForward, DraftOutput
 from .kpolicy import expected_tokens
 from .kvcache import PooledCaches
 from .runner import ForwardCall, ModelRunner, VerifyCall
@@ -172,6 +174,8 @@ class EngineLoop:
         self.steps = 0  # target forwards
         self.calls = 0  # sequences' calls in them
         self.tokens = 0  # tokens fed to them
+        self.draft_forwards = 0  # the learned drafts' forwards (one a round of a step's proposals, per draft model)
+        self.draft_calls = 0  # sequences' calls in them
         self.last_batch = 0  # sequences in the last step
         self.last_tokens = 0  # tokens the target took in the last step
         self._inbox: list[Sequence] = []
@@ -276,13 +280,7 @@ class EngineLoop:
         decode, prefill = self._plan()
         if not decode and not prefill:
             return 0
-        pending: list[tuple[Sequence, PendingStep]] = []
-        cap = self._k_cap(decode, prefill)
-        for seq in decode:  # propose (each engine its own drafts)
-            try:
-                pending.append((seq, seq.engine.propose(seq.request_id, k_cap=cap)))
-            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-                self._fail(seq, e)
+        pending = self._propose(decode, self._k_cap(decode, prefill))
         calls = [p.call for _, p in pending] + [call for _, call in prefill]
         if not calls:
             return 0
@@ -309,6 +307,47 @@ class EngineLoop:
         for seq, call in prefill:
             seq.engine.prefilled(seq.request_id, len(call.tokens))
         return len(calls)
+
+    def _propose(self, decode: list[Sequence], cap: int | None) -> list[tuple[Sequence, PendingStep]]:
+        """Every decoding sequence's proposal (a sequence whose proposer fails fails alone). The
+        proposals are driven together: each round, the draft forwards they wait on run one batched
+        forward per draft model, each call's rows the same as alone on the fast path (rows are
+        batch-invariant there), and each proposal is charged its share of the forward's time."""
+        done: dict[int, PendingStep] = {}
+        waiting: list[tuple[Sequence, Generator[DraftForward, DraftOutput, PendingStep], DraftForward]] = []
+
+        def advance(seq: Sequence, steps, sent: DraftOutput | None) -> None:
+            try:
+                waiting.append((seq, steps, steps.send(sent)))
+            except StopIteration as stop:
+                done[id(seq)] = stop.value
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                self._fail(seq, e)
+
+        for seq in decode:
+            advance(seq, seq.engine.propose_steps(seq.request_id, k_cap=cap), None)
+        while waiting:
+            by_model: dict[int, list] = {}
+            for item in waiting:
+                by_model.setdefault(id(item[2].runner), []).append(item)
+            waiting = []
+            for items in by_model.values():
+                runner = items[0][2].runner
+                t0 = time.perf_counter()
+                try:  # [keep_last, V_draft] each; alone, as run_alone runs it
+                    c = items[0][2].call
+                    rows = (runner.forward_batch([fw.call for _, _, fw in items]) if len(items) > 1 else
+                            [runner.forward(c.seq_id, c.start, c.tokens, c.keep_last)])
+                except Exception as e:  # noqa: BLE001 - the draft's forward failed: its sequences fail
+                    for seq, steps, _ in items:
+                        steps.close()
+                        self._fail(seq, e)
+                    continue
+                share = (time.perf_counter() - t0) / len(items)
+                self.draft_forwards, self.draft_calls = self.draft_forwards + 1, self.draft_calls + len(items)
+                for (seq, steps, _), r in zip(items, rows):
+                    advance(seq, steps, DraftOutput(r, share))
+        return [(seq, done[id(seq)]) for seq in decode if id(seq) in done]
 
     def _k_cap(self, decode: list[Sequence], prefill: list) -> int | None:
         """The step's limit on each sequence's draft tokens (:func:`shared_k_cap`); None alone."""

@@ -466,14 +466,14 @@ def test_draft_catches_up_at_most_two_tokens_per_step(build, prompts):
     for name in ("perfect-k3", "trunc1-k3"):
         engine = build(name)
         fed = []
-        real = engine.proposer.propose
+        real = engine.proposer.propose_steps  # what the engine drives
 
         def spy(*a, **kw):
-            prop = real(*a, **kw)
+            prop = yield from real(*a, **kw)
             fed.append(prop.input_tokens - max(prop.k - 1, 0))  # tokens fed before the k - 1 draft tokens
             return prop
 
-        engine.proposer.propose = spy
+        engine.proposer.propose_steps = spy
         gen = engine.generate(prompts[1], SamplingParams(max_tokens=24, ignore_eos=True))
         assert gen.stats.accepted > 0
         assert max(fed[1:]) <= 2, (name, fed)

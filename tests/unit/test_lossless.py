@@ -153,16 +153,16 @@ def test_control_verification_ignoring_top_p_is_caught(markov, monkeypatch):
 
 
 def test_control_draft_reporting_another_q_is_caught(markov, monkeypatch):
-    real = proposers_module.DraftModelProposer.propose
+    real = proposers_module.DraftModelProposer.propose_steps  # what the engine drives
 
     def other_q(self, seq_id, tokens, choose_k, params, gen):
-        prop = real(self, seq_id, tokens, choose_k, params, gen)
+        prop = yield from real(self, seq_id, tokens, choose_k, params, gen)
         if prop.probs is not None:  # sampled from q at T, reported as q at T = 1: (e^(z/T))^T = e^z
             prop.probs = prop.probs.pow(params.temperature)
             prop.probs /= prop.probs.sum(-1, keepdim=True)
         return prop
 
-    monkeypatch.setattr(proposers_module.DraftModelProposer, "propose", other_q)
+    monkeypatch.setattr(proposers_module.DraftModelProposer, "propose_steps", other_q)
     hot = L.Case(0.5, 1.0, 0, 2, False, "close")
     assert not L.run_case(hot, markov).passed
 

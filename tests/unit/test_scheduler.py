@@ -314,3 +314,48 @@ def test_requests_sharing_a_system_prompt_reuse_its_cache_in_the_loop_and_stay_e
     for c, w in zip([first] + clients + others, want):
         assert c.tokens == w
     assert loop.reserved == 0 and loop.target.pool.free_blocks == loop.target.pool.num_blocks
+
+
+def test_sequences_on_one_draft_model_share_its_forwards_and_propose_what_they_would_alone():
+    """Six requests on one learned draft: each round of their proposals is one forward of the draft
+    over all of them (fewer draft forwards than calls), and each request's steps (draft tokens,
+    accepted, emitted) are those it takes alone, since the draft's rows are batch-invariant too."""
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompts = _prompts(6, seed=5)
+
+    def steps_of(client):
+        return [(e.result.draft_tokens, e.result.accepted, e.result.emitted) for e in client.events if isinstance(e, Step)]
+
+    alone = []
+    for i, p in enumerate(prompts):
+        loop, spec, _ = _setup()
+        _, c = _submit(loop, spec, p, params, f"r{i}")
+        _drain(loop, [c])
+        assert loop.draft_forwards == loop.draft_calls  # alone: one call a forward
+        alone.append(steps_of(c))
+    loop, spec, _ = _setup()
+    clients = [_submit(loop, spec, p, params, f"r{i}")[1] for i, p in enumerate(prompts)]
+    _drain(loop, clients)
+    assert [steps_of(c) for c in clients] == alone
+    assert loop.draft_calls == sum(len(d) for s in alone for d, _, _ in s)  # a round a draft token, one call each
+    assert loop.draft_forwards <= loop.draft_calls / 3  # shared: most rounds ran several sequences at once
+
+
+def test_a_failing_draft_forward_fails_its_sequences_only():
+    """The draft's forward raises for one request's call: that request fails, the ones on a
+    model-free proposer in the same step go on and finish with target-only output."""
+    loop, spec, alone = _setup()
+    ngram = SpeculativeEngine(spec.target, spec.tokenizer, NgramProposer(), spec.cfg)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = _prompts(3, seed=9)
+
+    def broken(calls):
+        raise RuntimeError("draft forward failed")
+
+    spec.proposer.runner.forward = lambda *a, **kw: broken(None)
+    spec.proposer.runner.forward_batch = broken
+    _, bad = _submit(loop, spec, prompts[0], params, "bad")
+    good = [_submit(loop, ngram, p, params, f"g{i}")[1] for i, p in enumerate(prompts[1:])]
+    _drain(loop, [bad, *good])
+    assert isinstance(bad.events[-1], Failed) and "draft forward failed" in str(bad.events[-1].error)
+    assert [c.tokens for c in good] == [alone.generate(p, params).token_ids for p in prompts[1:]]
