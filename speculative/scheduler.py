@@ -42,9 +42,9 @@ import torch
 from config import LoopConfig, SamplingParams
 
 from .engine import PendingStep, RequestError, RequestState, SpeculativeEngine, StepResult, _calibration_ids
-from .proposers import DraftForward, DraftOutput
 from .kpolicy import expected_tokens
 from .kvcache import PooledCaches
+from .proposers import DraftForward, DraftOutput
 from .runner import ForwardCall, ModelRunner, VerifyCall
 from .runtime import own_threads
 
