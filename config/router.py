@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import _Strict
 
@@ -163,3 +163,15 @@ class RouterConfig(_Strict):
     clusters: ClusterConfig = ClusterConfig()
     drafts: DraftLifecycleConfig = DraftLifecycleConfig()
     bandit: BanditConfig = BanditConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _in_sections(cls, data):
+        """A setting given at the top that a section holds is refused with where it goes now."""
+        if isinstance(data, dict):
+            for key in data:
+                home = next((name for name, info in cls.model_fields.items() if name != key
+                             and key in getattr(info.annotation, "model_fields", {})), None)
+                if home is not None:
+                    raise ValueError(f"router.{key} is now router.{home}.{key} (the router's settings are in sections)")
+        return data

@@ -460,6 +460,8 @@ def test_config_refuses_bad_values():
                 {"bandit": {"explore_rate": 2.0}}, {"typo": 1}, {"explore_rate": 0.1}, {"bandit": {"typo": 1}}):
         with pytest.raises(ValidationError):  # (a section's field at the top is unknown there)
             RouterConfig(**bad)
+    with pytest.raises(ValidationError, match=r"router.threads is now router.embedder.threads"):
+        RouterConfig(threads=2)  # the flat form of before the sections says where it went
 
 
 # ---------------------------------------------------------------------------- state
