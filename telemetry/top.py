@@ -49,7 +49,7 @@ def render(s: dict, url: str):
                      _f(_last(series["latency_p50_s"]), "{:.2f} s"), _f(_last(series["latency_p95_s"]), "{:.2f} s"),
                      _f(_last(series["ttft_p50_s"]), "{:.2f} s"))
     domains = Table(title="acceptance per domain", box=None, header_style="bold", title_justify="left")
-    for col in ("domain", "alpha", "alpha (recent)", "drafted", "accepted", "tokens/step"):
+    for col in ("domain", "alpha", "alpha (recent)", "drafted", "accepted", "tokens/step", "est. speed-up"):
         if col == "domain":  # the id first (what a row is found by), then the name, cut to one line
             domains.add_column(col, justify="left", no_wrap=True, overflow="ellipsis", max_width=44)
         else:
@@ -59,7 +59,7 @@ def render(s: dict, url: str):
         domains.add_row(f"{d}  {a['name']}" if a.get("name") else d, _f(a["alpha"], "{:.3f}"),
                         _f(_last(series["acceptance"].get(d, [])), "{:.3f}"),
                         _f(a["drafted"], "{:.0f}"), _f(a["accepted"], "{:.0f}"),
-                        _f(per.get(d, {}).get("tokens_per_step"), "{:.2f}"))
+                        _f(per.get(d, {}).get("tokens_per_step"), "{:.2f}"), _f(per.get(d, {}).get("speedup"), "{:.2f}x"))
     parts = [head, overview, domains]
     if "learner" in s:
         r, lr = s["running"], s["learner"]

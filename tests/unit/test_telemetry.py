@@ -264,6 +264,9 @@ def test_top_renders_the_stats_figures():
     hub.sample(now=10.0)
     m.inc("osd_spec_decode_num_draft_tokens_total", 8, **SPEC)
     m.inc("osd_spec_decode_num_accepted_tokens_total", 3, **SPEC)
+    m.inc("osd_spec_decode_num_steps_total", 4, **SPEC)  # 10 tokens in 4 steps that cost 5 target-only steps
+    m.inc("osd_spec_decode_emitted_tokens_total", 10, **SPEC)
+    m.inc("osd_spec_decode_step_cost_total", 5.0, **SPEC)
     m.inc("osd_spec_decode_num_draft_tokens_total", 4, **{**SPEC, "domain": "c2/zh"})
     i.inc("osd_requests_total", 17, tenant="t1", status="200")
     router = Meter("Router", cfg, replica="r")  # a discovered domain with a long name of wide characters
@@ -280,6 +283,7 @@ def test_top_renders_the_stats_figures():
     screen = console.file.getvalue()
     row = next(line for line in screen.splitlines() if line.strip().startswith("code "))
     assert "0.375" in row and " 8 " in row + " " and "17" in screen
+    assert "2.50" in row and "2.00x" in row  # tokens a step, the estimated speed-up
     named = [line for line in screen.splitlines() if line.strip().startswith("c2/zh ")]
     assert len(named) == 1 and "你好" in named[0] and "0.000" in named[0]  # found by its id, its name cut to one line
     assert "general v4" in screen and "publish general v4" in screen
