@@ -23,25 +23,20 @@ class EmbedderConfig(_Strict):
     """The sentence embedder (MiniLM) that routing reads: input length, runtime, cache, threads."""
 
     max_chars: int = Field(default=2000, ge=16)  # text cut before language id and embedding
-    #: MiniLM input length in word pieces. 32 was enough on the built-in workload, but a new source
-    #: of a known domain often names its topic later (a schema before the question, a story before
-    #: the sum): leave-one-source-out recall of SQL 0.63 -> 0.97 and of GSM-style math 0.22 -> 0.83
-    #: going from 32 to 128 (docs/routing.md).
+    #: MiniLM input length in word pieces: a new source of a known domain often names its topic
+    #: late (a schema before the question, a story before the sum); why 128: docs/routing.md
     max_tokens: int = Field(default=128, ge=8, le=512)
     #: A text longer than ``max_tokens`` word pieces is embedded twice, its first and its last
     #: ``max_tokens`` pieces, and its feature is the normalised mean: the code after a long task
-    #: statement, the question after a schema. Leave-one-source-out recall of CodeI/O 0.67 -> 0.94
-    #: (docs/routing.md); a long text costs a second embedding.
+    #: statement, the question after a schema; a long text costs a second embedding (docs/routing.md)
     tail_embedding: bool = True
     #: MiniLM runtime. "onnx": onnxruntime on a graph exported once from the torch model (cached
-    #: under cache_dir()/router; the same embeddings to ~1e-7); "torch": sentence-transformers.
-    #: ``osd route`` p50 per query, one thread, float: 10.1 against 18.2 ms at max_tokens 32, 14.2
-    #: against 22.8 at 128; int8: 4.5 against 9.5, 7.1 against 10.3 (results/route_latency).
+    #: under cache_dir()/router; the same embeddings to ~1e-7); "torch": sentence-transformers
+    #: (their latencies: docs/routing.md)
     backend: Literal["torch", "onnx"] = "onnx"
-    #: int8 weights with dynamically quantized activations: about 1.7x faster with torch, 2.4x with
-    #: onnx (cosine to the float embedding >= 0.97 on the test texts; the same routing figures within a few
-    #: records: docs/routing.md). Activations are then scaled per batch, so texts are embedded one
-    #: at a time (a query's embedding must not depend on its neighbours in a batch).
+    #: int8 weights with dynamically quantized activations (faster, the same routes: docs/routing.md).
+    #: Activations are then scaled per batch, so texts are embedded one at a time (a query's
+    #: embedding must not depend on its neighbours in a batch).
     quantize: bool = True
     #: embeddings of this many distinct recent texts are kept (LRU by cleaned text): multi-turn
     #: conversations re-send their history; 0 = off. 384 float32 each (4096: 6 MiB).
@@ -88,9 +83,8 @@ class ClassifierConfig(_Strict):
     background_relabel: float | None = Field(default=None, gt=0.0, le=1.0)
     #: n-grams first: a second logistic regression reads the character n-grams alone (about 1 ms),
     #: and a query it gives to a topical (not open) domain with at least this probability is routed
-    #: there without being embedded (the embedding is ~90% of a query's time); None: every query is
-    #: embedded. ``osd route`` (docs/routing.md): p50 12.9 -> 2.4 ms on the workload (68% not
-    #: embedded); on the held-out sets only CodeI/O 0.59 -> 0.67 and left-out chat to clusters 0.86 -> 0.84 move.
+    #: there without being embedded (the embedding is most of a query's time); None: every query is
+    #: embedded (what it saves and changes: docs/routing.md)
     lexical_gate: float | None = Field(default=0.9, gt=0.5, le=1.0)
     typical_k: int = Field(default=1, ge=1)  # typicality: mean similarity to this many nearest examples
     #: held-out in-domain queries called atypical (the threshold is this quantile of held-out scores)

@@ -1,19 +1,19 @@
 """The fast CPU path: int4 (or int8) weights, our own lean Llama forward, preallocated KV caches.
 
-Why this design (``python -m bench.kernels``, all 211 linear layers of SmolLM2-135M, M rows):
-  - float32 ``F.linear``: 45 ms (M=1), 58-73 ms (M=2..9);
-  - torch's fbgemm dynamic int8 (``quantize_dynamic``): 10-12 ms, but its activation scale is one
-    per *call*, so a row's result depends on the other rows in the call: verifying k + 1 tokens at
+Why this design (each kernel timed over all linear layers of SmolLM2-135M by ``python -m
+bench.kernels``; the figures are in docs/fast.md):
+  - float32 ``F.linear`` is several times slower than any packed kernel;
+  - torch's fbgemm dynamic int8 (``quantize_dynamic``) is fast, but its activation scale is one per
+    *call*, so a row's result depends on the other rows in the call: verifying k + 1 tokens at
     once would not give the logits of decoding them one by one, and greedy equality with the
     target alone would hold only up to luck;
-  - ``torch._int_mm`` with per-row int8 activation scales: 15-19 ms;
-  - ``aten._weight_int8pack_mm`` (int8 weights, one scale per output row, bfloat16 activations):
-    12 ms (M=1), 15 (M=2), 16 (M=4), 29 (M=8);
-  - ``aten._weight_int4pack_mm_for_cpu`` (4-bit groups of 32, bfloat16 activations): **7.5 ms**
-    (M=1), 8 (M=2), 11 (M=4), 17 (M=8). The embedded GGUF's layers are Q4_1, i.e. 4-bit groups of 32;
+  - ``torch._int_mm`` with per-row int8 activation scales, and ``aten._weight_int8pack_mm`` (int8
+    weights, one scale per output row, bfloat16 activations), are slower than 4 bits;
+  - ``aten._weight_int4pack_mm_for_cpu`` (4-bit groups of 32, bfloat16 activations) is the fastest
+    of torch's; the embedded GGUF's layers are Q4_1, i.e. 4-bit groups of 32;
   - our native kernels (:mod:`speculative.qmatmul`: rows rounded to 8 bits a group of 32, integer
-    dot products, as llama.cpp does for Q4_1), the default where a C compiler is found: about half
-    of torch's int4 time from 8 rows up (docs/fast.md, "The native matrix kernels").
+    dot products, as llama.cpp does for Q4_1), the default where a C compiler is found, take about
+    half of torch's int4 time from 8 rows up (docs/fast.md, "The native matrix kernels").
 All these weight-only kernels compute each output row from its input row alone: bitwise the same
 whatever else shares the call. int4 is the default (``quantize: auto``), the head stays in 8 bits.
 Hugging Face's eager Llama around those kernels makes 211 linear calls a step, grows its cache with
