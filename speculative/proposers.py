@@ -26,6 +26,7 @@ import torch
 
 from config import NgramConfig, SamplingParams
 
+from .kpolicy import StepChoice
 from .runner import ForwardCall, ModelRunner
 from .sampling import race_noise, race_sample, warp_logits
 
@@ -380,7 +381,7 @@ class ControllerProposer(ChainedProposer):
 
     def ordered(self, seq_id: str, choose_k: ChooseK) -> Sequence[Proposer]:
         since = self._since.setdefault(seq_id, [0] * len(self.proposers))
-        speedup = getattr(choose_k, "speedup", None)
+        speedup = choose_k.speedup if isinstance(choose_k, StepChoice) else None  # (a plain k callable ranks none)
         score = [max(speedup(s) for s in p.sources) if speedup else 0.0 for p in self.proposers]
         # best expected speedup first (ties: the given order); a proposer due a probe before all
         order = sorted(range(len(self.proposers)), key=lambda i: (since[i] < self.probe_every, -score[i], i))
