@@ -158,14 +158,20 @@ class RouterConfig(_Strict):
     drafts: DraftLifecycleConfig = DraftLifecycleConfig()
     bandit: BanditConfig = BanditConfig()
 
+    @classmethod
+    def section_of(cls, key: str) -> str | None:
+        """The section that holds setting ``key`` (``threads`` -> ``embedder``); None for a top-level
+        setting or an unknown name."""
+        return next((name for name, info in cls.model_fields.items()
+                     if key in getattr(info.annotation, "model_fields", {})), None)
+
     @model_validator(mode="before")
     @classmethod
     def _in_sections(cls, data):
         """A setting given at the top that a section holds is refused with where it goes now."""
         if isinstance(data, dict):
             for key in data:
-                home = next((name for name, info in cls.model_fields.items() if name != key
-                             and key in getattr(info.annotation, "model_fields", {})), None)
+                home = cls.section_of(key)
                 if home is not None:
                     raise ValueError(f"router.{key} is now router.{home}.{key} (the router's settings are in sections)")
         return data

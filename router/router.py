@@ -67,10 +67,8 @@ def _saved_config(d: Path) -> RouterConfig:
     """The config a router was saved with. Saves made before the settings had sections wrote them
     flat: each setting is put in the section that now holds it."""
     saved = json.loads((d / "config.json").read_text())
-    sections = {name: info.annotation.model_fields for name, info in RouterConfig.model_fields.items()
-                if hasattr(info.annotation, "model_fields")}
-    for key in [k for k in saved if k not in RouterConfig.model_fields]:
-        home = next((s for s, fields in sections.items() if key in fields), None)
+    for key in list(saved):
+        home = RouterConfig.section_of(key)
         if home is not None:
             saved.setdefault(home, {})[key] = saved.pop(key)
     return RouterConfig.model_validate(saved)

@@ -8,14 +8,14 @@ from config import RouterConfig
 
 
 def router_config(**settings) -> RouterConfig:
-    top, sections = {}, {}
-    owner = {f: s for s, info in RouterConfig.model_fields.items() if hasattr(info.annotation, "model_fields")
-             for f in info.annotation.model_fields}
+    top: dict = {}
+    sections: dict = {}
     for name, value in settings.items():
-        if name in RouterConfig.model_fields:
+        home = RouterConfig.section_of(name)
+        if home is not None:
+            sections.setdefault(home, {})[name] = value
+        elif name in RouterConfig.model_fields:
             top[name] = value
-        elif name in owner:
-            sections.setdefault(owner[name], {})[name] = value
         else:
             raise TypeError(f"no section of RouterConfig declares {name!r}")
     return RouterConfig(**top, **sections)
