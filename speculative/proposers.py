@@ -58,6 +58,11 @@ class DraftForward:
     runner: ModelRunner
     call: ForwardCall  # its last ``keep_last`` rows come back
 
+    def alone(self) -> torch.Tensor:
+        """The call run by itself: its last ``keep_last`` rows, [keep_last, V_draft]."""
+        c = self.call
+        return self.runner.forward(c.seq_id, c.start, c.tokens, c.keep_last)
+
 
 @dataclass
 class DraftOutput:
@@ -81,8 +86,7 @@ def run_alone(steps: Generator[DraftForward, DraftOutput, R]) -> R:
         fw = next(steps)
         while True:
             t0 = time.perf_counter()
-            c = fw.call
-            logits = fw.runner.forward(c.seq_id, c.start, c.tokens, c.keep_last)
+            logits = fw.alone()
             fw = steps.send(DraftOutput(logits, time.perf_counter() - t0))
     except StopIteration as stop:
         return stop.value

@@ -334,10 +334,9 @@ class EngineLoop:
             for items in by_model.values():
                 runner = items[0][2].runner
                 t0 = time.perf_counter()
-                try:  # [keep_last, V_draft] each; alone, as run_alone runs it
-                    c = items[0][2].call
+                try:  # [keep_last, V_draft] each; one call alone, as run_alone runs it
                     rows = (runner.forward_batch([fw.call for _, _, fw in items]) if len(items) > 1 else
-                            [runner.forward(c.seq_id, c.start, c.tokens, c.keep_last)])
+                            [items[0][2].alone()])
                 except Exception as e:  # noqa: BLE001 - the draft's forward failed: its sequences fail
                     for seq, steps, _ in items:
                         steps.close()
