@@ -43,7 +43,6 @@ from drafts.outputs import KeptOutputs, PublishedWeights
 from learner.replay import LEARNED_SOURCES, RecordBuilder
 from config.draft_ids import GENERAL, start_domain
 from speculative import RequestError, SpeculativeEngine, TargetRows, VerifyCall
-from speculative.adapters import base_memo
 from speculative.detokenize import Detokenizer
 from speculative.engine import time_verify
 from speculative.runtime import make_runner, resolve_quantize
@@ -183,11 +182,12 @@ class DraftPool:
         if self.verify_s is None:
             self.verify_s = await self.verifier.handle.verify_costs.remote()
         start = self.starts.get(start_domain(draft_id, self.starts), self.base)
-        # the draft's float weights are the start's own (new weights take their places, never write
-        # into them): a draft id costs its packed copy and adapters, not another float draft
+        # the draft's weights, float and packed, are the start's own (new weights take their places,
+        # never write into them): a draft id costs its adapters and caches, not another draft, and
+        # the engine loop runs the drafts of one start in one forward (EngineLoop._propose)
         draft = start.draft if start is not None else None
         engine = SpeculativeEngine(self.view, self.tokenizer,
-                                   copy.deepcopy(start, base_memo(draft.runner.model) if draft is not None else None),
+                                   copy.deepcopy(start, draft.runner.share_memo() if draft is not None else None),
                                    self.cfg.engine)
         weights = self.published.get(draft_id)
         if self.learner is not None and engine.learned_draft is not None and weights is None:

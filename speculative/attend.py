@@ -65,3 +65,29 @@ class PagedAttention:
         if rc != 0:
             raise ValueError(f"attention kernel refused the shapes (Hq {Hq}, Hkv {Hkv}, D {D})")
         return out
+
+
+@lru_cache(maxsize=1)
+def load_rope() -> Kernel | None:
+    """The compiled rotary embedding and pool write (``csrc/rope.c``), or None where it cannot be built."""
+    P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    return load("rope.c", "osd_rope_kv", [P, I64, I64, INT, INT, INT, P, P, P, INT, I64, P], "rotary kernel", load_rope)
+
+
+def rope_kv(kernel: Kernel, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
+            slots: torch.Tensor) -> None:
+    """Rotate the query and key heads of ``heads`` [R, Hq + 2 Hkv, D] float32 (rows may be strided,
+    heads contiguous) in place by ``cos``, ``sin`` [R, D] float32, and write each row's key and
+    value heads to ``slots`` [R] (int64) of the pool layer ``kv_layer`` [2, Hkv, S, D] (16 bits):
+    bitwise what :func:`speculative.fast._rope` and the pool's indexed write give."""
+    Hkv, S, D = kv_layer.shape[1], kv_layer.shape[2], kv_layer.shape[3]
+    R, H = heads.shape[0], heads.shape[1]
+    if (heads.dtype != torch.float32 or heads.stride(2) != 1 or heads.stride(1) != D or not kv_layer.is_contiguous()
+            or kv_layer.element_size() != 2 or not (cos.is_contiguous() and sin.is_contiguous())
+            or cos.shape != (R, D) or slots.dtype != torch.long or slots.numel() != R):
+        raise ValueError("rotary kernel: float32 heads of contiguous values, [R, D] cos and sin, a 16-bit pool layer")
+    slots = slots.contiguous()
+    rc = kernel(heads.data_ptr(), heads.stride(0), R, H - 2 * Hkv, Hkv, D, cos.data_ptr(), sin.data_ptr(),
+                kv_layer.data_ptr(), int(kv_layer.dtype == torch.bfloat16), S, slots.data_ptr())
+    if rc != 0:
+        raise ValueError(f"rotary kernel refused the head size {D}")

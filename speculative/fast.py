@@ -43,7 +43,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .adapters import fused_delta, has_adapters, is_adapter_key
-from .attend import PagedAttention, load_kernel
+from .attend import PagedAttention, load_kernel, load_rope, rope_kv
+from .fused import load_layers, load_silu, run_layers, silu_mul
 from .kvcache import BlockPool, PooledCaches, SeqCache, as_float64
 from .qmatmul import GROUP, load_q4, load_q8, load_rms, pack_q4, pack_q8, q4_mm, q8_mm, rms_norm
 from .runner import ForwardCall, ModelRunner
@@ -66,14 +67,17 @@ def _adapter_of(linears) -> tuple[torch.Tensor, torch.Tensor] | None:
     return None if delta is None else (delta[0].double(), delta[1].double())
 
 
-def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, adapter) -> torch.Tensor:
-    """The packed product ``y`` plus the bias and the adapter's update B (A x). The update runs in
-    float64 and is rounded once: a row's result stays the same whatever other rows share the call."""
+def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, parts) -> torch.Tensor:
+    """The packed product ``y`` plus the bias and each row range's adapter update B (A x): ``parts``
+    holds (first row, end row, adapter or None). The update runs in float64 and is rounded once:
+    a row's result stays the same whatever other rows share the call."""
     if bias is not None:
         y = y + bias
-    if adapter is not None:
+    for r0, r1, adapter in parts:
+        if adapter is None:
+            continue
         a, b = adapter
-        y = y + ((x.double() @ a.t()) @ b.t()).float()
+        y[r0:r1] += ((x[r0:r1].double() @ a.t()) @ b.t()).float()  # (y is this call's own product)
     return y
 
 
@@ -82,11 +86,22 @@ class _PackedLinear(nn.Module):
     adapters ride beside the packed product."""
 
     weight: torch.Tensor
+    bias: torch.Tensor | None
     adapter: tuple[torch.Tensor, torch.Tensor] | None
 
     def set_adapter(self, linears) -> None:
         """Take the linears' low-rank adapters (:mod:`speculative.adapters`), or none."""
         self.adapter = _adapter_of(linears)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] float -> [M, N] float32, no bias nor adapter
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, adapters: list[tuple[int, int, tuple | None]] | None = None) -> torch.Tensor:
+        """x [M, K] -> y [M, N] float32. ``adapters``: (first row, end row, adapter or None) for
+        rows that take other adapters than this linear's own (sequences of several drafts sharing
+        this packed base in one forward); None: this linear's own adapter for every row."""
+        parts = [(0, x.shape[0], self.adapter)] if adapters is None else adapters
+        return _finish(self._product(x), x, self.bias, parts)
 
 
 class Int8Linear(_PackedLinear):
@@ -119,12 +134,10 @@ class Int8Linear(_PackedLinear):
         self.bias, self.splits = _fused_bias(linears)
         self.set_adapter(linears)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] float -> [M, N] float32
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            y = q8_mm(self.kernel, self.weight, self.wsum, self.scale, x)[:, : self.out_features]
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scale).float()
-        return _finish(y, x, self.bias, self.adapter)
+            return q8_mm(self.kernel, self.weight, self.wsum, self.scale, x)[:, : self.out_features]
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scale).float()
 
 
 class Int4Linear(_PackedLinear):
@@ -167,12 +180,12 @@ class Int4Linear(_PackedLinear):
         self.bias, self.splits = _fused_bias(linears)
         self.set_adapter(linears)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] float -> [M, N] float32
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             y = q4_mm(self.kernel, self.weight, self.dm, x)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.weight, self.group, self.scales_zeros)
-        return _finish(y[:, : self.out_features].float(), x, self.bias, self.adapter)
+        return y[:, : self.out_features].float()
 
 
 class FastRunner(PooledCaches, ModelRunner):
@@ -207,6 +220,14 @@ class FastRunner(PooledCaches, ModelRunner):
         self._caches: dict[str, SeqCache] = {}  # type: ignore[assignment]
         #: the native attention over the pool (:mod:`speculative.attend`, 16-bit pools); None: the torch attention
         self.attention_kernel = load_kernel() if self.pool.kv.element_size() == 2 else None
+        #: the native rotary embedding and pool write (:func:`speculative.attend.rope_kv`; bitwise
+        #: torch's, in one call a layer instead of a dozen), or None: torch's ops
+        self.rope_kernel = load_rope() if native and self.pool.kv.element_size() == 2 else None
+        #: the native gated activation (:mod:`speculative.fused`; both paths use it), or None: torch's
+        self.silu_kernel = load_silu() if native else None
+        #: every decoder layer in one native call a step (:mod:`speculative.fused`), or None
+        self.layers_kernel = load_layers() if native else None
+        self.inter = cfg.intermediate_size
         self._quantise()
 
     def _quantise(self) -> None:
@@ -232,6 +253,30 @@ class FastRunner(PooledCaches, ModelRunner):
                          for packed, srcs in ((qkv, (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)),
                                               (o, (layer.self_attn.o_proj,)), (gu, (layer.mlp.gate_proj, layer.mlp.up_proj)),
                                               (d, (layer.mlp.down_proj,)))] + [(self.head, (m.lm_head,))]
+        self._table = self._layer_table()
+
+    def _layer_table(self) -> torch.Tensor | None:
+        """The addresses :func:`speculative.fused.run_layers` reads (weights, norms, pool layers),
+        or None where the one native call does not cover this model: a kernel missing, a projection
+        in 8 bits, with a bias, padded outputs or adapters, norms of other epsilons or dtypes."""
+        if None in (self.layers_kernel, self.silu_kernel, self.rms_kernel, self.attention_kernel, self.rope_kernel):
+            return None
+        if len({_eps(n) for layer in self.layers for n in (layer[0], layer[3])}) != 1:
+            return None
+        rows: list[int] = []
+        for (norm1, qkv, o, norm2, gate_up, down), kv in zip(self.layers, self.pool.kv):
+            for lin in (qkv, o, gate_up, down):
+                if (not isinstance(lin, Int4Linear) or lin.kernel is None or lin.bias is not None or lin.adapter is not None
+                        or lin.weight.shape[0] * 16 != lin.out_features):
+                    return None
+            w1, w2 = (cast(torch.Tensor, n.weight).detach() for n in (norm1, norm2))
+            if any(w.dtype != torch.float32 or not w.is_contiguous() for w in (w1, w2)):
+                return None
+            q4 = [cast(Int4Linear, lin) for lin in (qkv, o, gate_up, down)]
+            rows += [w1.data_ptr(), q4[0].weight.data_ptr(), q4[0].dm.data_ptr(), q4[1].weight.data_ptr(), q4[1].dm.data_ptr(),
+                     w2.data_ptr(), q4[2].weight.data_ptr(), q4[2].dm.data_ptr(), q4[3].weight.data_ptr(),
+                     q4[3].dm.data_ptr(), kv.data_ptr()]
+        return torch.tensor(rows, dtype=torch.int64)
 
     def drop_float_weights(self) -> int:
         """Free the float projections the packed copy was made from; returns the bytes let go
@@ -248,6 +293,7 @@ class FastRunner(PooledCaches, ModelRunner):
         for t in [*self.model.parameters(), *self.model.buffers()]:
             t.data = t.data.clone()
         self.float_dropped = True
+        self._table = self._layer_table()  # the norms' weights moved
         return freed
 
     def load_state_dict(self, state: dict) -> None:
@@ -263,6 +309,7 @@ class FastRunner(PooledCaches, ModelRunner):
                 self._quantise()
             for packed, srcs in self._sources:
                 packed.set_adapter(srcs)
+            self._table = self._layer_table()
             return
         super().load_state_dict(state)
         self._quantise()
@@ -293,45 +340,131 @@ class FastRunner(PooledCaches, ModelRunner):
         assert feats is not None  # asked for
         return logits, feats
 
-    @torch.inference_mode()
+    @property
+    def batch_key(self) -> tuple:
+        """Runners with equal keys share one packed base (the same packed tensors: engines of
+        several drafts copied from one start with :meth:`share_memo`) and may run their calls in one
+        forward (:meth:`forward_with`), each row with its own runner's adapters, caches and pool."""
+        return ("fast", *(t.data_ptr() for t in self._packed_tensors()))
+
+    def _packed_tensors(self) -> list[torch.Tensor]:
+        packed = [p for layer in self.layers for p in (layer[1], layer[2], layer[4], layer[5])] + [self.head]
+        return [t for p in packed for t in (*p.buffers(), p.bias) if t is not None]
+
+    def share_memo(self) -> dict[int, torch.Tensor]:
+        """The float base's tensors and the packed products' (every one but the adapters')."""
+        return super().share_memo() | {id(t): t for t in self._packed_tensors()}
+
+    def forward_with(self, pairs: list[tuple["ModelRunner", ForwardCall]]) -> list[torch.Tensor]:
+        """The calls of several runners of this one's :attr:`batch_key` in one forward, each call's
+        rows as its own runner gives them alone (its adapters, its caches): [keep_last, V_model] each,
+        in the order of ``pairs``."""
+        runners: dict[int, FastRunner] = {}
+        calls: dict[int, list[ForwardCall]] = {}
+        for runner, call in pairs:
+            if not isinstance(runner, FastRunner) or runner.batch_key != self.batch_key:
+                raise ValueError(f"{self.name}: {runner.name} does not share this runner's packed base")
+            runners.setdefault(id(runner), runner)
+            calls.setdefault(id(runner), []).append(call)
+        rows = iter(self._run([(runners[k], calls[k]) for k in runners], False)[0])
+        by_runner = {k: iter([next(rows) for _ in calls[k]]) for k in runners}
+        return [next(by_runner[id(runner)]) for runner, _ in pairs]
+
     def _batch(self, calls: list[ForwardCall], features: bool, layers: tuple[int, ...] = ()
                ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        if len({c.seq_id for c in calls}) != len(calls):
-            raise ValueError(f"{self.name}: a batch holds two calls for one sequence")
-        caches = [self._open(c) for c in calls]
+        return self._run([(self, calls)], features, layers)
+
+    @torch.inference_mode()
+    def _run(self, segments: list[tuple["FastRunner", list[ForwardCall]]], features: bool, layers: tuple[int, ...] = ()
+             ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """The forward of ``segments``: (runner, its calls), runners sharing this one's packed base.
+        Every row goes through the shared products; each segment's rows take its runner's adapters,
+        and write and attend to its runner's caches."""
+        for runner, seg_calls in segments:
+            if len({c.seq_id for c in seg_calls}) != len(seg_calls):
+                raise ValueError(f"{runner.name}: a batch holds two calls for one sequence")
+        calls = [c for _, seg_calls in segments for c in seg_calls]
+        caches = [runner._open(c) for runner, seg_calls in segments for c in seg_calls]
         lens = [len(c.tokens) for c in calls]  # [B] new rows per call
         ids = torch.tensor([t for c in calls for t in c.tokens], dtype=torch.long)  # [R] R = sum T
         pos = torch.cat([torch.arange(c.start, c.start + n) for c, n in zip(calls, lens)])  # [R]
         inner = self.model.model
         h = inner.embed_tokens(ids).float()  # [R, hidden]
         cos, sin = inner.rotary_emb(h[None], pos[None])  # [1, R, D] each
-        cos, sin = cos[0][:, None], sin[0][:, None]  # [R, 1, D]
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [R, D]
         Hq, Hkv, D = self.n_heads, self.n_kv, self.head_dim
-        slots_new = torch.cat([cache.slots[c.start : c.start + n] for c, cache, n in zip(calls, caches, lens)])  # [R]
-        plan: PagedAttention | _AttentionPlan
-        if self.attention_kernel is not None:
-            plan = PagedAttention(self.attention_kernel, calls, caches, lens, Hq, Hkv, D)
-        else:
-            plan = _AttentionPlan(calls, caches, lens, Hq, Hkv, D)
+        # each segment: its runner, its rows [r0, r1), its calls' new slots and its attention plan
+        segs = []
+        c0 = r0 = 0
+        for runner, seg_calls in segments:
+            c1 = c0 + len(seg_calls)
+            r1 = r0 + sum(lens[c0:c1])
+            seg_caches, seg_lens = caches[c0:c1], lens[c0:c1]
+            slots_new = torch.cat([cache.slots[c.start : c.start + n] for c, cache, n in zip(seg_calls, seg_caches, seg_lens)])
+            plan: PagedAttention | _AttentionPlan
+            if self.attention_kernel is not None:
+                plan = PagedAttention(self.attention_kernel, seg_calls, seg_caches, seg_lens, Hq, Hkv, D)
+            else:
+                plan = _AttentionPlan(seg_calls, seg_caches, seg_lens, Hq, Hkv, D)
+            segs.append((runner, r0, r1, slots_new, plan, seg_caches))
+            c0, r0 = c1, r1
+
+        def adapters(rows: list[tuple[int, int]], pick) -> list[tuple[int, int, tuple | None]] | None:
+            # None alone: this runner's linears' own adapters
+            if len(segs) == 1:
+                return None
+            return [(a, b, pick(seg[0]).adapter) for seg, (a, b) in zip(segs, rows)]
+
+        rows = [(seg[1], seg[2]) for seg in segs]
         outs: dict[int, torch.Tensor] = {}  # the layer outputs the features ask for
-        for li, (norm1, qkv, o_proj, norm2, gate_up, down) in enumerate(self.layers):
-            heads = qkv(self._norm(norm1, h)).view(-1, Hq + 2 * Hkv, D)  # [R, Hq + 2 Hkv, D]: q, k, v heads
-            qk = _rope(heads[:, : Hq + Hkv], cos, sin)  # [R, Hq + Hkv, D] (one rotation for q and k)
-            q = qk[:, :Hq]  # [R, Hq, D]
-            kv_new = torch.stack((qk[:, Hq:], heads[:, Hq + Hkv :])).transpose(1, 2)  # [2, Hkv, R, D]
-            self.pool.kv[li][:, :, slots_new] = kv_new.to(self.pool.kv.dtype)  # every call's new rows, in 16 bits
-            out = plan.attend(q, self.pool.kv[li], lambda i, end: caches[i].read(li, end))  # [R, Hq*D]
-            h = h + o_proj(out)
-            g, u = gate_up(self._norm(norm2, h)).split(gate_up.splits, dim=-1)  # [R, I] each
-            h = h + down(nn.functional.silu(g) * u)
+        table = (self._table if len(segs) == 1 and segs[0][0] is self and not features and isinstance(segs[0][4], PagedAttention)
+                 else None)
+        if table is not None:  # every layer in one native call: the same kernels, the same rows
+            assert self.layers_kernel is not None and self.layers
+            run_layers(self.layers_kernel, table, h, (Hq, Hkv, D), self.inter, _eps(self.layers[0][0]), cos, sin,
+                       segs[0][3], self.pool.kv, segs[0][4])
+        for li, (norm1, qkv, o_proj, norm2, gate_up, down) in enumerate(self.layers if table is None else []):
+            heads = qkv(self._norm(norm1, h), adapters(rows, lambda r: r.layers[li][1])).view(-1, Hq + 2 * Hkv, D)  # [R, Hq + 2 Hkv, D]: q, k, v heads
+            if self.rope_kernel is not None:  # q and k rotated in place, k and v written to each segment's pool
+                for runner, a, b, slots_new, _, _ in segs:
+                    rope_kv(self.rope_kernel, heads[a:b], cos[a:b], sin[a:b], runner.pool.kv[li], slots_new)
+                q = heads[:, :Hq]  # [R, Hq, D]
+            else:
+                qk = _rope(heads[:, : Hq + Hkv], cos[:, None], sin[:, None])  # [R, Hq + Hkv, D] (one rotation for q and k)
+                q = qk[:, :Hq]  # [R, Hq, D]
+                kv_new = torch.stack((qk[:, Hq:], heads[:, Hq + Hkv :])).transpose(1, 2)  # [2, Hkv, R, D]
+                for runner, a, b, slots_new, _, _ in segs:  # every call's new rows, in 16 bits
+                    runner.pool.kv[li][:, :, slots_new] = kv_new[:, :, a:b].to(runner.pool.kv.dtype)
+            if len(segs) == 1:
+                runner, _, _, _, plan, seg_caches = segs[0]
+                out = plan.attend(q, runner.pool.kv[li], lambda i, end: seg_caches[i].read(li, end))  # [R, Hq*D]
+            else:
+                out = q.new_empty(q.shape[0], Hq * D)
+                for runner, a, b, _, plan, seg_caches in segs:
+                    out[a:b] = plan.attend(q[a:b], runner.pool.kv[li], lambda i, end, sc=seg_caches: sc[i].read(li, end))
+            h = h + o_proj(out, adapters(rows, lambda r: r.layers[li][2]))
+            gu = gate_up(self._norm(norm2, h), adapters(rows, lambda r: r.layers[li][4]))  # [R, 2 I]: gate, up
+            if self.silu_kernel is not None:
+                act = silu_mul(self.silu_kernel, gu, self.inter)  # [R, I]
+            else:
+                g, u = gu.split(gate_up.splits, dim=-1)  # [R, I] each
+                act = nn.functional.silu(g) * u
+            h = h + down(act, adapters(rows, lambda r: r.layers[li][5]))
             if features and li in layers:
                 outs[li] = h
         for c, cache, n in zip(calls, caches, lens):
             cache.length = c.start + n
         ends = torch.cumsum(torch.tensor(lens), 0).tolist()
-        rows = torch.cat([torch.arange(e - c.keep_last, e) for c, e in zip(calls, ends)])  # the rows asked for
-        logits = self.head(self._norm(inner.norm, h[rows]))  # [sum keep_last, V_model]
+        kept = torch.cat([torch.arange(e - c.keep_last, e) for c, e in zip(calls, ends)])  # the rows asked for
+        head_rows, k0 = [], 0
+        for _, seg_calls in segments:  # each segment's range among the kept rows
+            k1 = k0 + sum(c.keep_last for c in seg_calls)
+            head_rows.append((k0, k1))
+            k0 = k1
+        logits = self.head(self._norm(inner.norm, h[kept]), adapters(head_rows, lambda r: r.head))  # [sum keep_last, V_model]
         if features:  # every row: the asked layers' outputs, then the final feature (after the final norm)
+            if len(segs) > 1:
+                raise ValueError("features come from one runner's forward")
             feats = list(torch.cat([outs[i] for i in layers] + [self._norm(inner.norm, h)], dim=-1).split(lens))
         else:
             feats = None

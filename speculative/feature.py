@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from .adapters import load_whole
+from .adapters import base_memo, load_whole
 from .feature_draft import FeatureDraft
 from .proposers import EMPTY, LearnedDraft, Proposal
 
@@ -64,6 +64,10 @@ class FeatureRunner:
 
     def release(self, seq_id: str) -> None:
         self._caches.pop(seq_id, None)
+
+    def share_memo(self) -> dict[int, torch.Tensor]:
+        """``copy.deepcopy``'s memo that makes a copy share the float model's tensors."""
+        return base_memo(self.model)
 
     def load_state_dict(self, state: dict) -> None:
         load_whole(self.model, state)  # in the parameters' places: a base shared with other copies stays theirs

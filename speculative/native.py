@@ -46,7 +46,9 @@ def build(source: Path, out_dir: Path, libs: tuple[str, ...] = ()) -> Path:
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "f16c", "fma"} <= set(_cpu_flags().split()):
         raise RuntimeError(f"needs x86-64 with AVX2, FMA and F16C ({platform.machine()})")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), version, " ".join(FLAGS + list(libs)), _cpu_flags()]).encode()).hexdigest()[:16]
+    # every source of the folder: a kernel may include the others (csrc/layer.c does)
+    sources = [source.read_text()] + [p.read_text() for p in sorted(source.parent.glob("*.c")) if p != source]
+    key = hashlib.sha256("\0".join([*sources, version, " ".join(FLAGS + list(libs)), _cpu_flags()]).encode()).hexdigest()[:16]
     lib = out_dir / f"{source.stem}-{key}.so"
     if not lib.exists():
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -161,7 +161,7 @@ class Proposer:
 class DraftRunner(Protocol):
     """What a learned draft's proposer needs of its runner besides proposing: the model the learner
     trains, the draft head's ids in the target's vocabulary (None: the same), dropping a
-    sequence's cache, taking new weights."""
+    sequence's cache, taking new weights, and the memo that makes a copy share its base."""
 
     model: Any
     vocab_map: torch.Tensor | None
@@ -169,6 +169,8 @@ class DraftRunner(Protocol):
     def release(self, seq_id: str) -> None: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+    def share_memo(self) -> dict[int, torch.Tensor]: ...
 
 
 class LearnedDraft(Proposer):

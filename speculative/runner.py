@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from .adapters import load_state
+from .adapters import base_memo, load_state
 from .models import eos_token_ids
 from .sampling import sparse_top_k
 
@@ -185,6 +185,25 @@ class ModelRunner:
             hook.remove()
         feats = fused_features(inner, seen[-1], layers)  # [B, T, (len(layers) + 1) H], right-padded rows
         return logits, [feats[b, : len(c.tokens)].float().cpu() for b, c in enumerate(calls)]
+
+    @property
+    def batch_key(self) -> tuple:
+        """Runners of equal keys can run their calls in one forward (:meth:`forward_with`); a
+        runner shares it with no other but those sharing its packed base (the fast path's)."""
+        return ("runner", id(self))
+
+    def share_memo(self) -> dict[int, torch.Tensor]:
+        """``copy.deepcopy``'s memo that makes a copy of anything holding this runner share its
+        base (every tensor but the adapters') instead of copying it: a replica's engines of several
+        drafts then cost their adapters (and caches), not another model each."""
+        return base_memo(self.model)
+
+    def forward_with(self, pairs: list[tuple["ModelRunner", ForwardCall]]) -> list[torch.Tensor]:
+        """The calls of the runners of this one's :attr:`batch_key`, ``(runner, call)``, in one
+        forward; each call's rows as its runner gives them. Here: this runner's own calls only."""
+        if any(runner is not self for runner, _ in pairs):
+            raise ValueError(f"{self.name}: calls of another runner")
+        return self.forward_batch([c for _, c in pairs])
 
     @torch.inference_mode()
     def forward_batch(self, calls: list[ForwardCall]) -> list[torch.Tensor]:

@@ -311,8 +311,9 @@ class EngineLoop:
     def _propose(self, decode: list[Sequence], cap: int | None) -> list[tuple[Sequence, PendingStep]]:
         """Every decoding sequence's proposal (a sequence whose proposer fails fails alone). The
         proposals are driven together: each round, the draft forwards they wait on run one batched
-        forward per draft model, each call's rows the same as alone on the fast path (rows are
-        batch-invariant there), and each proposal is charged its share of the forward's time."""
+        forward per draft base (drafts of several domains whose adapters sit on one packed base share
+        it, each row with its own draft's adapters), each call's rows the same as alone on the fast
+        path (rows are batch-invariant there), and each proposal is charged its share of the forward's time."""
         done: dict[int, PendingStep] = {}
         waiting: list[tuple[Sequence, Generator[DraftForward, DraftOutput, PendingStep], DraftForward]] = []
 
@@ -327,15 +328,15 @@ class EngineLoop:
         for seq in decode:
             advance(seq, seq.engine.propose_steps(seq.request_id, k_cap=cap), None)
         while waiting:
-            by_model: dict[int, list] = {}
+            by_base: dict[tuple, list] = {}  # runners of one packed base (drafts' adapters on it) share a forward
             for item in waiting:
-                by_model.setdefault(id(item[2].runner), []).append(item)
+                by_base.setdefault(item[2].runner.batch_key, []).append(item)
             waiting = []
-            for items in by_model.values():
+            for items in by_base.values():
                 runner = items[0][2].runner
                 t0 = time.perf_counter()
                 try:  # [keep_last, V_draft] each; one call alone, as run_alone runs it
-                    rows = (runner.forward_batch([fw.call for _, _, fw in items]) if len(items) > 1 else
+                    rows = (runner.forward_with([(fw.runner, fw.call) for _, _, fw in items]) if len(items) > 1 else
                             [items[0][2].alone()])
                 except Exception as e:  # noqa: BLE001 - the draft's forward failed: its sequences fail
                     for seq, steps, _ in items:

@@ -57,7 +57,7 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "speculative/runner.py": ("speculative.runner", None,
                               ["tests/unit/test_batching.py", "tests/unit/test_fast.py", "tests/unit/test_engine.py",
                                "tests/unit/test_feature.py"]),
-    "speculative/fast.py": ("speculative.fast", None, ["tests/unit/test_fast.py", "tests/unit/test_feature.py"]),
+    "speculative/fast.py": ("speculative.fast", None, ["tests/unit/test_fast.py", "tests/unit/test_feature.py", "tests/unit/test_adapters.py"]),
     # the GPU's lean forward (padded buckets, graphs), checked on the CPU; which runtime serves a model
     "speculative/lean.py": ("speculative.lean", None, ["tests/unit/test_lean.py"]),
     "speculative/runtime.py": ("speculative.runtime", None, ["tests/unit/test_fast.py", "tests/unit/test_lean.py"]),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from config import EngineConfig, KPolicyConfig, SamplingParams
@@ -205,26 +206,71 @@ def test_an_adapter_learner_skips_a_whole_draft_checkpoint_and_keeps_the_shared_
     assert all(torch.equal(v, base[k]) for k, v in draft.state_dict().items())
 
 
-def test_engines_of_several_draft_ids_share_the_starting_drafts_float_base():
-    """A replica's engines copy their start with its base's tensors shared: each owns its packed
-    copy and adapters; a whole draft loaded into one takes the parameters' places and leaves the
-    start and the other engines as they were."""
-    from speculative.adapters import base_memo
+def _adapted(seed: int, rank: int = 4) -> dict:
+    """An adapter version on ``tiny_llama(1, seed=7)``: B drawn at random (a trained adapter's
+    size), so that it changes the draft's rows."""
+    model = add_adapters(copy.deepcopy(tiny_llama(1, seed=7)), rank)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, LoRALinear):
+                m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.5)
+    return adapter_state(model)
 
-    start = DraftModelProposer(FastRunner(tiny_llama(1, seed=7), name="draft", bits=4), 128)
-    base = {k: (v.data_ptr(), v.clone()) for k, v in start.runner.model.state_dict().items()}
-    a, b = (copy.deepcopy(start, base_memo(start.runner.model)) for _ in range(2))
+
+def _start() -> DraftModelProposer:
+    """A replica's starting draft: int4, with (zero) adapters, as the shipped general adapter is."""
+    return DraftModelProposer(FastRunner(add_adapters(tiny_llama(1, seed=7), 4), name="draft", bits=4), 128)
+
+
+def test_engines_of_several_draft_ids_share_the_starting_drafts_base():
+    """A replica's engines copy their start with its base's tensors shared, float and packed: each
+    owns its adapters (and caches). A whole draft loaded into one takes the parameters' places, packs
+    a base of its own and leaves the start and the other engines as they were."""
+    start = _start()
+    base = {k: (v.data_ptr(), v.clone()) for k, v in start.runner.model.state_dict().items() if "lora" not in k}
+    a, b = (copy.deepcopy(start, start.runner.share_memo()) for _ in range(2))
     for p in (a, b):
-        assert all(v.data_ptr() == base[k][0] for k, v in p.runner.model.state_dict().items())
-        assert p.runner.layers[0][1].weight.data_ptr() != start.runner.layers[0][1].weight.data_ptr()  # own packed copy
+        assert all(v.data_ptr() == base[k][0] for k, v in p.runner.model.state_dict().items() if k in base)
+        assert p.runner.layers[0][1].weight.data_ptr() == start.runner.layers[0][1].weight.data_ptr()  # one packed base
+        assert p.runner.batch_key == start.runner.batch_key
     ids = _ids(10, seed=6)
     want = b.runner.forward("s", 0, ids, 10)
-    a.load_state_dict({k: v.clone() for k, v in tiny_llama(1, seed=9).state_dict().items()}, 1)
-    a.load_state_dict({k: v for k, v in adapter_state(add_adapters(copy.deepcopy(tiny_llama(1, seed=9)), 4)).items()}, 2)
+    a.load_state_dict(_adapted(3), 1)  # adapters only: the packed base stays shared
+    assert a.runner.batch_key == b.runner.batch_key
+    a.load_state_dict({k: v.clone() for k, v in tiny_llama(1, seed=9).state_dict().items()}, 2)
+    assert a.runner.batch_key != b.runner.batch_key  # a whole draft: a base of its own
     for k, v in start.runner.model.state_dict().items():
-        assert torch.equal(v, base[k][1]) and v.data_ptr() == base[k][0], k
-    assert torch.equal(b.runner.forward("s2", 0, ids, 10), want) and not has_adapters(b.runner.model)
+        if k in base:
+            assert torch.equal(v, base[k][1]) and v.data_ptr() == base[k][0], k
+    assert torch.equal(b.runner.forward("s2", 0, ids, 10), want)
     assert not torch.equal(a.runner.forward("s", 0, ids, 10), want)
+
+
+def test_drafts_of_several_adapters_on_one_base_run_in_one_forward_each_row_with_its_own_adapter():
+    """Three drafts (adapter versions) on one packed base: their calls, interleaved, in one forward
+    give each call bitwise the rows its own draft gives it alone, and the drafts' rows differ; a
+    draft with a base of its own is refused."""
+    start = _start()
+    drafts = [copy.deepcopy(start, start.runner.share_memo()) for _ in range(3)]
+    for i, d in enumerate(drafts):
+        d.load_state_dict(_adapted(20 + i), 1)
+    prompts = [_ids(6 + 3 * i, seed=30 + i) for i in range(6)]
+    pairs = [(drafts[i % 3].runner, ForwardCall(f"s{i}", 0, p, 2)) for i, p in enumerate(prompts)]
+    alone = [r.forward(f"alone{i}", 0, c.tokens, 2) for i, (r, c) in enumerate(pairs)]
+    together = drafts[0].runner.forward_with(pairs)
+    assert all(torch.equal(x, y) for x, y in zip(together, alone))
+    # the next step of each sequence, from its cache, batched again
+    nxt = [(r, ForwardCall(c.seq_id, len(c.tokens), [5, 6], 1)) for r, c in pairs]
+    again = [r.forward(f"alone{i}", len(c.tokens), [5, 6], 1) for i, (r, c) in enumerate(pairs)]
+    assert all(torch.equal(x, y) for x, y in zip(drafts[1].runner.forward_with(nxt[::-1]), again[::-1]))
+    # each adapter counts: the same prompt through the three drafts gives three different rows
+    rows = [d.runner.forward("same", 0, prompts[0], 1) for d in drafts]
+    assert not torch.equal(rows[0], rows[1]) and not torch.equal(rows[1], rows[2])
+    other = DraftModelProposer(FastRunner(add_adapters(tiny_llama(1, seed=7), 4), name="other", bits=4), 128)
+    with pytest.raises(ValueError, match="packed base"):
+        drafts[0].runner.forward_with([(drafts[0].runner, ForwardCall("x", 0, [3, 4], 1)),
+                                       (other.runner, ForwardCall("y", 0, [3, 4], 1))])
 
 
 def test_a_whole_draft_keeps_the_served_drafts_device_and_dtype():

@@ -276,6 +276,108 @@ def test_the_kv_cache_is_stored_in_16_bits():
         FastRunner(_model(), bits=4, kv_dtype="float64")
 
 
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_the_native_rotary_write_equals_torchs_ops_bitwise(kv_dtype):
+    """The rotary embedding and pool write in one native call a layer give bitwise the logits and
+    the pooled keys and values of torch's ops, over a prompt, a verify step, a cropped step and a
+    batch of sequences; values around the 16-bit roundings' ties included (large activations)."""
+    model = _model()
+    with torch.no_grad():  # activations of every size: the 16-bit casts round many of them
+        model.model.embed_tokens.weight.mul_(torch.logspace(-3, 3, 128)[:, None])
+    native, ops = (FastRunner(model, bits=4, kv_dtype=kv_dtype) for _ in range(2))
+    assert native.rope_kernel is not None
+    ops.rope_kernel = None
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 128, (5 + 7 * i,), generator=gen).tolist() for i in range(4)]
+    for r in (native, ops):
+        for i, p in enumerate(prompts[:3]):
+            r.forward(f"s{i}", 0, p, len(p))
+    calls = [ForwardCall("s0", len(prompts[0]), [7, 8, 9, 10], 4), ForwardCall("s1", len(prompts[1]) - 2, [3, 4], 2),
+             ForwardCall("s3", 0, prompts[3], len(prompts[3])), ForwardCall("s2", len(prompts[2]), [11], 1)]
+    for got, want in zip(native.forward_batch(calls), ops.forward_batch(calls)):
+        assert torch.equal(got, want)
+    for i in range(4):
+        a, b = native._caches[f"s{i}"], ops._caches[f"s{i}"]
+        for layer in range(3):
+            assert torch.equal(a.read(layer, a.length), b.read(layer, b.length))
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_the_layers_in_one_native_call_equal_the_layer_by_layer_path_bitwise(kv_dtype):
+    """The step's decoder layers in one native call (the default where it builds) give bitwise the
+    logits and pooled keys and values of the layer-by-layer path: prompts, verify steps, cropped
+    steps and batches of sequences; after the float weights are dropped (the norms move) too."""
+    model = _model()
+    fused, layered = (FastRunner(model, bits=4, kv_dtype=kv_dtype) for _ in range(2))
+    assert fused._table is not None
+    layered._table = None
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 128, (4 + 9 * i,), generator=gen).tolist() for i in range(4)]
+    for step in range(4):
+        if step == 2:
+            fused.drop_float_weights()
+            assert fused._table is not None
+        calls = [ForwardCall(f"s{i}", 0, prompts[i], 2) if fused.cached_length(f"s{i}") == 0 else
+                 ForwardCall(f"s{i}", fused.cached_length(f"s{i}") - (i + step) % 3,  # some crop rejected rows
+                             torch.randint(2, 128, (1 + (i + step) % 4,), generator=gen).tolist(), 2)
+                 for i in range(3 if step == 0 else 4)]  # s3 joins at the second step
+        for c, g, w in zip(calls, fused.forward_batch(calls), layered.forward_batch(calls)):
+            assert torch.equal(g, w), c
+    one = fused.forward("s0", fused.cached_length("s0"), [7], 1)  # a decode step alone
+    assert torch.equal(one, layered.forward("s0", layered.cached_length("s0"), [7], 1))
+    for i in range(4):
+        a, b = fused._caches[f"s{i}"], layered._caches[f"s{i}"]
+        for layer in range(3):
+            assert torch.equal(a.read(layer, a.length), b.read(layer, b.length))
+
+
+def test_the_one_call_path_steps_aside_for_what_it_does_not_cover():
+    """Adapters, 8-bit projections and a missing kernel keep the layer-by-layer path (no table);
+    features asked of the target are computed by it too, with the same logits as the one call."""
+    from speculative.adapters import add_adapters
+
+    assert FastRunner(add_adapters(_model(), 4), bits=4)._table is None
+    assert FastRunner(_model(), bits=8)._table is None
+    no_kernel = FastRunner(_model(), bits=4, native=False)
+    assert no_kernel._table is None and no_kernel.silu_kernel is None
+    r = FastRunner(_model(), bits=4)
+    ids = torch.randint(2, 128, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    logits, feats = r.forward_batch_features([ForwardCall("f", 0, ids, 3)], layers=(1,))
+    assert torch.equal(logits[0], r.forward("g", 0, ids, 3)) and feats[0].shape == (12, 2 * 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_native_pool_write_rounds_ties_to_even_as_torchs_cast(dtype):
+    """Keys and values exactly halfway between two 16-bit values (and NaN, infinities, tiny and
+    huge numbers, signed zeros) are rotated and written bitwise as torch's ops and cast write them."""
+    from speculative.attend import load_rope, rope_kv
+    from speculative.fast import _rope
+
+    kernel = load_rope()
+    assert kernel is not None
+    D, Hq, Hkv = 16, 1, 1
+    ulp = 2.0 ** (-8 if dtype == torch.bfloat16 else -11)  # half a 16-bit step at 1.0
+    vals = torch.tensor([1 + ulp, 1 + 3 * ulp, -(1 + ulp), 2 + 2 * ulp, 1e-30, -1e-30, 65504.0, 70000.0,
+                         1 + 5 * ulp, -(1 + 7 * ulp), 3 + 6 * ulp, 0.0, -0.0, 3.0e38, 1 + ulp / 2, 1 + 1.5 * ulp])
+    heads = torch.stack([torch.stack([vals, vals, vals]), torch.stack([vals, vals.flip(0), vals.roll(3)])])  # [2, 3, D]
+    heads[1, 2, :3] = torch.tensor([float("inf"), float("-inf"), float("nan")])  # values only: no rotation spreads them
+    g = torch.Generator().manual_seed(0)
+    cos, sin = torch.ones(2, D), torch.zeros(2, D)
+    cos[1], sin[1] = torch.rand(D, generator=g), torch.rand(D, generator=g)
+    rotated = _rope(heads[:, : Hq + Hkv].clone(), cos[:, None], sin[:, None])  # torch's ops: the reference
+    want = {"q": rotated[:, 0], "k": rotated[:, 1].to(dtype), "v": heads[:, 2].to(dtype)}
+    kv = torch.zeros(2, Hkv, 4, D, dtype=dtype)
+    rope_kv(kernel, heads, cos, sin, kv, torch.tensor([3, 1]))
+
+    def same(a, b):  # bit for bit, NaN for NaN
+        bits = torch.int16 if a.element_size() == 2 else torch.int32
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()].view(bits), b[~b.isnan()].view(bits))
+
+    assert same(heads[:, 0], want["q"])
+    for row, slot in ((0, 3), (1, 1)):
+        assert same(kv[0, 0, slot], want["k"][row]) and same(kv[1, 0, slot], want["v"][row])
+
+
 @pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])
 def test_a_bias_is_added_to_the_packed_product(cls):
     torch.manual_seed(0)

@@ -341,6 +341,51 @@ def test_sequences_on_one_draft_model_share_its_forwards_and_propose_what_they_w
     assert loop.draft_forwards <= loop.draft_calls / 3  # shared: most rounds ran several sequences at once
 
 
+def test_sequences_of_drafts_with_other_adapters_on_one_base_share_its_forwards():
+    """Six requests on three drafts whose adapters sit on one packed base (a replica's domain
+    drafts): each round is one forward over all of them, each request's steps are those it takes
+    alone on its own draft, and the drafts propose differently (their adapters count)."""
+    import copy
+
+    from test_adapters import _adapted, _start
+
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompts = _prompts(6, seed=5)
+    start = _start()
+    versions = [_adapted(40 + i) for i in range(3)]
+
+    def engines(spec):  # three drafts, copies of one start sharing its base, each with its adapter version
+        out = []
+        for v in versions:
+            d = copy.deepcopy(start, start.runner.share_memo())
+            d.load_state_dict(v, 1)
+            out.append(SpeculativeEngine(spec.target, spec.tokenizer, d, spec.cfg))
+        return out
+
+    def steps_of(client):
+        return [(e.result.draft_tokens, e.result.accepted, e.result.emitted) for e in client.events if isinstance(e, Step)]
+
+    alone = []
+    for i, p in enumerate(prompts):
+        loop, spec, _ = _setup(draft=False)
+        _, c = _submit(loop, engines(spec)[i % 3], p, params, f"r{i}")
+        _drain(loop, [c])
+        alone.append(steps_of(c))
+    loop, spec, _ = _setup(draft=False)
+    mixed = engines(spec)
+    clients = [_submit(loop, mixed[i % 3], p, params, f"r{i}")[1] for i, p in enumerate(prompts)]
+    _drain(loop, clients)
+    assert [steps_of(c) for c in clients] == alone
+    assert loop.draft_forwards <= loop.draft_calls / 3  # one forward per round across the three drafts
+    loop, spec, _ = _setup(draft=False)  # one prompt through each draft: what they propose differs
+    on_each = []
+    for i, e in enumerate(engines(spec)):
+        _, c = _submit(loop, e, prompts[0], params, f"p{i}")
+        _drain(loop, [c])
+        on_each.append([d for d, _, _ in steps_of(c)])
+    assert len({str(x) for x in on_each}) > 1
+
+
 def test_a_failing_draft_forward_fails_its_sequences_only():
     """The draft's forward raises for one request's call: that request fails, the ones on a
     model-free proposer in the same step go on and finish with target-only output."""
