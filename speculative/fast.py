@@ -278,6 +278,15 @@ class FastRunner(PooledCaches, ModelRunner):
                      q4[3].dm.data_ptr(), kv.data_ptr()]
         return torch.tensor(rows, dtype=torch.int64)
 
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_table"] = None  # addresses of this runner's tensors: a copy builds its own
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._table = self._layer_table()
+
     def drop_float_weights(self) -> int:
         """Free the float projections the packed copy was made from; returns the bytes let go
         (424 MB for SmolLM2-135M's target). For a runner that will never take new weights (a

@@ -331,6 +331,22 @@ def test_the_layers_in_one_native_call_equal_the_layer_by_layer_path_bitwise(kv_
             assert torch.equal(a.read(layer, a.length), b.read(layer, b.length))
 
 
+def test_a_copy_of_a_runner_runs_its_layers_on_its_own_pool():
+    """The one call reads a table of addresses: a copy (an engine's draft, copied from its start with
+    the packed base shared) builds its own, so it writes its own pool and leaves the original's."""
+    import copy
+
+    r = FastRunner(_model(), bits=4)
+    ids = torch.randint(2, 128, (10,), generator=torch.Generator().manual_seed(6)).tolist()
+    want = r.forward("a", 0, ids, 3)
+    kv = r.pool.kv.clone()
+    c = copy.deepcopy(r, r.share_memo())
+    assert c._table is not None and not torch.equal(c._table, r._table)
+    assert c.layers[0][1].weight.data_ptr() == r.layers[0][1].weight.data_ptr()  # the packed base shared
+    assert torch.equal(c.forward("b", 0, ids, 3), want) and torch.equal(r.pool.kv, kv)
+    assert torch.equal(c.forward("a", 0, ids, 3), want) and torch.equal(r.forward("a2", 0, ids, 3), want)
+
+
 def test_the_one_call_path_steps_aside_for_what_it_does_not_cover():
     """Adapters, 8-bit projections and a missing kernel keep the layer-by-layer path (no table);
     features asked of the target are computed by it too, with the same logits as the one call."""
