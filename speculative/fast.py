@@ -21,7 +21,8 @@ a ``torch.cat`` per layer and builds masks, so :class:`FastRunner` runs its own
 forward over the same weights: fused q/k/v and gate/up projections (121 kernel calls a step),
 KV caches in fixed blocks of one preallocated 16-bit pool (:mod:`speculative.kvcache`), and sequences of a batch concatenated row-wise (ragged, no
 padding: the linear layers see every row of every sequence in one call; each row attends to its
-own sequence's keys).
+own sequence's keys). Where the native kernels build, a step's decoder layers run in one native call
+(:mod:`speculative.fused`: the same kernels, bitwise the same rows as the layer-by-layer path).
 
 Exactness: every op is row-wise except attention, which runs in float64 over the cached keys and
 values (stored in 16 bits, rounded once when written) and is rounded to float32 after. The native

@@ -22,3 +22,8 @@ def test_a_step_is_split_between_linear_kernels_attention_and_the_rest(path):
     rounding = 0.001 + 0.01 / split["step_ms"]
     assert split["outside_matrix_share"] == pytest.approx(1 - split["matrix_ms"] / split["step_ms"], abs=rounding)
     assert runner.cached_length("split") == 0  # its sequence released
+    if path == "int4":  # the layers in one native call: its step, and the same kernels' share of it
+        assert runner._table is not None and split["one_call_step_ms"] > 0
+        assert split["one_call_rest_ms"] >= 0 and 0 <= split["one_call_outside_matrix_share"] < 1
+    else:
+        assert "one_call_step_ms" not in split
