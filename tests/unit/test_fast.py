@@ -343,7 +343,8 @@ def test_a_copy_of_a_runner_runs_its_layers_on_its_own_pool():
     c = copy.deepcopy(r, r.share_memo())
     assert c._table is not None and not torch.equal(c._table, r._table)
     assert c.layers[0][1].weight.data_ptr() == r.layers[0][1].weight.data_ptr()  # the packed base shared
-    assert torch.equal(c.forward("b", 0, ids, 3), want) and torch.equal(r.pool.kv, kv)
+    # (bit patterns: slots never written hold whatever the allocator gave, NaN patterns included)
+    assert torch.equal(c.forward("b", 0, ids, 3), want) and torch.equal(r.pool.kv.view(torch.int16), kv.view(torch.int16))
     assert torch.equal(c.forward("a", 0, ids, 3), want) and torch.equal(r.forward("a2", 0, ids, 3), want)
 
 
