@@ -331,6 +331,27 @@ def test_the_layers_in_one_native_call_equal_the_layer_by_layer_path_bitwise(kv_
             assert torch.equal(a.read(layer, a.length), b.read(layer, b.length))
 
 
+def test_the_native_activation_is_silu_times_up_and_the_same_at_any_width():
+    """silu(gate) * up within a few ulps of torch's (another exp), each element the same whichever
+    width and row it is computed in (the tail padded, not a scalar loop); rows it cannot read refused."""
+    from speculative.fused import load_silu, silu_mul
+
+    kernel = load_silu()
+    assert kernel is not None
+    g = torch.Generator().manual_seed(7)
+    gu = torch.randn(3, 2 * 21, generator=g) * 6  # I = 21: two vectors of 8 and a tail of 5
+    act = silu_mul(kernel, gu, 21)
+    want = torch.nn.functional.silu(gu[:, :21]) * gu[:, 21:]
+    assert torch.allclose(act, want, rtol=4e-7, atol=1e-7)
+    wider = torch.cat([gu[:, :21], gu[:, :3], gu[:, 21:], gu[:, 21:24]], 1)  # the same elements at width 24
+    assert torch.equal(silu_mul(kernel, wider, 24)[:, :21], act)
+    strided = torch.cat([gu, gu], 1)[:, :42]  # rows 84 apart
+    assert torch.equal(silu_mul(kernel, strided, 21), act)
+    for bad in (gu.double(), gu[:, :40], gu.t().contiguous().t()):
+        with pytest.raises(ValueError):
+            silu_mul(kernel, bad, 21)
+
+
 def test_a_copy_of_a_runner_runs_its_layers_on_its_own_pool():
     """The one call reads a table of addresses: a copy (an engine's draft, copied from its start with
     the packed base shared) builds its own, so it writes its own pool and leaves the original's."""
@@ -357,6 +378,13 @@ def test_the_one_call_path_steps_aside_for_what_it_does_not_cover():
     assert FastRunner(_model(), bits=8)._table is None
     no_kernel = FastRunner(_model(), bits=4, native=False)
     assert no_kernel._table is None and no_kernel.silu_kernel is None
+    for norm in ("input_layernorm", "post_attention_layernorm"):  # one norm of another epsilon: the call takes one for all
+        odd = _model()
+        getattr(odd.model.layers[1], norm).variance_epsilon = 1e-3
+        assert FastRunner(odd, bits=4)._table is None
+        wide = _model()  # a norm's weight the call would misread (float64)
+        getattr(wide.model.layers[2], norm).weight.data = getattr(wide.model.layers[2], norm).weight.data.double()
+        assert FastRunner(wide, bits=4)._table is None
     r = FastRunner(_model(), bits=4)
     ids = torch.randint(2, 128, (12,), generator=torch.Generator().manual_seed(5)).tolist()
     logits, feats = r.forward_batch_features([ForwardCall("f", 0, ids, 3)], layers=(1,))
