@@ -92,8 +92,8 @@ def _timed(owner, name: str, total: list[float]):
 
 def step_split(runner, context: list[int], token: list[int], repeats: int) -> dict:
     """Where one decode step's time goes: milliseconds in the linear layers' kernels (torch's, or
-    the native int4 and int8 kernels timed around their calls), in attention (torch's attention ops, or the
-    fast path's native kernel, timed around its calls) and in the rest (norms, rotary embeddings,
+    the native int4 and int8 kernels timed around their own calls), in attention (torch's attention ops, or the
+    fast path's native kernel, timed around its own call) and in the rest (norms, rotary embeddings,
     casts, indexing, Python), per step; ``outside_matrix_share``: the share of the step not in the
     linear kernels. The split is taken on the layer-by-layer path; where the fast path runs a step's
     layers in one native call (the same kernels on the same inputs), that step's time and what it
@@ -122,8 +122,8 @@ def step_split(runner, context: list[int], token: list[int], repeats: int) -> di
 def _split(runner, step, repeats: int) -> dict:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    from speculative import fast
-    from speculative.attend import PagedAttention
+    from speculative.attend import load_kernel
+    from speculative.qmatmul import load_q4, load_q8
 
     wall = _median_time(step, repeats)
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -133,8 +133,12 @@ def _split(runner, step, repeats: int) -> dict:
     matrix = sum(ops.get(k, 0.0) for k in MATRIX_OPS)
     attention = sum(ops.get(k, 0.0) for k in ATTENTION_OPS)
     native_attention, native_matrix = [0.0], [0.0]
-    with (_timed(PagedAttention, "attend", native_attention), _timed(fast, "q4_mm", native_matrix),
-          _timed(fast, "q8_mm", native_matrix)):
+    # the native kernels timed around their own (ctypes) calls, not the Python wrappers that allocate
+    # and check around them: those are the rest
+    with contextlib.ExitStack() as timing:
+        for kernel, total in ((load_kernel(), native_attention), (load_q4(), native_matrix), (load_q8(), native_matrix)):
+            if kernel is not None:
+                timing.enter_context(_timed(kernel, "fn", total))
         for _ in range(repeats):
             step()
     attention += 1e3 * native_attention[0] / repeats
