@@ -420,8 +420,8 @@ class FastRunner(PooledCaches, ModelRunner):
             c0, r0 = c1, r1
 
         def adapters(rows: list[tuple[int, int]], pick) -> list[tuple[int, int, tuple | None]] | None:
-            # None alone: this runner's linears' own adapters
-            if len(segs) == 1:
+            # None: this runner's own rows alone, its linears' own adapters
+            if len(segs) == 1 and segs[0][0] is self:
                 return None
             return [(a, b, pick(seg[0]).adapter) for seg, (a, b) in zip(segs, rows)]
 

@@ -264,6 +264,9 @@ def test_drafts_of_several_adapters_on_one_base_run_in_one_forward_each_row_with
     nxt = [(r, ForwardCall(c.seq_id, len(c.tokens), [5, 6], 1)) for r, c in pairs]
     again = [r.forward(f"alone{i}", len(c.tokens), [5, 6], 1) for i, (r, c) in enumerate(pairs)]
     assert all(torch.equal(x, y) for x, y in zip(drafts[1].runner.forward_with(nxt[::-1]), again[::-1]))
+    # another draft's calls alone, through this one: its own adapters still
+    lone = drafts[0].runner.forward_with([(drafts[2].runner, ForwardCall("lone", 0, prompts[1], 2))])[0]
+    assert torch.equal(lone, drafts[2].runner.forward("lone2", 0, prompts[1], 2))
     # each adapter counts: the same prompt through the three drafts gives three different rows
     rows = [d.runner.forward("same", 0, prompts[0], 1) for d in drafts]
     assert not torch.equal(rows[0], rows[1]) and not torch.equal(rows[1], rows[2])
