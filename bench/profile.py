@@ -101,16 +101,13 @@ def step_split(runner, context: list[int], token: list[int], repeats: int) -> di
     runner.forward("split", 0, context)
     n = len(context)
     step = lambda: runner.forward("split", n, token, keep_last=len(token))  # noqa: E731 - rewrites the same position
-    table = getattr(runner, "_table", None)
     one_call = None
-    if table is not None:
+    timed_path = contextlib.nullcontext()
+    if getattr(runner, "_table", None) is not None:  # the layers in one native call
         one_call = _median_time(step, repeats)
-        runner._table = None  # the layer-by-layer path, whose kernel calls can be timed
-    try:
+        timed_path = runner.layer_by_layer()  # whose kernel calls can be timed
+    with timed_path:
         split = _split(runner, step, repeats)
-    finally:
-        if table is not None:
-            runner._table = table
     runner.release("split")
     if one_call is not None:
         ms, kernels = 1e3 * one_call, split["matrix_ms"] + split["attention_ms"]

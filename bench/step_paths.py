@@ -8,11 +8,13 @@ layer with torch's rotary ops (``torch-rotary``). The serve config's target (int
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 from bench.bench import write_json
 
 SHAPES = ((1, 1), (1, 5), (8, 1), (8, 5))
+PATHS = ("fused", "layered", "torch-rotary")
 
 
 def measure(context: int = 128, repeats: int = 30, rounds: int = 2, threads: int = 2) -> list[dict]:
@@ -28,28 +30,29 @@ def measure(context: int = 128, repeats: int = 30, rounds: int = 2, threads: int
     r = FastRunner(load_weights(cfg.engine.model), name="target", bits=4)
     if r._table is None:
         raise SystemExit("the one-call path is not available here (a kernel did not build)")
-    paths = {"fused": (r._table, r.rope_kernel), "layered": (None, r.rope_kernel), "torch-rotary": (None, None)}
+    rope = r.rope_kernel
     prefix = list(range(100, 100 + context))
 
     def step_ms(shape, path) -> float:
-        r._table, r.rope_kernel = paths[path]
+        r.rope_kernel = None if path == "torch-rotary" else rope
         seqs, tokens = shape
-        for b in range(seqs):
-            r.forward(f"s{b}", 0, prefix)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            r.forward_batch([ForwardCall(f"s{b}", context, [5] * tokens, tokens) for b in range(seqs)])
-            times.append(time.perf_counter() - t0)
-        for b in range(seqs):
-            r.release(f"s{b}")
+        with contextlib.nullcontext() if path == "fused" else r.layer_by_layer():
+            for b in range(seqs):
+                r.forward(f"s{b}", 0, prefix)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                r.forward_batch([ForwardCall(f"s{b}", context, [5] * tokens, tokens) for b in range(seqs)])
+                times.append(time.perf_counter() - t0)
+            for b in range(seqs):
+                r.release(f"s{b}")
         return 1e3 * sorted(times)[len(times) // 2]
 
     rows = []
     for rnd in range(rounds):
         for shape in SHAPES:
             rows.append({"round": rnd, "sequences": shape[0], "tokens": shape[1],
-                         **{f"{p}_ms": step_ms(shape, p) for p in paths}})
+                         **{f"{p}_ms": step_ms(shape, p) for p in PATHS}})
     return rows
 
 

@@ -389,6 +389,10 @@ def test_the_one_call_path_steps_aside_for_what_it_does_not_cover():
     ids = torch.randint(2, 128, (12,), generator=torch.Generator().manual_seed(5)).tolist()
     logits, feats = r.forward_batch_features([ForwardCall("f", 0, ids, 3)], layers=(1,))
     assert torch.equal(logits[0], r.forward("g", 0, ids, 3)) and feats[0].shape == (12, 2 * 32)
+    table = r._table
+    with r.layer_by_layer():  # what the profiler times kernel by kernel
+        assert r._table is None and torch.equal(r.forward("h", 0, ids, 3), logits[0])
+    assert r._table is table
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
