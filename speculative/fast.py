@@ -38,7 +38,7 @@ away (``ModelConfig.quantize = "none"``).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, cast
+from typing import Iterator, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -382,8 +382,9 @@ class FastRunner(PooledCaches, ModelRunner):
         in the order of ``pairs``."""
         runners: dict[int, FastRunner] = {}
         calls: dict[int, list[ForwardCall]] = {}
+        key = self.batch_key
         for runner, call in pairs:
-            if not isinstance(runner, FastRunner) or runner.batch_key != self.batch_key:
+            if not isinstance(runner, FastRunner) or runner.batch_key != key:
                 raise ValueError(f"{self.name}: {runner.name} does not share this runner's packed base")
             runners.setdefault(id(runner), runner)
             calls.setdefault(id(runner), []).append(call)
@@ -414,12 +415,11 @@ class FastRunner(PooledCaches, ModelRunner):
         cos, sin = inner.rotary_emb(h[None], pos[None])  # [1, R, D] each
         cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [R, D]
         Hq, Hkv, D = self.n_heads, self.n_kv, self.head_dim
-        # each segment: its runner, its rows [r0, r1), its calls' new slots and its attention plan
-        segs = []
-        c0 = r0 = 0
+        segs: list[_Segment] = []
+        c0 = r0 = k0 = 0
         for runner, seg_calls in segments:
             c1 = c0 + len(seg_calls)
-            r1 = r0 + sum(lens[c0:c1])
+            r1, k1 = r0 + sum(lens[c0:c1]), k0 + sum(c.keep_last for c in seg_calls)
             seg_caches, seg_lens = caches[c0:c1], lens[c0:c1]
             slots_new = torch.cat([cache.slots[c.start : c.start + n] for c, cache, n in zip(seg_calls, seg_caches, seg_lens)])
             plan: PagedAttention | _AttentionPlan
@@ -427,62 +427,52 @@ class FastRunner(PooledCaches, ModelRunner):
                 plan = PagedAttention(self.attention_kernel, seg_calls, seg_caches, seg_lens, Hq, Hkv, D)
             else:
                 plan = _AttentionPlan(seg_calls, seg_caches, seg_lens, Hq, Hkv, D)
-            segs.append((runner, r0, r1, slots_new, plan, seg_caches))
-            c0, r0 = c1, r1
+            segs.append(_Segment(runner, r0, r1, k0, k1, slots_new, plan, seg_caches))
+            c0, r0, k0 = c1, r1, k1
+        alone = len(segs) == 1 and segs[0].runner is self  # this runner's own rows only
 
-        def adapters(rows: list[tuple[int, int]], pick) -> list[tuple[int, int, tuple | None]] | None:
-            # None: this runner's own rows alone, its linears' own adapters
-            if len(segs) == 1 and segs[0][0] is self:
+        def adapters(pick, kept: bool = False) -> list[tuple[int, int, tuple | None]] | None:
+            # each segment's rows (or kept rows) with its runner's adapters; None: this runner's own for all
+            if alone:
                 return None
-            return [(a, b, pick(seg[0]).adapter) for seg, (a, b) in zip(segs, rows)]
+            return [(g.k0, g.k1, pick(g.runner).adapter) if kept else (g.r0, g.r1, pick(g.runner).adapter) for g in segs]
 
-        rows = [(seg[1], seg[2]) for seg in segs]
         outs: dict[int, torch.Tensor] = {}  # the layer outputs the features ask for
-        table = (self._table if len(segs) == 1 and segs[0][0] is self and not features and isinstance(segs[0][4], PagedAttention)
-                 else None)
+        table = self._table if alone and not features and isinstance(segs[0].plan, PagedAttention) else None
         if table is not None:  # every layer in one native call: the same kernels, the same rows
             assert self.layers_kernel is not None and self.layers
             run_layers(self.layers_kernel, table, h, (Hq, Hkv, D), self.inter, _eps(self.layers[0][0]), cos, sin,
-                       segs[0][3], self.pool.kv, segs[0][4])
+                       segs[0].slots, self.pool.kv, segs[0].plan)
         for li, (norm1, qkv, o_proj, norm2, gate_up, down) in enumerate(self.layers if table is None else []):
-            heads = qkv(self._norm(norm1, h), adapters(rows, lambda r: r.layers[li][1])).view(-1, Hq + 2 * Hkv, D)  # [R, Hq + 2 Hkv, D]: q, k, v heads
+            heads = qkv(self._norm(norm1, h), adapters(lambda r: r.layers[li][1])).view(-1, Hq + 2 * Hkv, D)  # [R, Hq + 2 Hkv, D]: q, k, v heads
             if self.rope_kernel is not None:  # q and k rotated in place, k and v written to each segment's pool
-                for runner, a, b, slots_new, _, _ in segs:
-                    rope_kv(self.rope_kernel, heads[a:b], cos[a:b], sin[a:b], runner.pool.kv[li], slots_new)
+                for g in segs:
+                    rope_kv(self.rope_kernel, heads[g.r0 : g.r1], cos[g.r0 : g.r1], sin[g.r0 : g.r1], g.runner.pool.kv[li], g.slots)
                 q = heads[:, :Hq]  # [R, Hq, D]
             else:
                 qk = _rope(heads[:, : Hq + Hkv], cos[:, None], sin[:, None])  # [R, Hq + Hkv, D] (one rotation for q and k)
                 q = qk[:, :Hq]  # [R, Hq, D]
                 kv_new = torch.stack((qk[:, Hq:], heads[:, Hq + Hkv :])).transpose(1, 2)  # [2, Hkv, R, D]
-                for runner, a, b, slots_new, _, _ in segs:  # every call's new rows, in 16 bits
-                    runner.pool.kv[li][:, :, slots_new] = kv_new[:, :, a:b].to(runner.pool.kv.dtype)
-            if len(segs) == 1:
-                runner, _, _, _, plan, seg_caches = segs[0]
-                out = plan.attend(q, runner.pool.kv[li], lambda i, end: seg_caches[i].read(li, end))  # [R, Hq*D]
-            else:
-                out = q.new_empty(q.shape[0], Hq * D)
-                for runner, a, b, _, plan, seg_caches in segs:
-                    out[a:b] = plan.attend(q[a:b], runner.pool.kv[li], lambda i, end, sc=seg_caches: sc[i].read(li, end))
-            h = h + o_proj(out, adapters(rows, lambda r: r.layers[li][2]))
-            gu = gate_up(self._norm(norm2, h), adapters(rows, lambda r: r.layers[li][4]))  # [R, 2 I]: gate, up
+                for g in segs:  # every call's new rows, in 16 bits
+                    g.runner.pool.kv[li][:, :, g.slots] = kv_new[:, :, g.r0 : g.r1].to(g.runner.pool.kv.dtype)
+            parts = [g.plan.attend(q[g.r0 : g.r1], g.runner.pool.kv[li], lambda i, end, sc=g.caches: sc[i].read(li, end))
+                     for g in segs]  # [rows, Hq*D] each, segments in row order
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)  # [R, Hq*D]
+            h = h + o_proj(out, adapters(lambda r: r.layers[li][2]))
+            gu = gate_up(self._norm(norm2, h), adapters(lambda r: r.layers[li][4]))  # [R, 2 I]: gate, up
             if self.silu_kernel is not None:
                 act = silu_mul(self.silu_kernel, gu, self.inter)  # [R, I]
             else:
                 g, u = gu.split(gate_up.splits, dim=-1)  # [R, I] each
                 act = nn.functional.silu(g) * u
-            h = h + down(act, adapters(rows, lambda r: r.layers[li][5]))
+            h = h + down(act, adapters(lambda r: r.layers[li][5]))
             if features and li in layers:
                 outs[li] = h
         for c, cache, n in zip(calls, caches, lens):
             cache.length = c.start + n
         ends = torch.cumsum(torch.tensor(lens), 0).tolist()
         kept = torch.cat([torch.arange(e - c.keep_last, e) for c, e in zip(calls, ends)])  # the rows asked for
-        head_rows, k0 = [], 0
-        for _, seg_calls in segments:  # each segment's range among the kept rows
-            k1 = k0 + sum(c.keep_last for c in seg_calls)
-            head_rows.append((k0, k1))
-            k0 = k1
-        logits = self.head(self._norm(inner.norm, h[kept]), adapters(head_rows, lambda r: r.head))  # [sum keep_last, V_model]
+        logits = self.head(self._norm(inner.norm, h[kept]), adapters(lambda r: r.head, kept=True))  # [sum keep_last, V_model]
         if features:  # every row: the asked layers' outputs, then the final feature (after the final norm)
             if len(segs) > 1:
                 raise ValueError("features come from one runner's forward")
@@ -490,6 +480,20 @@ class FastRunner(PooledCaches, ModelRunner):
         else:
             feats = None
         return list(logits.split([c.keep_last for c in calls])), feats
+
+
+class _Segment(NamedTuple):
+    """One runner's calls within a forward (:meth:`FastRunner._run`): its rows [r0, r1), its kept
+    rows [k0, k1) among the rows asked for, its calls' new pool slots, attention plan and caches."""
+
+    runner: FastRunner
+    r0: int
+    r1: int
+    k0: int
+    k1: int
+    slots: torch.Tensor
+    plan: "PagedAttention | _AttentionPlan"
+    caches: list[SeqCache]
 
 
 #: calls of at most this many new tokens (decode and verify steps) attend together, padded to the
