@@ -53,6 +53,9 @@ class LoopConfig(_Strict):
     #: when several requests share a step, cap their draft tokens where the batch's expected
     #: tokens per second is highest (forward costs timed at start); False: each request's k policy alone
     batch_k_cap: bool = True
+    #: with ``batch_k_cap``: shared steps of each batch size draft only while such steps measured
+    #: more output tokens per second drafting than decoding plainly (every 8th step tries the other)
+    measured_drafting: bool = True
     #: a prompt starts after the longest prefix cached for an earlier request of the same tenant
     #: (a system prompt, a conversation re-sent), in whole blocks plus the matching head of one
     #: more; cached blocks no request holds are reused for new requests least recently used first

@@ -103,6 +103,45 @@ def shared_k_cap(acceptance: list[float], fed: int, cost: StepCost, k_max: int) 
     return max(range(k_max + 1), key=lambda k: (rate[k], -k))
 
 
+class DraftSwitch:
+    """Whether a shared step drafts at all, from what the loop's own steps yielded. Per class of
+    batch size (2-3, 4-7, 8-15, 16+ decoding sequences) it keeps the output tokens per second of
+    whole steps (proposing, the target's forward, accepting) that drafted and of those that decoded
+    plainly, as moving averages; a class drafts while drafting measures at least as fast. Every
+    ``explore``-th step of a class tries the other kind, so a change in the traffic (acceptance
+    rising as the suffix trees learn, a cheaper draft) is noticed. The cost model and acceptance
+    estimates behind :func:`shared_k_cap` leave out what proposing costs beside the forwards (the
+    proposers' Python, the draft's own forwards); a full batch on a CPU was measured slower drafting
+    than plain with the cap alone (docs/serving.md, "Drafting in a full batch")."""
+
+    def __init__(self, explore: int = 8, decay: float = 0.9):
+        self.explore, self.decay = explore, decay
+        self.rate: dict[tuple[int, bool], float] = {}  # (class, plain) -> output tokens per second
+        self.turns: dict[int, int] = {}
+
+    @staticmethod
+    def size_class(seqs: int) -> int:
+        return min(seqs, 16).bit_length()
+
+    def plain(self, seqs: int) -> bool:
+        """This shared step decodes plainly (True) or drafts as the cap allows (False)."""
+        c = self.size_class(seqs)
+        turn = self.turns[c] = self.turns.get(c, 0) + 1
+        drafted, plain = self.rate.get((c, False)), self.rate.get((c, True))
+        if drafted is None or plain is None:  # measure both kinds first: drafting, then plain
+            return drafted is not None
+        better = plain > drafted
+        return better != (turn % self.explore == 0)
+
+    def observe(self, seqs: int, plain: bool, tokens: int, seconds: float) -> None:
+        """A shared step without prefill: ``tokens`` output in ``seconds`` of the whole step."""
+        if seconds <= 0:
+            return
+        key, r = (self.size_class(seqs), plain), tokens / seconds
+        old = self.rate.get(key)
+        self.rate[key] = r if old is None else self.decay * old + (1 - self.decay) * r
+
+
 class Overloaded(RuntimeError):
     """A request waited ``queue_timeout_s`` without fitting the KV budget (retry later)."""
 
@@ -168,6 +207,8 @@ class EngineLoop:
         self.on_step = on_step  # (sequences, tokens, seconds) of each target forward, from the loop's thread
         self.step_cost = step_cost  # None: each request's own k policy decides, shared step or not
         self.last_k_cap: int | None = None
+        #: shared steps draft only where drafting measured faster than plain (None: the cap alone)
+        self.switch: DraftSwitch | None = DraftSwitch() if cfg.measured_drafting else None
         self.reserved = 0  # KV positions reserved by running sequences
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -280,6 +321,7 @@ class EngineLoop:
         decode, prefill = self._plan()
         if not decode and not prefill:
             return 0
+        t_step = time.perf_counter()
         pending = self._propose(decode, self._k_cap(decode, prefill))
         calls = [p.call for _, p in pending] + [call for _, call in prefill]
         if not calls:
@@ -295,17 +337,21 @@ class EngineLoop:
         self.steps, self.calls, self.tokens = self.steps + 1, self.calls + len(calls), self.tokens + self.last_tokens
         if self.on_step is not None:
             self.on_step(len(calls), self.last_tokens, time.perf_counter() - t0)
+        emitted = 0
         for (seq, p), r in zip(pending, rows):  # accept
             try:
                 res = seq.engine.accept(p, r)
             except Exception as e:  # noqa: BLE001
                 self._fail(seq, e)
                 continue
+            emitted += len(res.emitted)
             seq.sink(Step(res))
             if res.finished:
                 self._finish(seq)
         for seq, call in prefill:
             seq.engine.prefilled(seq.request_id, len(call.tokens))
+        if self.switch is not None and self.last_k_cap is not None and not prefill:  # a shared decode-only step: what its kind yields
+            self.switch.observe(len(decode), self.last_k_cap == 0, emitted, time.perf_counter() - t_step)
         return len(calls)
 
     def _propose(self, decode: list[Sequence], cap: int | None) -> list[tuple[Sequence, PendingStep]]:
@@ -353,9 +399,12 @@ class EngineLoop:
         """The step's limit on each sequence's draft tokens (:func:`shared_k_cap`); None alone."""
         cap = None
         if self.step_cost is not None and len(decode) > 1:
-            acceptance = [s.engine.acceptance(s.request_id) for s in decode]
-            fed = sum(s.engine.uncached(s.request_id) for s in decode) + sum(len(c.tokens) for _, c in prefill)
-            cap = shared_k_cap(acceptance, fed, self.step_cost, self.k_max)
+            if self.switch is not None and self.switch.plain(len(decode)):
+                cap = 0
+            else:
+                acceptance = [s.engine.acceptance(s.request_id) for s in decode]
+                fed = sum(s.engine.uncached(s.request_id) for s in decode) + sum(len(c.tokens) for _, c in prefill)
+                cap = shared_k_cap(acceptance, fed, self.step_cost, self.k_max)
         self.last_k_cap = cap
         return cap
 

@@ -15,7 +15,7 @@ from conftest import _char_tokenizer, tiny_llama
 from speculative import RequestError, SpeculativeEngine
 from speculative.fast import FastRunner
 from speculative.proposers import DraftModelProposer, NgramProposer
-from speculative.scheduler import (EngineLoop, Failed, Finished, Overloaded, Sequence, Started, Step, StepCost,
+from speculative.scheduler import (DraftSwitch, EngineLoop, Failed, Finished, Overloaded, Sequence, Started, Step, StepCost,
                                    calibrate_step_cost, shared_k_cap)
 
 K = 3
@@ -286,6 +286,52 @@ def test_a_shared_step_caps_drafting_and_keeps_every_output_exact():
             capped += 1
             assert new and all(e.result.proposed == 0 for e in new)
     assert capped >= 8
+    for c, p in zip(clients, prompts):
+        assert c.tokens == alone.generate(p, params).token_ids
+
+
+def test_the_draft_switch_by_hand():
+    """Drafting is measured first, then plain decoding; the faster kind runs, the other every 8th
+    turn of its batch-size class; rates are moving averages, and the classes are apart."""
+    sw = DraftSwitch(explore=8, decay=0.9)
+    assert [DraftSwitch.size_class(n) for n in (2, 3, 4, 7, 8, 15, 16, 100)] == [2, 2, 3, 3, 4, 4, 5, 5]
+    assert sw.plain(8) is False  # nothing measured: draft
+    assert sw.plain(8) is False  # still nothing
+    sw.observe(8, False, 16, 0.1)  # drafting: 160 tokens/s
+    assert sw.plain(9) is True  # the same class: plain decoding is measured next
+    sw.observe(9, True, 8, 0.04)  # plain: 200 tokens/s
+    turns = [sw.plain(8) for _ in range(12)]  # turns 4..15 of the class: the 8th tries drafting
+    assert turns == [True] * 4 + [False] + [True] * 7
+    assert sw.plain(2) is False and sw.plain(3) is False  # another class knows nothing yet
+    sw.observe(8, False, 40, 0.1)  # drafting got faster: 0.9 * 160 + 0.1 * 400 = 184, still below 200
+    assert sw.rate[(4, False)] == pytest.approx(184.0)
+    assert sw.plain(8) is False  # turn 16: an exploring turn
+    assert sw.plain(8) is True  # 184 < 200: plain
+    for _ in range(10):
+        sw.observe(8, False, 40, 0.1)
+    assert sw.plain(8) is False  # now drafting measures faster: it drafts, and plain is the one tried
+    sw.observe(8, True, 8, 0.0)  # a step that took no time is not a measurement
+    assert sw.rate[(4, True)] == pytest.approx(200.0)
+
+
+def test_a_full_batch_decodes_plain_where_plain_measured_faster_and_stays_exact():
+    """With plain decoding measured faster for its batch size, a shared step drafts only on the
+    switch's exploring turns; outputs stay equal to target-only and the steps keep being measured."""
+    loop, spec, alone = _setup()
+    loop.step_cost = StepCost(0.010, 0.0001, 0.0)  # rows nearly free beside the base: the cap alone would draft deep
+    loop.switch.rate = {(3, False): 100.0, (3, True): 1e9}  # 4-7 sequences: plain measured faster
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = _prompts(4, seed=31)
+    clients = [_submit(loop, spec, p, params, f"sw{i}")[1] for i, p in enumerate(prompts)]
+    shared = drafted = 0
+    while not all(c.done for c in clients):
+        before = [len(c.events) for c in clients]
+        loop.step()
+        if loop.last_k_cap is not None:
+            shared += 1
+            drafted += any(e.result.proposed for c, n in zip(clients, before) for e in c.events[n:] if isinstance(e, Step))
+    assert shared >= 8 and 0 < drafted <= shared // 8 + 1
+    assert loop.switch.rate[(3, False)] != 100.0  # the exploring turns were measured
     for c, p in zip(clients, prompts):
         assert c.tokens == alone.generate(p, params).token_ids
 
