@@ -64,6 +64,9 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "speculative/lean.py": ("speculative.lean", None, ["tests/unit/test_lean.py"]),
     "speculative/runtime.py": ("speculative.runtime", None, ["tests/unit/test_fast.py", "tests/unit/test_lean.py"]),
     "speculative/suffix.py": ("speculative.suffix", None, ["tests/unit/test_suffix.py"]),
+    # the engine loop's decisions: the shared step's draft cap and the measured drafting switch
+    "speculative/scheduler.py": ("speculative.scheduler", {"DraftSwitch", "shared_k_cap", "EngineLoop._k_cap"},
+                                 ["tests/unit/test_scheduler.py"]),
     # the feature-conditioned draft (its fusion, its cache of features, its proposer) and the losses
     # every draft is distilled with
     "speculative/feature.py": ("speculative.feature", None, ["tests/unit/test_feature.py"]),

@@ -312,6 +312,9 @@ def test_the_draft_switch_by_hand():
     assert sw.plain(8) is False  # now drafting measures faster: it drafts, and plain is the one tried
     sw.observe(8, True, 8, 0.0)  # a step that took no time is not a measurement
     assert sw.rate[(4, True)] == pytest.approx(200.0)
+    tie = DraftSwitch()
+    tie.rate = {(2, False): 150.0, (2, True): 150.0}
+    assert tie.plain(2) is False  # as fast drafting as plain: it drafts
 
 
 def test_a_full_batch_decodes_plain_where_plain_measured_faster_and_stays_exact():
@@ -334,6 +337,34 @@ def test_a_full_batch_decodes_plain_where_plain_measured_faster_and_stays_exact(
     assert loop.switch.rate[(3, False)] != 100.0  # the exploring turns were measured
     for c, p in zip(clients, prompts):
         assert c.tokens == alone.generate(p, params).token_ids
+
+
+def test_the_cap_and_the_switch_apply_to_shared_steps_only():
+    """A request alone drafts as its own k policy says however dear rows are (no cap, nothing
+    measured); two sharing a step are capped; a prefill chunk in the step counts in its cost."""
+    loop, spec, alone = _setup()
+    loop.step_cost = StepCost(0.0, 1.0, 0.0)  # every row a second: a shared step never drafts
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    p1, p2, p3, long = _prompts(3, seed=41) + _prompts(1, seed=42, lo=200, hi=201)
+    _, solo = _submit(loop, spec, p1, params, "alone")
+    _drain(loop, [solo])
+    assert [e.result.proposed for e in solo.events if isinstance(e, Step)][0] == K  # the first step: k = K
+    assert loop.last_k_cap is None and loop.switch.rate == {}
+    clients = [_submit(loop, spec, p, params, f"two{i}")[1] for i, p in enumerate((p2, p3))]
+    loop.step()  # both prefill
+    before = [len(c.events) for c in clients]
+    loop.step()
+    assert loop.last_k_cap == 0
+    assert [e.result.proposed for c, n in zip(clients, before) for e in c.events[n:] if isinstance(e, Step)] == [0, 0]
+    decode = list(loop.running)
+    loop.step_cost, loop.switch = StepCost(0.010, 0.004, 0.002), None  # the cap alone
+    a = [spec.acceptance(s.request_id) for s in decode]
+    rid = spec.add_request(long, params)
+    chunk = [(None, spec.prefill_call(rid, 150))]
+    assert loop._k_cap(decode, []) == shared_k_cap(a, 2, loop.step_cost, K)
+    assert loop._k_cap(decode, chunk) == shared_k_cap(a, 2 + 150, loop.step_cost, K) > loop._k_cap(decode, [])
+    spec.release(rid)
+    _drain(loop, clients)
 
 
 def test_requests_sharing_a_system_prompt_reuse_its_cache_in_the_loop_and_stay_exact():
