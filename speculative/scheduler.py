@@ -207,6 +207,7 @@ class EngineLoop:
         self.on_step = on_step  # (sequences, tokens, seconds) of each target forward, from the loop's thread
         self.step_cost = step_cost  # None: each request's own k policy decides, shared step or not
         self.last_k_cap: int | None = None
+        self.last_plain = False  # the last step's cap came from the switch (plain measured faster)
         #: shared steps draft only where drafting measured faster than plain (None: the cap alone)
         self.switch: DraftSwitch | None = DraftSwitch() if cfg.measured_drafting else None
         self.reserved = 0  # KV positions reserved by running sequences
@@ -397,10 +398,10 @@ class EngineLoop:
 
     def _k_cap(self, decode: list[Sequence], prefill: list) -> int | None:
         """The step's limit on each sequence's draft tokens (:func:`shared_k_cap`); None alone."""
-        cap = None
+        cap, self.last_plain = None, False
         if self.step_cost is not None and len(decode) > 1:
             if self.switch is not None and self.switch.plain(len(decode)):
-                cap = 0
+                cap, self.last_plain = 0, True
             else:
                 acceptance = [s.engine.acceptance(s.request_id) for s in decode]
                 fed = sum(s.engine.uncached(s.request_id) for s in decode) + sum(len(c.tokens) for _, c in prefill)

@@ -108,6 +108,10 @@ CATALOG: dict[str, Family] = _families(
     Family("osd_engine_prefix_cache_blocks", "gauge", "KV blocks indexed by the prefix cache (held or idle)"),
     Family("osd_engine_requests_overloaded_total", "counter",
            "Requests answered 503 because they waited too long for KV budget or the queue was full"),
+    Family("osd_engine_shared_steps_total", "counter",
+           "Steps several decoding requests shared, by decision: drafting (the cap allowed drafts), cap_zero "
+           "(the cost model allowed none), plain_measured (such steps measured faster decoding plainly)",
+           ("decision",)),
     # -- target ----------------------------------------------------------------------------------
     Family("osd_target_queue_depth", "gauge", "Verify calls waiting for or in the target's batched forward"),
     Family("osd_target_kv_caches", "gauge", "Sequences whose KV cache the target holds"),

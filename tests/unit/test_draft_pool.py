@@ -162,6 +162,23 @@ def test_the_steps_cost_counts_one_target_step_each_without_a_draft_and_more_wit
             assert drafted > 0 and cost > steps and emitted / cost < emitted / steps  # verifying k + 1 tokens costs more
 
 
+def test_steps_that_requests_share_are_counted_by_whether_they_drafted(folder, loop):
+    """osd_engine_shared_steps_total: steps of several decoding requests, by the decision behind
+    them (drafting, cap_zero, plain_measured); a lone request's steps are not counted."""
+    pool = LocalPool(engine_cfg(folder, draft={"proposers": ["ngram"]}))
+    loop.run(pool.serve(prompt="abcabcabcabc", n=12))
+    shared = {lb: v for (n, lb), v in pool.meter._counters.items() if n == "osd_engine_shared_steps_total"}
+    assert shared == {}
+    async def together():
+        return await asyncio.gather(*(pool.serve(prompt=f"abc{i}abc{i}abc{i}", n=16) for i in range(4)))
+
+    items = loop.run(together())
+    shared = {d: counter(pool.meter, "osd_engine_shared_steps_total", decision=d) for d in ("drafting", "cap_zero", "plain_measured")}
+    shared = {d: v for d, v in shared.items() if v}
+    assert sum(shared.values()) >= 8
+    assert sum(shared.values()) <= sum(it[-1].usage["speculative"]["steps"] for it in items)
+
+
 def test_the_step_counts_of_a_model_free_proposer_are_labelled_by_its_name(folder, loop):
     pool = LocalPool(engine_cfg(folder, draft={"proposers": ["ngram"]}))
     items = loop.run(pool.serve(prompt="abcabcabcabc", n=12))
