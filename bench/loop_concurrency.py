@@ -6,6 +6,9 @@ were made of (sequences and tokens per forward, the target's compute), so that t
 figures (``osd bench-serve``) can be split into what the loop gives and what the transport takes.
 
 ``--proposers`` (none listed) serves target-only through the same loop (continuous batching, no speculation).
+``--busy N`` runs N other processes meanwhile, each busy ``--busy-ms`` in every ``--period-ms`` (the
+CPU a server's other processes take in bursts; docs/serving.md, "Where the server's time goes
+beside the loop"); ``--target-threads`` sets the target's threads instead of the config's.
 """
 
 from __future__ import annotations
@@ -19,14 +22,18 @@ from bench.bench import select, write_json
 from bench.serve_bench import DEFAULT_WORKLOAD
 
 
-def build_pool(config: str | None, proposers: list[str] | None = None, torch_attention: bool = False):
+def build_pool(config: str | None, proposers: list[str] | None = None, torch_attention: bool = False,
+               target_threads: int | None = None):
     """The serve config's engine replica (co-located placement), learner off; ``proposers``: these
     instead of the config's (``[]``: target-only); ``torch_attention``: its target attends with
-    torch ops instead of the native kernel (speculative/attend.py)."""
+    torch ops instead of the native kernel (speculative/attend.py); ``target_threads``: the
+    target's threads instead of the config's."""
     from deployments.drafts import DraftPool
     from deployments.launch import read_config
 
     _, cfg, _ = read_config(config) if config else read_config()
+    if target_threads is not None:
+        cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"num_threads": target_threads})})
     if proposers is not None:
         from config import DraftConfig
 
@@ -93,18 +100,35 @@ async def _level(pool, engine, texts: list[str], concurrency: int, max_tokens: i
     }
 
 
+def _busy(busy_s: float, period_s: float) -> None:
+    """A process that takes CPU in bursts: busy ``busy_s`` in every ``period_s``, until killed."""
+    while True:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < busy_s:
+            pass
+        time.sleep(max(0.0, period_s - busy_s))
+
+
 def run(config: str | None, proposers: list[str] | None, workload: str, n: int, levels: list[int], max_tokens: int,
-        torch_attention: bool = False) -> dict:
+        torch_attention: bool = False, target_threads: int | None = None, busy: tuple[int, float, float] = (0, 0.0, 0.0)) -> dict:
+    """``busy``: (processes, seconds busy, in every so many seconds) running beside the levels."""
+    import multiprocessing
+
     from router.router import GENERAL
     from workloads import load_workload
 
-    pool = build_pool(config, proposers, torch_attention)
+    pool = build_pool(config, proposers, torch_attention, target_threads)
+    others = [multiprocessing.get_context("spawn").Process(target=_busy, args=busy[1:], daemon=True) for _ in range(busy[0])]
     try:
         engine = asyncio.run(pool.engine_for(GENERAL))
         records = select(load_workload(workload), n * len(levels))
         out = {"config": config, "proposers": "config" if proposers is None else proposers, "workload": workload,
                "attention": "kernel" if pool.loop.target.attention_kernel is not None else "torch", "n": n, "max_tokens": max_tokens,
-               "step_cost": vars(pool.loop.step_cost) if pool.loop.step_cost else None, "levels": []}
+               "step_cost": vars(pool.loop.step_cost) if pool.loop.step_cost else None,
+               "target_threads": target_threads, "busy": {"processes": busy[0], "busy_s": busy[1], "period_s": busy[2]},
+               "levels": []}
+        for p in others:
+            p.start()
         for i, c in enumerate(levels):
             texts = [r.text for r in records[i * n : (i + 1) * n]]
             res = asyncio.run(_level(pool, engine, texts, c, max_tokens))
@@ -114,6 +138,8 @@ def run(config: str | None, proposers: list[str] | None, workload: str, n: int, 
             out["levels"].append(res)
         return out
     finally:
+        for p in others:
+            p.kill()
         pool.loop.stop()
 
 
@@ -128,9 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--torch-attention", action="store_true", help="the target attends with torch ops, not the native kernel")
+    ap.add_argument("--target-threads", type=int, default=None, help="the target's threads (default: the config's)")
+    ap.add_argument("--busy", type=int, default=0, help="other processes taking CPU in bursts meanwhile")
+    ap.add_argument("--busy-ms", type=float, default=2.0)
+    ap.add_argument("--period-ms", type=float, default=10.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    res = run(args.config, args.proposers, args.workload, args.n, args.concurrency, args.max_tokens, args.torch_attention)
+    res = run(args.config, args.proposers, args.workload, args.n, args.concurrency, args.max_tokens, args.torch_attention,
+              args.target_threads, (args.busy, args.busy_ms / 1e3, args.period_ms / 1e3))
     if len(res["levels"]) > 1:
         print(f"concurrency {res['levels'][-1]['concurrency']} / {res['levels'][0]['concurrency']}: "
               f"{res['levels'][-1]['tokens_per_s'] / res['levels'][0]['tokens_per_s']:.2f}x")
