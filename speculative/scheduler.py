@@ -30,6 +30,7 @@ target-only output, and a seeded sample equals the seed's sample, under any conc
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 import sys
 import threading
 import time
@@ -47,6 +48,9 @@ from .kvcache import PooledCaches
 from .proposers import DraftForward, DraftOutput
 from .runner import ForwardCall, ModelRunner, VerifyCall
 from .runtime import own_threads
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,17 @@ class Sequence:
         """KV positions it may hold at most: prompt + max_tokens, plus a step's draft tokens."""
         return len(self.prompt) + self.params.max_tokens + k_max + 1
 
+    def send(self, ev: object) -> None:
+        """Hand ``ev`` to the sink. A sink that raises (its consumer is gone: the event loop it
+        posts to has closed) cancels this request alone; the loop's thread and the other requests
+        go on."""
+        try:
+            self.sink(ev)
+        except Exception:  # noqa: BLE001 - whatever the consumer's failure, it must not stop the loop
+            log.warning("request %s: its consumer failed to take %s; the request is dropped",
+                        self.request_id, type(ev).__name__, exc_info=True)
+            self.cancelled = True
+
 
 class EngineLoop:
     """The scheduler of one replica: sequences of any number of engines over one target runner."""
@@ -317,7 +332,7 @@ class EngineLoop:
         self._drop_cancelled()
         self._admit()
         while len(self.waiting) > self.cfg.max_waiting:  # the queue is full: the newest are turned away
-            self.waiting.pop().sink(Failed(Overloaded(
+            self.waiting.pop().send(Failed(Overloaded(
                 f"{len(self.running)} requests are running and {self.cfg.max_waiting} queued on this replica; retry later")))
         decode, prefill = self._plan()
         if not decode and not prefill:
@@ -346,7 +361,7 @@ class EngineLoop:
                 self._fail(seq, e)
                 continue
             emitted += len(res.emitted)
-            seq.sink(Step(res))
+            seq.send(Step(res))
             if res.finished:
                 self._finish(seq)
         for seq, call in prefill:
@@ -419,7 +434,7 @@ class EngineLoop:
             new, self._inbox = self._inbox, []
         for seq in new:
             if seq.need(self.k_max) > self.budget_tokens:
-                seq.sink(Failed(RequestError(
+                seq.send(Failed(RequestError(
                     f"prompt ({len(seq.prompt)} tokens) + max_tokens ({seq.params.max_tokens}) needs "
                     f"{seq.need(self.k_max)} positions of KV cache; a replica holds {self.budget_tokens}")))
             else:
@@ -433,7 +448,7 @@ class EngineLoop:
         now = self.clock()
         while self.waiting and now - self.waiting[0].enqueued > self.cfg.queue_timeout_s:
             seq = self.waiting.popleft()
-            seq.sink(Failed(Overloaded(
+            seq.send(Failed(Overloaded(
                 f"the request waited {self.cfg.queue_timeout_s:g} s for KV cache on this replica "
                 f"({self.reserved} of {self.budget_tokens} positions held by {len(self.running)} requests); retry later")))
 
@@ -447,7 +462,7 @@ class EngineLoop:
             try:
                 seq.engine.add_request(seq.prompt, seq.params, seq.request_id, scope=seq.scope, cache_salt=seq.cache_salt)
             except Exception as e:  # noqa: BLE001 - a request that cannot be served as given
-                seq.sink(Failed(e))
+                seq.send(Failed(e))
                 continue
             seq.reserved, self.reserved = need, self.reserved + need
             self.running.append(seq)
@@ -458,7 +473,7 @@ class EngineLoop:
             except Exception as e:  # noqa: BLE001
                 self._fail(seq, e)
                 continue
-            seq.sink(Started(st.prompt_len))
+            seq.send(Started(st.prompt_len))
             if st.finished:  # the resumed output had already ended it
                 self._finish(seq)
 
@@ -488,12 +503,12 @@ class EngineLoop:
 
     def _fail(self, seq: Sequence, error: Exception) -> None:
         self._release(seq)
-        seq.sink(Failed(error))
+        seq.send(Failed(error))
 
     def _finish(self, seq: Sequence) -> None:
         st = seq.engine.requests[seq.request_id]  # released below: the state goes to the sink
         self._release(seq)
-        seq.sink(Finished(st))
+        seq.send(Finished(st))
 
     def _release(self, seq: Sequence) -> None:
         if seq in self.running:

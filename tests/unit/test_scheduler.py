@@ -367,6 +367,32 @@ def test_the_cap_and_the_switch_apply_to_shared_steps_only():
     _drain(loop, clients)
 
 
+def test_a_consumer_that_fails_drops_its_request_only():
+    """A sink that raises (its event loop closed) cancels that request: the step does not raise,
+    the others finish equal to target-only, and the budget and the pool come back to empty."""
+    loop, spec, alone = _setup()
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = _prompts(3, seed=51)
+
+    class Gone(Client):
+        def __call__(self, ev):
+            super().__call__(ev)
+            if sum(isinstance(e, Step) for e in self.events) == 2:
+                raise RuntimeError("Event loop is closed")
+
+    gone = Gone()
+    loop.submit(Sequence(spec, "gone", prompts[0], params, gone))
+    others = [_submit(loop, spec, p, params, f"ok{i}")[1] for i, p in enumerate(prompts[1:])]
+    _drain(loop, others)
+    for _ in range(3):
+        loop.step()
+    assert sum(isinstance(e, Step) for e in gone.events) == 2 and not gone.done
+    assert "gone" not in spec.requests and loop.running == [] and loop.reserved == 0
+    assert loop.target.pool.free_blocks == loop.target.pool.num_blocks
+    for c, p in zip(others, prompts[1:]):
+        assert c.tokens == alone.generate(p, params).token_ids
+
+
 def test_requests_sharing_a_system_prompt_reuse_its_cache_in_the_loop_and_stay_exact():
     """With prefix caching on, requests that share a system prompt start after it (once an
     earlier request settled it), each still equals target-only decoding without any cache shared,
