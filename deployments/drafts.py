@@ -322,10 +322,8 @@ class DraftPool:
         m.inc("osd_target_verified_tokens_total", tokens)
         m.observe("osd_target_batch_size", calls)
         m.observe("osd_target_forward_seconds", seconds)
-        loop = self.loop
-        if loop is not None and loop.last_k_cap is not None:  # a step several decoding requests shared: did it draft
-            decision = "plain_measured" if loop.last_plain else "cap_zero" if loop.last_k_cap == 0 else "drafting"
-            m.inc("osd_engine_shared_steps_total", decision=decision)
+        if self.loop is not None and self.loop.last_decision is not None:  # a step several decoding requests shared
+            m.inc("osd_engine_shared_steps_total", decision=self.loop.last_decision)
 
     def _count_step(self, res, labels: dict, waited_s: float) -> None:
         # the learned draft's version, or the model-free proposer that drafted ("ngram", "suffix")

@@ -222,7 +222,9 @@ class EngineLoop:
         self.on_step = on_step  # (sequences, tokens, seconds) of each target forward, from the loop's thread
         self.step_cost = step_cost  # None: each request's own k policy decides, shared step or not
         self.last_k_cap: int | None = None
-        self.last_plain = False  # the last step's cap came from the switch (plain measured faster)
+        #: why the last shared step drafted or not: "drafting" (the cap allowed drafts), "cap_zero"
+        #: (the cost model allowed none), "plain_measured" (the switch); None: no shared step
+        self.last_decision: str | None = None
         #: shared steps draft only where drafting measured faster than plain (None: the cap alone)
         self.switch: DraftSwitch | None = DraftSwitch() if cfg.measured_drafting else None
         self.reserved = 0  # KV positions reserved by running sequences
@@ -413,15 +415,16 @@ class EngineLoop:
 
     def _k_cap(self, decode: list[Sequence], prefill: list) -> int | None:
         """The step's limit on each sequence's draft tokens (:func:`shared_k_cap`); None alone."""
-        cap, self.last_plain = None, False
+        cap, decision = None, None
         if self.step_cost is not None and len(decode) > 1:
             if self.switch is not None and self.switch.plain(len(decode)):
-                cap, self.last_plain = 0, True
+                cap, decision = 0, "plain_measured"
             else:
                 acceptance = [s.engine.acceptance(s.request_id) for s in decode]
                 fed = sum(s.engine.uncached(s.request_id) for s in decode) + sum(len(c.tokens) for _, c in prefill)
                 cap = shared_k_cap(acceptance, fed, self.step_cost, self.k_max)
-        self.last_k_cap = cap
+                decision = "cap_zero" if cap == 0 else "drafting"
+        self.last_k_cap, self.last_decision = cap, decision
         return cap
 
     def _batch_tokens(self) -> int:
