@@ -367,6 +367,27 @@ def test_the_cap_and_the_switch_apply_to_shared_steps_only():
     _drain(loop, clients)
 
 
+def test_each_shared_step_says_why_it_drafted_or_not():
+    """last_decision: None alone, "cap_zero" where the cost model allows no drafts, "drafting"
+    where it allows some, "plain_measured" where the switch chose plain."""
+    loop, spec, _ = _setup()
+    loop.step_cost = StepCost(0.0, 1.0, 0.0)  # every row a second: the cap allows nothing
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    a, b = _prompts(2, seed=61, lo=1, hi=2)  # one token each: a step feeds one row a request
+    rid = spec.add_request(a, params)
+    decode = [Sequence(spec, rid, a, params, Client())]
+    assert loop._k_cap(decode, []) is None and loop.last_decision is None  # alone
+    rid2 = spec.add_request(b, params)
+    decode.append(Sequence(spec, rid2, b, params, Client()))
+    assert loop._k_cap(decode, []) == 0 and loop.last_decision == "cap_zero"  # nothing measured yet: the cap
+    loop.step_cost = StepCost(0.010, 0.0001, 0.0)  # rows nearly free beside the base
+    assert loop._k_cap(decode, []) > 0 and loop.last_decision == "drafting"
+    loop.switch.rate = {(2, False): 100.0, (2, True): 1e9}
+    assert loop._k_cap(decode, []) == 0 and loop.last_decision == "plain_measured"
+    spec.release(rid)
+    spec.release(rid2)
+
+
 def test_a_consumer_that_fails_drops_its_request_only():
     """A sink that raises (its event loop closed) cancels that request: the step does not raise,
     the others finish equal to target-only, and the budget and the pool come back to empty."""
