@@ -143,7 +143,10 @@ def run_bench(
     lookup_tokens: int = 10,
     progress: bool = True,
     threads: int | None = None,
+    draft_acceptance: tuple[float, ...] = (),
 ) -> dict:
+    """``draft_acceptance``: for each A, the method ``spec_controller@A``, whose learned draft
+    proposes the target's own token with probability A (:mod:`bench.oracle`)."""
     target = engine.target.model
     runner = engine.learned_draft.runner if engine.learned_draft is not None else None
     assistant = runner.model if runner is not None and runner.vocab_map is None else None
@@ -168,6 +171,8 @@ def run_bench(
         lookup.costs.verify_s.update(engine.costs.verify_s)
         lookup.costs.draft_s["ngram"] = 0.0
     engines = {"spec": engine, "spec_lookup": lookup, **_proposer_engines(engine, methods)}
+    oracles = _acceptance_engines(engine, draft_acceptance, engines, skipped)
+    methods = methods + tuple(oracles)
     hf_methods = [m for m in methods if m.startswith("hf_")]
     tallies: dict[tuple[str, str], Tally] = defaultdict(Tally)
     rows = []
@@ -184,6 +189,8 @@ def run_bench(
             if m == "target":
                 continue
             stats = None
+            if m in oracles:
+                oracles[m].reference = ids + ref
             if m in engines:
                 g = engines[m].generate(ids, params)
                 toks, dt, stats = g.token_ids, g.seconds, g.stats
@@ -234,6 +241,28 @@ def _proposer_engines(engine: SpeculativeEngine, methods) -> dict:
     return out
 
 
+def _acceptance_engines(engine: SpeculativeEngine, acceptances, engines: dict, skipped: dict) -> dict:
+    """``spec_controller@A`` for each A: the controller over a fresh suffix tree, prompt lookup and
+    the learned draft with its acceptance set to A; added to ``engines``; returns method -> draft."""
+    from drafts.build import controller_over
+    from speculative.proposers import DraftModelProposer
+
+    from .oracle import AcceptanceDraft
+
+    learned = engine.learned_draft
+    out = {}
+    for i, a in enumerate(acceptances):
+        m = f"spec_controller@{a:g}"
+        if not isinstance(learned, DraftModelProposer):
+            skipped[m] = "needs a learned token draft (this engine has none, or a feature draft)"
+            continue
+        draft = out[m] = AcceptanceDraft(learned, a, seed=i)
+        e = engines[m] = SpeculativeEngine(engine.target, engine.tokenizer, controller_over(draft), engine.cfg)
+        e.costs.verify_s.update(engine.costs.verify_s)
+        e.costs.draft_s.update({**engine.costs.draft_s, "suffix": 0.0, "ngram": 0.0})
+    return out
+
+
 def summarise(engines, tallies, rows, methods, skipped, max_tokens) -> dict:
     engine = engines["spec"]
     costs = engine.costs
@@ -258,7 +287,7 @@ def summarise(engines, tallies, rows, methods, skipped, max_tokens) -> dict:
                 "speedup": round(t.tps / base.tps, 3) if base.tps else None,
                 "all_equal_target_greedy": t.equal == t.prompts,
                 "equal_prompts": t.equal,
-                "lossless_method": m in LOSSLESS,  # False: equal_prompts counts agreement with another model
+                "lossless_method": m.split("@")[0] in LOSSLESS,  # False: equal_prompts counts agreement with another model
             }
             if m in engines:
                 s = t.spec
@@ -283,6 +312,8 @@ def summarise(engines, tallies, rows, methods, skipped, max_tokens) -> dict:
                     theoretical_speedup_measured_verify=None if a is None else round(
                         max(expected_speedup(a, k, c, mc.relative_verify(k + 1)) for k in range(k_max + 1)), 3),
                 )
+                if dom == "overall" and isinstance(picks := getattr(engines[m].proposer, "picks", None), dict):
+                    entry["picks"] = dict(picks)  # steps each source drafted (a controller's)
             d[m] = entry
         result["domains"][dom] = d
     result["rows"] = rows
@@ -291,7 +322,7 @@ def summarise(engines, tallies, rows, methods, skipped, max_tokens) -> dict:
 
 def format_table(result: dict) -> str:
     lines = []
-    hdr = f"{'domain':<9}{'method':<13}{'n':>4}{'tok/s':>8}{'speedup':>9}{'equal':>7}{'alpha':>7}{'acc.len':>8}{'mean k':>7}{'c':>6}{'theory':>8}"
+    hdr = f"{'domain':<9}{'method':<20}{'n':>4}{'tok/s':>8}{'speedup':>9}{'equal':>7}{'alpha':>7}{'acc.len':>8}{'mean k':>7}{'c':>6}{'theory':>8}"
     lines.append(hdr)
     lines.append("-" * len(hdr))
     for dom, d in result["domains"].items():
@@ -300,7 +331,7 @@ def format_table(result: dict) -> str:
                 v = e.get(key)
                 return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
             lines.append(
-                f"{dom:<9}{m:<13}{e['prompts']:>4}{e['tokens_per_s']:>8.2f}{f('speedup', '.2f'):>9}"
+                f"{dom:<9}{m:<20}{e['prompts']:>4}{e['tokens_per_s']:>8.2f}{f('speedup', '.2f'):>9}"
                 f"{_equal_cell(e):>7}{f('alpha', '.3f'):>7}"
                 f"{f('mean_acceptance_length', '.2f'):>8}{f('mean_k', '.2f'):>7}{f('c', '.2f'):>6}{f('theoretical_speedup', '.2f'):>8}"
             )
@@ -332,7 +363,7 @@ def bench_main(args) -> int:
     cfg = engine_config_from_args(args)
     engine = build_engine(cfg, texts=[r.text for r in workload])
     result = run_bench(engine, records, args.max_tokens, tuple(args.methods.split(",")), args.lookup_tokens,
-                       threads=args.threads)
+                       threads=args.threads, draft_acceptance=tuple(args.draft_acceptance or ()))
     result["runtime"] = runtime_of(engine.target)
     result["config"] = json.loads(cfg.model_dump_json())
     result["workload"] = str(args.workload)

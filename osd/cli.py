@@ -77,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated: target, spec, spec_lookup, spec_suffix, spec_controller, hf_assisted, hf_lookup, "
                         "target_fp32, target_int8, target_int4, llamacpp")
     b.add_argument("--lookup-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
+    b.add_argument("--draft-acceptance", type=float, nargs="*", default=None, metavar="A",
+                   help="also spec_controller@A: the learned draft proposing the target's own token with probability A "
+                        "(its forwards still run): what a draft trained to that acceptance would buy")
     b.add_argument("--json", default=None)
     _engine_args(b)
 

@@ -111,3 +111,58 @@ def test_suffix_and_controller_methods_are_lossless_and_learn_as_the_bench_goes(
         assert overall[m]["all_equal_target_greedy"] and overall[m]["lossless_method"], m
     second = [r["spec_suffix"] for r in res["rows"][3:]]
     assert sum(r["accepted"] for r in second) > 0
+
+
+def test_a_draft_with_acceptance_set_by_hand_is_accepted_at_that_rate_and_stays_lossless(make_engine, target, draft_proposer,
+                                                                                         prompts):
+    """bench.oracle: at A = 1 every token the draft proposes is accepted, at A = 0 none, at 0.5 about
+    half of those checked; outputs equal target-only in every case (verification decides)."""
+    from config import SamplingParams
+    from bench.oracle import AcceptanceDraft
+
+    inner = draft_proposer(truncated_draft(target, 1))
+    alone = make_engine(None)
+    rates = {}
+    for a in (1.0, 0.0, 0.5):
+        draft = AcceptanceDraft(inner, a, seed=3)
+        engine = make_engine(draft, k=3)
+        accepted = checked = proposed = 0
+        for ids in prompts * 3:
+            ref = alone.generate(ids, SamplingParams(max_tokens=24)).token_ids
+            draft.reference = ids + ref
+            g = engine.generate(ids, SamplingParams(max_tokens=24))
+            assert g.token_ids == ref
+            accepted, checked = accepted + g.stats.accepted, checked + g.stats.accepted + g.stats.rejected
+            proposed += g.stats.proposed
+        assert proposed > 0
+        rates[a] = accepted / checked
+    assert rates[1.0] == 1.0 and rates[0.0] == 0.0
+    assert 0.3 < rates[0.5] < 0.7, rates
+
+
+def test_acceptance_draft_refuses_sampling_and_bad_rates(target, draft_proposer):
+    from bench.oracle import AcceptanceDraft
+
+    inner = draft_proposer(truncated_draft(target, 1))
+    with pytest.raises(ValueError):
+        AcceptanceDraft(inner, 1.5)
+    draft = AcceptanceDraft(inner, 0.5)
+    import torch
+    from config import SamplingParams
+    with pytest.raises(ValueError, match="greedy"):
+        draft._draw(torch.zeros(8), SamplingParams(temperature=1.0), None, 0)
+
+
+def test_bench_measures_the_controller_at_each_draft_acceptance(bench_engine):
+    """``spec_controller@A`` methods: lossless, reported with the controller's picks; the one at
+    A = 1 drafts with the learned draft and accepts more tokens than the one at A = 0 on the same prompts."""
+    recs = _records()[:4]
+    res = run_bench(bench_engine, recs, max_tokens=12, methods=("spec_controller",), draft_acceptance=(0.0, 1.0),
+                    progress=False)
+    overall = res["domains"]["overall"]
+    for m in ("spec_controller@0", "spec_controller@1"):
+        assert overall[m]["all_equal_target_greedy"] and overall[m]["lossless_method"], m
+        assert set(overall[m]["picks"]) <= {"suffix", "ngram", "draft"}
+    assert overall["spec_controller@1"]["picks"].get("draft", 0) > 0
+    assert overall["spec_controller@1"]["accepted"] > overall["spec_controller@0"]["accepted"]
+    assert "spec_controller@1" in format_table(res)
