@@ -70,12 +70,21 @@ class Tally:
     prompts: int = 0
     equal: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
+    first_s: float | None = 0.0  # seconds to the first token (the prefill), summed; None where not known
 
-    def add(self, tokens: int, seconds: float, equal: bool | None) -> None:
+    def add(self, tokens: int, seconds: float, equal: bool | None, first_s: float | None = None) -> None:
         self.tokens += tokens
         self.seconds += seconds
         self.prompts += 1
         self.equal += bool(equal)
+        self.first_s = None if first_s is None or self.first_s is None else self.first_s + first_s
+
+    @property
+    def decode_tps(self) -> float | None:
+        """Output tokens after the first per second after it (the prefill left out)."""
+        if self.first_s is None or self.seconds <= self.first_s:
+            return None
+        return (self.tokens - self.prompts) / (self.seconds - self.first_s)
 
     @property
     def tps(self) -> float:
@@ -180,20 +189,21 @@ def run_bench(
         ids = engine.encode(rec.text)
         g = alone.generate(ids, params)
         ref, dt = g.token_ids, g.seconds
-        row = {"domain": rec.domain, "lang": rec.lang, "source": rec.source, "prompt_tokens": len(ids), "target": {"tokens": len(ref), "s": dt}}
+        row = {"domain": rec.domain, "lang": rec.lang, "source": rec.source, "prompt_tokens": len(ids),
+               "target": {"tokens": len(ref), "s": dt, "first_token_s": g.first_token_s}}
         for dom in (rec.domain, "overall"):
-            tallies[("target", dom)].add(len(ref), dt, True)
+            tallies[("target", dom)].add(len(ref), dt, True, g.first_token_s)
         # HF's methods run the float model: their reference is HF greedy on it (untimed)
         hf_ref = hf_greedy_generate(target, ids, max_tokens, engine.eos_ids)[0] if hf_methods else None
         for m in methods:
             if m == "target":
                 continue
-            stats = None
+            stats, first = None, None
             if m in oracles:
                 oracles[m].reference = ids + ref
             if m in engines:
                 g = engines[m].generate(ids, params)
-                toks, dt, stats = g.token_ids, g.seconds, g.stats
+                toks, dt, stats, first = g.token_ids, g.seconds, g.stats, g.first_token_s
             elif m in runtimes:  # target-only on another runtime
                 g = runtimes[m].generate(ids, params)
                 toks, dt = g.token_ids, g.seconds
@@ -210,10 +220,11 @@ def run_bench(
             equal = toks == (hf_ref if m.startswith("hf_") else ref)
             row[m] = {"tokens": len(toks), "s": dt, "equal": equal}
             if stats is not None:
-                row[m].update(proposed=stats.proposed, accepted=stats.accepted, steps=stats.steps)
+                row[m].update(proposed=stats.proposed, accepted=stats.accepted, steps=stats.steps, first_token_s=first,
+                              draft_s=stats.draft_s, target_s=stats.target_s)
             for dom in (rec.domain, "overall"):
                 t = tallies[(m, dom)]
-                t.add(len(toks), dt, equal)
+                t.add(len(toks), dt, equal, first)
                 if stats is not None:
                     t.spec.merge(stats)
         rows.append(row)
@@ -285,6 +296,10 @@ def summarise(engines, tallies, rows, methods, skipped, max_tokens) -> dict:
                 "seconds": round(t.seconds, 3),
                 "tokens_per_s": round(t.tps, 2),
                 "speedup": round(t.tps / base.tps, 3) if base.tps else None,
+                # the share of the wall before the first token, and the speed after it (the decode)
+                "prefill_share": round(t.first_s / t.seconds, 3) if t.first_s is not None and t.seconds else None,
+                "decode_tokens_per_s": None if t.decode_tps is None else round(t.decode_tps, 2),
+                "decode_speedup": round(t.decode_tps / base.decode_tps, 3) if t.decode_tps and base.decode_tps else None,
                 "all_equal_target_greedy": t.equal == t.prompts,
                 "equal_prompts": t.equal,
                 "lossless_method": m.split("@")[0] in LOSSLESS,  # False: equal_prompts counts agreement with another model
@@ -322,7 +337,7 @@ def summarise(engines, tallies, rows, methods, skipped, max_tokens) -> dict:
 
 def format_table(result: dict) -> str:
     lines = []
-    hdr = f"{'domain':<9}{'method':<20}{'n':>4}{'tok/s':>8}{'speedup':>9}{'equal':>7}{'alpha':>7}{'acc.len':>8}{'mean k':>7}{'c':>6}{'theory':>8}"
+    hdr = f"{'domain':<9}{'method':<20}{'n':>4}{'tok/s':>8}{'speedup':>9}{'prefill':>8}{'dec.x':>7}{'equal':>7}{'alpha':>7}{'acc.len':>8}{'mean k':>7}{'c':>6}{'theory':>8}"
     lines.append(hdr)
     lines.append("-" * len(hdr))
     for dom, d in result["domains"].items():
@@ -332,7 +347,7 @@ def format_table(result: dict) -> str:
                 return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
             lines.append(
                 f"{dom:<9}{m:<20}{e['prompts']:>4}{e['tokens_per_s']:>8.2f}{f('speedup', '.2f'):>9}"
-                f"{_equal_cell(e):>7}{f('alpha', '.3f'):>7}"
+                f"{f('prefill_share', '.0%'):>8}{f('decode_speedup', '.2f'):>7}{_equal_cell(e):>7}{f('alpha', '.3f'):>7}"
                 f"{f('mean_acceptance_length', '.2f'):>8}{f('mean_k', '.2f'):>7}{f('c', '.2f'):>6}{f('theoretical_speedup', '.2f'):>8}"
             )
     c = result["costs"]

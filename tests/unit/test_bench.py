@@ -166,3 +166,20 @@ def test_bench_measures_the_controller_at_each_draft_acceptance(bench_engine):
     assert overall["spec_controller@1"]["picks"].get("draft", 0) > 0
     assert overall["spec_controller@1"]["accepted"] > overall["spec_controller@0"]["accepted"]
     assert "spec_controller@1" in format_table(res)
+
+
+def test_the_report_splits_each_method_into_prefill_and_decode(bench_engine):
+    """prefill_share and decode_tokens_per_s come from the rows' seconds to the first token: the
+    decode speed is the tokens after the first over the seconds after it."""
+    recs = _records()[:3]
+    res = run_bench(bench_engine, recs, max_tokens=10, methods=("spec",), progress=False)
+    for m in ("target", "spec"):
+        e = res["domains"]["overall"][m]
+        firsts = [r[m]["first_token_s"] for r in res["rows"]]
+        secs = [r[m]["s"] for r in res["rows"]]
+        toks = [r[m]["tokens"] for r in res["rows"]]
+        assert all(0 < f <= s for f, s in zip(firsts, secs))
+        assert e["prefill_share"] == round(sum(firsts) / sum(secs), 3)
+        assert e["decode_tokens_per_s"] == round((sum(toks) - len(toks)) / (sum(secs) - sum(firsts)), 2)
+    assert res["domains"]["overall"]["target"]["decode_speedup"] == 1.0
+    assert "prefill" in format_table(res)
