@@ -428,6 +428,7 @@ def engine_config_from_args(args) -> EngineConfig:
             num_layers=args.draft_layers,
             path=args.draft_path,
             head_vocab=args.head_vocab,
+            context_tokens=getattr(args, "draft_context", None),
             checkpoint=args.draft_checkpoint,
             adapter=getattr(args, "draft_adapter", None),
         ),

@@ -835,6 +835,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a feature draft without a checkpoint: target layers (comma-separated) fused with the final feature")
         p.add_argument("--draft-layers", type=int, default=2)
         p.add_argument("--head-vocab", type=int, default=None)
+        p.add_argument("--draft-context", type=int, default=None, metavar="N",
+                       help="the learned draft reads at most the last N tokens of a prompt (default: all)")
         p.add_argument("--draft-checkpoint", default=None, help="starting draft (a saved draft folder)")
         p.add_argument("--draft-adapter", default=None,
                        help="adapters the built draft starts from (osd train-draft --adapter-rank, or 'shipped')")

@@ -97,7 +97,8 @@ def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
     layers = getattr(args, "feature_layers", []) if kind == "feature" else []
     cfg = EngineConfig(model=model, draft=DraftConfig(kind=kind, num_layers=args.draft_layers, head_vocab=args.head_vocab,
                                                       checkpoint=ckpt, feature_layers=layers,
-                                                      adapter=getattr(args, "draft_adapter", None)),
+                                                      adapter=getattr(args, "draft_adapter", None),
+                                                      context_tokens=getattr(args, "draft_context", None)),
                        k=KPolicyConfig(k_max=max(args.k, 1), fixed_k=args.k))
     base = build_engine(cfg, texts=texts, calibrate=False)
     dp = _draft_of(base)
@@ -122,7 +123,7 @@ def real_engine_factory(args, texts: Sequence[str] = ()) -> Callable[[], Any]:
                                         target.config.vocab_size)
         else:
             prop = DraftModelProposer(make_runner(copy.deepcopy(start_model), model.quantize, keep, name="draft", draft=True),
-                                      target.config.vocab_size)
+                                      target.config.vocab_size, cfg.draft.context_tokens)
         return SpeculativeEngine(target_runner, base.tokenizer, prop, cfg)  # one target runner: caches are per request id
 
     return factory

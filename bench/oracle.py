@@ -29,7 +29,7 @@ class AcceptanceDraft(DraftModelProposer):
     def __init__(self, inner: DraftModelProposer, acceptance: float, seed: int = 0):
         if not 0.0 <= acceptance <= 1.0:
             raise ValueError(f"acceptance must be in [0, 1], not {acceptance}")
-        super().__init__(copy.deepcopy(inner.runner), inner.target_vocab)  # caches of its own
+        super().__init__(copy.deepcopy(inner.runner), inner.target_vocab, inner.context_tokens)  # caches of its own
         self.acceptance = acceptance
         self.reference: list[int] = []
         self.rng = random.Random(seed)

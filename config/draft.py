@@ -105,6 +105,10 @@ class DraftConfig(_Strict):
     checkpoint: str | None = None
     feature_layers: list[int] = []
     adapter: str | None = None
+    #: the learned token draft reads at most the last N tokens of a sequence when it first proposes
+    #: for it (None: the whole prompt). Its own prefill of a long prompt otherwise costs about what
+    #: a short answer's drafting saves (docs/proposers.md, "What a better draft would buy")
+    context_tokens: int | None = Field(default=None, ge=16)
     #: named domain -> a saved draft of this kind (``osd distill --domain D --out DIR``) that the
     #: domain's own draft starts from instead of the one above; a language variant without one
     #: takes its domain's (d-chat-es: "chat/es", else "chat"); tenants' copies their draft's

@@ -339,7 +339,8 @@ def build_proposer(
             parts.append(FeatureDraftProposer(runner, target.config.vocab_size))
         else:
             draft, keep = build_draft_model(cfg, target, target_tok, texts)
-            parts.append(DraftModelProposer(make_runner(draft, quantize, keep, name="draft", draft=True), target.config.vocab_size))
+            parts.append(DraftModelProposer(make_runner(draft, quantize, keep, name="draft", draft=True), target.config.vocab_size,
+                                            cfg.context_tokens))
     if not parts:
         return None
     if cfg.select == "controller":

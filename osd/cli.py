@@ -41,6 +41,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-adapter", default=None,
                    help="adapters to start the built draft from: a folder of osd train-draft --adapter-rank, or 'shipped'")
     g.add_argument("--head-vocab", type=int, default=None, help="restrict the draft head to the N most frequent tokens")
+    g.add_argument("--draft-context", type=int, default=None, metavar="N",
+                   help="the learned draft reads at most the last N tokens of a prompt (default: all)")
     g.add_argument("--ngram-first", action="store_true", help="try prompt lookup before the learned draft")
     g.add_argument("--k-max", type=int, default=6)
     g.add_argument("--fixed-k", type=int, default=None, help="always propose this many tokens (default: adaptive)")

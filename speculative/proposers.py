@@ -233,11 +233,20 @@ class DraftModelProposer(LearnedDraft):
     sources = ("draft",)
     runner: ModelRunner
 
-    def __init__(self, runner: ModelRunner, target_vocab: int):
+    def __init__(self, runner: ModelRunner, target_vocab: int, context_tokens: int | None = None):
         super().__init__(runner, target_vocab)
+        #: the draft reads at most the last ``context_tokens`` tokens a sequence had when it first
+        #: proposed (None: all of them); its cache holds them from position 0 (RoPE scores depend on
+        #: distances only), so a long prompt's draft prefill costs a window, not the prompt
+        self.context_tokens = context_tokens
+        self._offset: dict[str, int] = {}  # seq -> tokens before the draft's window
 
     def propose(self, seq_id, tokens, choose_k, params, gen) -> Proposal:
         return run_alone(self.propose_steps(seq_id, tokens, choose_k, params, gen))
+
+    def release(self, seq_id: str, tokens: list[int] | None = None) -> None:
+        self._offset.pop(seq_id, None)
+        super().release(seq_id, tokens)
 
     def propose_steps(self, seq_id, tokens, choose_k, params, gen) -> ProposalSteps:
         """k forwards of one token each (the first catches up on the lag), each one a yield: the
@@ -247,15 +256,18 @@ class DraftModelProposer(LearnedDraft):
         if k <= 0:
             return EMPTY
         spent, t = 0.0, time.perf_counter()
-        start = min(self._valid.get(seq_id, 0), len(tokens) - 1)
+        if seq_id not in self._offset:  # its first proposal: where its window starts
+            self._offset[seq_id] = max(0, len(tokens) - self.context_tokens) if self.context_tokens else 0
+        off = self._offset[seq_id]
+        start = max(off, min(self._valid.get(seq_id, 0), len(tokens) - 1))
         feed = tokens[start:]  # the lag: 1 token normally, more after prompt lookup or at the start
         consumed = len(feed)
-        pos = start
+        pos = start  # positions of the sequence; the draft's cache holds them from off on, at pos - off
         draft_tokens: list[int] = []
         rows = []
         for i in range(k):
             spent += time.perf_counter() - t
-            out = yield DraftForward(self.runner, ForwardCall(seq_id, pos, feed, 1))
+            out = yield DraftForward(self.runner, ForwardCall(seq_id, pos - off, feed, 1))
             t, spent = time.perf_counter(), spent + out.seconds
             logits = out.logits[-1]  # [V_draft]
             pos += len(feed)

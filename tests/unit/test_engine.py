@@ -683,3 +683,56 @@ def test_a_resumed_request_continues_exactly_where_the_first_one_stopped(build, 
                 engine.step(rid)
             assert st.output == whole.token_ids, (params, cut)
             engine.release(rid)
+
+
+def test_a_draft_context_window_reads_the_last_tokens_as_a_sequence_of_its_own(trunc1, draft_proposer, prompts):
+    """DraftModelProposer(context_tokens=N): the first proposal feeds the draft the last N tokens at
+    its position 0, so it proposes what the draft proposes for those N tokens alone (RoPE scores
+    depend on distances only); later proposals feed the lag as before, at shifted positions. A
+    window as long as the prompt proposes exactly as no window."""
+    from speculative import DraftModelProposer
+
+    long = list(prompts[3]) * 3  # [66] tokens
+    n, params = 16, SamplingParams()
+
+    def make(window=None):
+        return DraftModelProposer(draft_proposer(trunc1).runner, trunc1.config.vocab_size, window)
+
+    whole, same = make(), make(len(long))
+    assert same.propose("s", long, lambda s: 3, params, None).tokens == whole.propose("s", long, lambda s: 3, params, None).tokens
+    windowed, alone = make(n), make()
+    first = windowed.propose("s", long, lambda s: 3, params, None)
+    assert first.input_tokens == n + 2  # the window, then k - 1 draft tokens
+    assert first.tokens == alone.propose("t", long[-n:], lambda s: 3, params, None).tokens
+    # the target kept the first draft token and chose 5: the next proposal feeds the pending token alone
+    windowed.feedback("s", len(long) + 1)
+    alone.feedback("t", n + 1)
+    nxt = windowed.propose("s", long + first.tokens[:1] + [5], lambda s: 3, params, None)
+    assert nxt.input_tokens == 1 + 2
+    assert nxt.tokens == alone.propose("t", long[-n:] + first.tokens[:1] + [5], lambda s: 3, params, None).tokens
+    windowed.release("s")
+    assert "s" not in windowed._offset
+
+
+@pytest.mark.parametrize("window", [16, 24])
+def test_a_windowed_draft_stays_lossless(window, trunc2, make_engine, draft_proposer, prompts, greedy_reference):
+    """Greedy output equals target-only, and a seeded sample equals the seed's target-only sample,
+    with the draft reading only the last tokens of each (long) prompt."""
+    from speculative import DraftModelProposer
+
+    plain = make_engine(None)
+    for p in prompts:
+        long = list(p) * 3
+        engine = make_engine(DraftModelProposer(draft_proposer(trunc2).runner, trunc2.config.vocab_size, window), k=3)
+        gen = engine.generate(long, SamplingParams(max_tokens=24, ignore_eos=True))
+        assert gen.token_ids == greedy_reference(long, 24, ignore_eos=True) and gen.stats.proposed > 0
+        seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+        assert engine.generate(long, seeded).token_ids == plain.generate(long, seeded).token_ids
+
+
+def test_the_draft_config_sets_the_window(target, tok):
+    from config import DraftConfig
+    from drafts.build import build_proposer
+
+    assert build_proposer(DraftConfig(context_tokens=32), target, tok).context_tokens == 32
+    assert build_proposer(DraftConfig(), target, tok).context_tokens is None
