@@ -510,3 +510,18 @@ def test_a_draft_loads_with_its_starting_weights_when_the_learner_does_not_answe
     learner.__class__ = Recorder  # answering again
     learner._latest = ({k: v.clone() for k, v in engine.learned_draft.runner.model.state_dict().items()}, 3)
     assert loop.run(pool.engine_for("c1/en")).draft_version == 3 and learner.asked == ["c1/en", "c1/en"]
+
+
+def test_a_replicas_drafts_read_the_configured_window_of_the_prompt_and_serve_the_same_tokens(folder, loop):
+    """engine.draft.context_tokens reaches every draft a replica loads (the general one and one
+    loaded later), and a long prompt served with a 16-token window gives the tokens it gives without."""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3  # longer than the window
+    windowed = LocalPool(engine_cfg(folder, draft={"kind": "truncated", "num_layers": 2, "context_tokens": 16}))
+    whole = LocalPool(app_config(folder))
+    got = loop.run(windowed.serve(prompt, n=12))
+    want = loop.run(whole.serve(prompt, n=12))
+    assert [t for s in got[1:-1] for t in s.tokens] == [t for s in want[1:-1] for t in s.tokens]
+    assert got[-1].usage["speculative"]["proposed"] > 0
+    assert windowed.held[GENERAL].learned_draft.context_tokens == 16
+    assert loop.run(windowed.engine_for("other")).learned_draft.context_tokens == 16
+    assert whole.held[GENERAL].learned_draft.context_tokens is None
