@@ -699,7 +699,8 @@ def test_a_draft_context_window_reads_the_last_tokens_as_a_sequence_of_its_own(t
         return DraftModelProposer(draft_proposer(trunc1).runner, trunc1.config.vocab_size, window)
 
     whole, same = make(), make(len(long))
-    assert same.propose("s", long, lambda s: 3, params, None).tokens == whole.propose("s", long, lambda s: 3, params, None).tokens
+    a, b = same.propose("s", long, lambda s: 3, params, None), whole.propose("s", long, lambda s: 3, params, None)
+    assert a.tokens == b.tokens and a.input_tokens == b.input_tokens == len(long) + 2  # every token, from the first
     windowed, alone = make(n), make()
     first = windowed.propose("s", long, lambda s: 3, params, None)
     assert first.input_tokens == n + 2  # the window, then k - 1 draft tokens
@@ -736,3 +737,15 @@ def test_the_draft_config_sets_the_window(target, tok):
 
     assert build_proposer(DraftConfig(context_tokens=32), target, tok).context_tokens == 32
     assert build_proposer(DraftConfig(), target, tok).context_tokens is None
+
+
+def test_a_draft_equal_to_the_target_samples_what_the_target_samples(target, make_engine, draft_proposer, prompts):
+    """Seeded sampling draws the draft's i-th token with the noise of the position it stands at
+    (len(tokens) + i): a draft that is the target then proposes the target's own sample at every
+    position, and (up to float rounding between one-token and k-token forwards) all are accepted."""
+    engine = make_engine(draft_proposer(target), k=4)
+    accepted = proposed = 0
+    for p in prompts:
+        g = engine.generate(p, SamplingParams(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True))
+        accepted, proposed = accepted + g.stats.accepted, proposed + g.stats.proposed
+    assert proposed > 40 and accepted / proposed > 0.95, (accepted, proposed)
