@@ -7,7 +7,8 @@
 # tree, target-only and the controller on prompts none saw, per domain: results/suffix/run.sh speed) |
 # turns (the same in 3-turn conversations: results/suffix/run.sh turns) | feature (the feature-conditioned
 # draft learning online from the one-layer truncated target: results/suffix/run.sh feature) | turns-k
-# (the suffix tree alone in those conversations at k_max KT, default 16; CT=1 adds the controller).
+# (the suffix tree alone in those conversations at k_max KT, default 16; CT=1 adds the controller) | acceptance
+# (the controller with the draft's acceptance set by hand: osd bench --draft-acceptance; NA prompts).
 # proposers, turns, turns-k and feature log to $OUT/<stage>.log (turns-k: turns_k.log) and print their
 # tables; sizes NP (48 prompts), NT (20 conversations), NF (80 prompts). prepare: dequantise the GGUF once (cached), so that no timed stage
 # pays it. On one H100: prepare ~20 s, proposers (NP=48) 3 min, turns (NT=20) 2.5 min, feature about
@@ -72,6 +73,12 @@ for stage in "$@"; do
               # on a GPU verifying 7-17 tokens costs about what 2-5 do, so long matches pay where on a CPU they do not
       $X --n $NT --turns 3 --k ${KT:-16} --adaptive --methods suffix,target${CT:+,controller} $IL --json "$OUT/turns_k${KT:-16}.json" >"$OUT/turns_k.log" 2>&1
       tail -n 5 "$OUT/turns_k.log" ;;
+    acceptance)  # what a better-learned draft would buy on this device: the controller with the shipped draft's
+                 # acceptance set by hand (its forwards still run), SQL and code of sources never distilled on, 32 tokens
+                 # (docs/proposers.md, "What a better draft would buy here"; NA prompts, default 60)
+      $OSD bench --target "$G" --device "$DEVICE" --quantize "${QUANT:-auto}" --workload bench/data/open.jsonl --domains sql code \
+        --n ${NA:-60} --max-tokens 32 --methods target,spec_controller --draft-adapter shipped --draft-context 128 \
+        --draft-acceptance 0.2 0.6 0.8 1.0 --json "$OUT/draft_acceptance.json" | tail -n 16 ;;
     feature)
       $X --n $NF --k 4 --methods static,online --draft-kind feature --json "$OUT/feature.json" >"$OUT/feature.log" 2>&1
       tail -n 5 "$OUT/feature.log" ;;
