@@ -20,7 +20,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import yaml
 
@@ -170,18 +170,56 @@ def health_lines(before: dict[str, str], now: dict[str, tuple[str, str]]) -> lis
     return out
 
 
-def watch(app: str, stop: threading.Event, every_s: float = 60.0, say: Callable[[str], None] = print) -> None:
-    """Until ``stop``: every ``every_s`` one line of served load (when there was any), and at once
-    (polled every few seconds) a deployment that fails or recovers."""
+T = TypeVar("T")
+
+
+def bounded(fn: Callable[[], T], timeout_s: float) -> T:
+    """``fn()`` in a daemon thread: its result (or its exception), or TimeoutError after
+    ``timeout_s`` (the thread is left to finish on its own). A call into Ray that never answers
+    then cannot keep the console from stopping."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="osd-bounded-call", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise TimeoutError(f"no answer within {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _serve_statuses(app: str) -> dict[str, tuple[str, str]]:
     from ray import serve
 
+    return {n: (str(getattr(d.status, "value", d.status)), d.message or "")
+            for n, d in serve.status().applications[app].deployments.items()}
+
+
+def _served_totals(app: str) -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle("Metrics", app).stats.remote(None, True).result(timeout_s=10)["totals"]
+
+
+def watch(app: str, stop: threading.Event, every_s: float = 60.0, say: Callable[[str], None] = print,
+          statuses_of: Callable[[str], dict] = _serve_statuses, totals_of: Callable[[str], dict] = _served_totals,
+          call_timeout_s: float = 15.0) -> None:
+    """Until ``stop``: every ``every_s`` one line of served load (when there was any), and at once
+    (polled every few seconds) a deployment that fails or recovers. Each call into Serve waits at
+    most ``call_timeout_s``, so ``stop`` is seen within that however Serve behaves."""
     totals, t_totals, statuses = None, time.monotonic(), {}
     next_load = time.monotonic() + every_s
     while not stop.wait(min(5.0, every_s)):
         try:
-            now = {n: (str(getattr(d.status, "value", d.status)), d.message or "")
-                   for n, d in serve.status().applications[app].deployments.items()}
-        except Exception:  # noqa: BLE001 - Serve shutting down
+            now = bounded(lambda: statuses_of(app), call_timeout_s)
+        except Exception:  # noqa: BLE001 - Serve shutting down, or not answering
             continue
         for line in health_lines(statuses, now):
             say(line)
@@ -190,7 +228,7 @@ def watch(app: str, stop: threading.Event, every_s: float = 60.0, say: Callable[
             continue
         next_load += every_s
         try:
-            got = serve.get_deployment_handle("Metrics", app).stats.remote(None, True).result(timeout_s=10)["totals"]
+            got = bounded(lambda: totals_of(app), call_timeout_s)
         except Exception:  # noqa: BLE001 - the metrics replica restarting: the next minute says it
             continue
         t = time.monotonic()
@@ -229,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
     import ray
 
-    serve.shutdown()
+    try:
+        bounded(serve.shutdown, 60.0)
+    except TimeoutError:  # the replicas are stopped with Ray below either way
+        say("Serve did not stop within 60 s; stopping Ray")
     ray.shutdown()
     return 0

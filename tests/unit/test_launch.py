@@ -3,7 +3,7 @@ falls ill or recovers, once, with Serve's reason."""
 
 from __future__ import annotations
 
-from deployments.launch import health_lines, load_line
+from deployments.launch import bounded, health_lines, load_line, watch
 
 
 def test_a_period_of_load_is_one_line_and_an_idle_one_none():
@@ -24,3 +24,49 @@ def test_a_deployment_falling_ill_is_said_once_with_its_reason_and_its_recovery_
     back = health_lines({"DraftPool": "UNHEALTHY", "Ingress": "HEALTHY"}, {**healthy, "DraftPool": ("UPDATING", "")})
     assert len(back) == 1 and back[0].endswith("DraftPool is UPDATING again")
     assert health_lines({}, {"Ingress": ("DEPLOY_FAILED", "")})[0].endswith("Ingress is DEPLOY_FAILED: no reason given")
+
+
+def test_a_call_that_never_answers_cannot_keep_the_console_from_stopping():
+    """watch: a status call into Serve that hangs is given up after call_timeout_s, so the stop
+    set by Ctrl-C is seen; the load line still comes from the calls that answer."""
+    import threading
+    import time
+
+    hang = threading.Event()
+    calls = {"status": 0}
+
+    def statuses_of(app):
+        calls["status"] += 1
+        if calls["status"] == 2:  # the second poll never answers
+            hang.wait()
+        return {"Metrics": ("HEALTHY", "")}
+
+    said, stop = [], threading.Event()
+    totals = iter([{"requests": 0, "errors": 0, "generation_tokens": 0}, {"requests": 4, "errors": 0, "generation_tokens": 40}])
+    t = threading.Thread(target=watch, args=("osd", stop, 0.05, said.append),
+                         kwargs={"statuses_of": statuses_of, "totals_of": lambda app: next(totals, {"requests": 4, "errors": 0,
+                                                                                                     "generation_tokens": 40}),
+                                 "call_timeout_s": 0.2}, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 5
+    while calls["status"] < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stop.set()
+    t.join(2)
+    hang.set()
+    assert not t.is_alive() and calls["status"] >= 4  # polling went on past the hung call, then stopped
+    assert any("4 requests" in line for line in said), said
+
+
+def test_bounded_returns_raises_or_gives_up():
+    import pytest
+
+    assert bounded(lambda: 7, 1.0) == 7
+    with pytest.raises(ValueError):
+        bounded(lambda: (_ for _ in ()).throw(ValueError("x")), 1.0)
+    import threading
+
+    never = threading.Event()
+    with pytest.raises(TimeoutError):
+        bounded(never.wait, 0.1)
+    never.set()
