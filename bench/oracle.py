@@ -33,7 +33,6 @@ class AcceptanceDraft(DraftModelProposer):
         self.acceptance = acceptance
         self.reference: list[int] = []
         self.rng = random.Random(seed)
-        self.right = self.wrong = 0  # tokens proposed equal to / other than the reference
 
     def _draw(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None,
               position: int) -> tuple[int, torch.Tensor | None]:
@@ -44,7 +43,5 @@ class AcceptanceDraft(DraftModelProposer):
             return own, None
         want = self.reference[position]
         if self.rng.random() < self.acceptance:
-            self.right += 1
             return want, None
-        self.wrong += 1
         return (own if own != want else (want + 1) % self.target_vocab), None

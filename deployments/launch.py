@@ -210,13 +210,13 @@ def _served_totals(app: str) -> dict:
 
 def watch(app: str, stop: threading.Event, every_s: float = 60.0, say: Callable[[str], None] = print,
           statuses_of: Callable[[str], dict] = _serve_statuses, totals_of: Callable[[str], dict] = _served_totals,
-          call_timeout_s: float = 15.0) -> None:
+          call_timeout_s: float = 15.0, poll_s: float = 5.0) -> None:
     """Until ``stop``: every ``every_s`` one line of served load (when there was any), and at once
-    (polled every few seconds) a deployment that fails or recovers. Each call into Serve waits at
+    (polled every ``poll_s``) a deployment that fails or recovers. Each call into Serve waits at
     most ``call_timeout_s``, so ``stop`` is seen within that however Serve behaves."""
     totals, t_totals, statuses = None, time.monotonic(), {}
     next_load = time.monotonic() + every_s
-    while not stop.wait(min(5.0, every_s)):
+    while not stop.wait(min(poll_s, every_s)):
         try:
             now = bounded(lambda: statuses_of(app), call_timeout_s)
         except Exception:  # noqa: BLE001 - Serve shutting down, or not answering

@@ -67,6 +67,12 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     # the engine loop's decisions: the shared step's draft cap and the measured drafting switch
     "speculative/scheduler.py": ("speculative.scheduler", {"DraftSwitch", "shared_k_cap", "EngineLoop._k_cap"},
                                  ["tests/unit/test_scheduler.py"]),
+    # the instrument that sets a draft's acceptance by hand, the bench's prefill / decode split, and
+    # the console's calls into Serve that may not answer
+    "bench/oracle.py": ("bench.oracle", None, ["tests/unit/test_bench.py"]),
+    "bench/bench.py": ("bench.bench", {"Tally", "_acceptance_engines"}, ["tests/unit/test_bench.py"]),
+    "deployments/launch.py": ("deployments.launch", {"bounded", "watch", "load_line", "health_lines"},
+                              ["tests/unit/test_launch.py"]),
     # the feature-conditioned draft (its fusion, its cache of features, its proposer) and the losses
     # every draft is distilled with
     "speculative/feature.py": ("speculative.feature", None, ["tests/unit/test_feature.py"]),

@@ -183,3 +183,42 @@ def test_the_report_splits_each_method_into_prefill_and_decode(bench_engine):
         assert e["decode_tokens_per_s"] == round((sum(toks) - len(toks)) / (sum(secs) - sum(firsts)), 2)
     assert res["domains"]["overall"]["target"]["decode_speedup"] == 1.0
     assert "prefill" in format_table(res)
+
+
+def test_acceptance_draft_past_the_reference_and_its_wrong_token(target, draft_proposer):
+    """Past the reference's end the draft's own token is proposed; a draw that must be wrong where
+    the draft was right proposes another token of the vocabulary (never the reference's)."""
+    import torch
+    from config import SamplingParams
+    from bench.oracle import AcceptanceDraft
+
+    inner = draft_proposer(truncated_draft(target, 1))
+    V = inner.target_vocab
+    logits = torch.zeros(V)
+    greedy = SamplingParams()
+    for want in (0, 5, V - 1):
+        logits.zero_()
+        logits[want] = 1.0  # the draft's own choice is the reference's token
+        wrong = AcceptanceDraft(inner, 0.0)
+        wrong.reference = [want] * 4
+        tok, _ = wrong._draw(logits, greedy, None, 2)
+        assert 0 <= tok < V and tok != want
+        assert wrong._draw(logits, greedy, None, 4) == (want, None)  # past the end: its own token
+        right = AcceptanceDraft(inner, 1.0)
+        right.reference = [7, 7, (want + 3) % V]
+        assert right._draw(logits, greedy, None, 2) == ((want + 3) % V, None)
+
+
+def test_tally_speeds():
+    from bench.bench import Tally
+
+    t = Tally()
+    t.add(10, 2.0, True, 0.5)
+    t.add(1, 0.5, True, 0.5)  # one token: all of its time is before it
+    assert t.tps == 11 / 2.5 and t.decode_tps == (11 - 2) / (2.5 - 1.0)
+    only_first = Tally()
+    only_first.add(1, 0.5, True, 0.5)
+    assert only_first.decode_tps is None  # no time after the first token
+    unknown = Tally()
+    unknown.add(10, 2.0, True, None)
+    assert unknown.first_s is None and unknown.decode_tps is None

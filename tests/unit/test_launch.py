@@ -69,4 +69,44 @@ def test_bounded_returns_raises_or_gives_up():
     never = threading.Event()
     with pytest.raises(TimeoutError):
         bounded(never.wait, 0.1)
+    left = [t for t in threading.enumerate() if t.name == "osd-bounded-call"]
+    assert left and all(t.daemon for t in left)  # a hung call cannot hold the process at exit
     never.set()
+
+
+def test_load_lines_for_one_request_and_for_an_instant():
+    assert "2 requests, 10.0 tokens/s, 0 errors" in load_line(None, {"requests": 2, "errors": 0, "generation_tokens": 10}, 1)
+    assert "1 requests" in load_line(None, {"requests": 1, "errors": 0, "generation_tokens": 1}, 0.5)
+    assert load_line(None, {"requests": 3, "errors": 0, "generation_tokens": 9}, 0) is None
+
+
+def test_the_console_says_load_once_a_period_from_the_first_period_on():
+    """watch polls statuses every poll_s and asks for the served totals once every every_s, the
+    first time one period after it starts; the line's rate is over the seconds since the last."""
+    import threading
+    import time
+
+    polls, loads = [], []
+
+    def statuses_of(app):
+        polls.append(time.monotonic())
+        return {"Metrics": ("HEALTHY", "")}
+
+    def totals_of(app):
+        loads.append(time.monotonic())
+        n = len(loads)
+        return {"requests": 10 * n, "errors": 0, "generation_tokens": 100 * n}
+
+    said, stop = [], threading.Event()
+    t0 = time.monotonic()
+    t = threading.Thread(target=watch, args=("osd", stop, 0.3, said.append),
+                         kwargs={"statuses_of": statuses_of, "totals_of": totals_of, "poll_s": 0.02}, daemon=True)
+    t.start()
+    time.sleep(1.0)
+    stop.set()
+    t.join(2)
+    assert not t.is_alive()
+    assert len(polls) >= 20 and 2 <= len(loads) <= 4, (len(polls), len(loads))
+    assert loads[0] - t0 >= 0.28  # not before one period
+    rates = [float(line.split("requests, ")[1].split(" tokens/s")[0]) for line in said]
+    assert rates and all(200 < r < 500 for r in rates[1:]), said  # 100 tokens in about 0.3 s
