@@ -246,10 +246,17 @@ def _proposer_engines(engine: SpeculativeEngine, methods) -> dict:
         else:
             learned = engine.learned_draft
             prop = controller_over(copy.deepcopy(learned) if learned is not None else None)
-        e = out[m] = SpeculativeEngine(engine.target, engine.tokenizer, prop, engine.cfg)
-        e.costs.verify_s.update(engine.costs.verify_s)
-        e.costs.draft_s.update({**engine.costs.draft_s, "suffix": 0.0, "ngram": 0.0})
+        out[m] = _beside(engine, prop)
     return out
+
+
+def _beside(engine: SpeculativeEngine, proposer) -> SpeculativeEngine:
+    """An engine over ``engine``'s target with ``proposer``, starting from its measured costs (the
+    model-free proposers' as free)."""
+    e = SpeculativeEngine(engine.target, engine.tokenizer, proposer, engine.cfg)
+    e.costs.verify_s.update(engine.costs.verify_s)
+    e.costs.draft_s.update({**engine.costs.draft_s, "suffix": 0.0, "ngram": 0.0})
+    return e
 
 
 def _acceptance_engines(engine: SpeculativeEngine, acceptances, engines: dict, skipped: dict) -> dict:
@@ -268,9 +275,7 @@ def _acceptance_engines(engine: SpeculativeEngine, acceptances, engines: dict, s
             skipped[m] = "needs a learned token draft (this engine has none, or a feature draft)"
             continue
         draft = out[m] = AcceptanceDraft(learned, a, seed=i)
-        e = engines[m] = SpeculativeEngine(engine.target, engine.tokenizer, controller_over(draft), engine.cfg)
-        e.costs.verify_s.update(engine.costs.verify_s)
-        e.costs.draft_s.update({**engine.costs.draft_s, "suffix": 0.0, "ngram": 0.0})
+        engines[m] = _beside(engine, controller_over(draft))
     return out
 
 
