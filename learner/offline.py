@@ -679,7 +679,7 @@ def train_draft(
     num_threads: int | None = 2,
     teacher_cache: str | Path | None = None,
     log: Callable[[str], None] | None = print,
-    exclude: str | Path | None = None,
+    exclude: str | Path | Sequence[str | Path] | None = None,
 ) -> dict:
     """Distil a draft for ``domain`` (None: all) of ``workload`` and save it at ``out``.
 
@@ -690,7 +690,7 @@ def train_draft(
     features, on which it trains with its two passes); a restricted head keeps the frequent ids of
     the training prompts and the target's outputs on them. ``teacher_cache``: a file to reuse (or write) the collected teacher data;
     a file collected for more prompts serves any subset of them (e.g. one domain's).
-    ``exclude``: a workload file whose texts must not be trained on (e.g. the benchmark's prompts).
+    ``exclude``: workload files (or one) whose texts must not be trained on (e.g. the benchmarks' prompts).
     Returns a JSON-serialisable report; the same summary goes into the saved draft's meta.
     """
     from workloads import load_workload, without_prompts_of
@@ -829,7 +829,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-positions", type=int, default=512)
     ap.add_argument("--seconds", type=float, default=300.0)
     ap.add_argument("--epochs", type=int, default=1000, help="upper bound; --seconds usually decides")
-    ap.add_argument("--exclude", default=None, help="workload file whose prompts are never trained on")
+    ap.add_argument("--exclude", nargs="+", default=None, help="workload files whose prompts are never trained on")
     ap.add_argument("--json", default=None, help="write the report here")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--freeze-embeddings", action="store_true", help="keep the input embeddings as they start (EAGLE's practice)")

@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--n", type=int, default=100)
     b.add_argument("--max-tokens", type=int, default=48)
     b.add_argument("--domains", nargs="*", default=None)
-    b.add_argument("--exclude", default=None, help="workload file whose prompts are skipped (e.g. what a draft trained on)")
+    b.add_argument("--exclude", nargs="+", default=None, help="workload files whose prompts are skipped (e.g. what a draft trained on)")
     b.add_argument("--methods", default="target,spec,spec_lookup,hf_assisted,hf_lookup",
                    help="comma-separated: target, spec, spec_lookup, spec_suffix, spec_controller, hf_assisted, hf_lookup, "
                         "target_fp32, target_int8, target_int4, llamacpp")

@@ -168,11 +168,13 @@ def named_for_routing(records: Iterable[WorkloadRecord], keep_general: bool = Fa
     return [r for r in records if r.domain != "unknown" and (keep_general or not is_general(r))]
 
 
-def without_prompts_of(records: list[WorkloadRecord], exclude: str | Path | None) -> list[WorkloadRecord]:
-    """``records`` minus those whose text is in the workload file ``exclude`` (None: all of them)."""
-    if not exclude:
-        return list(records)
-    banned = {r.text for r in load_workload(exclude)}
+def without_prompts_of(
+    records: list[WorkloadRecord], exclude: str | Path | Sequence[str | Path] | None
+) -> list[WorkloadRecord]:
+    """``records`` minus those whose text is in the workload file ``exclude``, or in any of several
+    files (None or empty: all of them)."""
+    files = [exclude] if isinstance(exclude, (str, Path)) else list(exclude or [])
+    banned = {r.text for f in files if f for r in load_workload(f)}
     return [r for r in records if r.text not in banned]
 
 def save_workload(records: Iterable[WorkloadRecord], path: str | os.PathLike) -> None:

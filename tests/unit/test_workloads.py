@@ -393,6 +393,9 @@ def test_text_lengths_and_excluded_prompts(tmp_path: Path) -> None:
     wl.save_workload([WorkloadRecord("two")], tmp_path / "deep" / "er" / "ex.jsonl")  # folders made
     assert wl.without_prompts_of(recs, tmp_path / "deep" / "er" / "ex.jsonl") == [recs[0], recs[2]]
     assert wl.without_prompts_of(recs, None) == recs and wl.without_prompts_of(recs, "") == recs
+    wl.save_workload([WorkloadRecord("three")], tmp_path / "ex2.jsonl")  # several files: none of their texts
+    both = [tmp_path / "deep" / "er" / "ex.jsonl", str(tmp_path / "ex2.jsonl")]
+    assert wl.without_prompts_of(recs, both) == [recs[0]] and wl.without_prompts_of(recs, []) == recs
 
 
 def test_a_spider_schema_reads_every_tables_columns_and_keys() -> None:
