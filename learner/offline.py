@@ -24,6 +24,8 @@ top-1 is the output token itself (up to float ties).
 from __future__ import annotations
 
 import argparse
+import collections
+import itertools
 import json
 import random
 import time
@@ -667,6 +669,15 @@ def _split(records: list, holdout: float, seed: int) -> tuple[list, list]:
     return order[n_held:], order[:n_held]
 
 
+def by_domain_in_turn(records: list) -> list:
+    """``records`` taken one domain at a time in turn (each domain's own order kept), so that the
+    first n of them hold every domain about equally until a domain runs out."""
+    groups: dict[str, list] = {}
+    for r in records:
+        groups.setdefault(r.domain, []).append(r)
+    return [r for row in itertools.zip_longest(*groups.values()) for r in row if r is not None]
+
+
 def train_draft(
     workload: str | Path,
     domain: str | None,
@@ -680,6 +691,7 @@ def train_draft(
     teacher_cache: str | Path | None = None,
     log: Callable[[str], None] | None = print,
     exclude: str | Path | Sequence[str | Path] | None = None,
+    balance_domains: bool = False,
 ) -> dict:
     """Distil a draft for ``domain`` (None: all) of ``workload`` and save it at ``out``.
 
@@ -691,6 +703,8 @@ def train_draft(
     the training prompts and the target's outputs on them. ``teacher_cache``: a file to reuse (or write) the collected teacher data;
     a file collected for more prompts serves any subset of them (e.g. one domain's).
     ``exclude``: workload files (or one) whose texts must not be trained on (e.g. the benchmarks' prompts).
+    ``balance_domains``: the ``n_prompts`` training prompts are drawn from each domain in turn
+    (:func:`by_domain_in_turn`) rather than in the file's proportions.
     Returns a JSON-serialisable report; the same summary goes into the saved draft's meta.
     """
     from workloads import load_workload, without_prompts_of
@@ -710,7 +724,7 @@ def train_draft(
     if not records:
         raise ValueError(f"no records of domain {domain!r} in {workload}")
     train_recs, held_recs = _split(records, holdout, cfg.seed)
-    train_recs = train_recs[:n_prompts]
+    train_recs = (by_domain_in_turn(train_recs) if balance_domains else train_recs)[:n_prompts]
     train_prompts = [r.text for r in train_recs]
     held_prompts = [r.text for r in held_recs]
 
@@ -775,6 +789,8 @@ def train_draft(
         "n_train_positions": hist["n_train_positions"],
         "trained_prompts": [prompt_digest(p) for p in train_prompts],  # lets experiments keep to unseen prompts
         "n_heldout_prompts": len(held_s),
+        "train_domains": dict(collections.Counter(r.domain for r in train_recs)),
+        "balance_domains": balance_domains,
         "draft": draft_cfg.model_dump(),
         "distill": cfg.model_dump(),
         "target": model_cfg.name,
@@ -830,6 +846,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seconds", type=float, default=300.0)
     ap.add_argument("--epochs", type=int, default=1000, help="upper bound; --seconds usually decides")
     ap.add_argument("--exclude", nargs="+", default=None, help="workload files whose prompts are never trained on")
+    ap.add_argument("--balance-domains", action="store_true",
+                    help="draw the training prompts from each domain in turn, not in the file's proportions")
     ap.add_argument("--json", default=None, help="write the report here")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--freeze-embeddings", action="store_true", help="keep the input embeddings as they start (EAGLE's practice)")
@@ -870,6 +888,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_threads=a.threads,
         teacher_cache=a.teacher_cache,
         exclude=a.exclude,
+        balance_domains=a.balance_domains,
         model_cfg=model_cfg,
     )
     if a.json:

@@ -98,6 +98,12 @@ def test_train_draft_lists_its_training_prompts_and_streams_skip_them(tmp_path):
     assert len(seen) == rep["n_train_prompts"] == 2 and seen <= {prompt_digest(p) for p in PROMPTS}
     left = unseen_by(load_workload(wl), str(tmp_path / "d"))
     assert len(left) == 2 and not {prompt_digest(r.text) for r in left} & seen
+    # three of one domain and one of another: in the file's proportions the two trained prompts can
+    # both be the big domain's; drawn in turn, they are one of each
+    mixed = tmp_path / "m.jsonl"
+    mixed.write_text("".join(json.dumps({"text": p, "domain": "code" if i == 3 else "chat"}) + "\n" for i, p in enumerate(PROMPTS)))
+    rep = train_draft(mixed, None, tmp_path / "b", cfg=cfg, n_prompts=2, holdout=0.0, log=None, balance_domains=True)
+    assert rep["train_domains"] == {"chat": 1, "code": 1} and rep["balance_domains"]
 
 
 def test_one_fused_teacher_cache_serves_every_draft_of_equal_data(tmp_path):

@@ -479,6 +479,18 @@ def test_a_saved_adapter_starts_a_built_draft_where_training_left_it(target, tok
         DraftConfig(proposers=["ngram"], adapter=str(tmp_path / "a"))
 
 
+def test_training_prompts_drawn_one_domain_at_a_time_keep_each_domain_s_order():
+    from types import SimpleNamespace as R
+
+    from learner.offline import by_domain_in_turn, parser
+
+    recs = [R(domain=d, i=i) for i, d in enumerate("aaaabac")]  # a: 0 1 2 3 5, b: 4, c: 6
+    assert [r.i for r in by_domain_in_turn(recs)] == [0, 4, 6, 1, 2, 3, 5]
+    assert by_domain_in_turn([]) == []
+    assert parser().parse_args(["--out", "x", "--balance-domains"]).balance_domains
+    assert not parser().parse_args(["--out", "x"]).balance_domains
+
+
 def test_osd_distill_with_an_adapter_rank_writes_the_shipped_adapter_on_the_full_head():
     from drafts.build import shipped_adapter_path
     from learner.offline import parser
