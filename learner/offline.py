@@ -692,6 +692,7 @@ def train_draft(
     log: Callable[[str], None] | None = print,
     exclude: str | Path | Sequence[str | Path] | None = None,
     balance_domains: bool = False,
+    exclude_sources: Sequence[str] = (),
 ) -> dict:
     """Distil a draft for ``domain`` (None: all) of ``workload`` and save it at ``out``.
 
@@ -704,7 +705,9 @@ def train_draft(
     a file collected for more prompts serves any subset of them (e.g. one domain's).
     ``exclude``: workload files (or one) whose texts must not be trained on (e.g. the benchmarks' prompts).
     ``balance_domains``: the ``n_prompts`` training prompts are drawn from each domain in turn
-    (:func:`by_domain_in_turn`) rather than in the file's proportions.
+    (:func:`by_domain_in_turn`) rather than in the file's proportions. ``exclude_sources``: sources
+    (the part of a record's ``source`` before ":") none of whose prompts are trained on, so that
+    they stay sources the draft never saw.
     Returns a JSON-serialisable report; the same summary goes into the saved draft's meta.
     """
     from workloads import load_workload, without_prompts_of
@@ -720,7 +723,7 @@ def train_draft(
     torch.manual_seed(cfg.seed)
 
     records = [r for r in load_workload(workload) if domain is None or r.domain == domain]
-    records = without_prompts_of(records, exclude)
+    records = [r for r in without_prompts_of(records, exclude) if r.source.split(":")[0] not in set(exclude_sources)]
     if not records:
         raise ValueError(f"no records of domain {domain!r} in {workload}")
     train_recs, held_recs = _split(records, holdout, cfg.seed)
@@ -791,6 +794,7 @@ def train_draft(
         "n_heldout_prompts": len(held_s),
         "train_domains": dict(collections.Counter(r.domain for r in train_recs)),
         "balance_domains": balance_domains,
+        "excluded_sources": sorted(exclude_sources),
         "draft": draft_cfg.model_dump(),
         "distill": cfg.model_dump(),
         "target": model_cfg.name,
@@ -846,6 +850,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seconds", type=float, default=300.0)
     ap.add_argument("--epochs", type=int, default=1000, help="upper bound; --seconds usually decides")
     ap.add_argument("--exclude", nargs="+", default=None, help="workload files whose prompts are never trained on")
+    ap.add_argument("--exclude-sources", nargs="+", default=[], metavar="SOURCE",
+                    help="sources (before ':' in a record's source) none of whose prompts are trained on")
     ap.add_argument("--balance-domains", action="store_true",
                     help="draw the training prompts from each domain in turn, not in the file's proportions")
     ap.add_argument("--json", default=None, help="write the report here")
@@ -889,6 +895,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         teacher_cache=a.teacher_cache,
         exclude=a.exclude,
         balance_domains=a.balance_domains,
+        exclude_sources=a.exclude_sources,
         model_cfg=model_cfg,
     )
     if a.json:

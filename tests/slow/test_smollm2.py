@@ -101,9 +101,13 @@ def test_train_draft_lists_its_training_prompts_and_streams_skip_them(tmp_path):
     # three of one domain and one of another: in the file's proportions the two trained prompts can
     # both be the big domain's; drawn in turn, they are one of each
     mixed = tmp_path / "m.jsonl"
-    mixed.write_text("".join(json.dumps({"text": p, "domain": "code" if i == 3 else "chat"}) + "\n" for i, p in enumerate(PROMPTS)))
+    mixed.write_text("".join(json.dumps({"text": p, "domain": "code" if i == 3 else "chat", "source": f"s{i % 2}:x{i}"}) + "\n"
+                             for i, p in enumerate(PROMPTS)))
     rep = train_draft(mixed, None, tmp_path / "b", cfg=cfg, n_prompts=2, holdout=0.0, log=None, balance_domains=True)
     assert rep["train_domains"] == {"chat": 1, "code": 1} and rep["balance_domains"]
+    # a source left out: none of its prompts is trained on (s1 holds PROMPTS[1] and PROMPTS[3])
+    rep = train_draft(mixed, None, tmp_path / "c", cfg=cfg, n_prompts=4, holdout=0.0, log=None, exclude_sources=["s1"])
+    assert trained_prompts(tmp_path / "c") == {prompt_digest(p) for p in PROMPTS[::2]} and rep["excluded_sources"] == ["s1"]
 
 
 def test_one_fused_teacher_cache_serves_every_draft_of_equal_data(tmp_path):

@@ -489,6 +489,7 @@ def test_training_prompts_drawn_one_domain_at_a_time_keep_each_domain_s_order():
     assert by_domain_in_turn([]) == []
     assert parser().parse_args(["--out", "x", "--balance-domains"]).balance_domains
     assert not parser().parse_args(["--out", "x"]).balance_domains
+    assert parser().parse_args(["--out", "x", "--exclude-sources", "a", "b"]).exclude_sources == ["a", "b"]
 
 
 def test_osd_distill_with_an_adapter_rank_writes_the_shipped_adapter_on_the_full_head():
