@@ -229,7 +229,10 @@ def distill_args(rest: list[str]) -> list[str]:
     too, cached where ``"default"`` finds the draft of that ``--kind``), then ``rest``, whose
     options override them (``--no-prompt-positions``: output positions only).
     ``--adapter-rank R``: the general starting adapter instead, written where ``draft.adapter:
-    shipped`` reads it (the package's ``drafts/starting``), on the full head that the served draft has.
+    shipped`` reads it (the package's ``drafts/starting``), on the full head that the served draft
+    has, with the recipe of the adapter in the package: 720 prompts of router_train.jsonl, 180 of
+    each domain, never a prompt of the benchmarks' files nor of the two sources the shift
+    experiment streams (DB-GPT's SQL, HumanEval), 1,200 s of training.
     """
     from drafts.build import default_draft_path, shipped_adapter_path
 
@@ -237,11 +240,18 @@ def distill_args(rest: list[str]) -> list[str]:
     known.add_argument("--kind", default="truncated")
     known.add_argument("--adapter-rank", type=int, default=0)
     seen = known.parse_known_args(rest)[0]
-    where = (["--out", str(shipped_adapter_path())] if seen.adapter_rank
-             else ["--out", str(default_draft_path(seen.kind)), "--head-vocab", "8192"])
-    return ["--workload", str(DEFAULT_WORKLOAD.parent / "train.jsonl"), "--exclude", str(DEFAULT_WORKLOAD),
-            *where, "--n-prompts", "400", "--holdout", "0.05", "--max-tokens", "48",
-            "--seconds", "900", "--prompt-positions"] + list(rest)
+    data = DEFAULT_WORKLOAD.parent
+    if seen.adapter_rank:
+        recipe = ["--workload", str(data / "router_train.jsonl"),
+                  "--exclude", *(str(data / f) for f in ("workload.jsonl", "open.jsonl", "mixture.jsonl")),
+                  "--exclude-sources", "dbgpt-example", "humaneval", "--balance-domains",
+                  "--out", str(shipped_adapter_path()), "--n-prompts", "720", "--holdout", "0.01",
+                  "--seconds", "1200", "--lr", "0.002"]
+    else:
+        recipe = ["--workload", str(data / "train.jsonl"), "--exclude", str(DEFAULT_WORKLOAD),
+                  "--out", str(default_draft_path(seen.kind)), "--head-vocab", "8192",
+                  "--n-prompts", "400", "--holdout", "0.05", "--seconds", "900"]
+    return recipe + ["--max-tokens", "48", "--prompt-positions"] + list(rest)
 
 
 def _run(argv: list[str]) -> int:

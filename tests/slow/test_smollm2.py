@@ -259,8 +259,9 @@ def test_int4_speculative_sampling_is_the_runtime_law(int4_engines):
 
 def test_the_shipped_adapter_makes_the_served_draft_agree_with_the_target_on_prompts_it_never_saw():
     """``draft.adapter: shipped`` (what serve_config.yaml serves) on the int4 runtime: the draft's
-    per-token acceptance on prompts of sources it was never distilled on is far above the bare
-    truncated target's, and the output stays the target's own."""
+    per-token acceptance on prompts it was never distilled on (of other sources of its domains, some
+    of which it saw other prompts of, and of domains it never saw) is far above the bare truncated
+    target's, and the output stays the target's own."""
     from drafts.build import prompt_digest, trained_prompts
     from workloads import load_workload
 
@@ -282,5 +283,5 @@ def test_the_shipped_adapter_makes_the_served_draft_agree_with_the_target_on_pro
             outputs.append(gen.token_ids)
         rates[adapter] = (accepted / checked, outputs)
     assert rates["shipped"][1] == rates[None][1]  # lossless: the same target output either way
-    # measured on 48 such prompts at 48 tokens: 0.043 bare, 0.188 with the adapter
+    # measured on 48 such prompts at 48 tokens: 0.043 bare, 0.262 with the adapter (0.192 the one before)
     assert rates[None][0] < 0.1 and rates["shipped"][0] > max(0.12, 2.5 * rates[None][0]), {k: v[0] for k, v in rates.items()}

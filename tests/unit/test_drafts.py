@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -499,4 +501,9 @@ def test_osd_distill_with_an_adapter_rank_writes_the_shipped_adapter_on_the_full
 
     a = parser().parse_args(distill_args(["--adapter-rank", "16"]))
     assert a.out == str(shipped_adapter_path()) and a.head_vocab is None and a.adapter_rank == 16
-    assert a.exclude and a.workload.endswith("train.jsonl")  # never the benchmark's prompts
+    # the package's recipe: never a benchmark's prompt, nor a source the shift experiment streams
+    assert a.workload.endswith("router_train.jsonl") and a.balance_domains and (a.n_prompts, a.seconds) == (720, 1200)
+    assert {Path(f).name for f in a.exclude} == {"workload.jsonl", "open.jsonl", "mixture.jsonl"}
+    assert set(a.exclude_sources) == {"dbgpt-example", "humaneval"} and a.prompt_positions and a.max_tokens == 48
+    a = parser().parse_args(distill_args(["--seconds", "60"]))  # the whole draft: train.jsonl, an 8,192-row head
+    assert a.workload.endswith("/train.jsonl") and a.head_vocab == 8192 and a.seconds == 60 and not a.balance_domains
