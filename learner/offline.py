@@ -723,7 +723,8 @@ def train_draft(
     torch.manual_seed(cfg.seed)
 
     records = [r for r in load_workload(workload) if domain is None or r.domain == domain]
-    records = [r for r in without_prompts_of(records, exclude) if r.source.split(":")[0] not in set(exclude_sources)]
+    left_out = set(exclude_sources)
+    records = [r for r in without_prompts_of(records, exclude) if r.source.split(":")[0] not in left_out]
     if not records:
         raise ValueError(f"no records of domain {domain!r} in {workload}")
     train_recs, held_recs = _split(records, holdout, cfg.seed)
