@@ -40,6 +40,18 @@ def restricted(target, tok, prompt_texts):
     return restrict_head(truncated_draft(target, 2), keep), keep
 
 
+def frozen_costs(engine, c: float = 0.25, v_step: float = 0.1):
+    """``engine`` with its k policy's costs set, not measured: a draft token costs ``c`` target
+    steps and verifying j tokens 1 + ``v_step`` (j - 1). Measured times move with the machine's
+    load, and with them the adaptive k and so which tokens get drafted at all."""
+    costs = engine.costs
+    costs.verify_s.update({j: 1.0 + v_step * (j - 1) for j in range(1, engine.cfg.k.k_max + 2)})
+    costs.draft_s.update({"draft": c})
+    costs.observe_verify = lambda n_tokens, seconds: None
+    costs.observe_draft = lambda source, k, seconds: None
+    return engine
+
+
 @pytest.fixture
 def build(target, trunc1, trunc2, restricted, draft_proposer, make_engine):
     """name -> a fresh engine (fresh proposer state) for that proposer configuration."""
@@ -60,8 +72,8 @@ def build(target, trunc1, trunc2, restricted, draft_proposer, make_engine):
             return make_engine(NgramProposer(NgramConfig(max_n=3, min_n=1)), k=3, **cfg)
         if name == "chained":
             return make_engine(ChainedProposer(NgramProposer(NgramConfig(max_n=3, min_n=2)), draft_proposer(trunc2)), k=3, **cfg)
-        if name == "adaptive":
-            return make_engine(draft_proposer(trunc2), k=KPolicyConfig(), **cfg)
+        if name == "adaptive":  # k from the acceptance estimate, against costs fixed so that every machine takes the same steps
+            return frozen_costs(make_engine(draft_proposer(trunc2), k=KPolicyConfig(), **cfg))
         if name.startswith("perfect-k"):  # the draft is the target itself
             return make_engine(draft_proposer(target), k=int(name.removeprefix("perfect-k")), **cfg)
         raise KeyError(name)
