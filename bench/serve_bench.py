@@ -32,7 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .bench import select
-from workloads import load_workload
+from workloads import load_workload, load_workloads
 
 DEFAULT_WORKLOAD = Path(__file__).resolve().parent / "data" / "workload.jsonl"
 
@@ -212,11 +212,44 @@ def inprocess_tokens_per_s(records, max_tokens: int, config: str | None) -> dict
     return {"requests": len(records), "output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "outputs": outputs}
 
 
-def learning_curve(client, model: str, records, concurrency: int, max_tokens: int, window: int) -> dict:
+def proposer_totals(url: str, api_key: str = "none") -> dict[str, list[float]]:
+    """The server's ``/metrics``: draft tokens proposed and accepted per proposer ("draft" for the
+    learned draft, "suffix", "ngram"), summed over tenants and domains: {proposer: [proposed, accepted]}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    req = urllib.request.Request(url.rstrip("/") + "/metrics", headers={"Authorization": f"Bearer {api_key}"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        text = r.read().decode()
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            for i, name in enumerate(("osd_spec_decode_proposer_draft_tokens_total",
+                                      "osd_spec_decode_proposer_accepted_tokens_total")):
+                if smp.name == name:
+                    out[smp.labels["proposer"]][i] += smp.value
+    return dict(out)
+
+
+def learning_curve(client, model: str, records, concurrency: int, max_tokens: int, window: int,
+                   metrics_url: str | None = None, api_key: str = "none") -> dict:
     """Serve ``records`` in order (``concurrency`` at a time) while the learner runs: acceptance per
-    workload domain over consecutive windows of ``window`` requests, and the draft versions served."""
+    workload domain over consecutive windows of ``window`` requests, and the draft versions served.
+    With ``metrics_url``: the server's ``/metrics`` is read each time ``window`` more requests have
+    finished, for each proposer's acceptance (the learned draft's apart from the suffix tree's) and
+    the output tokens/s over that window. The metrics replica adds up the replicas' counts every
+    ``metrics.sample_s`` (2 s in serve_config.yaml), so a window's edges lag by up to that."""
     rows, lock, it = [], threading.Lock(), iter(enumerate(records))
     bar = tqdm(total=len(records), desc="learning curve", unit="req", leave=False)
+    edges: list[tuple[float, int, dict]] = []  # (time, output tokens so far, proposer totals)
+    done = [0, 0]  # requests finished, output tokens
+
+    def edge():
+        if metrics_url is not None:
+            with lock:
+                tokens = done[1]
+            edges.append((time.perf_counter(), tokens, proposer_totals(metrics_url, api_key)))
 
     def worker():
         while True:
@@ -230,26 +263,50 @@ def learning_curve(client, model: str, records, concurrency: int, max_tokens: in
                 spec = (res.get("usage") or {}).get("speculative")
                 rows.append({"i": i, "domain": rec.domain, "status": res["status"],
                              **({k: spec[k] for k in ("accepted", "proposed", "draft_id", "draft_version")} if spec else {})})
+                done[0] += 1
+                done[1] += (res.get("usage") or {}).get("completion_tokens", 0)
+                at_edge = done[0] % window == 0 or done[0] == len(records)
                 bar.update(1)
+            if at_edge:
+                edge()
 
+    edge()
     with cf.ThreadPoolExecutor(concurrency) as pool:
         for f in [pool.submit(worker) for _ in range(concurrency)]:
             f.result()
     bar.close()
-    rows.sort(key=lambda r: r["i"])
+    return {"requests": len(rows), "window": window, "windows": curve_windows(rows, edges, window), "rows": rows}
+
+
+def curve_windows(rows: list[dict], edges: list[tuple[float, int, dict]], window: int) -> list[dict]:
+    """The learning curve's windows of ``window`` requests: acceptance per domain from the
+    responses' usage (``rows``, by request index) and, where ``edges`` (time, output tokens so far,
+    proposer totals, read as each window finished) cover it, tokens/s and each proposer's alpha."""
+    rows = sorted(rows, key=lambda r: r["i"])
+    edges = sorted(edges, key=lambda e: e[0])
     windows = []
-    for start in range(0, len(rows), window):
+    for n, start in enumerate(range(0, len(rows), window)):
         part = [r for r in rows[start : start + window] if r["status"] == 200]
         dom: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         for r in part:
             dom[r["domain"]][0] += r["accepted"]
             dom[r["domain"]][1] += r["proposed"]
         acc, prop = sum(a for a, _ in dom.values()), sum(p for _, p in dom.values())
-        windows.append({"requests": f"{start + 1}-{start + len(rows[start : start + window])}",
-                        "alpha": acc / prop if prop else None,
-                        "alpha_by_domain": {d: (a / p if p else None) for d, (a, p) in sorted(dom.items())},
-                        "draft_versions": sorted({r["draft_version"] for r in part})})
-    return {"requests": len(rows), "window": window, "windows": windows, "rows": rows}
+        w = {"requests": f"{start + 1}-{start + len(rows[start : start + window])}",
+             "alpha": acc / prop if prop else None,
+             "alpha_by_domain": {d: (a / p if p else None) for d, (a, p) in sorted(dom.items())},
+             "draft_versions": sorted({r["draft_version"] for r in part})}
+        if n + 1 < len(edges):
+            (t0, k0, m0), (t1, k1, m1) = edges[n], edges[n + 1]
+            w["tokens_per_s"] = (k1 - k0) / (t1 - t0)
+            w["by_proposer"] = {}
+            for name in sorted(m1):
+                p0, a0 = m0.get(name, [0.0, 0.0])
+                proposed, accepted = m1[name][0] - p0, m1[name][1] - a0
+                w["by_proposer"][name] = {"proposed": proposed, "accepted": accepted,
+                                          "alpha": accepted / proposed if proposed else None}
+        windows.append(w)
+    return windows
 
 
 def format_curve(curve: dict) -> str:
@@ -257,7 +314,12 @@ def format_curve(curve: dict) -> str:
     for w in curve["windows"]:
         dom = " ".join(f"{d}={a:.2f}" for d, a in w["alpha_by_domain"].items() if a is not None)
         overall = f"{w['alpha']:.3f}" if w["alpha"] is not None else "-"
-        lines.append(f"  {w['requests']:>9}  alpha {overall}  {dom}  versions {w['draft_versions']}")
+        line = f"  {w['requests']:>9}  alpha {overall}  {dom}  versions {w['draft_versions']}"
+        if "tokens_per_s" in w:
+            by = " ".join(f"{p}={v['alpha']:.3f}/{v['proposed']:.0f}" for p, v in w["by_proposer"].items()
+                          if v["alpha"] is not None)
+            line += f"  {w['tokens_per_s']:.1f} tok/s  by proposer (alpha/proposed) {by}"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -311,6 +373,13 @@ def main(argv: list[str] | None = None) -> int:
                          "alpha per domain per window")
     ap.add_argument("--window", type=int, default=40)
     ap.add_argument("--curve-concurrency", type=int, default=4)
+    ap.add_argument("--curve-order", choices=["domains", "file"], default="domains",
+                    help="with --curve: the records round-robin over domains, or in the files' order")
+    ap.add_argument("--curve-metrics", action="store_true",
+                    help="with --curve: also read /metrics at each window's edge (each proposer's acceptance, tokens/s)")
+    ap.add_argument("--sources", nargs="*", default=None,
+                    help="with --curve: keep only records of these sources (the part of a record's source before ':'); "
+                         "--workload may then name several files, comma-separated, each text read once")
     ap.add_argument("--metrics-cost", type=int, default=0, metavar="ROUNDS",
                     help="instead: start the server (on --config) with metrics off and on, ROUNDS times each, "
                          "alternating; tokens/s on vs off at the first --concurrency")
@@ -371,8 +440,10 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps({"url": args.url, "workload": args.workload, **res}, indent=1))
         return 0 if res["ok"] == res["requests"] else 1
     if args.curve:
-        records = select(load_workload(args.workload), args.curve)
-        curve = learning_curve(client, model, records, args.curve_concurrency, args.max_tokens, args.window)
+        records = load_workloads(args.workload.split(","), args.sources)
+        records = select(records, args.curve) if args.curve_order == "domains" else records[: args.curve]
+        curve = learning_curve(client, model, records, args.curve_concurrency, args.max_tokens, args.window,
+                               metrics_url=args.url if args.curve_metrics else None, api_key=args.api_key)
         print(format_curve(curve))
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -121,6 +121,14 @@ class BackgroundConfig(BaseModel):
     #: until this many seconds after the last record arrived: on a small machine it trains in the
     #: gaps of traffic, not against it (0: serving is never busy to it; serve_config.yaml sets 2)
     quiet_s: float = Field(default=0.0, ge=0.0)
+    #: a floor under the learner while serving never pauses: it may train against live requests
+    #: as long as its thread's CPU time stays within this share of the wall time serving was busy
+    #: (:class:`learner.background.ShareBudget`). 0: it trains only when serving is idle (or
+    #: ``quiet_s`` after the last record), so steady traffic starves it
+    min_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    #: the most CPU seconds of unused share the learner may bank (a round's length or so): after a
+    #: long stretch without records to train on it cannot then take the CPU for minutes
+    share_burst_s: float = Field(default=10.0, gt=0.0)
     #: how often the idle loop looks at the queue and at ``busy()``
     poll_s: float = Field(default=0.01, gt=0.0)
     #: bound of the hand-over queue; a full queue drops the record (counted), never blocks serving

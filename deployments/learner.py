@@ -64,6 +64,7 @@ class LearnerServer:
         self.learner = OnlineLearner(self.trainer_cfg, shards, open_drafts=known)
         self.meter = replica_meter("Learner", cfg.metrics)
         self._dropped = 0
+        self._against_s = 0.0  # against-traffic CPU seconds already counted into the meter
         self.book = DraftBook(self.learner, self.trainer_cfg, base, keep_ids, starts, cfg.learner.max_drafts,
                               cfg.learner.max_parked, self.meter, publish, target_head)
         background = cfg.learner.background
@@ -172,6 +173,8 @@ class LearnerServer:
         m, s = self.meter, self.background.stats()
         m.inc("osd_learner_records_dropped_total", s.dropped - self._dropped)
         self._dropped = s.dropped
+        m.inc("osd_learner_against_traffic_seconds_total", s.against_traffic_s - self._against_s)
+        self._against_s = s.against_traffic_s
         m.set("osd_learner_paused", float(s.paused))
         m.set("osd_learner_drafts_in_memory", len(self.learner.trainers))
         for d, t in list(self.learner.trainers.items()):

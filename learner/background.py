@@ -8,7 +8,9 @@ live: a round starts only when serving is idle, and inside a step the thread sto
 forward/backward pieces (``LearnerConfig.micro_batch_records``) for as long as a request is live,
 then goes on where it was. A request competes at most with the piece in flight. The thread runs at OS nice
 ``BackgroundConfig.nice`` (Linux priorities are per thread) with its own torch thread count,
-and ``LearnerConfig.max_cpu_share`` caps its share of wall time. Accepted weights go to the
+and ``LearnerConfig.max_cpu_share`` caps its share of wall time. ``BackgroundConfig.min_share``
+puts a floor under it: under traffic that never pauses it still trains, within that share of the
+CPU (:class:`ShareBudget`). Accepted weights go to the
 subscribers, e.g. ``engine.stage_draft``, which installs them between two steps of the serving
 thread. A Ray learner deployment runs the same loop in its own process.
 """
@@ -29,7 +31,7 @@ from config.learner import BackgroundConfig
 from learner.replay import ReplayRecord
 from learner.trainer import OnlineLearner, RoundReport
 
-__all__ = ["BackgroundConfig", "BackgroundLearner", "LearnerStats"]
+__all__ = ["BackgroundConfig", "BackgroundLearner", "LearnerStats", "ShareBudget"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,7 @@ class LearnerStats:
     yielded_rounds: int = 0
     errors: int = 0  # rounds that raised (weights restored, learning went on)
     train_seconds: float = 0.0
+    against_traffic_s: float = 0.0  # CPU seconds trained while serving was busy (min_share)
     queue_depth: int = 0
     running: bool = False
     paused: bool = False
@@ -60,6 +63,37 @@ class LearnerStats:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "seconds_per_step": self.seconds_per_step}
+
+
+class ShareBudget:
+    """The learner's floor of CPU while serving is busy (``BackgroundConfig.min_share``).
+
+    A bucket: it fills by ``share`` CPU seconds per wall second that serving is busy (at most
+    ``burst_s``) and empties by the CPU the learner's thread uses while it runs against live
+    requests. :meth:`hold` is asked from the learner thread (``cpu`` defaults to
+    ``time.thread_time``: that thread's CPU), before a round and between two pieces of a step.
+    Time when serving is idle is neither earned nor charged: the learner runs freely then."""
+
+    def __init__(self, share: float, burst_s: float, wall: Callable[[], float] = time.monotonic,
+                 cpu: Callable[[], float] = time.thread_time):
+        self.share, self.burst_s, self._wall, self._cpu = share, burst_s, wall, cpu
+        self.credit = 0.0
+        self.used_s = 0.0  # CPU seconds the learner has trained against live requests, in all
+        self._at: tuple[float, float] | None = None  # (wall, cpu) at the last look
+        self._against = False  # since the last look the learner was let run against traffic
+
+    def hold(self, busy: bool) -> bool:
+        """True: hold the learner back now (serving is busy and the share is spent)."""
+        wall, cpu = self._wall(), self._cpu()
+        if self._at is not None:
+            if self._against:
+                self.credit -= cpu - self._at[1]
+                self.used_s += cpu - self._at[1]
+            if busy:
+                self.credit = min(self.credit + self.share * (wall - self._at[0]), self.burst_s)
+        self._at = (wall, cpu)
+        self._against = busy and self.share > 0 and self.credit > 0
+        return busy and not self._against
 
 
 class BackgroundLearner:
@@ -96,6 +130,8 @@ class BackgroundLearner:
         #: operator's rollback) takes it, so a round never sees its weights change under it
         self.exclusive = threading.RLock()
         self.error: BaseException | None = None
+        #: asked only from the learner thread (its CPU clock is that thread's)
+        self._share = ShareBudget(cfg.min_share, cfg.share_burst_s)
         learner.should_yield = self._should_yield
         learner.pause = self._wait_while_busy
 
@@ -160,6 +196,7 @@ class BackgroundLearner:
         with self._lock:
             s = replace(self._stats)
         s.queue_depth = self._queue.qsize()
+        s.against_traffic_s = self._share.used_s
         s.running = self._thread is not None and self._thread.is_alive()
         s.paused = self._paused.is_set()
         s.training = self.learner.training
@@ -174,7 +211,8 @@ class BackgroundLearner:
 
     # -- learner thread ------------------------------------------------------------------------
     def _busy(self) -> bool:
-        return self.cfg.yield_to_requests and bool(self.busy())
+        """Hold training back: serving is busy, and the learner's floor share is spent."""
+        return self._share.hold(self.cfg.yield_to_requests and bool(self.busy()))
 
     def _should_yield(self) -> bool:
         """End the round now: stopping, or paused by the operator."""

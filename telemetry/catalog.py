@@ -131,6 +131,8 @@ CATALOG: dict[str, Family] = _families(
     Family("osd_learner_steps_total", "counter", "Optimiser steps", ("draft",)),
     Family("osd_learner_train_seconds_total", "counter", "Time in optimiser steps (step time = rate of this / rate of "
            "steps)", ("draft",)),
+    Family("osd_learner_against_traffic_seconds_total", "counter", "CPU seconds the learner trained while serving "
+           "was busy (its floor, learner.background.min_share; rate of this = the share it took)"),
     Family("osd_learner_loss", "gauge", "Loss after the last round, on its batch", ("draft",)),
     Family("osd_learner_shard_records", "gauge", "Records in the draft's replay shard", ("draft",)),
     Family("osd_learner_shard_bytes", "gauge", "Bytes of the draft's replay shard on disk", ("draft",)),

@@ -388,6 +388,7 @@ class Hub:
             "rounds": total("osd_learner_rounds_total"),
             "steps": steps,
             "step_seconds": total("osd_learner_train_seconds_total") / steps if steps else None,
+            "against_traffic_s": total("osd_learner_against_traffic_seconds_total"),
             "paused": bool(gauges.get(("osd_learner_paused", ()), 0.0)),
             "loss": {values[0]: v for (n, values), v in gauges.items() if n == "osd_learner_loss"},
         }

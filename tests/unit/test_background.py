@@ -11,7 +11,7 @@ import torch
 
 from config import SamplingParams
 from drafts.build import truncated_draft
-from learner.background import BackgroundConfig, BackgroundLearner
+from learner.background import BackgroundConfig, BackgroundLearner, ShareBudget
 from learner.replay import RecordBuilder
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
 
@@ -128,6 +128,77 @@ def test_no_round_starts_while_a_request_is_live(target, records):
         assert _wait(lambda: bg.stats().observed == 4)
         time.sleep(0.3)
         assert bg.stats().training is None and bg.stats().rounds == 0 and not calls
+
+
+class _Clocks:
+    """Hand-driven wall and CPU clocks for ShareBudget."""
+
+    def __init__(self):
+        self.wall = self.cpu = 0.0
+
+
+def _share_run(share, busy_for, seconds, tick=0.1, burst_s=1.0):
+    """Tick ``seconds`` of wall time; the learner burns its whole tick of CPU whenever it is let run."""
+    c = _Clocks()
+    b = ShareBudget(share, burst_s, wall=lambda: c.wall, cpu=lambda: c.cpu)
+    ran_busy = ran_idle = 0.0
+    for i in range(round(seconds / tick)):
+        busy = busy_for(c.wall)
+        held = b.hold(busy)
+        c.wall += tick
+        if not held:
+            c.cpu += tick
+            ran_busy, ran_idle = ran_busy + tick * busy, ran_idle + tick * (not busy)
+    b.hold(busy_for(c.wall))
+    return b, ran_busy, ran_idle
+
+
+def test_share_budget_by_hand():
+    c = _Clocks()
+    b = ShareBudget(0.25, burst_s=2.0, wall=lambda: c.wall, cpu=lambda: c.cpu)
+    assert b.hold(True)  # serving busy, nothing earned yet: held back
+    c.wall = 4.0
+    assert not b.hold(True) and b.credit == 1.0  # 4 busy seconds earned 1 CPU second: let run
+    c.wall, c.cpu = 4.6, 0.6  # it ran 0.6 s of CPU against traffic and earned 0.15
+    assert not b.hold(True) and b.credit == pytest.approx(0.55) and b.used_s == pytest.approx(0.6)
+    c.wall, c.cpu = 5.4, 1.4  # 0.8 more spent, 0.2 earned: overdrawn
+    assert b.hold(True) and b.credit == pytest.approx(-0.05)
+    c.wall = 5.8  # held back (no CPU charged), 0.1 earned
+    assert not b.hold(True) and b.credit == pytest.approx(0.05)
+    c.wall, c.cpu = 6.0, 1.6  # it ran 0.2 s, charged; serving is idle now: let run, nothing earned
+    assert not b.hold(False) and b.used_s == pytest.approx(1.6) and b.credit == pytest.approx(-0.15)
+    c.wall, c.cpu = 15.0, 5.0  # idle since: its 3.4 s of CPU are not charged
+    assert not b.hold(False) and b.used_s == pytest.approx(1.6) and b.credit == pytest.approx(-0.15)
+    c.wall = 1000.0
+    b.hold(True)
+    assert b.credit == 2.0  # a long busy stretch banks at most burst_s
+
+
+@pytest.mark.parametrize("share", [0.1, 0.25, 0.5])
+def test_under_traffic_that_never_pauses_the_learner_gets_its_share_and_no_more(share):
+    b, ran_busy, ran_idle = _share_run(share, lambda t: True, seconds=600)
+    assert ran_busy / 600 == pytest.approx(share, abs=0.01) and ran_idle == 0
+    assert b.used_s == pytest.approx(ran_busy)
+
+
+def test_without_a_share_steady_traffic_starves_the_learner_and_idle_time_is_free():
+    b, ran_busy, ran_idle = _share_run(0.0, lambda t: True, seconds=100)
+    assert ran_busy == 0 and b.used_s == 0
+    # busy half the time (5 s on, 5 s off): it runs all of the idle half, and share x the busy half
+    b, ran_busy, ran_idle = _share_run(0.2, lambda t: int(t) % 10 < 5, seconds=600)
+    assert ran_idle == pytest.approx(300, abs=1) and ran_busy == pytest.approx(0.2 * 300, abs=3)
+
+
+def test_with_min_share_the_learner_trains_under_traffic_that_never_pauses(target, records):
+    """Serving always busy: no round without a floor (above); with min_share one runs, and the
+    stats count the CPU it trained against traffic."""
+    cfg = BackgroundConfig(min_share=0.5, share_burst_s=0.5, poll_s=0.001)
+    with BackgroundLearner(_learner(target), busy=lambda: True, cfg=cfg) as bg:
+        for r in records[:4]:
+            bg.submit(r)
+        assert _wait(lambda: bg.stats().rounds >= 1, timeout=60), bg.stats()
+        s = bg.stats()
+    assert s.steps > 0 and s.against_traffic_s > 0
 
 
 def test_paused_learner_observes_but_does_not_train(target, records):

@@ -508,6 +508,33 @@ def test_with_quiet_s_the_learner_trains_only_in_the_gaps_of_traffic(folder, tmp
         loop.close()
 
 
+def test_with_min_share_the_learner_publishes_while_traffic_never_pauses(folder, tmp_path):
+    """learner.background.min_share: records keep arriving (never quiet_s apart), and the learner
+    still trains and publishes, within its share; its stats count that CPU."""
+    import threading
+
+    cfg = learner_cfg(folder, tmp_path / "learner", learner={"background": {
+        "nice": 0, "threads": 1, "quiet_s": 1.5, "min_share": 0.5, "share_burst_s": 0.5}})
+    published = Published()
+    server = LearnerServer(cfg, publish=published)
+    pool, loop = LocalPool(cfg, learner=Handle(server)), Loop()
+    stop = threading.Event()
+    traffic = threading.Thread(target=lambda: [server.touch() for _ in iter(lambda: stop.wait(0.05), True)])
+    try:
+        traffic.start()
+        serve_requests(pool, loop, 4)
+        wait_for(lambda: len(published.got) >= 1, seconds=60)
+        used = server.stats()["against_traffic_s"]
+        assert traffic.is_alive() and used > 0
+        snap = server.telemetry()  # the CPU it took against traffic reaches the meter once
+        assert snap["counters"][("osd_learner_against_traffic_seconds_total", ())] >= used
+    finally:
+        stop.set()
+        traffic.join()
+        server.background.stop()
+        loop.close()
+
+
 def test_an_adapter_fork_starts_from_its_parents_adapters_on_the_one_shared_base(folder, tmp_path):
     """With adapter learners, the general draft publishes adapters alone; a cluster's draft forked
     from it starts from those adapters (v1), served by the pool, and every trainer's base is the

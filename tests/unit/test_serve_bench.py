@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.serve_bench import format_table, summarise_level
+from bench.serve_bench import curve_windows, format_curve, format_table, summarise_level
 from workloads import WorkloadRecord
 
 
@@ -84,3 +84,29 @@ def test_a_conversation_resends_its_history_turn_by_turn():
                      {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a2"},
                      {"role": "user", "content": "q2"}]
     assert fourth == [{"role": "user", "content": "q3"}]  # the next conversation starts afresh
+
+
+def test_learning_curve_windows_by_hand():
+    """Two windows of 2 requests: per-domain alpha from the usage rows (by request index, whatever
+    the order they finished in); tokens/s and each proposer's alpha from the /metrics reads at the
+    windows' edges; a window past the last edge has neither."""
+    rows = [{"i": 1, "domain": "sql", "status": 200, "accepted": 1, "proposed": 4, "draft_version": 0},
+            {"i": 0, "domain": "sql", "status": 200, "accepted": 3, "proposed": 4, "draft_version": 0},
+            {"i": 2, "domain": "code", "status": 200, "accepted": 2, "proposed": 2, "draft_version": 1},
+            {"i": 3, "domain": "code", "status": 503},
+            {"i": 4, "domain": "code", "status": 200, "accepted": 0, "proposed": 1, "draft_version": 2}]
+    edges = [(10.0, 0, {}),
+             (14.0, 40, {"draft": [10.0, 2.0], "suffix": [20.0, 15.0]}),
+             (12.0, 20, {"draft": [4.0, 1.0]}),  # read out of order: sorted by time
+             ]
+    w = curve_windows(rows, edges, window=2)
+    assert [x["requests"] for x in w] == ["1-2", "3-4", "5-5"]
+    assert w[0]["alpha"] == pytest.approx(0.5) and w[1]["alpha_by_domain"] == {"code": 1.0}
+    assert w[0]["tokens_per_s"] == pytest.approx(10.0) and w[0]["by_proposer"] == {
+        "draft": {"proposed": 4.0, "accepted": 1.0, "alpha": 0.25}}
+    assert w[1]["tokens_per_s"] == pytest.approx(10.0)
+    assert w[1]["by_proposer"]["draft"]["alpha"] == pytest.approx(1 / 6)
+    assert w[1]["by_proposer"]["suffix"] == {"proposed": 20.0, "accepted": 15.0, "alpha": 0.75}
+    assert "tokens_per_s" not in w[2] and w[2]["draft_versions"] == [2]
+    text = format_curve({"requests": 5, "window": 2, "windows": w})
+    assert "draft=0.167/6" in text and "10.0 tok/s" in text
