@@ -47,6 +47,7 @@ import torch
 import yaml
 
 from config import QUANTIZE_CHOICES, KPolicyConfig, SamplingParams, layer_list
+from config.learner import SERVE_TRAINER
 from learner.offline import DistillConfig, collect_teacher_data, distill
 from learner.replay import LEARNED_SOURCES, ShardConfig
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
@@ -804,21 +805,25 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma list (online default static,online,offline); also target, lookup, suffix, controller, "
                             "controller-static (the same controller, its learned draft not learning), "
                             "suffix@R (R replicas' trees sharing outputs), suffix-split@R (not sharing)")
-        p.add_argument("--train-every", type=int, default=4)
-        p.add_argument("--batch-records", type=int, default=16)
-        p.add_argument("--steps-per-round", type=int, default=2)
+        # the learner's defaults are the server's (config.learner.SERVE_TRAINER): the experiment
+        # shows what a fresh `make run` would learn
+        t = SERVE_TRAINER
+        p.add_argument("--train-every", type=int, default=t.train_every)
+        p.add_argument("--batch-records", type=int, default=t.batch_records)
+        p.add_argument("--steps-per-round", type=int, default=t.steps_per_round)
         p.add_argument("--seconds-per-round", type=float, default=None, help="wall budget of one online round")
-        p.add_argument("--lr", type=float, default=3e-4)
-        p.add_argument("--gate-margin", type=float, default=0.02)
+        p.add_argument("--lr", type=float, default=t.lr)
+        p.add_argument("--gate-margin", type=float, default=t.gate_margin)
         p.add_argument("--gate-z", type=float, default=0.0, help="paired gate: standard errors allowed on top of the margin")
         p.add_argument("--holdout-fraction", type=float, default=0.1)
-        p.add_argument("--positions", choices=["wrong", "all"], default="all")
+        p.add_argument("--positions", choices=["wrong", "all"], default=t.positions)
         p.add_argument("--loss", default="forward_kl", help="the learner's loss (draft_opd: forward KL where the "
                        "served draft was right, reverse KL where it was wrong)")
         p.add_argument("--no-resample", action="store_true", help="repeat one batch for all steps of a round")
         p.add_argument("--freeze-embeddings", action="store_true", help="do not train the draft's input embeddings")
-        p.add_argument("--adapter-rank", type=int, default=0,
-                       help="learn low-rank adapters of this rank on the draft's projections (base frozen); 0: the whole draft")
+        p.add_argument("--adapter-rank", type=int, default=t.adapter_rank,
+                       help="learn low-rank adapters of this rank on the draft's projections and head (base frozen); "
+                            "0: the whole draft (on the int4 runtime its updates are rounded away when it is packed)")
         p.add_argument("--prompt-positions", action="store_true",
                        help="a feature draft learns the records' prompt positions too (the target's head over their features)")
         p.add_argument("--feature-loss", type=float, default=0.0,
@@ -838,8 +843,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--draft-context", type=int, default=None, metavar="N",
                        help="the learned draft reads at most the last N tokens of a prompt (default: all)")
         p.add_argument("--draft-checkpoint", default=None, help="starting draft (a saved draft folder)")
-        p.add_argument("--draft-adapter", default=None,
-                       help="adapters the built draft starts from (osd train-draft --adapter-rank, or 'shipped')")
+        p.add_argument("--draft-adapter", default=AUTO_ADAPTER,
+                       help="adapters the built draft starts from (osd train-draft --adapter-rank, or 'shipped'); "
+                            "default: the shipped adapter where it fits the draft (a truncated 2-layer draft with the "
+                            "full head and no --draft-checkpoint), as a fresh server starts; 'none': the bare draft")
         p.add_argument("--threads", type=int, default=2)
         p.add_argument("--device", default="cpu")
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -1002,6 +1009,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         all_recs = load_workload(args.workload)
     log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     stream_recs = all_recs
+    if args.cmd in ("online", "shift"):
+        args.draft_adapter = starting_adapter(args)
+        if log:
+            log(f"starting draft: {args.draft_checkpoint or args.draft_kind}, adapter {args.draft_adapter or 'none'}; "
+                f"learner: adapter rank {args.adapter_rank}, lr {args.lr}, {args.steps_per_round} steps every "
+                f"{args.train_every} records")
     start = args.draft_checkpoint or getattr(args, "draft_adapter", None)
     if args.cmd in ("online", "shift") and start and not args.include_trained:
         stream_recs = unseen_by(all_recs, start, getattr(args, "draft_kind", "truncated"))
@@ -1040,6 +1053,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.png:
         print(f"wrote {plot(result, args.png)}")
     return 0
+
+
+#: ``--draft-adapter``'s default: the shipped adapter where it fits the draft (:func:`starting_adapter`)
+AUTO_ADAPTER = "auto"
+
+
+def starting_adapter(args) -> str | None:
+    """The adapter ``osd experiment online|shift`` starts the draft from: ``--draft-adapter`` as
+    given (``none``: no adapter), else the shipped one where it fits the draft (as a fresh server's)."""
+    from drafts.build import SHIPPED_ADAPTER
+
+    name = getattr(args, "draft_adapter", None)
+    if name in (None, "none"):
+        return None
+    if name != AUTO_ADAPTER:
+        return name
+    fits = (args.draft_kind == "truncated" and args.draft_layers == 2 and args.head_vocab is None
+            and not args.draft_checkpoint)
+    return SHIPPED_ADAPTER if fits else None
 
 
 def _main_overhead(args, all_recs, records, log) -> int:

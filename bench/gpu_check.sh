@@ -29,10 +29,10 @@ OSD="${PYTHON:-python3} -m osd.cli"
 if [ "${SMOKE:-0}" = 1 ]; then R=2; N=6; NB=2; T=8; OFF=3; NP=4; NT=4; NF=4; TP=8
 else R=25; N=${N:-150}; NB=${NB:-30}; T=32; OFF=${OFF:-45}; NP=${NP:-48}; NT=${NT:-20}; NF=${NF:-80}; TP=48; fi
 CC=(); [ "${COMPILE:-0}" = 1 ] && CC=(--compile)
-X="$OSD experiment online ${CC[*]} --target $G --device $DEVICE --workload bench/data/workload.jsonl --max-tokens $TP --window 10 --eval-every 2 --quantize ${QUANT:-auto}"
+X="$OSD experiment online --draft-adapter none --adapter-rank 0 --lr 3e-4 --train-every 4 ${CC[*]} --target $G --device $DEVICE --workload bench/data/workload.jsonl --max-tokens $TP --window 10 --eval-every 2 --quantize ${QUANT:-auto}"
 IL=${IL---interleave}
 LEARN="--max-tokens $T --k 4 --train-every 4 --batch-records 16 --steps-per-round 8 --lr 1e-3 --gate-margin 0.02
-       --window 20 --offline-seconds $OFF --offline-epochs 3 --offline-lr 1e-3 --head-vocab 8192 --threads 4"
+       --adapter-rank 0 --window 20 --offline-seconds $OFF --offline-epochs 3 --offline-lr 1e-3 --head-vocab 8192 --threads 4"
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in

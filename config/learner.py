@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from .base import _Strict, cache_dir
 
@@ -135,6 +135,14 @@ class BackgroundConfig(BaseModel):
     queue_max: int = Field(default=10_000, ge=1)
 
 
+#: the learner's rounds as a server runs them, and the defaults of ``osd experiment online|shift``:
+#: rank-16 adapters on the draft's projections and head (a whole-draft update is rounded away by the
+#: served draft's 4-bit packing: docs/proposers.md, "Adapters"), 2 steps at 1e-3 every 16 records,
+#: every position, the gate allowing 0.02 of held-out agreement
+SERVE_TRAINER = LearnerConfig(train_every=16, batch_records=16, steps_per_round=2, lr=1e-3, positions="all",
+                              gate_margin=0.02, adapter_rank=16)
+
+
 class LearnerServeConfig(_Strict):
     """The learner deployment: replay shards and checkpoints under ``state_dir`` (default
     ``<cache_dir>/serve``), trained in rounds in a background thread of its own process.
@@ -149,10 +157,18 @@ class LearnerServeConfig(_Strict):
 
     enabled: bool = True
     state_dir: str | None = None
-    #: a serving learner's rounds: more often, larger steps and on every position, against an
-    #: experiment's (``LearnerConfig()``); serve_config.yaml sets its own
-    trainer: LearnerConfig = LearnerConfig(train_every=16, batch_records=16, steps_per_round=4, lr=1e-3,
-                                           positions="all", gate_margin=0.0)
+    #: a serving learner's rounds (:data:`SERVE_TRAINER`); ``osd experiment online|shift`` take
+    #: the same values as their defaults
+    trainer: LearnerConfig = Field(default_factory=lambda: SERVE_TRAINER)
+
+    @field_validator("trainer", mode="before")
+    @classmethod
+    def _over_serve_trainer(cls, v):
+        """A partial ``trainer`` (``{lr: 0.002}``) changes those keys of :data:`SERVE_TRAINER`, not
+        of ``LearnerConfig()``: one set of defaults, and no silent fall back to whole-draft rounds."""
+        if isinstance(v, dict):
+            return {**SERVE_TRAINER.model_dump(), **v}
+        return v
     background: BackgroundConfig = BackgroundConfig()
     shard_max_bytes: int = Field(default=64 << 20, gt=0)
     max_drafts: int = Field(default=12, ge=1)

@@ -39,7 +39,8 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from speculative.adapters import adapter_parameters, adapter_state, add_adapters, has_adapters, load_state, share_base
+from speculative.adapters import (adapter_parameters, adapter_state, add_adapters, has_adapters, load_state, share_base,
+                                  takes_adapters)
 from config.learner import LearnerConfig
 from learner.checkpoints import DraftCheckpoints, all_finite, draft_folder
 from learner.live import LiveWatch, Verdict
@@ -169,6 +170,10 @@ class DraftTrainer:
             raise ValueError("prompt_positions: the trainer needs the target's head (target_head)")
         # what prompt rows are read with (only for records that carry features)
         self.prompt_head = target_head if cfg.prompt_positions else None
+        if cfg.adapter_rank and not has_adapters(draft) and not takes_adapters(draft):
+            log.warning("draft %s (%s) takes no adapters: its learner trains the whole draft", draft_id,
+                        type(draft).__name__)
+            cfg = self.cfg = cfg.model_copy(update={"adapter_rank": 0})
         if cfg.adapter_rank or has_adapters(draft):
             # adapters alone learn: the copy shares the base's frozen tensors with ``draft`` (and with
             # every other trainer made from it), and owns only its adapters

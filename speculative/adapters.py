@@ -70,6 +70,12 @@ def add_adapters(model: nn.Module, rank: int, targets: tuple[str, ...] = TARGETS
     return model
 
 
+def takes_adapters(model: nn.Module) -> bool:
+    """Whether :func:`add_adapters` knows ``model``'s layout (a Llama-style decoder: ``model.layers``;
+    the feature draft is not one)."""
+    return isinstance(getattr(getattr(model, "model", None), "layers", None), nn.ModuleList)
+
+
 def has_adapters(model: nn.Module) -> bool:
     return any(isinstance(m, LoRALinear) for m in model.modules())
 

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export HF_HUB_OFFLINE=1
-X=".venv/bin/osd experiment online --workload bench/data/workload.jsonl --n 80 --max-tokens 48 --k 4 --methods static,online --window 10 --eval-every 2"
+X=".venv/bin/osd experiment online --draft-adapter none --adapter-rank 0 --lr 3e-4 --train-every 4 --workload bench/data/workload.jsonl --n 80 --max-tokens 48 --k 4 --methods static,online --window 10 --eval-every 2"
 case "${1:-all}" in
   distill|all)  # the two starting drafts (cached under ~/.cache/osd-serve/drafts/default and default-feature);
     # the token draft measured in docs/proposers.md was this command's, run earlier: its saved meta
@@ -39,7 +39,7 @@ case "${1:-all}" in
     # distilled on the same 200 prompts (prompt positions on, the default), static and learning online;
     # the two streams run side by side, one thread each (alpha only: their tokens/s are not used)
     .venv/bin/osd distill --kind feature --n-prompts 200 --seconds 420 --threads 2 --json results/feature/distill_feature_240run.json
-    L=".venv/bin/osd experiment online --workload bench/data/workload.jsonl --n 240 --max-tokens 48 --k 4 --methods static,online --window 20 --eval-every 4 --threads 1 --draft-checkpoint default"
+    L=".venv/bin/osd experiment online --draft-adapter none --adapter-rank 0 --lr 3e-4 --train-every 4 --workload bench/data/workload.jsonl --n 240 --max-tokens 48 --k 4 --methods static,online --window 20 --eval-every 4 --threads 1 --draft-checkpoint default"
     $L --draft-kind feature --json results/feature/long_feature.json --png results/feature/long_feature.png &
     $L --draft-kind truncated --json results/feature/long_token.json --png results/feature/long_token.png
     wait ;;
@@ -74,7 +74,7 @@ case "${1:-all}" in
     C="${OSD_CACHE_DIR:-$HOME/.cache/osd-serve}"
     W="bench/data/workload.jsonl bench/data/mixture.jsonl bench/data/open.jsonl bench/data/router_train.jsonl"
     for m in static online; do
-      .venv/bin/osd experiment online --workload $W --domains code sql math chat --n 500 --max-tokens 48 --k 4 \
+      .venv/bin/osd experiment online --draft-adapter none --adapter-rank 0 --lr 3e-4 --train-every 4 --workload $W --domains code sql math chat --n 500 --max-tokens 48 --k 4 \
         --methods $m --window 20 --eval-every 4 --threads 1 --draft-kind feature --draft-checkpoint "$C/drafts/feature-200-reg0" \
         --json "results/feature/stream500_feature_$m.json" &
     done; wait ;;&
@@ -83,7 +83,7 @@ case "${1:-all}" in
     C="${OSD_CACHE_DIR:-$HOME/.cache/osd-serve}"
     W="bench/data/workload.jsonl bench/data/mixture.jsonl bench/data/open.jsonl bench/data/router_train.jsonl"
     for m in static online; do
-      .venv/bin/osd experiment online --workload $W --domains code sql math chat --n 500 --max-tokens 48 --k 4 \
+      .venv/bin/osd experiment online --draft-adapter none --adapter-rank 0 --lr 3e-4 --train-every 4 --workload $W --domains code sql math chat --n 500 --max-tokens 48 --k 4 \
         --methods $m --window 20 --eval-every 4 --threads 1 --draft-checkpoint default \
         --json "results/feature/stream500_token_$m.json" &
     done; wait ;;&

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export HF_HUB_OFFLINE=1
-X=".venv/bin/osd experiment online --workload bench/data/workload.jsonl"
+X=".venv/bin/osd experiment online --draft-adapter none --adapter-rank 0 --lr 3e-4 --train-every 4 --workload bench/data/workload.jsonl"
 case "${1:-all}" in
   alpha|all)  # A. 120 prompts of four domains (30 each), adaptive k (k_max 6): alpha of every proposer
     $X --n 120 --max-tokens 48 --k 6 --adaptive --methods target,static,online,suffix,controller --window 10 \

@@ -165,6 +165,24 @@ def test_adapter_learners_of_several_domains_share_one_base():
         assert torch.equal(p, base[n][1]), n  # nor did the shared base
 
 
+def test_a_draft_that_takes_no_adapters_learns_whole_under_an_adapter_config(caplog):
+    """The feature draft is not a Llama-style decoder: with adapter_rank set (the server's default)
+    its trainer says so and trains the whole draft instead of failing; a truncated draft gets them."""
+    from learner.trainer import DraftTrainer, LearnerConfig
+    from speculative.adapters import takes_adapters
+    from speculative.feature_draft import feature_draft
+
+    target = tiny_llama(2, seed=3)
+    feature = feature_draft(target)
+    assert not takes_adapters(feature) and takes_adapters(tiny_llama(1, seed=7))
+    cfg = LearnerConfig(adapter_rank=4, lr=1e-2)
+    with caplog.at_level("WARNING", logger="learner.trainer"):
+        t = DraftTrainer("f", feature, cfg)
+    assert "takes no adapters" in caplog.text and t.cfg.adapter_rank == 0 and not has_adapters(t.model)
+    assert t.params and all(p.requires_grad for p in t.params)
+    assert has_adapters(DraftTrainer("d", tiny_llama(1, seed=7), cfg).model)
+
+
 def test_a_whole_draft_given_to_an_adapted_draft_replaces_it_adapters_and_all():
     """An operator's whole draft (no adapters) sent to a served draft that has learned adapters:
     it serves exactly those weights (adapters zeroed); a state with keys missing is refused before

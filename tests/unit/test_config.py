@@ -215,3 +215,16 @@ def test_the_learner_is_typed_in_the_application_config_and_its_loss_names_are_t
     for bad in ({"trainer": {"lr": -1}}, {"trainer": {"no_such": 1}}, {"trainer": {"loss": "l2"}}, {"background": {"nice": 40}}):
         with pytest.raises(ValueError):  # refused with the config, not when the learner starts
             AppConfig.model_validate({"learner": bad})
+
+
+def test_a_partial_learner_trainer_changes_only_its_keys_of_the_servers_defaults():
+    """learner.trainer {lr: ...} keeps the rest of SERVE_TRAINER (rank-16 adapters), never the
+    whole-draft defaults of LearnerConfig(); an unknown key is still refused."""
+    from config.learner import SERVE_TRAINER
+
+    t = LearnerServeConfig(trainer={"lr": 0.002}).trainer
+    assert t.lr == 0.002 and t.adapter_rank == SERVE_TRAINER.adapter_rank == 16
+    assert t.model_dump() == {**SERVE_TRAINER.model_dump(), "lr": 0.002}
+    assert LearnerServeConfig(trainer={"adapter_rank": 0}).trainer.adapter_rank == 0  # whole draft: asked for
+    with pytest.raises(ValueError):
+        LearnerServeConfig(trainer={"bogus": 1})

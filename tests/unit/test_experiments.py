@@ -570,4 +570,24 @@ def test_the_shipped_experiment_configs_parse():
     assert shipped
     for path in shipped:
         args = parse_args(["shift", "--config", str(path)])
-        assert args.draft_adapter == "shipped" and args.adapter_rank == 16 and args.order == "sql,code"
+        assert args.draft_adapter == "shipped" and args.adapter_rank == 16
+        assert set(args.order.split(",")) <= set(args.domains), path.name
+
+
+def test_the_experiments_learn_as_the_server_does_by_default():
+    """No option given: the learner's settings are the server's (one set of defaults), and the
+    draft starts from the shipped adapter where it fits, as a fresh server's does."""
+    from bench.experiments import parse_args, starting_adapter
+    from config.learner import SERVE_TRAINER, LearnerServeConfig
+
+    for cmd in ("online", "shift"):
+        args = parse_args([cmd])
+        got = {k: getattr(args, k) for k in ("train_every", "batch_records", "steps_per_round", "lr", "gate_margin",
+                                              "positions", "adapter_rank")}
+        assert got == {k: getattr(SERVE_TRAINER, k) for k in got}
+        assert LearnerServeConfig().trainer == SERVE_TRAINER and SERVE_TRAINER.adapter_rank > 0
+        assert starting_adapter(args) == "shipped"
+    for extra in (["--draft-layers", "1"], ["--head-vocab", "8192"], ["--draft-kind", "feature"],
+                  ["--draft-checkpoint", "some/folder"], ["--draft-adapter", "none"]):
+        assert starting_adapter(parse_args(["online", *extra])) is None, extra
+    assert starting_adapter(parse_args(["online", "--draft-adapter", "my/adapter"])) == "my/adapter"

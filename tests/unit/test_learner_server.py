@@ -17,7 +17,10 @@ from learner.lifecycle import known_drafts
 from learner.trainer import RoundReport
 from router.router import GENERAL
 
-TRAINER = {"train_every": 2, "batch_records": 2, "steps_per_round": 1, "gate_margin": 1.0, "holdout_fraction": 0.0}
+# the whole-draft learner (adapter_rank 0, an option in config): these tests read its checkpoints as
+# whole drafts; the adapter learner (the server's default) has tests of its own (adapter_rank=4)
+TRAINER = {"train_every": 2, "batch_records": 2, "steps_per_round": 1, "gate_margin": 1.0, "holdout_fraction": 0.0,
+           "adapter_rank": 0}
 
 
 @pytest.fixture(scope="module")
