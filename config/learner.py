@@ -119,7 +119,7 @@ class BackgroundConfig(BaseModel):
     yield_to_requests: bool = True
     #: a learner in another process than serving (the Learner deployment) counts serving as busy
     #: until this many seconds after the last record arrived: on a small machine it trains in the
-    #: gaps of traffic, not against it (0: serving is never busy to it; serve_config.yaml sets 2)
+    #: gaps of traffic, not against it (0: serving is never busy to it; serve_config.yaml sets 5)
     quiet_s: float = Field(default=0.0, ge=0.0)
     #: a floor under the learner while serving never pauses: it may train against live requests
     #: as long as its thread's CPU time stays within this share of the wall time serving was busy
