@@ -842,6 +842,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--head-vocab", type=int, default=None)
         p.add_argument("--draft-context", type=int, default=None, metavar="N",
                        help="the learned draft reads at most the last N tokens of a prompt (default: all)")
+        p.add_argument("--learner-context", type=int, default=None, metavar="N",
+                       help="prompt tokens a record trains on (0: the whole prompt); default: --draft-context, the "
+                            "window the draft reads, as the server's learner takes it")
         p.add_argument("--draft-checkpoint", default=None, help="starting draft (a saved draft folder)")
         p.add_argument("--draft-adapter", default=AUTO_ADAPTER,
                        help="adapters the built draft starts from (osd train-draft --adapter-rank, or 'shipped'); "
@@ -1033,7 +1036,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          positions=args.positions, checkpoint_dir=args.checkpoint_dir, resample=not args.no_resample,
                          train_embeddings=not args.freeze_embeddings, prompt_positions=args.prompt_positions,
                          feature_loss=args.feature_loss, adapter_rank=args.adapter_rank,
-                         loss=getattr(args, "loss", "forward_kl"))
+                         loss=getattr(args, "loss", "forward_kl"),
+                         context_tokens=args.draft_context if args.learner_context is None else (args.learner_context or None))
     dcfg = DistillConfig(max_tokens=args.max_tokens, seconds=args.offline_seconds, epochs=args.offline_epochs,
                          lr=args.offline_lr, warmup_steps=0, log_every=1000, feature_loss=args.feature_loss)
     factory = real_engine_factory(args, texts=[r.text for r in all_recs])

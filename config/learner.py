@@ -97,6 +97,11 @@ class LearnerConfig(BaseModel):
     #: > 0: learn a low-rank adapter of this rank on each projection of the draft, the base weights
     #: frozen (:mod:`speculative.adapters`); a version is the adapters alone. 0: the whole draft
     adapter_rank: int = Field(default=0, ge=0)
+    #: the draft's window as served (``engine.draft.context_tokens``): a record trains on its last
+    #: this many prompt tokens and its output, the context the served draft reads, instead of the
+    #: whole prompt (cheaper on long prompts). None: the whole prompt. The learner deployment takes
+    #: the engine's when the trainer names none
+    context_tokens: int | None = Field(default=None, ge=16)
     #: after each publish, served acceptance of the new version against the one it replaced; a
     #: version that serves worse is rolled back (:mod:`learner.live`)
     live_rollback: LiveWatchConfig = LiveWatchConfig()

@@ -44,7 +44,8 @@ class LearnerServer:
         root = cfg.learner.root()
         self.cfg = cfg
         self.ckpt_dir = root / "checkpoints"  # one folder per draft (learner.trainer.draft_folder)
-        self.trainer_cfg = cfg.learner.trainer.model_copy(update={"checkpoint_dir": self.ckpt_dir})
+        self.trainer_cfg = cfg.learner.trainer.model_copy(update={"checkpoint_dir": self.ckpt_dir,
+                                                                  "context_tokens": self.window(cfg)})
         target = load_weights(cfg.engine.model)
         tok = load_tokenizer(cfg.engine.model.name)
         learned = learned_draft(build_proposer(cfg.engine.draft, target, tok))
@@ -80,6 +81,12 @@ class LearnerServer:
         #: checkpointed just before a crash may never have been broadcast)
         self.announce = [(d, state, v) for d, (state, v) in self.book.served.items()]
         self.background.start()
+
+    @staticmethod
+    def window(cfg: AppConfig) -> int | None:
+        """The prompt tokens a record trains on: the trainer's ``context_tokens``, else the window the
+        served draft reads (``engine.draft.context_tokens``); None: the whole prompt."""
+        return cfg.learner.trainer.context_tokens or cfg.engine.draft.context_tokens
 
     def _count_round(self, rep: RoundReport) -> None:
         """A finished round into the meter (from the learner thread)."""

@@ -81,9 +81,21 @@ class RoundReport:
 # ---------------------------------------------------------------------------------------------
 
 
+def in_window(s: Sample, context_tokens: int | None) -> Sample:
+    """``s`` with only its last ``context_tokens`` prompt tokens (the window the served draft reads:
+    ``engine.draft.context_tokens``); the output and its rows are unchanged. A sample with
+    features, or a prompt within the window, comes back as it is."""
+    cut = s.prompt_len - context_tokens if context_tokens else 0
+    if cut <= 0 or s.features is not None:
+        return s
+    return dataclasses.replace(s, tokens=s.tokens[cut:], prompt_len=s.prompt_len - cut)
+
+
 def records_to_batch(records: Iterable[ReplayRecord], positions: str = "all",
-                     prompt_head: torch.nn.Module | None = None) -> tuple[list[Sample], torch.Tensor]:
-    """Samples (``to_sample()``) and the row mask over their concatenated output rows.
+                     prompt_head: torch.nn.Module | None = None,
+                     context_tokens: int | None = None) -> tuple[list[Sample], torch.Tensor]:
+    """Samples (``to_sample()``, cut to ``context_tokens`` prompt tokens: :func:`in_window`) and
+    the row mask over their concatenated output rows.
 
     ``positions="wrong"`` keeps the rows where ``draft_wrong``; ``"all"`` every row. Records that
     cannot become a Sample (no row inside the sequence, non-contiguous rows) are skipped.
@@ -93,7 +105,7 @@ def records_to_batch(records: Iterable[ReplayRecord], positions: str = "all",
     samples, masks = [], []
     for rec in records:
         try:
-            s = rec.to_sample()
+            s = in_window(rec.to_sample(), context_tokens)
         except ValueError:  # to_sample refuses a record with no row inside the sequence
             continue
         if positions == "wrong":
@@ -212,7 +224,7 @@ class DraftTrainer:
         self.holdout = deque([*self.holdout, record], maxlen=self.holdout.maxlen)
 
     def holdout_samples(self) -> list[Sample]:
-        return records_to_batch(self.holdout, "all")[0]
+        return records_to_batch(self.holdout, "all", context_tokens=self.cfg.context_tokens)[0]
 
     def holdout_hits(self, model: torch.nn.Module | None = None, pause: Callable[[], None] | None = None) -> torch.Tensor:
         """Per held-back position: teacher-forced top-1 agreement with the target. [N] bool. In
@@ -315,7 +327,7 @@ class DraftTrainer:
         rep = RoundReport(draft_id=self.draft_id, records=len(records))
         t0 = time.perf_counter()
         # 1. the batch: the records' teacher rows (positions the loss reads)
-        samples, mask = records_to_batch(records, cfg.positions, self.prompt_head)
+        samples, mask = records_to_batch(records, cfg.positions, self.prompt_head, cfg.context_tokens)
         rep.positions = int(mask.sum())
         if rep.positions == 0:
             rep.reason = "no trainable rows"
@@ -340,7 +352,7 @@ class DraftTrainer:
                     break
                 ts = time.perf_counter()
                 self.opt.zero_grad(set_to_none=True)
-                step_samples, step_mask = (samples, mask) if i == 0 or next_batch is None else records_to_batch(next_batch(), cfg.positions, self.prompt_head)
+                step_samples, step_mask = (samples, mask) if i == 0 or next_batch is None else records_to_batch(next_batch(), cfg.positions, self.prompt_head, cfg.context_tokens)
                 if not bool(step_mask.any()):
                     continue
                 for part, part_mask, share in self._pieces(step_samples, step_mask):

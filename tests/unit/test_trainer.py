@@ -89,6 +89,39 @@ def test_a_batch_takes_the_rows_inside_each_sequence_and_their_mask_only():
     assert records_to_batch([none], "all")[1].shape == (0,)
 
 
+def test_a_record_trains_in_the_window_the_served_draft_reads():
+    """context_tokens (engine.draft.context_tokens as served): a record keeps its last N prompt
+    tokens and its whole output, rows and mask unchanged; a prompt within the window, or no
+    window, leaves it whole."""
+    from learner.trainer import in_window
+
+    rec = _record(40, 30, [True] * 10)  # 30 prompt tokens, 10 output rows
+    (whole,), _ = records_to_batch([rec], "all")
+    (cut,), mask = records_to_batch([rec], "all", context_tokens=16)
+    assert whole.prompt_len == 30 and whole.tokens.tolist() == list(range(40))
+    assert cut.prompt_len == 16 and cut.tokens.tolist() == list(range(14, 40))
+    assert cut.output == whole.output and torch.equal(cut.ids, whole.ids) and torch.equal(cut.probs, whole.probs)
+    assert mask.tolist() == [True] * 10
+    assert in_window(whole, 30) is whole and in_window(whole, None) is whole and in_window(whole, 64) is whole
+    assert in_window(dataclasses.replace(whole, features=torch.zeros(40, 4)), 16).prompt_len == 30  # features: whole
+
+
+def test_the_learner_deployment_trains_in_the_engines_draft_window(tmp_path):
+    """The learner deployment takes engine.draft.context_tokens as its trainer's window unless the
+    trainer names its own."""
+    from inprocess import app_config
+
+    from deployments.learner import LearnerServer
+
+    def window(trainer: dict) -> int | None:
+        cfg = app_config("x", engine={"model": {"name": "x"}, "draft": {"kind": "truncated", "num_layers": 2,
+                                                                      "context_tokens": 32}},
+                         learner={"enabled": True, "state_dir": str(tmp_path), "trainer": trainer})
+        return LearnerServer.window(cfg)
+
+    assert window({}) == 32 and window({"context_tokens": 64}) == 64
+
+
 def test_a_draft_whose_shard_is_empty_is_not_picked(setup):
     """Lost acceptance counts only where there are records to learn from: a draft whose records were
     all deleted (a tenant's deletion) waits, however much it lost, and one without a shard too."""
