@@ -783,6 +783,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", metavar="{online,shift,overhead,mixture,report}")
     sub.required = True
     default_wl = Path(__file__).resolve().parent / "data" / "workload.jsonl"
+    # the learner's defaults are the server's (config.learner.SERVE_TRAINER): an experiment shows
+    # what a fresh `make run` would learn
+    t = SERVE_TRAINER
     for name, help_ in (("online", "static vs online vs offline-bound draft on one stream"),
                         ("shift", "domain-block stream; offline drafts on the first 30/50/70/100%")):
         p = sub.add_parser(name, help=help_)
@@ -805,9 +808,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma list (online default static,online,offline); also target, lookup, suffix, controller, "
                             "controller-static (the same controller, its learned draft not learning), "
                             "suffix@R (R replicas' trees sharing outputs), suffix-split@R (not sharing)")
-        # the learner's defaults are the server's (config.learner.SERVE_TRAINER): the experiment
-        # shows what a fresh `make run` would learn
-        t = SERVE_TRAINER
         p.add_argument("--train-every", type=int, default=t.train_every)
         p.add_argument("--batch-records", type=int, default=t.batch_records)
         p.add_argument("--steps-per-round", type=int, default=t.steps_per_round)
@@ -874,11 +874,13 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--max-tokens", type=int, default=32)
     x.add_argument("--k", type=int, default=4)
     x.add_argument("--window", type=int, default=10)
-    x.add_argument("--train-every", type=int, default=4)
-    x.add_argument("--batch-records", type=int, default=16)
-    x.add_argument("--steps-per-round", type=int, default=8)
-    x.add_argument("--lr", type=float, default=3e-4)
-    x.add_argument("--gate-margin", type=float, default=0.02)
+    x.add_argument("--train-every", type=int, default=t.train_every)  # the server's rounds (SERVE_TRAINER)
+    x.add_argument("--batch-records", type=int, default=t.batch_records)
+    x.add_argument("--steps-per-round", type=int, default=t.steps_per_round)
+    x.add_argument("--lr", type=float, default=t.lr)
+    x.add_argument("--gate-margin", type=float, default=t.gate_margin)
+    x.add_argument("--adapter-rank", type=int, default=t.adapter_rank,
+                   help="each draft learns low-rank adapters of this rank (base frozen); 0: the whole draft")
     x.add_argument("--holdout-fraction", type=float, default=0.1)
     x.add_argument("--positions", choices=["wrong", "all"], default="all")
     x.add_argument("--no-resample", action="store_true", help="repeat one batch for all steps of a round")

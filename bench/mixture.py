@@ -104,8 +104,12 @@ class _Drafts:
         _force_k(eng, self.k)
         dp = _draft_of(eng)
         if parent is not None:
-            if own is None:  # fork: the parent's current weights
-                src = _draft_of(self.engines[parent]).runner.model.state_dict()
+            if own is None:  # fork: the parent's current weights (its adapters alone where it has them:
+                # both drafts are built from the same start, so they share that base)
+                from speculative.adapters import adapter_state, has_adapters
+
+                model = _draft_of(self.engines[parent]).runner.model
+                src = adapter_state(model) if has_adapters(model) else model.state_dict()
                 dp.load_state_dict({n: t.detach().clone() for n, t in src.items()}, 0)
             self.spawned.append({"draft": draft_id, "parent": None if own is not None else parent, "at": at,
                                  "domain": domain, "start": own})
@@ -612,7 +616,7 @@ def main(args) -> int:
     lcfg = LearnerConfig(train_every=args.train_every, batch_records=args.batch_records,
                          steps_per_round=args.steps_per_round, lr=args.lr, gate_margin=args.gate_margin,
                          holdout_fraction=args.holdout_fraction, positions=args.positions,
-                         resample=not args.no_resample)
+                         resample=not args.no_resample, adapter_rank=args.adapter_rank)
     rcfg = RouterConfig(drafts={"spawn_min_records": args.spawn_min_records, "spawn_window": args.spawn_window,
                                 "spawn_alpha": args.spawn_alpha, "spawn_min_tokens": args.spawn_min_tokens,
                                 "max_drafts": args.max_drafts})

@@ -383,6 +383,32 @@ def test_mode_oracle_is_the_best_fixed_draft_per_label():
 # -- a starting draft of its own per named domain ------------------------------------------------------
 
 
+def test_a_fork_of_a_draft_with_adapters_takes_its_adapters_on_the_same_base(target, make_engine, draft_proposer):
+    """Adapter learners (the server's default): a cluster's draft forked from the general draft
+    after it published adapters serves those adapters on its own copy of the same start."""
+    from bench.mixture import GENERAL, _Drafts
+    from learner.replay import ShardConfig
+    from learner.trainer import OnlineLearner
+    from speculative.adapters import adapter_state, add_adapters, has_adapters
+
+    def factory(start=None):
+        return make_engine(draft_proposer(truncated_draft(target, 1)), k=3)
+
+    cfg = LearnerConfig(holdout_fraction=0.0, adapter_rank=4)
+    d = _Drafts(factory, OnlineLearner(cfg, ShardConfig()), cfg, 3)
+    d.add(GENERAL)
+    published = add_adapters(copy.deepcopy(_draft(d, GENERAL)), 4)
+    with torch.no_grad():
+        for k, v in adapter_state(published).items():
+            v.add_(0.01)  # (a view of the copy's own adapters)
+    d.engines[GENERAL].swap_draft(adapter_state(published), 1)
+    d.add("c3-en", parent=GENERAL, at=5, domain="c3-en")
+    fork, general = _draft(d, "c3-en"), _draft(d, GENERAL)
+    assert has_adapters(fork) and fork is not general
+    assert all(torch.equal(v, adapter_state(general)[k]) for k, v in adapter_state(fork).items())
+    assert adapter_state(fork) and any(v.abs().sum() > 0 for v in adapter_state(fork).values())
+
+
 def test_a_domain_starts_from_its_own_draft_its_languages_too_and_a_fork_keeps_its_head(target, make_engine, draft_proposer):
     """``starts``: a named domain's draft (and a language variant's: chat/es -> chat) is built from
     the domain's starting draft, not forked; a domain without one forks the general draft; a draft
