@@ -164,7 +164,7 @@ class LearnerServeConfig(_Strict):
     state_dir: str | None = None
     #: a serving learner's rounds (:data:`SERVE_TRAINER`); ``osd experiment online|shift`` take
     #: the same values as their defaults
-    trainer: LearnerConfig = Field(default_factory=lambda: SERVE_TRAINER)
+    trainer: LearnerConfig = SERVE_TRAINER  # frozen: shared safely as the default
 
     @field_validator("trainer", mode="before")
     @classmethod

@@ -522,7 +522,12 @@ def test_with_min_share_the_learner_publishes_while_traffic_never_pauses(folder,
     server = LearnerServer(cfg, publish=published)
     pool, loop = LocalPool(cfg, learner=Handle(server)), Loop()
     stop = threading.Event()
-    traffic = threading.Thread(target=lambda: [server.touch() for _ in iter(lambda: stop.wait(0.05), True)])
+
+    def steady_traffic():  # a request every 50 ms: never quiet_s without one
+        while not stop.wait(0.05):
+            server.touch()
+
+    traffic = threading.Thread(target=steady_traffic)
     try:
         traffic.start()
         serve_requests(pool, loop, 4)
