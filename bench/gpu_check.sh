@@ -9,7 +9,8 @@
 # draft learning online from the one-layer truncated target: results/suffix/run.sh feature) | turns-k
 # (the suffix tree alone in those conversations at k_max KT, default 16; CT=1 adds the controller) | acceptance
 # (the controller with the draft's acceptance set by hand: osd bench --draft-acceptance; NA prompts) | shift-sql
-# (the shipped adapter learning online on SQL of a source it never saw, as on the CPU: NS records, default 200).
+# (the shipped adapter learning online on SQL of a source it never saw, as on the CPU: NS records, default 200) |
+# shift-speed (the same adapter static against learning under the controller with the suffix tree on, tokens/s).
 # proposers, turns, turns-k and feature log to $OUT/<stage>.log (turns-k: turns_k.log) and print their
 # tables; sizes NP (48 prompts), NT (20 conversations), NF (80 prompts). prepare: dequantise the GGUF once (cached), so that no timed stage
 # pays it. On one H100: prepare ~20 s, proposers (NP=48) 3 min, turns (NT=20) 2.5 min, feature about
@@ -27,7 +28,7 @@ CK=${CK:-/tmp/osd-gpu-ckpt}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 OSD="${PYTHON:-python3} -m osd.cli"
-if [ "${SMOKE:-0}" = 1 ]; then R=2; N=6; NB=2; T=8; OFF=3; NP=4; NT=4; NF=4; TP=8; NS=${NS:-6}
+if [ "${SMOKE:-0}" = 1 ]; then R=2; N=6; NB=2; T=8; OFF=3; NP=4; NT=4; NF=4; TP=8; NS=${NS:-6}; NSS=${NSS:-4}
 else R=25; N=${N:-150}; NB=${NB:-30}; T=32; OFF=${OFF:-45}; NP=${NP:-48}; NT=${NT:-20}; NF=${NF:-80}; TP=48; fi
 CC=(); [ "${COMPILE:-0}" = 1 ] && CC=(--compile)
 X="$OSD experiment online --draft-adapter none --adapter-rank 0 --lr 3e-4 --train-every 4 ${CC[*]} --target $G --device $DEVICE --workload bench/data/workload.jsonl --max-tokens $TP --window 10 --eval-every 2 --quantize ${QUANT:-auto}"
@@ -63,6 +64,14 @@ for stage in "$@"; do
                 # settings on SQL of a source it was never distilled on (bench/configs/shift_sql_200.yaml; NS records)
       $OSD experiment shift --config bench/configs/shift_sql_200.yaml --target "$G" --device "$DEVICE" \
         --quantize "${QUANT:-auto}" --n ${NS:-200} --quiet --json "$OUT/shift_sql.json" --png "$OUT/shift_sql.png" | tail -n 4 ;;
+    shift-speed)  # the 1.1x asked of learning, on this device: the controller over the suffix tree, prompt lookup
+                  # and the shipped adapter, the adapter static against learning, interleaved request by request,
+                  # on SQL then code of sources it was never distilled on (bench/configs/shift_controller.yaml; NSS
+                  # records, default 120; KS: k_max, default the config's 6); tokens/s per window in shift_speed.log
+      $OSD experiment shift --config bench/configs/shift_controller.yaml --target "$G" --device "$DEVICE" \
+        --quantize "${QUANT:-auto}" "${CC[@]}" --draft-context 128 --n ${NSS:-120} ${KS:+--k $KS} \
+        --json "$OUT/shift_speed.json" >"$OUT/shift_speed.log" 2>&1
+      tail -n 12 "$OUT/shift_speed.log" ;;
     speed)
       $OSD bench --target "$G" --device "$DEVICE" --n $NB --max-tokens 64 --methods target,spec,spec_lookup,hf_assisted,hf_lookup \
         --json "$OUT/bench_untrained.json" | tail -n 8 ;;
