@@ -51,6 +51,10 @@ class LearnerConfig(BaseModel):
     batch_records: int = Field(default=16, ge=1)
     #: optimiser steps per round (each over a whole batch)
     steps_per_round: int = Field(default=4, ge=1)
+    #: a round may end after this many steps once the next one is due (``train_every`` more records
+    #: arrived while it trained): with spare compute a round takes all ``steps_per_round``, under
+    #: steady traffic rounds keep up with it. None: always all of them
+    min_steps_per_round: int | None = Field(default=None, ge=1)
     #: every step of a round draws a fresh batch from the shard (True), or all steps repeat the
     #: round's one batch (False: they fit those records and forget the rest of the window)
     resample: bool = True
@@ -142,10 +146,12 @@ class BackgroundConfig(BaseModel):
 
 #: the learner's rounds as a server runs them, and the defaults of ``osd experiment online|shift``:
 #: rank-16 adapters on the draft's projections and head (a whole-draft update is rounded away by the
-#: served draft's 4-bit packing: docs/proposers.md, "Adapters"), 2 steps at 1e-3 every 16 records,
-#: every position, the gate allowing 0.02 of held-out agreement
-SERVE_TRAINER = LearnerConfig(train_every=16, batch_records=16, steps_per_round=2, lr=1e-3, positions="all",
-                              gate_margin=0.02, adapter_rank=16)
+#: served draft's 4-bit packing: docs/proposers.md, "Adapters"), a round every 16 records of up to 16
+#: steps at 1e-3 (at least 2 when the next round is due; 16 against 2, 4 and 8 chosen on a stream that is
+#: never scored: docs/proposers.md, "How many steps a round"), every position, the gate allowing 0.02 of
+#: held-out agreement
+SERVE_TRAINER = LearnerConfig(train_every=16, batch_records=16, steps_per_round=16, min_steps_per_round=2, lr=1e-3,
+                              positions="all", gate_margin=0.02, adapter_rank=16)
 
 
 class LearnerServeConfig(_Strict):

@@ -95,6 +95,8 @@ class LearnerServer:
                   else "yielded" if rep.stopped_early else "empty")
         m.inc("osd_learner_rounds_total", draft=d, result=result)
         m.inc("osd_learner_steps_total", rep.steps, draft=d)
+        if rep.cut_short:
+            m.inc("osd_learner_rounds_cut_total", draft=d)
         m.inc("osd_learner_train_seconds_total", rep.train_seconds, draft=d)
         if rep.loss_after is not None and math.isfinite(rep.loss_after):  # a rejected NaN round keeps the last loss
             m.set("osd_learner_loss", rep.loss_after, draft=d)

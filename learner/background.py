@@ -47,6 +47,7 @@ class LearnerStats:
     published: int = 0
     rejected: int = 0
     yielded_rounds: int = 0
+    cut_rounds: int = 0  # ended after min_steps_per_round because the next round was due
     errors: int = 0  # rounds that raised (weights restored, learning went on)
     train_seconds: float = 0.0
     against_traffic_s: float = 0.0  # CPU seconds trained while serving was busy (min_share)
@@ -134,6 +135,7 @@ class BackgroundLearner:
         self._share = ShareBudget(cfg.min_share, cfg.share_burst_s)
         learner.should_yield = self._should_yield
         learner.pause = self._wait_while_busy
+        learner.waiting = self._queue.qsize
 
     # -- serving side ---------------------------------------------------------------------------
     def submit(self, record: ReplayRecord) -> bool:
@@ -286,6 +288,7 @@ class BackgroundLearner:
             s.published += int(rep.version is not None)
             s.rejected += int(rep.steps > 0 and not rep.accepted)
             s.yielded_rounds += int(rep.stopped_early)
+            s.cut_rounds += int(rep.cut_short)
             s.last_round = rep.to_dict()
         if self.on_round is not None:
             self.on_round(rep)

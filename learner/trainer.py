@@ -66,6 +66,7 @@ class RoundReport:
     records: int = 0
     positions: int = 0  # trained rows per step
     stopped_early: bool = False  # should_yield stopped the round
+    cut_short: bool = False  # ended after min_steps_per_round: the next round was due
     accepted: bool = False
     reason: str = ""
     agreement_before: float | None = None  # held-out top-1 agreement, pre-round weights
@@ -309,6 +310,7 @@ class DraftTrainer:
         should_yield: Callable[[], bool] | None = None,
         pause: Callable[[], None] | None = None,
         next_batch: Callable[[], Sequence[ReplayRecord]] | None = None,
+        next_due: Callable[[], bool] | None = None,
     ) -> RoundReport:
         """Up to ``steps_per_round`` steps, the first on ``records``, then the gate.
 
@@ -322,6 +324,8 @@ class DraftTrainer:
         every forward/backward piece of a step and may block, e.g. while requests are live
         (``micro_batch_records`` sets the pieces). ``should_yield`` is checked before
         every step: when it returns True the round stops (a round with 0 steps changes nothing).
+        ``next_due`` is asked before every step after ``min_steps_per_round`` of them: when it returns
+        True (the next round's records have arrived) the round ends there and goes to the gate.
         """
         cfg = self.cfg
         rep = RoundReport(draft_id=self.draft_id, records=len(records))
@@ -349,6 +353,10 @@ class DraftTrainer:
             for i in range(cfg.steps_per_round):
                 if i > 0 and should_yield is not None and should_yield():
                     rep.stopped_early = True
+                    break
+                if cfg.min_steps_per_round is not None and rep.steps >= cfg.min_steps_per_round \
+                        and next_due is not None and next_due():
+                    rep.cut_short = True
                     break
                 ts = time.perf_counter()
                 self.opt.zero_grad(set_to_none=True)
@@ -553,6 +561,9 @@ class OnlineLearner:
             self.add_trainer(t)
         self.should_yield = should_yield
         self.pause = pause
+        #: records handed over but not counted yet (a background learner's queue): with them the
+        #: next round may be due while this one trains (``cfg.min_steps_per_round``)
+        self.waiting: Callable[[], int] = lambda: 0
         self._recent: dict[str, deque[tuple[int, int, int]]] = {}  # (rows, proposed rows, wrong proposed rows)
         self._since = 0
         self._pending: defaultdict[str, int] = defaultdict(int)  # rows observed per draft since its last round
@@ -670,7 +681,8 @@ class OnlineLearner:
         self.training = d
         try:
             rep = trainer.train_round(shard.sample(n), self.should_yield, self.pause,
-                                      next_batch=(lambda: shard.sample(n)) if self.cfg.resample else None)
+                                      next_batch=(lambda: shard.sample(n)) if self.cfg.resample else None,
+                                      next_due=lambda: self._since + self.waiting() >= self.cfg.train_every)
         finally:
             self.training = None
         if rep.accepted and rep.steps > 0:

@@ -129,6 +129,8 @@ CATALOG: dict[str, Family] = _families(
     Family("osd_learner_rejected_total", "counter", "Rejected candidates by reason (non_finite, agreement_drop, other)",
            ("draft", "reason")),
     Family("osd_learner_steps_total", "counter", "Optimiser steps", ("draft",)),
+    Family("osd_learner_rounds_cut_total", "counter", "Rounds ended after learner.trainer.min_steps_per_round steps "
+           "because the next was due (traffic outpaced training)", ("draft",)),
     Family("osd_learner_train_seconds_total", "counter", "Time in optimiser steps (step time = rate of this / rate of "
            "steps)", ("draft",)),
     Family("osd_learner_against_traffic_seconds_total", "counter", "CPU seconds the learner trained while serving "

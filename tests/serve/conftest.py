@@ -45,9 +45,9 @@ def server(tmp_path_factory):
     app["args"]["ingress"]["max_tokens_limit"] = 9000
     app["args"]["ingress"]["max_in_flight"] = 12  # the shedding test goes past it; the others stay below
     app["args"]["learner"]["state_dir"] = STATE["learner_dir"] = str(tmp_path_factory.mktemp("learner"))
-    # rounds after every 8 records, and a gate that publishes any finite update: what is tested
-    # here is the path (records -> rounds -> object store -> every replica), not the gate
-    app["args"]["learner"]["trainer"].update(train_every=8, gate_margin=1.0, holdout_fraction=0.2)
+    # rounds of 2 steps after every 8 records, and a gate that publishes any finite update: what is
+    # tested here is the path (records -> rounds -> object store -> every replica), not the gate
+    app["args"]["learner"]["trainer"].update(train_every=8, steps_per_round=2, gate_margin=1.0, holdout_fraction=0.2)
     app["args"]["learner"]["background"]["quiet_s"] = 0  # rounds as records come, not in gaps of traffic
     app["args"]["router_save_s"] = 5.0
     if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -201,6 +201,25 @@ def test_with_min_share_the_learner_trains_under_traffic_that_never_pauses(targe
     assert s.steps > 0 and s.against_traffic_s > 0
 
 
+def test_records_arriving_during_a_long_round_end_it_after_its_minimum(target, records):
+    """A round of up to 400 steps ends once the next round's records wait in the queue (after at
+    least min_steps_per_round), is gated and published like any other, and the next round starts
+    on them (and, with nothing arriving after it, is not cut)."""
+    with BackgroundLearner(_learner(target, steps_per_round=400, min_steps_per_round=2)) as bg:
+        for r in records[:4]:
+            bg.submit(r)
+        assert _wait(lambda: bg.stats().training == "d"), bg.stats()
+        for r in records[4:8]:
+            bg.submit(r)
+        assert _wait(lambda: bg.stats().rounds == 1 and bg.stats().training == "d", timeout=60), bg.stats()
+        s = bg.stats()
+    first = bg.learner.reports[0]
+    assert first.cut_short and 2 <= first.steps < 400 and not first.stopped_early and first.version == 1
+    assert s.cut_rounds == 1 and s.observed == 8 and bg.error is None
+    second = bg.learner.reports[1]  # stopped by the learner's stop, not cut
+    assert second.stopped_early and not second.cut_short
+
+
 def test_paused_learner_observes_but_does_not_train(target, records):
     bg = BackgroundLearner(_learner(target))
     bg.pause()

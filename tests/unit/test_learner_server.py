@@ -188,7 +188,7 @@ def test_rounds_are_counted_by_their_outcome(served):
     server = served[0]
     m = server.meter
     cases = [
-        (RoundReport("d", steps=2, accepted=True, version=3, loss_after=0.5, train_seconds=0.25), "published"),
+        (RoundReport("d", steps=2, accepted=True, version=3, loss_after=0.5, train_seconds=0.25, cut_short=True), "published"),
         (RoundReport("d", steps=2, accepted=False, reason="non-finite loss", loss_after=float("nan")), "rejected"),
         (RoundReport("d", steps=1, accepted=False, reason="held-out agreement fell 0.2 -> 0.1", loss_after=0.7), "rejected"),
         (RoundReport("d", steps=1, accepted=False, reason="something else"), "rejected"),
@@ -206,6 +206,7 @@ def test_rounds_are_counted_by_their_outcome(served):
     for result in ("published", "rejected", "yielded", "empty"):
         assert counter(m, "osd_learner_rounds_total", draft="d", result=result) == sum(r == result for _, r in cases), result
     assert counter(m, "osd_learner_steps_total", draft="d") == 6
+    assert counter(m, "osd_learner_rounds_cut_total", draft="d") == 1
     assert counter(m, "osd_learner_train_seconds_total", draft="d") == 0.25
     for reason in ("non_finite", "agreement_drop", "other"):
         assert counter(m, "osd_learner_rejected_total", draft="d", reason=reason) == 1

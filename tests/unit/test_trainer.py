@@ -282,6 +282,22 @@ def test_should_yield_stops_round(setup):
     assert rep.steps == 2 and rep.stopped_early  # checks: before the round, before steps 2 and 3
 
 
+def test_a_round_ends_after_its_minimum_once_the_next_is_due_and_never_before(setup):
+    """steps_per_round is a cap: past min_steps_per_round a round ends when ``next_due`` says the next
+    round's records are in; it still goes to the gate. Without the minimum set, ``next_due`` is ignored."""
+    draft, recs = setup
+    tr = DraftTrainer("d", draft, _cfg(min_steps_per_round=2))
+    rep = tr.train_round(recs[:8], next_due=lambda: True)
+    assert (rep.steps, rep.cut_short, rep.stopped_early) == (2, True, False) and rep.accepted
+    asked = []
+    rep = tr.train_round(recs[:8], next_due=lambda: asked.append(1) or len(asked) >= 3)
+    assert (rep.steps, rep.cut_short, len(asked)) == (4, True, 3)  # asked before steps 3, 4 and 5
+    rep = tr.train_round(recs[:8], next_due=lambda: False)
+    assert (rep.steps, rep.cut_short) == (6, False)
+    rep = DraftTrainer("d", copy.deepcopy(draft), _cfg()).train_round(recs[:8], next_due=lambda: True)
+    assert (rep.steps, rep.cut_short) == (6, False)
+
+
 def test_a_round_trains_on_a_single_wrong_row_and_times_a_round_that_did_not_start(setup):
     draft, recs = setup
     tr = DraftTrainer("d", draft, _cfg(positions="wrong"))
