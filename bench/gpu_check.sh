@@ -61,15 +61,16 @@ for stage in "$@"; do
       $OSD experiment shift --target "$G" --device "$DEVICE" --workload bench/data/train.jsonl --n $((N / 2 * 2)) \
         --order sql,math,code,chat $LEARN --window 10 --quiet --json "$OUT/shift.json" --png "$OUT/shift.png" ;;
     shift-sql)  # the CPU's shift figure on this device: the shipped adapter learning online at the server's
-                # settings on SQL of a source it was never distilled on (bench/configs/shift_sql_200.yaml; NS records)
+                # settings on SQL of a source it was never distilled on (bench/configs/shift_sql_200.yaml; NS records;
+                # SR: steps a round, default the server's 16)
       $OSD experiment shift --config bench/configs/shift_sql_200.yaml --target "$G" --device "$DEVICE" \
-        --quantize "${QUANT:-auto}" --n ${NS:-200} --quiet --json "$OUT/shift_sql.json" --png "$OUT/shift_sql.png" | tail -n 4 ;;
+        --quantize "${QUANT:-auto}" --n ${NS:-200} --draft-context 128 --steps-per-round ${SR:-16} --quiet --json "$OUT/shift_sql.json" --png "$OUT/shift_sql.png" | tail -n 4 ;;
     shift-speed)  # the 1.1x asked of learning, on this device: the controller over the suffix tree, prompt lookup
                   # and the shipped adapter, the adapter static against learning, interleaved request by request,
                   # on SQL then code of sources it was never distilled on (bench/configs/shift_controller.yaml; NSS
                   # records, default 120; KS: k_max, default the config's 6); tokens/s per window in shift_speed.log
       $OSD experiment shift --config bench/configs/shift_controller.yaml --target "$G" --device "$DEVICE" \
-        --quantize "${QUANT:-auto}" "${CC[@]}" --draft-context 128 --n ${NSS:-120} ${KS:+--k $KS} \
+        --quantize "${QUANT:-auto}" "${CC[@]}" --draft-context 128 --steps-per-round ${SR:-16} --n ${NSS:-120} ${KS:+--k $KS} \
         --json "$OUT/shift_speed.json" >"$OUT/shift_speed.log" 2>&1
       tail -n 12 "$OUT/shift_speed.log" ;;
     speed)

@@ -147,7 +147,7 @@ class BackgroundConfig(BaseModel):
 #: the learner's rounds as a server runs them, and the defaults of ``osd experiment online|shift``:
 #: rank-16 adapters on the draft's projections and head (a whole-draft update is rounded away by the
 #: served draft's 4-bit packing: docs/proposers.md, "Adapters"), a round every 16 records of up to 16
-#: steps at 1e-3 (at least 2 when the next round is due; 16 against 2, 4 and 8 chosen on a stream that is
+#: steps at 1e-3 (at least 2 when the next round is due; 16 against 2, 4, 8 and 32 chosen on a stream that is
 #: never scored: docs/proposers.md, "How many steps a round"), every position, the gate allowing 0.02 of
 #: held-out agreement
 SERVE_TRAINER = LearnerConfig(train_every=16, batch_records=16, steps_per_round=16, min_steps_per_round=2, lr=1e-3,
