@@ -387,6 +387,7 @@ class Hub:
             "rejected": total("osd_learner_rounds_total", result="rejected"),
             "rounds": total("osd_learner_rounds_total"),
             "steps": steps,
+            "cut_rounds": total("osd_learner_rounds_cut_total"),
             "step_seconds": total("osd_learner_train_seconds_total") / steps if steps else None,
             "against_traffic_s": total("osd_learner_against_traffic_seconds_total"),
             "paused": bool(gauges.get(("osd_learner_paused", ()), 0.0)),

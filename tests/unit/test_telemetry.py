@@ -504,9 +504,10 @@ def test_stats_learner_figures_add_up_by_result():
     lm.set("osd_learner_loss", 1.5, draft="g")
     lm.set("osd_learner_paused", 1)
     lm.inc("osd_learner_against_traffic_seconds_total", 1.25)
+    lm.inc("osd_learner_rounds_cut_total", 2, draft="g")
     hub.merge(lm.snapshot())
     got = hub.stats()["learner"]
-    assert got == {"records": 20, "published": 3, "rejected": 1, "rounds": 4, "steps": 8, "step_seconds": 0.5,
+    assert got == {"records": 20, "published": 3, "rejected": 1, "rounds": 4, "steps": 8, "cut_rounds": 2, "step_seconds": 0.5,
                    "against_traffic_s": 1.25, "paused": True, "loss": {"g": 1.5}}
 
 
