@@ -147,7 +147,8 @@ class LearnerServer:
         return {"tenant": tenant, "deleted": {**out, "queued": queued}}
 
     #: what ``configure`` may change while serving (not kept across a restart: the config file is)
-    TUNABLE = ("lr", "gate_margin", "gate_z", "steps_per_round", "train_every", "batch_records", "max_cpu_share")
+    TUNABLE = ("lr", "gate_margin", "gate_z", "steps_per_round", "min_steps_per_round", "train_every", "batch_records",
+               "max_cpu_share")
 
     def configure(self, changes: dict) -> dict:
         """Change training settings from the next round on (``TUNABLE`` fields of

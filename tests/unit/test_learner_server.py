@@ -151,9 +151,10 @@ def test_a_tenants_records_are_deleted(served):
 def test_configure_changes_the_settings_of_every_trainer(served):
     server, published, pool, loop = served
     serve_requests(pool, loop, 1)
-    assert server.configure({"lr": 0.0123, "train_every": 5})["lr"] == 0.0123
+    assert server.configure({"lr": 0.0123, "train_every": 5, "min_steps_per_round": 3})["lr"] == 0.0123
     t = server.learner.trainers[GENERAL]
     assert t.cfg.lr == 0.0123 and t.cfg.train_every == 5 and server.learner.cfg.train_every == 5
+    assert t.cfg.min_steps_per_round == server.learner.cfg.min_steps_per_round == 3
     assert all(g["lr"] == 0.0123 for g in t.opt.param_groups)
     with pytest.raises(ValueError, match="not tunable: bogus, zz \\(tunable: lr, "):
         server.configure({"zz": 1, "bogus": 2, "lr": 0.1})
