@@ -28,6 +28,8 @@ declare -A SET=(
   [s16]="--steps-per-round 16 --lr 1e-3 --train-every 16"
   [s8lr2]="--steps-per-round 8 --lr 2e-3 --train-every 16"
   [s32]="--steps-per-round 32 --lr 1e-3 --train-every 16"
+  [s16lr2]="--steps-per-round 16 --lr 2e-3 --train-every 16"
+  [s16b32]="--steps-per-round 16 --lr 1e-3 --train-every 16 --batch-records 32"
 )
 osd_shift() { HF_HUB_OFFLINE=1 ${PYTHON:-.venv/bin/python} -m osd.cli experiment shift --threads 1 --quiet "$@"; }
 tune() {
@@ -44,7 +46,7 @@ score() {
     --methods $methods --json "$out/${stream}_s$steps.json" --png "$out/${stream}_s$steps.png" > "$out/${stream}_s$steps.log" 2>&1
 }
 job=tune; [ "${1:-}" = score ] && { job=score; shift; }
-names=("$@"); [ ${#names[@]} -eq 0 ] && [ $job = tune ] && names=(base s4 s8 lr2 s4lr2 e8 s16 s8lr2 s32)
+names=("$@"); [ ${#names[@]} -eq 0 ] && [ $job = tune ] && names=(base s4 s8 lr2 s4lr2 e8 s16 s8lr2 s32 s16lr2 s16b32)
 i=0
 for n in "${names[@]}"; do
   $job "$n" & i=$((i + 1))
