@@ -160,7 +160,7 @@ class LearnerServer:
             new = LearnerConfig.model_validate({**self.trainer_cfg.model_dump(), **changes})
         except ValidationError as e:
             raise ValueError("; ".join(f"{'.'.join(str(p) for p in er['loc'])}: {er['msg']}" for er in e.errors())) from None
-        with self.background.exclusive:  # between two rounds
+        with self.background.interrupt():  # between two rounds (one in flight ends at its next step)
             self.trainer_cfg = self.learner.cfg = self.book.trainer_cfg = new
             for t in self.learner.trainers.values():
                 t.cfg = new
@@ -172,7 +172,7 @@ class LearnerServer:
     def rollback(self, draft_id: str, version: int) -> dict:
         """Serve the weights of checkpoint ``version`` again, published under a new version."""
         t = self.book.trainer(draft_id) if self.book.checkpointed(draft_id) else None  # a parked draft comes back
-        with self.background.exclusive:  # not in the middle of a round on these weights
+        with self.background.interrupt():  # not in the middle of a round on these weights
             if t is None or version not in t.versions():  # checked here: a round may just have pruned it
                 raise ValueError(f"draft {draft_id!r} has no checkpoint v{version}")
             new, state = t.rollback(version)

@@ -17,13 +17,14 @@ thread. A Ray learner deployment runs the same loop in its own process.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -130,6 +131,8 @@ class BackgroundLearner:
         #: held while a round trains: whoever changes a draft's weights from another thread (an
         #: operator's rollback) takes it, so a round never sees its weights change under it
         self.exclusive = threading.RLock()
+        self._interrupts = 0  # callers waiting for, or holding, exclusive through interrupt()
+        self._interrupts_lock = threading.Lock()
         self.error: BaseException | None = None
         #: asked only from the learner thread (its CPU clock is that thread's)
         self._share = ShareBudget(cfg.min_share, cfg.share_burst_s)
@@ -194,6 +197,20 @@ class BackgroundLearner:
     def resume(self) -> None:
         self._paused.clear()
 
+    @contextlib.contextmanager
+    def interrupt(self) -> Iterator[None]:
+        """Hold ``exclusive`` without waiting out a long round: the round in flight ends at its next
+        step (or while it waits for traffic to pass), goes to the gate as any round stopped early, and
+        no round starts while a caller waits for the lock or holds it. For an operator's calls."""
+        with self._interrupts_lock:
+            self._interrupts += 1
+        try:
+            with self.exclusive:
+                yield
+        finally:
+            with self._interrupts_lock:
+                self._interrupts -= 1
+
     def stats(self) -> LearnerStats:
         with self._lock:
             s = replace(self._stats)
@@ -217,8 +234,8 @@ class BackgroundLearner:
         return self._share.hold(self.cfg.yield_to_requests and bool(self.busy()))
 
     def _should_yield(self) -> bool:
-        """End the round now: stopping, or paused by the operator."""
-        return self._stop.is_set() or self._paused.is_set()
+        """End the round now: stopping, paused by the operator, or an operator's call waiting (interrupt)."""
+        return self._stop.is_set() or self._paused.is_set() or self._interrupts > 0
 
     def _wait_while_busy(self) -> None:
         """Inside a step, between two pieces: hold the CPU back while a request is live."""

@@ -220,6 +220,26 @@ def test_records_arriving_during_a_long_round_end_it_after_its_minimum(target, r
     assert second.stopped_early and not second.cut_short
 
 
+def test_an_operators_call_interrupts_a_long_round_instead_of_waiting_it_out(target, records):
+    """interrupt() takes the round lock within a step or so of a 400-step round: the round stops
+    early (gated as usual), no round starts while the caller holds the lock, and learning goes on after."""
+    with BackgroundLearner(_learner(target, steps_per_round=400)) as bg:
+        for r in records[:4]:
+            bg.submit(r)
+        assert _wait(lambda: bg.stats().training == "d" and bg.stats().steps == 0), bg.stats()
+        t0 = time.monotonic()
+        with bg.interrupt():
+            waited = time.monotonic() - t0
+            assert len(bg.learner.reports) == 1 and bg.learner.training is None  # the round ended, reported
+            for r in records[4:8]:
+                bg.submit(r)
+            time.sleep(0.3)
+            assert bg.learner.training is None and len(bg.learner.reports) == 1  # none starts meanwhile
+        first = bg.learner.reports[0]
+        assert first.stopped_early and first.steps < 400 and waited < 15
+        assert _wait(lambda: bg.stats().training == "d"), bg.stats()  # the next round, on the new records
+
+
 def test_paused_learner_observes_but_does_not_train(target, records):
     bg = BackgroundLearner(_learner(target))
     bg.pause()
