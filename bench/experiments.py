@@ -814,8 +814,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seconds-per-round", type=float, default=None, help="wall budget of one online round")
         p.add_argument("--lr", type=float, default=t.lr)
         p.add_argument("--gate-margin", type=float, default=t.gate_margin)
-        p.add_argument("--gate-z", type=float, default=0.0, help="paired gate: standard errors allowed on top of the margin")
-        p.add_argument("--holdout-fraction", type=float, default=0.1)
+        p.add_argument("--gate-z", type=float, default=t.gate_z, help="paired gate: standard errors allowed on top of the margin")
+        p.add_argument("--holdout-fraction", type=float, default=t.holdout_fraction)
         p.add_argument("--positions", choices=["wrong", "all"], default=t.positions)
         p.add_argument("--loss", default="forward_kl", help="the learner's loss (draft_opd: forward KL where the "
                        "served draft was right, reverse KL where it was wrong)")
@@ -881,8 +881,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--gate-margin", type=float, default=t.gate_margin)
     x.add_argument("--adapter-rank", type=int, default=t.adapter_rank,
                    help="each draft learns low-rank adapters of this rank (base frozen); 0: the whole draft")
-    x.add_argument("--holdout-fraction", type=float, default=0.1)
-    x.add_argument("--positions", choices=["wrong", "all"], default="all")
+    x.add_argument("--holdout-fraction", type=float, default=t.holdout_fraction)
+    x.add_argument("--positions", choices=["wrong", "all"], default=t.positions)
     x.add_argument("--no-resample", action="store_true", help="repeat one batch for all steps of a round")
     x.add_argument("--spawn-min-records", type=int, default=10)
     x.add_argument("--spawn-window", type=int, default=100)
