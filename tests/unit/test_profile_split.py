@@ -15,7 +15,9 @@ def test_a_step_is_split_between_linear_kernels_attention_and_the_rest(path):
     runner = make_runner(tiny_llama(2, seed=0), path, name="target")
     split = step_split(runner, list(range(3, 40)), [7], repeats=3)
     assert split["matrix_ms"] > 0 and split["attention_ms"] > 0  # both found: op names and the native call
-    assert split["matrix_ms"] + split["attention_ms"] <= split["step_ms"] * 1.5  # profiled parts of a median step
+    # the parts lie inside the passes they were taken from (the median step is another run: on a loaded
+    # machine a profiled pass of a tiny model's sub-millisecond step may take more than 1.5 times it)
+    assert split["matrix_ms"] + split["attention_ms"] <= split["passes_ms"] + 0.02  # each rounded to 0.01 ms
     assert split["rest_ms"] >= 0 and 0 <= split["outside_matrix_share"] < 1
     # the same share as the reported times give, up to their rounding to 0.01 ms (a tiny model's step
     # is a fraction of a millisecond: 0.005 ms of rounding on each moves 1 - matrix / step by up to 0.01 / step)
