@@ -20,7 +20,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .adapters import base_memo, load_state
 from .models import eos_token_ids
-from .sampling import sparse_top_k
+from .summary import summarise
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,9 @@ class TargetRows:
 def target_rows(logits: torch.Tensor, call: VerifyCall, seconds: float = 0.0, batch: int = 1,
                 features: torch.Tensor | None = None) -> TargetRows:
     """Compact the logits of one call ([rows, V]) into what the engine needs."""
-    ids, probs, tail = sparse_top_k(logits, call.top_k)
+    argmax, ids, probs, tail = summarise(logits, call.top_k)
     feats = features.to(torch.float16) if call.features and features is not None else None
-    return TargetRows(logits.argmax(-1), ids, probs, tail, logits if call.full_rows else None, seconds, batch, feats)
+    return TargetRows(argmax, ids, probs, tail, logits if call.full_rows else None, seconds, batch, feats)
 
 
 def _select(features: torch.Tensor, have: list[int], want: tuple[int, ...]) -> torch.Tensor:
