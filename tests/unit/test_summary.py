@@ -77,3 +77,23 @@ def test_a_rows_summary_does_not_depend_on_the_rows_beside_it():
     for r in (0, 7, 39):
         alone = summarise(logits[r : r + 1].clone(), 16)
         assert all(torch.equal(a[0], b[r]) for a, b in zip(alone, together))
+
+
+@needs_kernel
+def test_the_native_pass_takes_every_k_it_can(monkeypatch):
+    """k from 1 to MAX_K goes to the kernel (the speed rests on it); beyond, and k = 0, to torch."""
+    import speculative.summary as summary
+
+    kernel, calls = load_summary(), []
+
+    def counted(*args):
+        calls.append(args[4])  # K
+        return kernel(*args)
+
+    monkeypatch.setattr(summary, "load_summary", lambda: counted)
+    logits = torch.randn(2, 200)
+    for k in (1, MAX_K, MAX_K + 1, 0):
+        got, want = summarise(logits, k), torch_summary(logits, k)
+        _close(got, want)
+    assert calls == [1, MAX_K]
+    assert summarise(logits, 0)[1].shape == (2, 0)
