@@ -233,14 +233,28 @@ def proposer_totals(url: str, api_key: str = "none") -> dict[str, list[float]]:
 
 
 def learning_curve(client, model: str, records, concurrency: int, max_tokens: int, window: int,
-                   metrics_url: str | None = None, api_key: str = "none") -> dict:
+                   metrics_url: str | None = None, api_key: str = "none", rate: float | None = None,
+                   seed: int = 0) -> dict:
     """Serve ``records`` in order (``concurrency`` at a time) while the learner runs: acceptance per
     workload domain over consecutive windows of ``window`` requests, and the draft versions served.
     With ``metrics_url``: the server's ``/metrics`` is read each time ``window`` more requests have
     finished, for each proposer's acceptance (the learned draft's apart from the suffix tree's) and
     the output tokens/s over that window. The metrics replica adds up the replicas' counts every
-    ``metrics.sample_s`` (2 s in serve_config.yaml), so a window's edges lag by up to that."""
+    ``metrics.sample_s`` (2 s in serve_config.yaml), so a window's edges lag by up to that.
+
+    ``rate``: open-loop arrivals instead, as traffic comes to a service: request i is sent at the
+    i-th time of a Poisson process of ``rate`` requests a second (exponential gaps, seeded), whether
+    or not the earlier ones have finished (``concurrency`` caps those in flight; one sent late is
+    counted in ``late``). Traffic then leaves gaps, where a learner that trains between requests
+    runs; a window's tokens/s is arrival-bound, so each window also reports the requests' own
+    speed (their output tokens over their seconds, time to first token included)."""
     rows, lock, it = [], threading.Lock(), iter(enumerate(records))
+    sends = None
+    if rate is not None:
+        gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(records))
+        sends = np.cumsum(gaps) - gaps[0]  # the first at once
+    late = [0]
+    t_start = time.perf_counter()
     bar = tqdm(total=len(records), desc="learning curve", unit="req", leave=False)
     edges: list[tuple[float, int, dict]] = []  # (time, output tokens so far, proposer totals)
     done = [0, 0]  # requests finished, output tokens
@@ -258,10 +272,19 @@ def learning_curve(client, model: str, records, concurrency: int, max_tokens: in
             if item is None:
                 return
             i, rec = item
+            if sends is not None:
+                wait = t_start + sends[i] - time.perf_counter()
+                if wait > 0:
+                    time.sleep(wait)
+                elif wait < -0.05:
+                    with lock:
+                        late[0] += 1
             res = one_request(client, model, rec.text, max_tokens)
             with lock:
-                spec = (res.get("usage") or {}).get("speculative")
-                rows.append({"i": i, "domain": rec.domain, "status": res["status"],
+                usage = res.get("usage") or {}
+                spec = usage.get("speculative")
+                rows.append({"i": i, "domain": rec.domain, "status": res["status"], "seconds": res["seconds"],
+                             "completion_tokens": usage.get("completion_tokens", 0),
                              **({k: spec[k] for k in ("accepted", "proposed", "draft_id", "draft_version")} if spec else {})})
                 done[0] += 1
                 done[1] += (res.get("usage") or {}).get("completion_tokens", 0)
@@ -275,7 +298,11 @@ def learning_curve(client, model: str, records, concurrency: int, max_tokens: in
         for f in [pool.submit(worker) for _ in range(concurrency)]:
             f.result()
     bar.close()
-    return {"requests": len(rows), "window": window, "windows": curve_windows(rows, edges, window), "rows": rows}
+    out = {"requests": len(rows), "window": window, "windows": curve_windows(rows, edges, window), "rows": rows,
+           "seconds": time.perf_counter() - t_start}
+    if rate is not None:
+        out.update(rate=rate, seed=seed, late=late[0])
+    return out
 
 
 def curve_windows(rows: list[dict], edges: list[tuple[float, int, dict]], window: int) -> list[dict]:
@@ -295,7 +322,9 @@ def curve_windows(rows: list[dict], edges: list[tuple[float, int, dict]], window
         w = {"requests": f"{start + 1}-{start + len(rows[start : start + window])}",
              "alpha": acc / prop if prop else None,
              "alpha_by_domain": {d: (a / p if p else None) for d, (a, p) in sorted(dom.items())},
-             "draft_versions": sorted({r["draft_version"] for r in part})}
+             "draft_versions": sorted({r["draft_version"] for r in part}),
+             "request_tokens_per_s": (sum(r.get("completion_tokens", 0) for r in part) / secs
+                                      if (secs := sum(r.get("seconds", 0.0) for r in part)) else None)}
         if n + 1 < len(edges):
             (t0, k0, m0), (t1, k1, m1) = edges[n], edges[n + 1]
             w["tokens_per_s"] = (k1 - k0) / (t1 - t0)
@@ -310,11 +339,14 @@ def curve_windows(rows: list[dict], edges: list[tuple[float, int, dict]], window
 
 
 def format_curve(curve: dict) -> str:
-    lines = [f"alpha over {curve['requests']} served requests (windows of {curve['window']}):"]
+    lines = [f"alpha over {curve['requests']} served requests (windows of {curve['window']})"
+             + (f", sent at {curve['rate']} a second (Poisson), {curve['late']} sent late:" if "rate" in curve else ":")]
     for w in curve["windows"]:
         dom = " ".join(f"{d}={a:.2f}" for d, a in w["alpha_by_domain"].items() if a is not None)
         overall = f"{w['alpha']:.3f}" if w["alpha"] is not None else "-"
         line = f"  {w['requests']:>9}  alpha {overall}  {dom}  versions {w['draft_versions']}"
+        if w.get("request_tokens_per_s") is not None:
+            line += f"  a request {w['request_tokens_per_s']:.1f} tok/s"
         if "tokens_per_s" in w:
             by = " ".join(f"{p}={v['alpha']:.3f}/{v['proposed']:.0f}" for p, v in w["by_proposer"].items()
                           if v["alpha"] is not None)
@@ -373,6 +405,10 @@ def main(argv: list[str] | None = None) -> int:
                          "alpha per domain per window")
     ap.add_argument("--window", type=int, default=40)
     ap.add_argument("--curve-concurrency", type=int, default=4)
+    ap.add_argument("--curve-rate", type=float, default=None,
+                    help="with --curve: open-loop arrivals at this many requests a second (Poisson; "
+                         "--curve-concurrency caps those in flight) instead of back to back")
+    ap.add_argument("--curve-seed", type=int, default=0, help="with --curve-rate: the arrival times' seed")
     ap.add_argument("--curve-order", choices=["domains", "file"], default="domains",
                     help="with --curve: the records round-robin over domains, or in the files' order")
     ap.add_argument("--curve-metrics", action="store_true",
@@ -443,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
         records = load_workloads(args.workload.split(","), args.sources)
         records = select(records, args.curve) if args.curve_order == "domains" else records[: args.curve]
         curve = learning_curve(client, model, records, args.curve_concurrency, args.max_tokens, args.window,
-                               metrics_url=args.url if args.curve_metrics else None, api_key=args.api_key)
+                               metrics_url=args.url if args.curve_metrics else None, api_key=args.api_key,
+                               rate=args.curve_rate, seed=args.curve_seed)
         print(format_curve(curve))
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)

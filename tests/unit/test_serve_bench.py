@@ -110,3 +110,58 @@ def test_learning_curve_windows_by_hand():
     assert "tokens_per_s" not in w[2] and w[2]["draft_versions"] == [2]
     text = format_curve({"requests": 5, "window": 2, "windows": w})
     assert "draft=0.167/6" in text and "10.0 tok/s" in text
+
+
+def test_curve_windows_report_the_requests_own_speed():
+    rows = [{"i": 0, "domain": "sql", "status": 200, "accepted": 1, "proposed": 2, "draft_version": 0,
+             "seconds": 0.5, "completion_tokens": 10},
+            {"i": 1, "domain": "sql", "status": 200, "accepted": 1, "proposed": 2, "draft_version": 0,
+             "seconds": 1.5, "completion_tokens": 30},
+            {"i": 2, "domain": "sql", "status": 503, "seconds": 0.01}]  # a refusal does not count
+    w = curve_windows(rows, [], window=3)
+    assert w[0]["request_tokens_per_s"] == pytest.approx(20.0)
+    assert "a request 20.0 tok/s" in format_curve({"requests": 3, "window": 3, "windows": w, "rate": 0.5, "late": 0})
+
+
+def test_open_loop_arrivals_follow_their_schedule(monkeypatch):
+    """--curve-rate: request i leaves at the i-th time of the seeded Poisson process whether or not
+    the earlier ones are done (up to the cap in flight); a request the cap holds back is counted late."""
+    import threading
+    import time
+
+    import numpy as np
+
+    import bench.serve_bench as sb
+
+    sent, lock, inflight, peak = [], threading.Lock(), [0], [0]
+
+    def serve(service_s):
+        def one(client, model, text, max_tokens):
+            with lock:
+                sent.append((text, time.perf_counter()))
+                inflight[0] += 1
+                peak[0] = max(peak[0], inflight[0])
+            time.sleep(service_s)
+            with lock:
+                inflight[0] -= 1
+            spec = {"accepted": 1, "proposed": 2, "draft_id": "general", "draft_version": 0}
+            return {"status": 200, "seconds": service_s, "usage": {"completion_tokens": 4, "speculative": spec}}
+        return one
+
+    records = [WorkloadRecord(str(i), "sql") for i in range(12)]
+    monkeypatch.setattr(sb, "one_request", serve(0.05))
+    t0 = time.perf_counter()
+    curve = sb.learning_curve(None, "m", records, concurrency=4, max_tokens=4, window=6, rate=40.0, seed=3)
+    gaps = np.random.default_rng(3).exponential(1 / 40.0, 12)
+    want = np.cumsum(gaps) - gaps[0]
+    got = np.array([t for _, t in sorted(sent, key=lambda x: int(x[0]))]) - t0
+    assert curve["late"] == 0 and curve["rate"] == 40.0 and curve["requests"] == 12
+    assert np.all(got >= want - 1e-3) and np.all(got - want < 0.03)  # on time, never early
+    assert peak[0] >= 2  # sent without waiting for the earlier ones (service 50 ms, gaps ~25 ms)
+    assert curve["windows"][0]["request_tokens_per_s"] == pytest.approx(80.0)
+
+    sent.clear()
+    peak[0] = 0
+    monkeypatch.setattr(sb, "one_request", serve(0.2))
+    curve = sb.learning_curve(None, "m", records, concurrency=1, max_tokens=4, window=6, rate=100.0, seed=3)
+    assert peak[0] == 1 and curve["late"] >= 10  # one in flight: the rest leave after their times
