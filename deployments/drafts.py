@@ -338,9 +338,12 @@ class DraftPool:
             if bad:
                 raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {len(self.tokenizer)})")
             return list(req.prompt_ids)
-        if req.messages is not None:
-            return encode_messages(self.tokenizer, req.messages)
-        return encode_prompt(self.tokenizer, req.prompt or "", chat_template=False)
+        try:
+            if req.messages is not None:
+                return encode_messages(self.tokenizer, req.messages)
+            return encode_prompt(self.tokenizer, req.prompt or "", chat_template=False)
+        except (TypeError, ValueError) as e:  # text the tokenizer cannot read (the edge checks for it too)
+            raise RequestError(f"the prompt cannot be tokenized ({e})") from None
 
     async def generate(self, req: GenerateRequest, engine: SpeculativeEngine, draft_id: str = GENERAL):
         """Stream one request: :class:`Accepted` (or :class:`Refused`: 503 with a retry time when the

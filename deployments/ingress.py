@@ -165,7 +165,9 @@ def _unavailable(e: BaseException) -> JSONResponse:
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     err = e.errors()[0]
     param = ".".join(str(p) for p in err.get("loc", ())) or None
-    return f"{param}: {err['msg']}" if param else err["msg"], param
+    if param is None:  # a check of the whole request that names its parameter (protocol.UNSERVED)
+        return err["msg"], (err.get("ctx") or {}).get("param")
+    return f"{param}: {err['msg']}", param
 
 
 class Ingress:
@@ -328,10 +330,13 @@ class Ingress:
         try:
             try:
                 response, used = await self._completion(request, chat, adm.tenant, timing)
-            except Exception as e:  # noqa: BLE001 - only the target's absence is answered here
-                if not _target_gone(e):
-                    raise
-                response, used = _unavailable(e), 0
+            except Exception as e:  # noqa: BLE001 - the target's absence is a 503; anything else a 500 in OpenAI's shape
+                if _target_gone(e):
+                    response, used = _unavailable(e), 0
+                else:
+                    log.exception("request failed")
+                    response, used = _error(500, f"the server failed on this request ({type(e).__name__}); it is logged",
+                                            "server_error"), 0
             return response
         finally:
             if used is not None:  # a stream settles its own account (and its metrics) when it ends

@@ -1,7 +1,10 @@
 """OpenAI-compatible request and response shapes (the subset served), validated at the edge.
 
-Unknown fields are ignored (clients send many); known fields are checked strictly, and every
-failure becomes OpenAI's error JSON with status 400 (``invalid_request_error``).
+Unknown fields are ignored (clients send many); known fields are checked strictly; parameters
+that would change the output and are not served (:data:`UNSERVED`: penalties, logit bias,
+logprobs, tools, structured output) are accepted at their defaults and refused otherwise, never
+silently ignored. Every failure becomes OpenAI's error JSON with status 400
+(``invalid_request_error``).
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from config import MAX_STOP_CHARS, MAX_STOPS, SamplingParams
 
@@ -23,6 +27,47 @@ MAX_PROMPT_IDS = 32_768
 MAX_MESSAGES = 256
 MAX_CONTENT_PARTS = 64
 MAX_NAME_CHARS = 256
+
+
+def unicode_text(v: str, what: str) -> str:
+    """``v``, if it is text the tokenizer can read: JSON lets a string hold a lone surrogate
+    (``"\\ud800"``), which is no Unicode character and cannot be encoded."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode (a lone surrogate at character {e.start})") from None
+    return v
+
+
+def _text_only(v) -> bool:
+    return v is None or (isinstance(v, dict) and v.get("type") in (None, "text"))
+
+
+#: OpenAI's (and vLLM's and llama.cpp's common) parameters that change what is generated and that
+#: this server does not serve: each with the test of its default, which is accepted (clients send
+#: defaults); any other value is refused rather than silently ignored
+UNSERVED = {
+    "logit_bias": lambda v: not v,
+    "frequency_penalty": lambda v: v is None or v == 0,
+    "presence_penalty": lambda v: v is None or v == 0,
+    "repetition_penalty": lambda v: v is None or v == 1,
+    "logprobs": lambda v: v is None or v is False or v == 0,
+    "top_logprobs": lambda v: v is None or v == 0,
+    "echo": lambda v: v is None or v is False,
+    "best_of": lambda v: v is None or v == 1,
+    "suffix": lambda v: not v,
+    "min_tokens": lambda v: v is None or v == 0,
+    "response_format": _text_only,
+    "tools": lambda v: not v,
+    "functions": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "guided_json": lambda v: not v,
+    "guided_regex": lambda v: not v,
+    "guided_choice": lambda v: not v,
+    "guided_grammar": lambda v: not v,
+    "grammar": lambda v: not v,
+    "json_schema": lambda v: not v,
+}
 
 
 class _Request(BaseModel):
@@ -42,6 +87,16 @@ class _Request(BaseModel):
     user: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
     ignore_eos: bool = Field(default=False, strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _served(cls, data):
+        if isinstance(data, dict):
+            for name, default in UNSERVED.items():
+                if name in data and not default(data[name]):
+                    raise PydanticCustomError("unserved", "{param} is not supported by this server (send its default or leave it out)",
+                                              {"param": name})
+        return data
+
     @field_validator("n")
     @classmethod
     def _one_choice(cls, v: int) -> int:
@@ -57,7 +112,7 @@ class _Request(BaseModel):
             raise ValueError(f"at most {MAX_STOPS} stop sequences")
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"a stop sequence has at most {MAX_STOP_CHARS} characters")
-        return stops
+        return [unicode_text(s, "a stop sequence") for s in stops]
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         """OpenAI defaults: temperature 1, top_p 1 (greedy with temperature 0)."""
@@ -94,7 +149,7 @@ class CompletionRequest(_Request):
             v = v[0]
         if isinstance(v, str) and not v.strip():
             raise ValueError("prompt is empty")
-        return v
+        return unicode_text(v, "the prompt") if isinstance(v, str) else v
 
     @property
     def prompt_ids(self) -> list[int] | None:
@@ -112,7 +167,7 @@ class ChatMessage(BaseModel):
     def _few_parts(cls, v):
         if isinstance(v, list) and len(v) > MAX_CONTENT_PARTS:
             raise ValueError(f"a message has at most {MAX_CONTENT_PARTS} content parts")
-        return v
+        return unicode_text(v, "a message's content") if isinstance(v, str) else v
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -121,7 +176,7 @@ class ChatMessage(BaseModel):
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError("only text content parts are supported")
-            parts.append(part["text"])
+            parts.append(unicode_text(part["text"], "a message's content"))
         return "".join(parts)
 
 

@@ -198,6 +198,19 @@ def test_a_token_id_prompt_outside_the_vocabulary_is_refused_in_the_header(folde
     assert loop.run(go([5, 128])) == [Refused("prompt token id 128 is outside the vocabulary [0, 128)")]
     assert loop.run(go([-1])) == [Refused("prompt token id -1 is outside the vocabulary [0, 128)")]
     assert loop.run(go([0, 127]))[0] == Accepted(2)
+
+
+def test_text_the_tokenizer_cannot_read_is_refused_not_raised(folder, loop):
+    """A lone surrogate that got past the edge: the replica refuses the request (a 400), it does not fail."""
+    pool = LocalPool(app_config(folder))
+
+    async def go(**text):
+        engine = await pool.engine_for(GENERAL)
+        gen = GenerateRequest("r", SamplingParams(max_tokens=3), **text)
+        return [item async for item in pool.generate(gen, engine)]
+    for text in ({"prompt": "ab\ud800"}, {"messages": [{"role": "user", "content": "ab\ud800"}]}):
+        items = loop.run(go(**text))
+        assert len(items) == 1 and isinstance(items[0], Refused) and "cannot be tokenized" in items[0].error and items[0].status == 400
     assert pool.running == 0
 
 

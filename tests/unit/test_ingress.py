@@ -207,6 +207,15 @@ def test_chat_prompts_count_every_messages_characters(app):
     assert app.ingress.tenants.tokens["alice"].level == charged  # the refusals were charged nothing
 
 
+def test_a_parameter_not_served_is_a_400_naming_it_and_a_lone_surrogate_too(app):
+    got, err, _ = run(app.post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True}, chat=True))
+    assert got == 400 and err["error"]["param"] == "logprobs" and err["error"]["message"].startswith("logprobs is not supported")
+    got, err, _ = run(app.post({"prompt": "hi", "max_tokens": 2, "frequency_penalty": 0.0, "logprobs": None}))
+    assert got == 200  # the defaults pass
+    got, err, _ = run(app.post(raw=b'{"prompt": "a\\ud800", "max_tokens": 2}'))
+    assert got == 400 and "lone surrogate" in err["error"]["message"] and err["error"]["param"] == "prompt"
+
+
 def test_a_body_past_the_limit_is_refused_declared_or_sent(app):
     big = {"prompt": "a" * 3000}
     got, err, _ = run(app.post(big))
@@ -480,7 +489,7 @@ def test_the_target_gone_is_a_retryable_503_whole_or_streamed(folder):
     assert bucket.level == bucket.rate  # no tokens charged for what the target never answered
 
 
-def test_a_stream_that_fails_otherwise_reports_the_error_in_the_stream_as_a_500(folder):
+def test_a_request_that_fails_otherwise_is_a_500_in_openais_shape_whole_or_streamed(folder):
     cfg = app_config(folder)
     a = App(cfg, pools=[LocalPool(cfg, fail_after=1, fail_with=RuntimeError("boom"))])
     a.ingress.tenants.clock = lambda: 1000.0  # still: a token charged would show in the bucket
@@ -490,8 +499,8 @@ def test_a_stream_that_fails_otherwise_reports_the_error_in_the_stream_as_a_500(
     assert counter(a.ingress.meter, "osd_requests_total", tenant="alice", status=500) == 1
     assert a.ingress.running == 0 and a.ingress.tenants.in_flight["alice"] == 0
     a.pools[0].fail_after, a.pools[0].fail_with = 1, RuntimeError("boom")
-    with pytest.raises(RuntimeError, match="boom"):  # whole: the app's handler answers 500
-        run(a.post({"prompt": "Hi", "max_tokens": 8, "ignore_eos": True}))
+    got, body, _ = run(a.post({"prompt": "Hi", "max_tokens": 8, "ignore_eos": True}))  # whole: a 500 in OpenAI's shape
+    assert got == 500 and body["error"]["type"] == "server_error" and "RuntimeError" in body["error"]["message"]
     assert a.ingress.running == 0 and a.ingress.tenants.in_flight["alice"] == 0
     assert counter(a.ingress.meter, "osd_requests_total", tenant="alice", status=500) == 2
     bucket = a.ingress.tenants.tokens["alice"]

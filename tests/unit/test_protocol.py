@@ -69,8 +69,8 @@ def test_the_edges_of_each_range_are_accepted(field, value):
 
 
 def test_unknown_fields_are_ignored_and_stops_are_a_list():
-    r = completion(logprobs=None, frequency_penalty=0.5, stop=None)
-    assert r.stop == [] and not hasattr(r, "frequency_penalty")
+    r = completion(logprobs=None, frequency_penalty=0, cache_prompt=True, metadata={"a": 1}, stop=None)
+    assert r.stop == [] and not hasattr(r, "frequency_penalty") and not hasattr(r, "cache_prompt")
     assert completion(stop="x").stop == ["x"] and completion(stop=["x", "y"]).stop == ["x", "y"]
 
 
@@ -141,3 +141,40 @@ def test_a_chat_is_bounded_in_messages_and_content_parts():
     ChatRequest.model_validate({"messages": [{"role": "user", "content": [part] * MAX_CONTENT_PARTS}]})
     with pytest.raises(ValidationError, match="at most 64 content parts"):
         ChatRequest.model_validate({"messages": [{"role": "user", "content": [part] * (MAX_CONTENT_PARTS + 1)}]})
+
+
+def test_text_that_is_not_unicode_is_refused_at_the_edge():
+    """JSON lets a string hold a lone surrogate; the tokenizer cannot read one (it was a 500)."""
+    bad = "ab\ud800c"
+    with pytest.raises(ValidationError, match="lone surrogate at character 2"):
+        completion(prompt=bad)
+    with pytest.raises(ValidationError, match="not valid Unicode"):
+        completion(prompt="ok", stop=["x", bad])
+    with pytest.raises(ValidationError, match="not valid Unicode"):
+        ChatRequest(messages=[{"role": "user", "content": bad}])
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        ChatRequest(messages=[{"role": "user", "content": [{"type": "text", "text": bad}]}]).chat()
+    assert completion(prompt="é 漢字 🙂").prompt == "é 漢字 🙂"  # every other character passes
+
+
+@pytest.mark.parametrize("field,value", [
+    ("logit_bias", {"50": 100}), ("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("repetition_penalty", 1.2),
+    ("logprobs", True), ("logprobs", 5), ("top_logprobs", 3), ("echo", True), ("best_of", 3), ("suffix", "x"),
+    ("min_tokens", 4), ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+    ("functions", [{"name": "f"}]), ("tool_choice", "required"), ("guided_json", {"type": "object"}), ("grammar", "root ::= x")])
+def test_what_changes_the_output_and_is_not_served_is_refused_not_ignored(field, value):
+    for make in (lambda **kw: completion(prompt="Hi", **kw), lambda **kw: ChatRequest(messages=[{"role": "user", "content": "Hi"}], **kw)):
+        with pytest.raises(ValidationError) as e:
+            make(**{field: value})
+        err = e.value.errors()[0]
+        assert err["msg"].startswith(f"{field} is not supported") and err["ctx"]["param"] == field
+
+
+def test_the_defaults_of_what_is_not_served_are_accepted():
+    """Clients send defaults: every one of them passes."""
+    defaults = {"logit_bias": {}, "frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+                "logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "suffix": None, "min_tokens": 0,
+                "response_format": {"type": "text"}, "tools": [], "functions": None, "tool_choice": "auto",
+                "guided_json": None, "grammar": ""}
+    assert completion(prompt="Hi", **defaults).prompt == "Hi"
+    assert ChatRequest(messages=[{"role": "user", "content": "Hi"}], **{**defaults, "logprobs": None}).n == 1
