@@ -199,5 +199,5 @@ class StopScanner:
             return True
         if not window.endswith(REPLACEMENT):  # complete characters: settled
             self.anchor = n
-            self.tail = window[len(window) - self._keep :] if self._keep else ""
+            self.tail = window[max(0, len(window) - self._keep) :] if self._keep else ""  # all of it when shorter
         return False

@@ -212,3 +212,30 @@ def test_each_update_decodes_a_bounded_window_however_long_the_output(name):
     assert "".join(deltas) == final_text(tok, ids, stops)
     assert max(per_update) <= 3 * 16, max(per_update)  # 3 decodes of the context and a few tokens
     assert sum(per_update[-200:]) <= sum(per_update[:200]) * 1.5 + 50
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_the_stop_scanner_fires_at_the_first_token_whose_text_holds_a_stop(name):
+    """Token by token, as the engine checks: the scanner says yes first exactly where the decode of
+    the output so far first holds a stop string. Seeded stops of every length cut from the texts,
+    many longer than the text settled when they start (multi-token characters held back): a stop
+    the scanner missed used to run the request on to max_tokens."""
+    from speculative.detokenize import StopScanner
+
+    tok, rng = TOKENIZERS[name], random.Random(11)
+    cases = [("🌊🐟\n\n" * 8, "🐟\n\n🌊🐟\n\n")]  # the case a live server missed
+    for text in TEXTS:
+        for _ in range(6):
+            a = rng.randrange(len(text) - 1)
+            cases.append((text, text[a : a + rng.randint(1, 12)]))
+    checked = 0
+    for text, stop in cases:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        want = next((n for n in range(1, len(ids) + 1) if stop in tok.decode(ids[:n], skip_special_tokens=True)), None)
+        if want is None:  # the tokenizer's decode never shows it (cleanup, unknown pieces)
+            continue
+        scan = StopScanner(tok, [stop])
+        got = next((n for n in range(1, len(ids) + 1) if scan.hit(ids[:n])), None)
+        assert got == want, (text, stop)
+        checked += 1
+    assert checked >= 30
