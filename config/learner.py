@@ -40,6 +40,10 @@ class LiveWatchConfig(BaseModel):
     baseline_records: int = Field(default=64, ge=1)
 
 
+#: the most steps a round may take (a step is 1-4 s of a core on the 2-layer draft here)
+MAX_STEPS_PER_ROUND = 4096
+
+
 class LearnerConfig(BaseModel):
     """Settings of the online learner (shared by all drafts)."""
 
@@ -49,12 +53,13 @@ class LearnerConfig(BaseModel):
     train_every: int = Field(default=64, ge=1)
     #: records sampled from the chosen draft's shard per round
     batch_records: int = Field(default=16, ge=1)
-    #: optimiser steps per round (each over a whole batch)
-    steps_per_round: int = Field(default=4, ge=1)
+    #: optimiser steps per round (each over a whole batch); at most MAX_STEPS_PER_ROUND, so that a
+    #: setting (an operator's PATCH /admin/learner) cannot hold the learner in one round for good
+    steps_per_round: int = Field(default=4, ge=1, le=MAX_STEPS_PER_ROUND)
     #: a round may end after this many steps once the next one is due (``train_every`` more records
     #: arrived while it trained): with spare compute a round takes all ``steps_per_round``, under
     #: steady traffic rounds keep up with it. None: always all of them
-    min_steps_per_round: int | None = Field(default=None, ge=1)
+    min_steps_per_round: int | None = Field(default=None, ge=1, le=MAX_STEPS_PER_ROUND)
     #: every step of a round draws a fresh batch from the shard (True), or all steps repeat the
     #: round's one batch (False: they fit those records and forget the rest of the window)
     resample: bool = True

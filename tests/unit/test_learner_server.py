@@ -160,7 +160,9 @@ def test_configure_changes_the_settings_of_every_trainer(served):
         server.configure({"zz": 1, "bogus": 2, "lr": 0.1})
     with pytest.raises(ValueError, match="^lr: Input should be greater than 0$"):
         server.configure({"lr": 0})
-    assert t.cfg.lr == 0.0123
+    with pytest.raises(ValueError, match="^steps_per_round: Input should be less than or equal to 4096$"):
+        server.configure({"steps_per_round": 10**9})  # a round that would hold the learner for good
+    assert t.cfg.lr == 0.0123 and t.cfg.steps_per_round < 4096
 
 
 def test_a_restarted_learner_reloads_its_drafts_and_announces_them(served, folder, tmp_path):
