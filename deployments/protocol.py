@@ -139,6 +139,8 @@ class CompletionRequest(_Request):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, v):
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], list) and all(isinstance(i, int) for i in v[0]):
+            v = v[0]  # a batch of one token-id prompt
         if isinstance(v, list) and v and all(isinstance(i, int) and not isinstance(i, bool) for i in v):
             if len(v) > MAX_PROMPT_IDS:
                 raise ValueError(f"a token-id prompt has at most {MAX_PROMPT_IDS} ids")

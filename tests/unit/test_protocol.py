@@ -85,9 +85,9 @@ def test_a_prompt_is_one_text_or_one_list_of_token_ids():
     assert completion(prompt="Hi").prompt == "Hi" and completion(prompt="Hi").prompt_ids is None
     assert completion(prompt=["Hi"]).prompt == "Hi"  # a batch of one
     ids = completion(prompt=[1, 2, 3])
-    assert ids.prompt_ids == [1, 2, 3]
+    assert ids.prompt_ids == [1, 2, 3] == completion(prompt=[[1, 2, 3]]).prompt_ids  # a batch of one, as ids too
     assert completion(prompt=[0] * MAX_PROMPT_IDS).prompt_ids == [0] * MAX_PROMPT_IDS
-    for bad in (["a", "b"], [], "", "  \n", [0] * (MAX_PROMPT_IDS + 1), [True, 2], [1, "a"], [["a"]], [" "]):
+    for bad in (["a", "b"], [], "", "  \n", [0] * (MAX_PROMPT_IDS + 1), [True, 2], [1, "a"], [["a"]], [" "], [[1], [2]], [[]]):
         with pytest.raises(ValidationError):
             completion(prompt=bad)
     with pytest.raises(ValidationError):
