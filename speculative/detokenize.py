@@ -120,8 +120,10 @@ class Detokenizer:
         cuts = [i for i in (seg.find(s, max(0, shown - len(s) + 1)) for s in self.stop) if i >= 0]
         if cuts:
             cut = seg[: min(cuts)]
-        else:  # no stop string complete yet: hold back what may become one
-            cut = seg[: len(seg) - _stop_prefix_len(seg[max(0, shown - self._keep) :], self.stop)]
+        else:  # no stop string complete yet: hold back what may become one (of the text before an
+            # incomplete character, which is held anyway: its replacement marks would hide a stop's start)
+            whole = seg.rstrip(REPLACEMENT)
+            cut = whole[: len(whole) - _stop_prefix_len(whole[max(0, shown - self._keep) :], self.stop)]
         delta = self._advance_by(cut.rstrip(REPLACEMENT), shown)  # an incomplete character waits for its last bytes
         settled = without[len(base) :]
         if len(_common_prefix_text(full, without)) >= len(without) and not settled.endswith(REPLACEMENT):

@@ -239,3 +239,20 @@ def test_the_stop_scanner_fires_at_the_first_token_whose_text_holds_a_stop(name)
         assert got == want, (text, stop)
         checked += 1
     assert checked >= 30
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_a_stream_never_shows_the_start_of_a_stop_string_that_completes(name):
+    """Seeded stops cut from the texts, streamed in steps of 1-5 tokens: the stream is exactly the
+    final text, cut at the stop. A stop's start followed by a character still arriving in pieces
+    (its bytes decoding to replacement marks) used to be shown, and the stream then held more than
+    the response."""
+    tok, rng = TOKENIZERS[name], random.Random(5)
+    cases = [("🌊🐟\n\n" * 8, ["🐟\n\n🌊🐟\n\n"])]  # the case a live server showed
+    for text in TEXTS:
+        for _ in range(6):
+            a = rng.randrange(len(text) - 1)
+            cases.append((text, [text[a : a + rng.randint(2, 10)]]))
+    for i, (text, stop) in enumerate(cases):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert "".join(_stream(tok, ids, stop, seed=i)) == final_text(tok, ids, stop), (text, stop)
