@@ -55,8 +55,11 @@ RAY_ENV = {
 
 def read_config(path: str | Path = DEFAULT_CONFIG) -> tuple[dict, AppConfig, dict[str, dict]]:
     """(the whole YAML, the first application's typed args, deployment name -> options)."""
-    doc = yaml.safe_load(Path(path).read_text())
-    apps = doc.get("applications") or []
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
+    apps = (doc.get("applications") if isinstance(doc, dict) else None) or []
     if not apps:
         raise ValueError(f"{path}: no application")
     app = apps[0]

@@ -301,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RequestError, ModelLoadError, VocabMismatchError, ValueError, UnicodeError) as e:
         print(f"osd {argv[0] if argv else ''}: error: {e}", file=sys.stderr)
         return 2
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:  # a file named on the command line
+        print(f"osd {argv[0] if argv else ''}: error: {e.strerror}: {e.filename}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

@@ -95,6 +95,10 @@ def test_missing_device_is_a_load_error():
     (["generate", "hi", "--device", "gpu"], "unknown device 'gpu'"),
     (["generate", "hi", "--fixed-k", "9"], "fixed_k (9) must be <= k.k_max (6)"),
     (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
+    (["serve", "--config", "/nonexistent/serve.yaml"], "No such file or directory: /nonexistent/serve.yaml"),
+    (["serve", "--config", "/"], "Is a directory: /"),
+    (["serve", "--config", "tests/unit/test_input.py"], "is not valid YAML"),
+    (["serve", "--config", "bench/configs/shift_controller.yaml"], "no application"),  # YAML, not a Serve config
 ])
 def test_cli_reports_bad_input_in_one_line(argv, says, capsys):
     """Refused before any model is loaded: one line on stderr, exit status 2."""
