@@ -29,7 +29,7 @@ from .learner import LOSS_NAMES, BackgroundConfig, LearnerConfig, LearnerServeCo
 from .model import QUANTIZE_CHOICES, ModelConfig
 from .router import (ROUTER_LANGUAGES, BanditConfig, ClassifierConfig, ClusterConfig, DraftLifecycleConfig, EmbedderConfig,
                      LanguageConfig, RouterConfig)
-from .sampling import GREEDY_BELOW, MAX_STOP_CHARS, MAX_STOPS, SamplingParams
+from .sampling import GREEDY_BELOW, MAX_STOP_CHARS, MAX_STOPS, MAX_TOP_LOGPROBS, SamplingParams
 from .serving import DraftPoolConfig, IngressConfig, LoopConfig, MetricsConfig, TargetServeConfig
 
 __all__ = [
@@ -73,6 +73,7 @@ __all__ = [
     "LoopConfig",
     "MAX_STOPS",
     "MAX_STOP_CHARS",
+    "MAX_TOP_LOGPROBS",
     "ROUTER_LANGUAGES",
 ]
 

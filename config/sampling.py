@@ -15,6 +15,9 @@ GREEDY_BELOW = 1e-5
 #: and the detokenizer keep this much text per request and search it at every step)
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
+#: the most alternatives a request's ``logprobs`` may ask for at each position (the target's
+#: distribution is kept sparsely, ``engine.record_top_k`` ids a row: 16 by default)
+MAX_TOP_LOGPROBS = 16
 
 
 class SamplingParams(_Strict):
@@ -32,6 +35,9 @@ class SamplingParams(_Strict):
     stop: list[str] = Field(default_factory=list)
     seed: int | None = Field(default=None, strict=True, ge=-(2**63), lt=2**64)  # torch.Generator's range
     ignore_eos: bool = False
+    #: None: no log-probabilities; n: each output token's log-probability under the target (its
+    #: distribution at temperature 1, as the model gives it) and the n most likely tokens' there
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
 
     @field_validator("stop")
     @classmethod

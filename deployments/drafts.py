@@ -381,6 +381,7 @@ class DraftPool:
         interval, sent_at = self.cfg.drafts.stream_interval_s, -math.inf
         held_text: list[str] = []
         held_tokens: list[int] = []
+        held_lps: list | None = [] if req.params.logprobs is not None else None
         try:
             yield Accepted(first.prompt_tokens)
             async for ev in events:
@@ -389,7 +390,7 @@ class DraftPool:
                 if isinstance(ev, Finished):
                     st = ev.state
                     if held_tokens:  # cut short (a stop, a cancellation) while held
-                        yield Chunk("".join(held_text), held_tokens)
+                        yield Chunk("".join(held_text), held_tokens, held_lps)
                     break
                 res, wait = ev.result, ev.waited
                 waited += wait
@@ -399,10 +400,13 @@ class DraftPool:
                 output += res.emitted
                 held_text.append(detok.finish(output) if res.finished else detok.update(output))
                 held_tokens += res.emitted
+                if held_lps is not None:
+                    held_lps += res.logprobs or []
                 now = time.perf_counter()
                 if res.finished or (now - sent_at >= interval and (interval == 0 or any(held_text))):
-                    yield Chunk("".join(held_text), held_tokens)
+                    yield Chunk("".join(held_text), held_tokens, held_lps)
                     held_text, held_tokens, sent_at = [], [], now
+                    held_lps = [] if held_lps is not None else None
             s = st.stats
             if engine.learns_from_traffic and st.output:  # the other replicas' suffix trees learn it too
                 self.outputs.finished(draft_id, req.request_id, req.domain, st.output, req.tenant, share=self.peers is not None)

@@ -412,9 +412,7 @@ class Ingress:
 
         return resuming(stream, gen, reopen, on_resume)
 
-    def _decode(self, ids: list[int]) -> str:
-        """A token-id prompt as text, for the router (ids outside the vocabulary are left out
-        here; the draft replica refuses the request for them)."""
+    def _vocabulary(self):
         if self._vocab is None:  # after the engine replicas have written the model's folder
             name = self.cfg.engine.model.name
             if (vocab := light_vocab(name)) is None:  # no tokenizer.json: the full tokenizer (imports torch)
@@ -422,7 +420,32 @@ class Ingress:
 
                 vocab = load_tokenizer(name)
             self._vocab = vocab
-        return self._vocab.decode([i for i in ids if 0 <= i < len(self._vocab)])
+        return self._vocab
+
+    def _decode(self, ids: list[int]) -> str:
+        """A token-id prompt as text, for the router (ids outside the vocabulary are left out
+        here; the draft replica refuses the request for them)."""
+        vocab = self._vocabulary()
+        return vocab.decode([i for i in ids if 0 <= i < len(vocab)])
+
+    def _logprobs(self, tokens: list[int], lps: list, chat: bool, offset: int = 0) -> dict:
+        """OpenAI's ``logprobs`` of a choice (or of one chunk's tokens): chat's ``content`` list, or
+        the completions' legacy columns (``text_offset`` from ``offset``, the characters before)."""
+        vocab = self._vocabulary()
+        text = [vocab.decode([t]) for t in tokens]
+        if chat:
+            def entry(t: str, lp: float, top=None) -> dict:
+                e = {"token": t, "logprob": _finite(lp), "bytes": list(t.encode("utf-8", "replace"))}
+                if top is not None:
+                    e["top_logprobs"] = [entry(vocab.decode([i]), v) for i, v in top]
+                return e
+            return {"content": [entry(t, lp, top) for t, (lp, top) in zip(text, lps)], "refusal": None}
+        offsets = []
+        for t in text:
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": text, "token_logprobs": [_finite(lp) for lp, _ in lps],
+                "top_logprobs": [{vocab.decode([i]): _finite(v) for i, v in top} for _, top in lps], "text_offset": offsets}
 
     def _observe(self, route, usage: dict) -> None:
         spec = usage["speculative"]
@@ -435,24 +458,29 @@ class Ingress:
         return {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
 
     async def _whole(self, stream, rid: str, chat: bool, route, timing: Timing) -> dict:
-        parts, end = [], None
+        parts, end, tokens, lps = [], None, [], None
         try:
             async for item in stream:
                 if isinstance(item, Done):
                     end = item
                 else:
                     parts.append(item.text)
+                    if item.logprobs is not None:
+                        tokens += item.tokens
+                        lps = (lps or []) + item.logprobs
                     if item.text:
                         timing.chunk()
         finally:
             await stream.aclose()  # a cancelled request ends in the draft pool too
         self._observe(route, end.usage)
         text, model = "".join(parts), self.cfg.ingress.model_name
+        logprobs = None if lps is None else self._logprobs(tokens, lps, chat)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": end.finish_reason}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                      "finish_reason": end.finish_reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": end.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": end.finish_reason}
             obj = "text_completion"
         return {"id": rid, "object": obj, "created": now(), "model": model, "choices": [choice], "usage": self._usage(end.usage)}
 
@@ -465,12 +493,21 @@ class Ingress:
         created, model = now(), self.cfg.ingress.model_name
         obj = "chat.completion.chunk" if chat else "text_completion"
 
+        pending: list = []  # (tokens, logprobs) not sent yet: a chunk's tokens whose text is held go with the next text
+        offset = [0]  # the completions' text_offset: characters of the tokens sent before
+
         def chunk(delta: str | None, finish: str | None, role: bool = False) -> str:
+            lp = None
+            if pending and not role:
+                lp = self._logprobs([t for ts, _ in pending for t in ts], [x for _, xs in pending for x in xs], chat, offset[0])
+                pending.clear()
+                if not chat and lp["tokens"]:
+                    offset[0] = lp["text_offset"][-1] + len(lp["tokens"][-1])
             if chat:
                 d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
-                choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": d, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": delta or "", "logprobs": lp, "finish_reason": finish}
             body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
             if include_usage:
                 body["usage"] = None
@@ -490,9 +527,12 @@ class Ingress:
                         body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
                                 "usage": usage}
                         yield f"data: {json.dumps(body)}\n\n"
-                elif item.text:
-                    timing.chunk()
-                    yield chunk(item.text, None)
+                else:
+                    if item.logprobs is not None:
+                        pending.append((item.tokens, item.logprobs))
+                    if item.text:
+                        timing.chunk()
+                        yield chunk(item.text, None)
         except (GeneratorExit, asyncio.CancelledError):  # the client went away mid-stream
             status = 499  # nginx's "client closed request", as the metrics' status
             raise
@@ -508,6 +548,11 @@ class Ingress:
             settle(used, status, usage)
             await stream.aclose()  # ends the request in the draft pool too, if it still runs
         yield "data: [DONE]\n\n"
+
+
+def _finite(lp: float) -> float:
+    """A log-probability for JSON: -inf (a token past the kept top k) as OpenAI writes it, -9999."""
+    return lp if lp > -9999.0 else -9999.0
 
 
 def _body_schema(model) -> dict:

@@ -2,7 +2,7 @@
 
 Unknown fields are ignored (clients send many); known fields are checked strictly; parameters
 that would change the output and are not served (:data:`UNSERVED`: penalties, logit bias,
-logprobs, tools, structured output) are accepted at their defaults and refused otherwise, never
+tools, structured output) are accepted at their defaults and refused otherwise, never
 silently ignored. Every failure becomes OpenAI's error JSON with status 400
 (``invalid_request_error``).
 """
@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from config import MAX_STOP_CHARS, MAX_STOPS, SamplingParams
+from config import MAX_STOP_CHARS, MAX_STOPS, MAX_TOP_LOGPROBS, SamplingParams
 
 
 MAX_PROMPT_IDS = 32_768
@@ -51,8 +51,6 @@ UNSERVED = {
     "frequency_penalty": lambda v: v is None or v == 0,
     "presence_penalty": lambda v: v is None or v == 0,
     "repetition_penalty": lambda v: v is None or v == 1,
-    "logprobs": lambda v: v is None or v is False or v == 0,
-    "top_logprobs": lambda v: v is None or v == 0,
     "echo": lambda v: v is None or v is False,
     "best_of": lambda v: v is None or v == 1,
     "suffix": lambda v: not v,
@@ -124,8 +122,13 @@ class _Request(BaseModel):
             stop=self.stop or [],
             seed=self.seed,
             ignore_eos=self.ignore_eos,
+            logprobs=self.top_logprob_count(),
         )
         return SamplingParams(**fields)
+
+    def top_logprob_count(self) -> int | None:
+        """None: no log-probabilities asked; n: with the n most likely tokens at each position."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -135,6 +138,11 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     #: one string, or one prompt as token ids (checked against the vocabulary by the draft replica)
     prompt: str | list[str] | list[int] = Field(min_length=1)
+    #: each output token's log-probability and this many most likely tokens' (OpenAI's legacy form)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
+
+    def top_logprob_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -184,6 +192,17 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    logprobs: bool | None = Field(default=None, strict=True)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def top_logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat(self) -> list[dict]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
@@ -246,10 +265,12 @@ class Accepted:
 
 @dataclass(frozen=True)
 class Chunk:
-    """New output: its text and token ids (one step's, or several held up to the stream interval)."""
+    """New output: its text and token ids (one step's, or several held up to the stream interval),
+    and each token's log-probability and the most likely tokens' when the request asked for them."""
 
     text: str
     tokens: list[int]
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass(frozen=True)

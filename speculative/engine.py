@@ -31,6 +31,7 @@ from .proposers import (EMPTY, DraftForward, DraftModelProposer, DraftOutput, Le
 from .runner import ModelRunner, TargetRows, VerifyCall
 from .sampling import greedy_accept, race_noise, race_sample, rejection_accept, warp_logits
 from .stats import SpecStats
+from .summary import token_logprobs
 
 
 #: scopes (domains) whose acceptance the engine keeps as priors; the least recently seen goes first
@@ -93,6 +94,9 @@ class StepResult:
     #: policy's denominator; 1 for a step with nothing drafted): output tokens over the sum of it
     #: estimate the speed-up over target-only decoding
     cost: float = 1.0
+    #: when the request asks (``SamplingParams.logprobs``): for each emitted token, its
+    #: log-probability under the target and the most likely tokens' there, [(id, logprob)]
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     @property
     def proposed(self) -> int:
@@ -393,6 +397,8 @@ class SpeculativeEngine:
             features=feats,
             features_start=f_start,
             cost=cost,
+            logprobs=None if params.logprobs is None else token_logprobs(rows.top_ids, rows.top_probs, rows.logits, emitted,
+                                                                          params.logprobs),
         )
 
     def _append(self, st: RequestState, new: list[int]) -> list[int]:

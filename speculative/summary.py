@@ -14,6 +14,7 @@ the logits are not float32 rows on the CPU (the GPU path), torch computes the sa
 from __future__ import annotations
 
 import ctypes
+import math
 from functools import lru_cache
 
 import torch
@@ -56,3 +57,28 @@ def summarise(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
     if rc != 0:
         raise RuntimeError(f"row summary kernel failed ({rc}) on logits {tuple(logits.shape)}, k {k}")
     return argmax, ids, probs, tail
+
+
+def token_logprobs(top_ids: torch.Tensor, top_probs: torch.Tensor, logits: torch.Tensor | None, tokens: list[int],
+                   n: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Each of ``tokens`` (token j scored by row j) with its log-probability under the target and
+    the ``n`` most likely tokens' there, [(id, logprob)], at temperature 1 (the model's own law).
+
+    top_ids, top_probs: [rows, K] (the summary's); logits: [rows, V] where the step kept them (a
+    sampled request's), else None. A token outside its row's top K (sampled) is read from the
+    logits; a greedy step's tokens are the argmax, first of the top K. Past the top K, -inf."""
+    out = []
+    for j, tok in enumerate(tokens):
+        ids, probs = top_ids[j].tolist(), top_probs[j].tolist()
+        if logits is not None:
+            lp = float(torch.log_softmax(logits[j].float(), -1)[tok])
+        elif tok in ids:
+            lp = _log(probs[ids.index(tok)])
+        else:
+            lp = float("-inf")
+        out.append((lp, [(i, _log(p)) for i, p in zip(ids[:n], probs[:n])]))
+    return out
+
+
+def _log(p: float) -> float:
+    return math.log(p) if p > 0.0 else float("-inf")

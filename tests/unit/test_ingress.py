@@ -95,6 +95,39 @@ def test_chat_whole_and_streamed_agree_and_streams_are_framed_as_openais(app, fo
     assert app.ingress.tenants.in_flight["alice"] == 0 and app.ingress.running == 0
 
 
+def test_logprobs_whole_and_streamed_in_openais_shapes(app):
+    """Chat's content list and the completions' columns; one entry a completion token, the top
+    ones most likely first, greedy tokens the most likely; a stream's entries are the whole
+    response's, spread over its chunks."""
+    msgs = [{"role": "user", "content": "Hi there"}]
+    body = {"messages": msgs, "max_tokens": 10, "ignore_eos": True, "logprobs": True, "top_logprobs": 3}
+    _, whole, _ = run(app.post(body, chat=True))
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert len(content) == whole["usage"]["completion_tokens"] == 10
+    for e in content:
+        assert set(e) == {"token", "logprob", "bytes", "top_logprobs"} and e["logprob"] <= 0.0
+        assert e["bytes"] == list(e["token"].encode("utf-8", "replace")) and len(e["top_logprobs"]) == 3
+        top = [t["logprob"] for t in e["top_logprobs"]]
+        assert top == sorted(top, reverse=True) and e["top_logprobs"][0]["token"] == e["token"]
+        assert e["top_logprobs"][0]["logprob"] == e["logprob"]
+    assert "".join(e["token"] for e in content) == whole["choices"][0]["message"]["content"]
+    _, events, _ = run(app.post({**body, "stream": True}, chat=True))
+    streamed = [e for c in events[:-1] if (c["choices"][0].get("logprobs") or {}).get("content") for e in c["choices"][0]["logprobs"]["content"]]
+    assert streamed == content
+    _, plain, _ = run(app.post({"messages": msgs, "max_tokens": 4}, chat=True))
+    assert plain["choices"][0]["logprobs"] is None  # not asked: none
+
+    _, whole, _ = run(app.post({"prompt": "abc", "max_tokens": 6, "ignore_eos": True, "logprobs": 2}))
+    lp = whole["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 6
+    assert all(len(t) <= 2 and max(t.values()) == lp["token_logprobs"][i] for i, t in enumerate(lp["top_logprobs"]))
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(6)]
+    _, events, _ = run(app.post({"prompt": "abc", "max_tokens": 6, "ignore_eos": True, "logprobs": 2, "stream": True}))
+    parts = [c["choices"][0]["logprobs"] for c in events[:-1] if c["choices"][0]["logprobs"]]
+    assert [t for p in parts for t in p["tokens"]] == lp["tokens"] and [o for p in parts for o in p["text_offset"]] == lp["text_offset"]
+    assert [v for p in parts for v in p["token_logprobs"]] == lp["token_logprobs"]
+
+
 def test_a_completion_stream_without_usage_ends_with_an_empty_text_and_done(app):
     status, events, _ = run(app.post({"prompt": "abc", "max_tokens": 6, "ignore_eos": True, "stream": True}))
     assert status == 200 and events[-1] == "[DONE]"
@@ -208,8 +241,8 @@ def test_chat_prompts_count_every_messages_characters(app):
 
 
 def test_a_parameter_not_served_is_a_400_naming_it_and_a_lone_surrogate_too(app):
-    got, err, _ = run(app.post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True}, chat=True))
-    assert got == 400 and err["error"]["param"] == "logprobs" and err["error"]["message"].startswith("logprobs is not supported")
+    got, err, _ = run(app.post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logit_bias": {"5": 9}}, chat=True))
+    assert got == 400 and err["error"]["param"] == "logit_bias" and err["error"]["message"].startswith("logit_bias is not supported")
     got, err, _ = run(app.post({"prompt": "hi", "max_tokens": 2, "frequency_penalty": 0.0, "logprobs": None}))
     assert got == 200  # the defaults pass
     got, err, _ = run(app.post(raw=b'{"prompt": "a\\ud800", "max_tokens": 2}'))

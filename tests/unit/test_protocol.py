@@ -159,7 +159,7 @@ def test_text_that_is_not_unicode_is_refused_at_the_edge():
 
 @pytest.mark.parametrize("field,value", [
     ("logit_bias", {"50": 100}), ("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("repetition_penalty", 1.2),
-    ("logprobs", True), ("logprobs", 5), ("top_logprobs", 3), ("echo", True), ("best_of", 3), ("suffix", "x"),
+    ("echo", True), ("best_of", 3), ("suffix", "x"),
     ("min_tokens", 4), ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
     ("functions", [{"name": "f"}]), ("tool_choice", "required"), ("guided_json", {"type": "object"}), ("grammar", "root ::= x")])
 def test_what_changes_the_output_and_is_not_served_is_refused_not_ignored(field, value):
@@ -173,8 +173,23 @@ def test_what_changes_the_output_and_is_not_served_is_refused_not_ignored(field,
 def test_the_defaults_of_what_is_not_served_are_accepted():
     """Clients send defaults: every one of them passes."""
     defaults = {"logit_bias": {}, "frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                "logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "suffix": None, "min_tokens": 0,
+                "echo": False, "best_of": 1, "suffix": None, "min_tokens": 0,
                 "response_format": {"type": "text"}, "tools": [], "functions": None, "tool_choice": "auto",
                 "guided_json": None, "grammar": ""}
     assert completion(prompt="Hi", **defaults).prompt == "Hi"
-    assert ChatRequest(messages=[{"role": "user", "content": "Hi"}], **{**defaults, "logprobs": None}).n == 1
+    assert ChatRequest(messages=[{"role": "user", "content": "Hi"}], **defaults).n == 1
+
+
+def test_logprobs_are_asked_as_openai_asks_them():
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert ChatRequest(messages=msgs).sampling(8).logprobs is None
+    assert ChatRequest(messages=msgs, logprobs=False, top_logprobs=0).sampling(8).logprobs is None
+    assert ChatRequest(messages=msgs, logprobs=True).sampling(8).logprobs == 0
+    assert ChatRequest(messages=msgs, logprobs=True, top_logprobs=16).sampling(8).logprobs == 16
+    assert completion(prompt="Hi", logprobs=3).sampling(8).logprobs == 3 and completion(prompt="Hi").sampling(8).logprobs is None
+    for bad in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 17}, {"logprobs": 1}):
+        with pytest.raises(ValidationError):
+            ChatRequest(messages=msgs, **bad)
+    for bad in (17, -1, True, 2.0):
+        with pytest.raises(ValidationError):
+            completion(prompt="Hi", logprobs=bad)

@@ -1,0 +1,80 @@
+"""Log-probabilities of the output (``SamplingParams.logprobs``): each token's under the target, at
+temperature 1, and the most likely tokens' at its position. Checked against the target's own
+forward over prompt + output, and across drafts: speculation changes which forward scored a
+position, never its numbers (the fast path's rows are batch-invariant)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from config import EngineConfig, KPolicyConfig, SamplingParams
+from conftest import _char_tokenizer, tiny_llama
+from speculative import SpeculativeEngine
+from speculative.fast import FastRunner
+from speculative.proposers import DraftModelProposer, NgramProposer
+from speculative.runner import ForwardCall
+from speculative.summary import token_logprobs
+
+
+def _engines():
+    target = FastRunner(tiny_llama(2, seed=0), name="target", bits=4, kv_tokens=4096, block_tokens=8)
+    tok = _char_tokenizer()
+    cfg = EngineConfig(chat_template=False, k=KPolicyConfig(k_max=3, fixed_k=3))
+    drafted = SpeculativeEngine(target, tok, DraftModelProposer(FastRunner(tiny_llama(1, seed=7), name="draft", bits=4), 128), cfg)
+    lookup = SpeculativeEngine(target, tok, NgramProposer(), cfg)
+    alone = SpeculativeEngine(target, tok, None, cfg)
+    return target, tok, (alone, drafted, lookup)
+
+
+def _run(engine, prompt, params):
+    steps = []
+    gen = engine.generate(prompt, params, on_step=steps.append)
+    lps = [lp for s in steps for lp in s.logprobs]
+    return gen, lps
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=24, ignore_eos=True, logprobs=3),
+                                    SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2, temperature=0.9, seed=5)])
+def test_each_tokens_logprob_is_the_targets_own_and_the_same_whatever_drafted(params):
+    target, tok, engines = _engines()
+    prompt = "abcabcabcab"
+    runs = [_run(e, prompt, params) for e in engines]
+    ids, lps = runs[0][0].token_ids, runs[0][1]
+    assert len(lps) == len(ids) == 24
+    for gen, other in runs[1:]:  # the same tokens, the same numbers, bitwise
+        assert gen.token_ids == ids and other == lps
+    # the target's own forward over prompt + output: log_softmax of the row before each token
+    full = tok(prompt)["input_ids"] + ids
+    logits = target.forward_batch([ForwardCall("ref", 0, full, len(full))])[0]  # [len, V]
+    target.release("ref")
+    p0 = len(full) - len(ids)
+    for j, (lp, top) in enumerate(lps):
+        want = torch.log_softmax(logits[p0 - 1 + j].float(), -1)
+        assert lp == pytest.approx(float(want[ids[j]]), abs=1e-4)
+        assert len(top) == params.logprobs and [i for i, _ in top] == want.topk(params.logprobs).indices.tolist()
+        assert [v for _, v in top] == pytest.approx(want.topk(params.logprobs).values.tolist(), abs=1e-4)
+        if params.greedy:
+            assert top[0] == (ids[j], lp)  # greedy: the token is the most likely one
+
+
+def test_no_logprobs_unless_asked():
+    _, _, (alone, *_) = _engines()
+    steps = []
+    alone.generate("abc", SamplingParams(max_tokens=4), on_step=steps.append)
+    assert all(s.logprobs is None for s in steps)
+
+
+def test_token_logprobs_by_hand():
+    ids = torch.tensor([[4, 2, 9], [1, 0, 3]])
+    probs = torch.tensor([[0.5, 0.25, 0.125], [0.9, 0.05, 0.0]])
+    got = token_logprobs(ids, probs, None, [4, 7], 2)
+    assert got[0] == (math.log(0.5), [(4, math.log(0.5)), (2, math.log(0.25))])
+    assert got[1][0] == float("-inf") and [i for i, _ in got[1][1]] == [1, 0]  # 7: past the top 3
+    assert [v for _, v in got[1][1]] == pytest.approx([math.log(0.9), math.log(0.05)])
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0]])
+    got = token_logprobs(ids, probs, logits, [3, 0], 0)  # full rows: any token, from the logits
+    assert got[0] == (pytest.approx(math.log(0.25)), []) and got[1][0] == pytest.approx(float(torch.log_softmax(logits[1], -1)[0]))
+    assert token_logprobs(ids, torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]), None, [4], 1)[0] == (float("-inf"), [(4, float("-inf"))])
