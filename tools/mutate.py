@@ -65,7 +65,7 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "speculative/runtime.py": ("speculative.runtime", None, ["tests/unit/test_fast.py", "tests/unit/test_lean.py"]),
     "speculative/suffix.py": ("speculative.suffix", None, ["tests/unit/test_suffix.py"]),
     # what a verification keeps of its logits (the native pass's Python side: when it applies, its checks)
-    "speculative/summary.py": ("speculative.summary", None, ["tests/unit/test_summary.py"]),
+    "speculative/summary.py": ("speculative.summary", None, ["tests/unit/test_summary.py", "tests/unit/test_logprobs.py"]),
     # the engine loop's decisions: the shared step's draft cap and the measured drafting switch
     "speculative/scheduler.py": ("speculative.scheduler", {"DraftSwitch", "shared_k_cap", "EngineLoop._k_cap"},
                                  ["tests/unit/test_scheduler.py"]),
