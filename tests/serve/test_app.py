@@ -57,6 +57,25 @@ def test_chat_stream_equals_whole_response(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
 
 
+def test_logprobs_whole_streamed_and_across_the_target_hop(server, client):
+    """The target's log-probabilities of a greedy chat: the stream's are the whole response's, and
+    a split replica, whose rows come from the Target deployment, gives the same numbers."""
+    import openai
+
+    messages = [{"role": "user", "content": "Name three colours."}]
+    ask = dict(model=MODEL, messages=messages, max_tokens=16, temperature=0, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**ask).choices[0].logprobs.content
+    assert len(whole) >= 1 and all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in whole)
+    assert all(t.top_logprobs[0].token == t.token for t in whole)  # greedy: the most likely
+    streamed = [t for c in client.chat.completions.create(**ask, stream=True)
+                if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.content for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in whole]
+    split = openai.OpenAI(base_url=f"{server}/split/v1", api_key=KEY, max_retries=0, timeout=120)
+    hop = split.chat.completions.create(**ask).choices[0].logprobs.content
+    assert [t.token for t in hop] == [t.token for t in whole]
+    assert [t.logprob for t in hop] == pytest.approx([t.logprob for t in whole], abs=1e-5)
+
+
 def test_stream_ends_with_done(server):
     req = urllib.request.Request(f"{server}/v1/completions", data=json.dumps(
         {"prompt": "Le chat est", "max_tokens": 6, "temperature": 0, "stream": True}).encode(),
@@ -295,6 +314,8 @@ BAD = [
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None),
     ("chat/completions", {"messages": "hello"}, 400, "messages"),
     ("chat/completions", [1, 2], 400, None),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ("completions", {"prompt": "a\ud800"}, 400, "prompt"),  # a lone surrogate (JSON allows one)
 ]
 
 
