@@ -1,12 +1,13 @@
 """What the engine keeps of a verification's logits: each row's argmax (what greedy acceptance
 compares with), and the target's distribution stored sparsely (top-k ids, their probabilities and
-the tail mass: what the learner trains on).
+the tail mass: what the learner trains on, and what a request's ``logprobs`` are read from,
+:func:`token_logprobs`).
 
 On the CPU this is one native pass over each row (``csrc/rows.c``) instead of torch's softmax,
 top-k and argmax, three passes and three calls for each sequence of a step: 0.28 ms for a
 sequence's 5 rows of SmolLM2's 49,152 logits, a few percent of a decode step. The argmax follows
 torch's rule (the first of equal values), so greedy outputs are the same on either path; the
-probabilities agree with torch's softmax to float32 rounding (:func:`exp` there is a polynomial),
+probabilities agree with torch's softmax to 2e-7 relative (the C's ``exp`` is a polynomial),
 and equal values among the top k come smaller index first. Where the kernel cannot be built, or
 the logits are not float32 rows on the CPU (the GPU path), torch computes the same.
 """
