@@ -370,7 +370,8 @@ class Ingress:
         text = req.last_user_text() if chat else self._decode(ids) if ids is not None else req.prompt
         chars = sum(len(m["content"]) for m in messages) if chat else len(text)
         if chars > self.cfg.ingress.max_prompt_chars:
-            return _error(400, f"the prompt is longer than {self.cfg.ingress.max_prompt_chars} characters"), 0
+            decoded = " (decoded from its token ids)" if ids is not None else ""
+            return _error(400, f"the prompt{decoded} is longer than {self.cfg.ingress.max_prompt_chars} characters"), 0
 
         t_route = time.perf_counter()
         # isolated tenants: routed from the router's configuration only (named domains, never a

@@ -198,6 +198,7 @@ def test_default_max_tokens_differ_for_completions_and_chat(folder):
     ({"prompt": "a", "model": "gpt-4"}, None, 404, f"model 'gpt-4' does not exist; GET /v1/models lists '{MODEL}'", "model"),
     ({"prompt": "a", "max_tokens": 65}, None, 400, "max_tokens 65 exceeds this server's limit of 64", "max_tokens"),
     ({"prompt": "x" * 201}, None, 400, "the prompt is longer than 200 characters", None),
+    ({"prompt": [65] * 201}, None, 400, "the prompt (decoded from its token ids) is longer than 200 characters", None),
 ])
 def test_bad_requests_are_refused_with_openais_error_shape(app, body, raw, status, says, param):
     if raw is not None and len(raw) > 2048:
