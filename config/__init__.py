@@ -29,7 +29,7 @@ from .learner import LOSS_NAMES, BackgroundConfig, LearnerConfig, LearnerServeCo
 from .model import QUANTIZE_CHOICES, ModelConfig
 from .router import (ROUTER_LANGUAGES, BanditConfig, ClassifierConfig, ClusterConfig, DraftLifecycleConfig, EmbedderConfig,
                      LanguageConfig, RouterConfig)
-from .sampling import GREEDY_BELOW, MAX_STOP_CHARS, MAX_STOPS, MAX_TOP_LOGPROBS, SamplingParams
+from .sampling import GREEDY_BELOW, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, MAX_TOP_LOGPROBS, Grammar, SamplingParams
 from .serving import DraftPoolConfig, IngressConfig, LoopConfig, MetricsConfig, TargetServeConfig
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "NgramConfig",
     "KPolicyConfig",
     "SamplingParams",
+    "Grammar",
     "EngineConfig",
     "RouterConfig",
     "EmbedderConfig",
@@ -74,6 +75,9 @@ __all__ = [
     "MAX_STOPS",
     "MAX_STOP_CHARS",
     "MAX_TOP_LOGPROBS",
+    "MAX_LOGIT_BIAS",
+    "MAX_STOP_TOKEN_IDS",
+    "MAX_GRAMMAR_CHARS",
     "ROUTER_LANGUAGES",
 ]
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import _Strict
 
@@ -18,6 +19,22 @@ MAX_STOP_CHARS = 256
 #: the most alternatives a request's ``logprobs`` may ask for at each position (the target's
 #: distribution is kept sparsely, ``engine.record_top_k`` ids a row: 16 by default)
 MAX_TOP_LOGPROBS = 16
+#: bounds on a request's token-keyed parameters (each is checked per step over these many ids)
+MAX_LOGIT_BIAS = 1024
+MAX_STOP_TOKEN_IDS = 64
+
+
+#: the longest grammar a request may send (a JSON schema as text, a regular expression, a Lark or
+#: GBNF grammar): it compiles when the request is queued
+MAX_GRAMMAR_CHARS = 65_536
+
+
+class Grammar(_Strict):
+    """Structured output: the text must follow this grammar (compiled by llguidance)."""
+
+    kind: Literal["json", "regex", "lark", "gbnf", "choice"]
+    #: "json": the schema as JSON text; "choice": a JSON list of the strings, one of which is the text
+    source: str = Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)
 
 
 class SamplingParams(_Strict):
@@ -38,6 +55,64 @@ class SamplingParams(_Strict):
     #: None: no log-probabilities; n: each output token's log-probability under the target (its
     #: distribution at temperature 1, as the model gives it) and the n most likely tokens' there
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
+    #: keep only tokens whose probability is at least ``min_p`` times the most likely one's (after
+    #: temperature; vLLM's and llama.cpp's min-p); 0 disables it
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    #: OpenAI's penalties on the logits, over the tokens generated so far: ``frequency_penalty``
+    #: times each token's count and ``presence_penalty`` once for each token that occurred
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    #: vLLM's (and Hugging Face's) repetition penalty over the prompt's and the output's tokens: a
+    #: positive logit is divided by it, a negative one multiplied; 1 disables it
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0, allow_inf_nan=False)
+    #: token id -> a value added to its logit (OpenAI's -100..100; -100 bans it, 100 forces it)
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    #: the end-of-sequence tokens and ``stop_token_ids`` cannot be generated before this many
+    #: output tokens (vLLM's min_tokens; stop strings still end the output)
+    min_tokens: int = Field(default=0, ge=0, strict=True)
+    #: more token ids that end the output, kept in it (vLLM's stop_token_ids)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    #: structured output: only text the grammar accepts, ending where it is complete
+    grammar: Grammar | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[int, float]) -> dict[int, float]:
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has at most {MAX_LOGIT_BIAS} entries")
+        if any(t < 0 for t in v):
+            raise ValueError("logit_bias keys are token ids (>= 0)")
+        if any(not (-100.0 <= b <= 100.0) for b in v.values()):  # also refuses NaN
+            raise ValueError("logit_bias values are between -100 and 100")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int]) -> list[int]:
+        if len(v) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
+        if any(t < 0 for t in v):
+            raise ValueError("stop_token_ids are token ids (>= 0)")
+        return v
+
+    @model_validator(mode="after")
+    def _min_below_max(self):
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) is more than max_tokens ({self.max_tokens})")
+        if self.grammar is not None and (self.ignore_eos or self.min_tokens):
+            raise ValueError("structured output ends where its grammar is complete: it takes no ignore_eos or min_tokens")
+        return self
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the target's logits are changed before a token is chosen (penalties, biases,
+        min_tokens, a grammar): verification then needs the target's whole rows, greedy or not."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or self.grammar is not None)
+
+    def token_ids(self) -> list[int]:
+        """The token ids the request names (checked against the vocabulary when it is queued)."""
+        return [*self.logit_bias, *self.stop_token_ids]
 
     @field_validator("stop")
     @classmethod

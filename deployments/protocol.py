@@ -1,23 +1,25 @@
 """OpenAI-compatible request and response shapes (the subset served), validated at the edge.
 
 Unknown fields are ignored (clients send many); known fields are checked strictly; parameters
-that would change the output and are not served (:data:`UNSERVED`: penalties, logit bias,
-tools, structured output) are accepted at their defaults and refused otherwise, never
+that would change the output and are not served (:data:`UNSERVED`: tools, beam search,
+llama.cpp's extra samplers) are accepted at their defaults and refused otherwise, never
 silently ignored. Every failure becomes OpenAI's error JSON with status 400
 (``invalid_request_error``).
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
-from config import MAX_STOP_CHARS, MAX_STOPS, MAX_TOP_LOGPROBS, SamplingParams
+from config import Grammar, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, MAX_TOP_LOGPROBS, SamplingParams
 
 
 MAX_PROMPT_IDS = 32_768
@@ -47,25 +49,111 @@ def _text_only(v) -> bool:
 #: this server does not serve: each with the test of its default, which is accepted (clients send
 #: defaults); any other value is refused rather than silently ignored
 UNSERVED = {
-    "logit_bias": lambda v: not v,
-    "frequency_penalty": lambda v: v is None or v == 0,
-    "presence_penalty": lambda v: v is None or v == 0,
-    "repetition_penalty": lambda v: v is None or v == 1,
     "echo": lambda v: v is None or v is False,
     "best_of": lambda v: v is None or v == 1,
     "suffix": lambda v: not v,
-    "min_tokens": lambda v: v is None or v == 0,
-    "response_format": _text_only,
     "tools": lambda v: not v,
     "functions": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none", "auto"),
-    "guided_json": lambda v: not v,
-    "guided_regex": lambda v: not v,
-    "guided_choice": lambda v: not v,
-    "guided_grammar": lambda v: not v,
-    "grammar": lambda v: not v,
-    "json_schema": lambda v: not v,
+    "guided_grammar": lambda v: not v,  # vLLM's: its dialect depends on the backend
+    "guided_decoding_backend": lambda v: not v,
+    "structural_tag": lambda v: not v,
+    # llama.cpp's samplers beyond OpenAI's (its repeat_penalty counts a window of the prompt too:
+    # send OpenAI's frequency / presence penalties or vLLM's repetition_penalty instead)
+    "repeat_penalty": lambda v: v is None or v == 1,
+    "typical_p": lambda v: v is None or v == 1,
+    "tfs_z": lambda v: v is None or v == 1,
+    "mirostat": lambda v: not v,
+    "dry_multiplier": lambda v: not v,
+    "xtc_probability": lambda v: not v,
+    "top_n_sigma": lambda v: v is None or v <= 0,
+    "dynatemp_range": lambda v: not v,
+    "n_probs": lambda v: not v,
+    # vLLM's
+    "use_beam_search": lambda v: not v,
+    "length_penalty": lambda v: v is None or v == 1,
+    "bad_words": lambda v: not v,
+    "allowed_token_ids": lambda v: v is None,
+    "prompt_logprobs": lambda v: v is None,
+    "include_stop_str_in_output": lambda v: not v,
+    "skip_special_tokens": lambda v: v is None or v is True,
+    "spaces_between_special_tokens": lambda v: v is None or v is True,
+    "truncate_prompt_tokens": lambda v: v is None,
 }
+
+
+def _schema_text(schema, where: str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise ValueError(f"{where} is not valid JSON") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"{where} is a JSON schema: an object")
+    return json.dumps(schema)
+
+
+def structured_output(data: dict) -> Grammar | None:
+    """The grammar a request asks its text to follow, from any of the forms clients send:
+    OpenAI's ``response_format`` (``json_object``, ``json_schema``; llama.cpp's ``json_object`` with a
+    ``schema``), llama.cpp's ``json_schema`` and ``grammar`` (GBNF), vLLM's ``guided_json``,
+    ``guided_regex`` and ``guided_choice``. At most one of them."""
+    found: list[tuple[str, Grammar]] = []
+    rf = data.get("response_format")
+    if rf is not None and not _text_only(rf):
+        if not isinstance(rf, dict):
+            raise ValueError("response_format is an object with a type")
+        kind = rf.get("type")
+        if kind == "json_object":
+            schema = rf.get("schema") or {"type": "object"}
+            found.append(("response_format", Grammar(kind="json", source=_schema_text(schema, "response_format.schema"))))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise ValueError("response_format json_schema needs json_schema.schema")
+            found.append(("response_format", Grammar(kind="json", source=_schema_text(spec["schema"], "json_schema.schema"))))
+        else:
+            raise ValueError(f"response_format type {kind!r} is not one of text, json_object, json_schema")
+    for name, kind in (("json_schema", "json"), ("guided_json", "json"), ("grammar", "gbnf"), ("guided_regex", "regex"),
+                       ("guided_choice", "choice")):
+        v = data.get(name)
+        if not v:
+            continue
+        if kind == "json":
+            found.append((name, Grammar(kind="json", source=_schema_text(v, name))))
+        elif name == "guided_choice":
+            if not isinstance(v, list) or not all(isinstance(c, str) and c for c in v):
+                raise ValueError("guided_choice is a non-empty list of non-empty strings")
+            found.append((name, Grammar(kind="choice", source=json.dumps(v))))
+        elif isinstance(v, str):
+            found.append((name, Grammar(kind=kind, source=v)))
+        else:
+            raise ValueError(f"{name} is a string")
+    if len(found) > 1:
+        raise ValueError(f"one structured output at a time, not {' and '.join(n for n, _ in found)}")
+    return found[0][1] if found else None
+
+
+def _token_bias(v) -> dict[int, float]:
+    """OpenAI's ``{"id": bias}`` (ids as strings), or llama.cpp's ``[[id, bias], ...]``."""
+    if v is None:
+        return {}
+    pairs = v.items() if isinstance(v, dict) else v
+    if not isinstance(pairs, (list, type({}.items()))):
+        raise ValueError("logit_bias maps token ids to values between -100 and 100")
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ValueError("logit_bias maps token ids to values between -100 and 100")
+        key, bias = pair
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)
+        if isinstance(key, bool) or not isinstance(key, int):
+            raise ValueError(f"logit_bias keys are token ids, not {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise ValueError(f"logit_bias values are numbers between -100 and 100, not {bias!r}")
+        out[key] = float(bias)
+    return out
 
 
 class _Request(BaseModel):
@@ -84,6 +172,40 @@ class _Request(BaseModel):
     stream_options: dict | None = Field(default=None, max_length=8)
     user: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
     ignore_eos: bool = Field(default=False, strict=True)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)  # vLLM's and llama.cpp's
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0, allow_inf_nan=False)  # vLLM's
+    logit_bias: dict | list | None = None
+    min_tokens: int | None = Field(default=None, ge=0, strict=True)  # vLLM's
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM's
+    #: structured output, from whichever of the fields clients use for it (:func:`structured_output`;
+    #: not in the schema: clients send those fields, and llama.cpp's ``grammar`` is a string)
+    grammar: SkipJsonSchema[Grammar | None] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _structured(cls, data):
+        if isinstance(data, dict):
+            data = {**data, "grammar": structured_output(data)}
+        return data
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        out = _token_bias(v)
+        if len(out) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has at most {MAX_LOGIT_BIAS} entries")
+        if any(t < 0 for t in out) or any(not -100.0 <= b <= 100.0 for b in out.values()):
+            raise ValueError("logit_bias maps token ids (>= 0) to values between -100 and 100")
+        return out
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v):
+        if v is not None and any(isinstance(t, bool) or t < 0 for t in v):
+            raise ValueError("stop_token_ids are token ids (>= 0)")
+        return v
 
     @model_validator(mode="before")
     @classmethod
@@ -123,6 +245,14 @@ class _Request(BaseModel):
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             logprobs=self.top_logprob_count(),
+            min_p=self.min_p or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.logit_bias or {},
+            min_tokens=self.min_tokens or 0,
+            stop_token_ids=self.stop_token_ids or [],
+            grammar=self.grammar,
         )
         return SamplingParams(**fields)
 

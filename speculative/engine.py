@@ -29,6 +29,8 @@ from .models import encode_prompt, eos_token_ids
 from .proposers import (EMPTY, DraftForward, DraftModelProposer, DraftOutput, LearnedDraft, Proposal, Proposer, learned_draft,
                         run_alone)
 from .runner import ModelRunner, TargetRows, VerifyCall
+from .grammar import Constraint, GrammarError, ll_tokenizer
+from .processors import process_rows
 from .sampling import greedy_accept, race_noise, race_sample, rejection_accept, warp_logits
 from .stats import SpecStats
 from .summary import token_logprobs
@@ -133,6 +135,7 @@ class RequestState:
     started: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     stop_scan: StopScanner | None = None  # the rolling decoded tail its stop strings are looked for in
+    constraint: Constraint | None = None  # structured output: the grammar's matcher, in step with the output
 
     @property
     def output(self) -> list[int]:
@@ -173,6 +176,7 @@ class SpeculativeEngine:
         self.max_positions = target.max_positions
         self.eos_ids = eos_token_ids(tokenizer, None) | set(target.eos_ids)
         self._staged: tuple[dict, int] | None = None  # draft weights handed over by another thread
+        self._ll_tokenizer = None  # llguidance's view of the tokenizer, made at the first structured request
         self._staged_lock = threading.Lock()
 
     # -- requests -------------------------------------------------------------------------
@@ -213,6 +217,9 @@ class SpeculativeEngine:
             raise RequestError(f"prompt must be text or a list of token ids, not {type(prompt).__name__}")
         if not tokens:
             raise RequestError("prompt is empty")
+        named = [t for t in params.token_ids() if t >= self.vocab_size]
+        if named:
+            raise RequestError(f"logit_bias and stop_token_ids name token ids out of range [0, {self.vocab_size}): {named[:5]}")
         if self.max_positions and len(tokens) + params.max_tokens > self.max_positions:
             raise RequestError(
                 f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
@@ -221,6 +228,7 @@ class SpeculativeEngine:
         rid = request_id or uuid.uuid4().hex
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already active")
+        constraint = self._constraint(params)
         gen = None
         if not params.greedy and params.seed is None:  # seeded requests race with (seed, position) noise
             gen = generator
@@ -234,7 +242,7 @@ class SpeculativeEngine:
             self.scope_policy.move_to_end(scope)
             prior.update({s: e.value for s, e in home.alpha.items()})
         policy = KPolicy(self.cfg.k, self.costs, prior, probes=home.probes)
-        self.requests[rid] = st = RequestState(rid, params, tokens, len(tokens), policy, gen, scope)
+        self.requests[rid] = st = RequestState(rid, params, tokens, len(tokens), policy, gen, scope, constraint=constraint)
         if not self.wants_features:  # a feature draft reads the target's features at every prompt position
             st.target_len = self.target.attach_prefix(rid, tokens, cache_salt)
         if self.proposer is not None:
@@ -340,7 +348,8 @@ class SpeculativeEngine:
             prop = yield from self.proposer.propose_steps(request_id, st.tokens, StepChoice(st.policy, budget), st.params,
                                                           st.generator)
         feed = st.tokens[st.target_len :] + prop.tokens  # the uncached suffix + d_1..d_k
-        call = VerifyCall(request_id, st.target_len, feed, prop.k + 1, not st.params.greedy, self.cfg.record_top_k,
+        full = not st.params.greedy or st.params.processes_logits  # choosing needs the whole rows
+        call = VerifyCall(request_id, st.target_len, feed, prop.k + 1, full, self.cfg.record_top_k,
                           features=self.wants_features, feature_layers=self.feature_layers)
         return PendingStep(request_id, len(st.tokens), prop, call)
 
@@ -352,16 +361,21 @@ class SpeculativeEngine:
             raise RequestError(f"request {pending.request_id!r} moved on since this step was proposed")
         prop, params, start, k = pending.proposal, st.params, pending.start, pending.proposal.k
         draft = torch.tensor(prop.tokens, dtype=torch.long)  # [k]
+        logits = rows.logits  # [k+1, V] when the call asked for full rows
+        if params.processes_logits:  # penalties, biases, min_tokens, a grammar: row j with d_1..d_j in its history
+            assert logits is not None, "a request that processes logits asks for full rows"
+            allowed = None if st.constraint is None else st.constraint.masks(prop.tokens)  # [k+1, V]
+            logits = process_rows(logits, params, st.tokens, st.prompt_len, prop.tokens, self._min_tokens_ids(params), allowed)
         if params.greedy:
-            n, next_token = greedy_accept(draft, rows.argmax)
+            n, next_token = greedy_accept(draft, rows.argmax if logits is None else logits.argmax(-1))
         elif params.seed is not None:  # seeded: the target's race winners, noise fixed by (seed, position)
-            assert rows.logits is not None, "a sampled request's verify call asks for full rows"
-            p = warp_logits(rows.logits, params)  # [k+1, V] target
+            assert logits is not None, "a sampled request's verify call asks for full rows"
+            p = warp_logits(logits, params)  # [k+1, V] target
             winners = race_sample(p, race_noise(params.seed, range(start, start + k + 1), p.shape[-1]))  # [k+1]
             n, next_token = greedy_accept(draft, winners)
         else:
-            assert rows.logits is not None, "a sampled request's verify call asks for full rows"
-            p = warp_logits(rows.logits, params)  # [k+1, V] target
+            assert logits is not None, "a sampled request's verify call asks for full rows"
+            p = warp_logits(logits, params)  # [k+1, V] target
             q = prop.probs if prop.probs is not None else torch.nn.functional.one_hot(draft, p.shape[-1]).float()
             n, next_token = rejection_accept(draft, q, p, st.generator)  # q: [k, V] draft
 
@@ -410,15 +424,37 @@ class SpeculativeEngine:
                 break
             st.tokens.append(tok)
             out.append(tok)
+            if tok in params.stop_token_ids:  # kept in the output, as vLLM does
+                st.finished, st.finish_reason = True, "stop"
+                break
             if params.stop and self._hit_stop(st):
                 st.finished, st.finish_reason = True, "stop"
                 break
             if len(st.output) >= params.max_tokens:
                 st.finished, st.finish_reason = True, "length"
                 break
+        if st.constraint is not None:
+            st.constraint.commit(out)
+            if st.constraint.done and not st.finished:  # complete: nothing but the end of the sequence follows
+                st.finished, st.finish_reason = True, "stop"
         if st.first_token_s is None and out:
             st.first_token_s = time.perf_counter() - st.started
         return out
+
+    def _constraint(self, params: SamplingParams) -> Constraint | None:
+        """A structured-output request's matcher (llguidance's view of the tokenizer is made once)."""
+        if params.grammar is None:
+            return None
+        if self._ll_tokenizer is None:
+            self._ll_tokenizer = ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_ids)
+        try:
+            return Constraint.compile(params.grammar, self._ll_tokenizer, self.vocab_size)
+        except GrammarError as e:
+            raise RequestError(str(e)) from None
+
+    def _min_tokens_ids(self, params: SamplingParams) -> set[int]:
+        """What min_tokens keeps out of the output until it has that many tokens."""
+        return (self.eos_ids | set(params.stop_token_ids)) if params.min_tokens else set()
 
     def _hit_stop(self, st: RequestState) -> bool:
         """Whether the output holds a stop string, in time linear in the tokens since the last

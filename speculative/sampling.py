@@ -29,7 +29,7 @@ from config import SamplingParams
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k and top-p (nucleus) filtering, then softmax.
+    """Temperature, min-p, top-k and top-p (nucleus) filtering, then softmax (vLLM's order).
 
     logits: [T, V] -> probs [T, V]. Must be applied identically to target and draft logits.
     Greedy (temperature 0) gives a one-hot at the argmax.
@@ -38,6 +38,9 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     logits = logits / params.temperature
+    if params.min_p > 0.0:  # keep v while p(v) >= min_p * max p: logit(v) >= max logit + log(min_p)
+        floor = logits.max(-1, keepdim=True).values + torch.log(torch.tensor(params.min_p))  # [T, 1]
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [T, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -142,15 +142,45 @@ def reference_warp(logits: np.ndarray, temperature: float, top_p: float, top_k: 
     return probs, ambiguous
 
 
-def exact_law(model, prompt: list[int], m: int, temperature: float, top_p: float, top_k: int) -> dict[tuple, float]:
+def reference_process(logits: np.ndarray, prompt: list[int], outputs: np.ndarray, process: dict) -> np.ndarray:
+    """vLLM's logits processors, written out for each prefix: logit bias; repetition penalty over
+    the prompt's and the output's tokens (a positive logit divided by it, a negative one
+    multiplied); frequency (times the count in the output) and presence (once) penalties; then
+    min-p as a floor on the logit relative to the largest (``min_p`` travels to the warp, where it
+    applies after the temperature). logits [S, V], outputs [S, t] -> [S, V]."""
+    z = logits.copy()
+    for s in range(len(z)):
+        out = outputs[s].tolist()
+        if "grammar" in process:  # ALTERNATING: '1'-'4' at even output positions, '2'-'5' at odd ones
+            assert process["grammar"] == ALTERNATING, "the reference knows one grammar"
+            lo = 3 if len(out) % 2 == 0 else 4  # the character tokenizer: "<eos>", "<unk>", "0", "1", ...
+            z[s, [v for v in range(z.shape[1]) if not lo <= v < lo + 4]] = -np.inf
+        for tok, b in process.get("logit_bias", {}).items():
+            z[s, tok] += b
+        r = process.get("repetition_penalty", 1.0)
+        for tok in set(prompt) | set(out):
+            z[s, tok] = z[s, tok] / r if z[s, tok] > 0 else z[s, tok] * r
+        for tok in set(out):
+            z[s, tok] -= process.get("frequency_penalty", 0.0) * out.count(tok) + process.get("presence_penalty", 0.0)
+    return z
+
+
+def exact_law(model, prompt: list[int], m: int, temperature: float, top_p: float, top_k: int,
+              process: dict | None = None) -> dict[tuple, float]:
     """The exact joint law of the first m tokens of target-only sampling: {sequence: probability},
-    enumerated breadth first over prefixes of non-zero probability."""
+    enumerated breadth first over prefixes of non-zero probability. ``process``: the request's
+    penalties, logit bias and min_p (:func:`reference_process`)."""
+    process = process or {}
     seqs = np.zeros((1, 0), dtype=np.int64)
     probs = np.ones(1)
     worst = 0.0
     for _ in range(m):
         ctx = np.concatenate([np.tile(np.asarray(prompt)[None], (len(seqs), 1)), seqs], 1)
-        p, amb = reference_warp(next_logits(model, ctx), temperature, top_p, top_k)  # [S, V]
+        z = reference_process(next_logits(model, ctx), prompt, seqs, process) if process else next_logits(model, ctx)
+        if process.get("min_p"):  # after the temperature: keep p(v) >= min_p * max p
+            t = z / temperature
+            z = np.where(t - t.max(1, keepdims=True) >= np.log(process["min_p"]), z, -np.inf)
+        p, amb = reference_warp(z, temperature, top_p, top_k)  # [S, V]
         worst = max(worst, amb)
         parent, tok = np.nonzero(p)
         probs = probs[parent] * p[parent, tok]
@@ -263,6 +293,8 @@ class Case:
     #: requests sampled at a time: 1 = one request alone (generate), > 1 = that many with their
     #: verifications batched into one target forward (step_many: a co-located server's loop)
     batch: int = 1
+    #: the request's penalties, logit bias and min_p, as (name, value) pairs (SamplingParams' names)
+    process: tuple = ()
 
     @property
     def m(self) -> int:
@@ -274,8 +306,9 @@ class Case:
         head = "+head" if self.restricted else ""
         seeded = " seeded" if self.seeded else ""
         batch = f" x{self.batch}" if self.batch > 1 else ""
+        process = "".join(f" {name}={value}" for name, value in self.process)
         return (f"{self.model}:{self.draft}{head} T={self.temperature} top_p={self.top_p} top_k={self.top_k} "
-                f"k={self.k} {mode}{seeded}{batch}")
+                f"k={self.k} {mode}{seeded}{batch}{process}")
 
 
 FACTORS = {
@@ -345,6 +378,26 @@ SEEDED_CASES = [
     Case(0.3, 1.0, 0, 0, False, "none", seeded=True),
     Case(1.0, 0.8, 0, 2, False, "far", model="llama", seeded=True),
     Case(1.0, 0.8, 0, 2, False, "feature", model="llama", seeded=True),
+]
+
+#: Penalties, logit bias, min_p and a grammar (each row verified with the draft's tokens before it in its history):
+#: target-only, drafts near and far, the controller, seeded, and the int4 runtime batched (the Markov
+#: models take no ragged batches: their positions ignore the padding).
+PROCESS = (("frequency_penalty", 0.6), ("presence_penalty", 0.4), ("repetition_penalty", 1.4),
+           ("logit_bias", ((2, 1.2), (5, -1.5))), ("min_p", 0.08))
+#: a grammar whose mask depends on the output so far (and that never ends: '6' has no token)
+ALTERNATING = ("regex", "([1-4][2-5])*6")
+PROCESSED_CASES = [
+    Case(0.8, 1.0, 0, 0, False, "none", process=PROCESS),
+    Case(0.8, 1.0, 0, 4, False, "close", process=PROCESS),
+    Case(1.0, 0.8, 0, 3, False, "far", restricted=True, process=(("frequency_penalty", -0.8), ("repetition_penalty", 0.7))),
+    Case(1.0, 1.0, 3, 4, True, "controller", process=PROCESS),
+    Case(1.0, 0.8, 0, 3, False, "far", model="llama-int4", batch=16, process=PROCESS),
+    Case(0.7, 1.0, 0, 4, False, "close", seeded=True, process=PROCESS),
+    # structured output: each row masked by the grammar after the draft's tokens before it
+    Case(1.0, 1.0, 0, 4, False, "close", process=(("grammar", ALTERNATING),)),
+    Case(0.7, 0.8, 0, 3, True, "controller", process=(("grammar", ALTERNATING), ("frequency_penalty", 0.5))),
+    Case(1.0, 1.0, 0, 4, False, "far", restricted=True, seeded=True, process=(("grammar", ALTERNATING),)),
 ]
 
 PROMPT = [1, 2, 3, 1, 2, 4, 1, 2]  # repeats, so that prompt lookup finds continuations
@@ -472,7 +525,9 @@ def sample(engine, case: Case, n: int, seed: int = 0) -> tuple[list[tuple], dict
         rids = []
         for i in range(lo, min(lo + case.batch, n)):
             params = SamplingParams(max_tokens=case.m, temperature=case.temperature, top_p=case.top_p, top_k=case.top_k,
-                                    seed=seed * 1_000_003 + i if case.seeded else None, ignore_eos=True)
+                                    seed=seed * 1_000_003 + i if case.seeded else None,
+                                    ignore_eos="grammar" not in case_process(case),  # a grammar decides the end
+                                    **engine_process(case))
             rids.append(engine.add_request(list(PROMPT), params, generator=gen))
         live = rids
         while live:
@@ -487,9 +542,25 @@ def sample(engine, case: Case, n: int, seed: int = 0) -> tuple[list[tuple], dict
     return out, ks, full, rejected
 
 
+def case_process(case: Case) -> dict:
+    """The case's processing: {name: value} (logit_bias a dict)."""
+    return {name: dict(value) if name == "logit_bias" else value for name, value in case.process}
+
+
+def engine_process(case: Case) -> dict:
+    """The case's processing as SamplingParams' keyword arguments."""
+    from config import Grammar
+
+    kw = case_process(case)
+    if "grammar" in kw:
+        kind, source = kw["grammar"]
+        kw["grammar"] = Grammar(kind=kind, source=source)
+    return kw
+
+
 def run_case(case: Case, models: Models | None = None, seed: int = 0, n: int | None = None) -> CaseResult:
     models = models or build_models(case.model)
-    law = exact_law(models.target, PROMPT, case.m, case.temperature, case.top_p, case.top_k)
+    law = exact_law(models.target, PROMPT, case.m, case.temperature, case.top_p, case.top_k, case_process(case))
     n = n or choose_n(law, case.m)[0]
     engine = build_engine(case, models)
     t0 = time.perf_counter()
@@ -498,7 +569,7 @@ def run_case(case: Case, models: Models | None = None, seed: int = 0, n: int | N
 
 
 def all_cases() -> list[Case]:
-    return pairwise_cases() + PROPOSER_CASES + LLAMA_CASES + TARGET_ONLY_CASES + SEEDED_CASES
+    return pairwise_cases() + PROPOSER_CASES + LLAMA_CASES + TARGET_ONLY_CASES + SEEDED_CASES + PROCESSED_CASES
 
 
 def main() -> int:

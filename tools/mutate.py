@@ -42,7 +42,12 @@ _REPLAY_TESTS = ["tests/unit/test_replay.py", "tests/unit/test_trainer.py", "tes
 #: file -> (module, functions to mutate (None: all; a class name takes its methods), tests that cover it, fast first)
 TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "speculative/sampling.py": ("speculative.sampling", None,
-                                ["tests/unit/test_sampling.py", "tests/unit/test_engine.py", "tests/unit/test_lossless.py"]),
+                                ["tests/unit/test_sampling.py", "tests/unit/test_processors.py", "tests/unit/test_engine.py",
+                                 "tests/unit/test_lossless.py"]),
+    # penalties, biases and min_tokens on each verified row (the processed target's law)
+    "speculative/processors.py": ("speculative.processors", None,
+                                  ["tests/unit/test_processors.py", "tests/unit/test_lossless.py"]),
+    "speculative/grammar.py": ("speculative.grammar", None, ["tests/unit/test_grammar.py", "tests/unit/test_lossless.py"]),
     "speculative/engine.py": ("speculative.engine", None,
                               ["tests/unit/test_engine.py", "tests/unit/test_input.py", "tests/unit/test_kpolicy.py",
                                "tests/unit/test_background.py", "tests/unit/test_lossless.py"]),

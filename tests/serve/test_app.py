@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 import numpy as np
 import pytest
 
-from config import SamplingParams
+from config import Grammar, SamplingParams
 
 from .conftest import ADMIN_KEY, KEY, MAX_TOKENS, MODEL, PROMPTS, TINY_KEY, _call, _post, _target_only
 
@@ -95,6 +95,56 @@ def test_stop_string(client, reference):
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stop=[stop])
     assert r.choices[0].text == full[: full.index(stop)]
     assert r.choices[0].finish_reason == "stop"
+
+
+def test_penalties_bias_and_token_stops_over_http_equal_target_only(client, reference):
+    """OpenAI's penalties and logit bias, vLLM's repetition penalty, min_tokens and stop_token_ids,
+    and min-p: greedy over HTTP (drafts, suffix tree, batching) is the processed target's own
+    output in-process, and a seeded sample with min-p is too."""
+    prompt = PROMPTS[1]
+    plain = reference.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS))
+    stop = plain.token_ids[5]
+    asks = [dict(frequency_penalty=1.2, presence_penalty=0.4, logit_bias={plain.token_ids[0]: -100}),
+            dict(repetition_penalty=1.5, min_tokens=4, stop_token_ids=[stop]),
+            dict(temperature=0.8, seed=7, min_p=0.1, frequency_penalty=0.5)]
+    texts = set()
+    for ask in asks:
+        body = {"temperature": 0, **ask}  # JSON makes logit_bias's ids strings, as OpenAI sends them
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, extra_body=body)
+        want = reference.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, **body))
+        assert r.choices[0].text == want.text, ask
+        assert r.choices[0].finish_reason == want.finish_reason
+        texts.add(want.text)
+    assert plain.text not in texts and len(texts) == 3  # each changed the output
+
+
+def test_structured_output_over_http(server, client, reference):
+    """A JSON schema (OpenAI's response_format), llama.cpp's json_object, vLLM's guided_choice
+    streamed: the text follows the grammar, greedy equals the masked target's own output
+    in-process, and a grammar that does not compile is a 400."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 99_999_999}},
+              "required": ["city", "population"], "additionalProperties": False}
+    prompt = "The largest city in France, as JSON:"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, extra_body={
+        "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}})
+    value = json.loads(r.choices[0].text)
+    assert set(value) == {"city", "population"} and isinstance(value["population"], int)
+    want = reference.generate(prompt, SamplingParams(max_tokens=40, grammar=Grammar(kind="json", source=json.dumps(schema))))
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == "stop"
+    small = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "legs": {"type": "integer"}},
+             "required": ["name", "legs"], "additionalProperties": False}
+    chat = client.chat.completions.create(model=MODEL, max_tokens=48, temperature=0,
+                                          response_format={"type": "json_object", "schema": small},  # llama.cpp's form
+                                          messages=[{"role": "user", "content": "Describe a cat in JSON."}])
+    assert set(json.loads(chat.choices[0].message.content)) == {"name", "legs"} and chat.choices[0].finish_reason == "stop"
+    ask = dict(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=8, temperature=0,
+               extra_body={"guided_choice": ["yes", "no", "sometimes"]})
+    whole = client.completions.create(**ask).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**ask, stream=True) if c.choices)
+    assert whole in ("yes", "no", "sometimes") and streamed == whole
+    status, err = _post(server + "/v1/completions", {"prompt": "x", "max_tokens": 4, "guided_regex": "a("})
+    assert status == 400 and "does not compile" in err["error"]["message"]
 
 
 def test_seeded_sampling_is_reproducible(client, reference):
@@ -314,7 +364,9 @@ BAD = [
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None),
     ("chat/completions", {"messages": "hello"}, 400, "messages"),
     ("chat/completions", [1, 2], 400, None),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("completions", {"prompt": "x", "response_format": {"type": "yaml"}}, 400, None),
     ("completions", {"prompt": "a\ud800"}, 400, "prompt"),  # a lone surrogate (JSON allows one)
 ]
 

@@ -111,6 +111,36 @@ def test_seeded_sampling_is_the_target_law(case, markov):
     _check(L.run_case(case, markov if case.model == "markov" else None))
 
 
+@pytest.mark.parametrize("case", L.PROCESSED_CASES, ids=lambda c: c.name)
+def test_penalties_bias_min_p_and_grammars_are_the_processed_target_law(case, markov):
+    """Each verified row is processed with the draft's tokens before it in its history, so the
+    output's law is the processed target's whatever was drafted (and target-only applies it too)."""
+    _check(L.run_case(case, markov if case.model == "markov" else None))
+
+
+def test_control_verification_ignoring_the_drafts_history_is_caught(markov, monkeypatch):
+    """Processing every row with the history before the step (not with d_1..d_j) is caught."""
+    assert L.PROCESSED_CASES[1].draft == "close" and L.PROCESSED_CASES[1].process == L.PROCESS
+    import speculative.engine as E
+
+    real = E.process_rows
+    monkeypatch.setattr(E, "process_rows", lambda logits, params, tokens, plen, draft, *rest: real(
+        logits, params, tokens, plen, [tokens[-1]] * len(draft), *rest))
+    assert not L.run_case(L.PROCESSED_CASES[1], markov).passed
+
+
+def test_control_grammar_masking_every_row_with_the_steps_state_is_caught(markov, monkeypatch):
+    """Masking every row with the grammar's state before the step (not after d_1..d_j) is caught: it
+    lets through tokens the grammar forbids, which committing them refuses."""
+    from speculative.grammar import Constraint
+
+    case = next(c for c in L.PROCESSED_CASES if c.process == (("grammar", L.ALTERNATING),) and not c.seeded)
+    real = Constraint.masks
+    monkeypatch.setattr(Constraint, "masks", lambda self, draft: real(self, [])[[0] * (len(draft) + 1)])
+    with pytest.raises(RuntimeError, match="the grammar refused an emitted token"):
+        L.run_case(case, markov)
+
+
 def test_seeded_output_does_not_depend_on_draft_or_k(markov):
     """A seeded request's tokens are the target's race winners: the same with any draft, head, k
     policy or none at all (what makes seeded requests reproducible while drafts learn)."""

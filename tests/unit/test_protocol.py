@@ -4,10 +4,13 @@ OpenAI's error body; these check each rule on its own.)"""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 from pydantic import ValidationError
+
+from config import Grammar
 
 from deployments.protocol import (
     MAX_PROMPT_IDS,
@@ -63,14 +66,16 @@ def test_out_of_range_or_mistyped_fields_are_refused(field, value):
     ("max_tokens", 1), ("temperature", 0.0), ("temperature", 2.0), ("top_p", 1.0), ("top_p", 1e-6),
     ("top_k", 0), ("n", 1), ("stop", ["a", "b", "c", "d"]), ("stop", []), ("seed", -5),
     ("stop", ["x" * 256] * 4), ("user", "u" * 256),
+    ("logit_bias", {"0": -100, "7": 100.0}), ("logit_bias", {str(i): 1 for i in range(1024)}), ("stop_token_ids", [0]),
+    ("min_tokens", 0), ("min_p", 1.0), ("frequency_penalty", 2.0), ("presence_penalty", -2.0), ("repetition_penalty", 10.0),
 ])
 def test_the_edges_of_each_range_are_accepted(field, value):
     completion(**{field: value})
 
 
 def test_unknown_fields_are_ignored_and_stops_are_a_list():
-    r = completion(logprobs=None, frequency_penalty=0, cache_prompt=True, metadata={"a": 1}, stop=None)
-    assert r.stop == [] and not hasattr(r, "frequency_penalty") and not hasattr(r, "cache_prompt")
+    r = completion(logprobs=None, cache_prompt=True, metadata={"a": 1}, stop=None)
+    assert r.stop == [] and not hasattr(r, "cache_prompt") and not hasattr(r, "metadata")
     assert completion(stop="x").stop == ["x"] and completion(stop=["x", "y"]).stop == ["x", "y"]
 
 
@@ -158,10 +163,11 @@ def test_text_that_is_not_unicode_is_refused_at_the_edge():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("logit_bias", {"50": 100}), ("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("repetition_penalty", 1.2),
-    ("echo", True), ("best_of", 3), ("suffix", "x"),
-    ("min_tokens", 4), ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
-    ("functions", [{"name": "f"}]), ("tool_choice", "required"), ("guided_json", {"type": "object"}), ("grammar", "root ::= x")])
+    ("echo", True), ("best_of", 3), ("suffix", "x"), ("tools", [{"type": "function"}]),
+    ("functions", [{"name": "f"}]), ("tool_choice", "required"), ("guided_grammar", "root ::= x"),
+    ("repeat_penalty", 1.1), ("typical_p", 0.9), ("mirostat", 2), ("dry_multiplier", 0.8), ("xtc_probability", 0.5),
+    ("top_n_sigma", 1.0), ("n_probs", 3), ("use_beam_search", True), ("bad_words", ["x"]), ("allowed_token_ids", [1]),
+    ("prompt_logprobs", 0), ("include_stop_str_in_output", True), ("skip_special_tokens", False)])
 def test_what_changes_the_output_and_is_not_served_is_refused_not_ignored(field, value):
     for make in (lambda **kw: completion(prompt="Hi", **kw), lambda **kw: ChatRequest(messages=[{"role": "user", "content": "Hi"}], **kw)):
         with pytest.raises(ValidationError) as e:
@@ -173,9 +179,10 @@ def test_what_changes_the_output_and_is_not_served_is_refused_not_ignored(field,
 def test_the_defaults_of_what_is_not_served_are_accepted():
     """Clients send defaults: every one of them passes."""
     defaults = {"logit_bias": {}, "frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                "echo": False, "best_of": 1, "suffix": None, "min_tokens": 0,
+                "echo": False, "best_of": 1, "suffix": None, "min_tokens": 0, "min_p": 0.0, "stop_token_ids": [],
                 "response_format": {"type": "text"}, "tools": [], "functions": None, "tool_choice": "auto",
-                "guided_json": None, "grammar": ""}
+                "guided_json": None, "grammar": "", "repeat_penalty": 1.0, "typical_p": 1.0, "mirostat": 0,
+                "top_n_sigma": -1.0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "skip_special_tokens": True}
     assert completion(prompt="Hi", **defaults).prompt == "Hi"
     assert ChatRequest(messages=[{"role": "user", "content": "Hi"}], **defaults).n == 1
 
@@ -193,3 +200,72 @@ def test_logprobs_are_asked_as_openai_asks_them():
     for bad in (17, -1, True, 2.0):
         with pytest.raises(ValidationError):
             completion(prompt="Hi", logprobs=bad)
+
+
+def test_penalties_bias_min_p_and_token_stops_are_carried_over():
+    p = completion(frequency_penalty=0.5, presence_penalty=-1.0, repetition_penalty=1.2, min_p=0.05,
+                   logit_bias={"50": 100, "7": -100}, min_tokens=3, stop_token_ids=[2, 9]).sampling(8)
+    assert (p.frequency_penalty, p.presence_penalty, p.repetition_penalty, p.min_p) == (0.5, -1.0, 1.2, 0.05)
+    assert p.logit_bias == {50: 100.0, 7: -100.0} and (p.min_tokens, p.stop_token_ids) == (3, [2, 9])
+    assert p.processes_logits and sorted(p.token_ids()) == [2, 7, 9, 50]
+    # llama.cpp's form of logit_bias: [[id, bias], ...]
+    assert completion(logit_bias=[[5, 1.5], ["6", -2]]).sampling(8).logit_bias == {5: 1.5, 6: -2.0}
+    bare = completion().sampling(8)
+    assert not bare.processes_logits and bare.repetition_penalty == 1.0 and bare.min_p == 0.0
+    assert not completion(min_p=0.3).sampling(8).processes_logits  # min-p is a filter of the warp
+
+
+@pytest.mark.parametrize("field, value", [
+    ("frequency_penalty", 2.5), ("presence_penalty", -2.01), ("repetition_penalty", 0.0), ("min_p", 1.5),
+    ("min_p", math.nan), ("logit_bias", {"x": 1}), ("logit_bias", {"1": 101}), ("logit_bias", {"1": -101}), ("logit_bias", {"-1": 1}),
+    ("logit_bias", [[1]]), ("logit_bias", [5]), ("logit_bias", {"1": True}), ("logit_bias", "1"), ("logit_bias", {str(i): 1 for i in range(1025)}),
+    ("min_tokens", -1), ("stop_token_ids", [-1]), ("stop_token_ids", list(range(65)))])
+def test_penalties_and_biases_out_of_range_are_refused(field, value):
+    with pytest.raises(ValidationError) as e:
+        completion(**{field: value})
+    assert e.value.errors()[0]["loc"][0] == field
+
+
+def test_min_tokens_past_max_tokens_is_refused():
+    with pytest.raises(ValidationError, match="min_tokens"):
+        completion(max_tokens=4, min_tokens=5).sampling(8)
+    assert completion(max_tokens=4, min_tokens=4).sampling(8).min_tokens == 4
+
+
+def test_structured_output_is_read_from_each_form_clients_send():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    forms = [
+        (dict(response_format={"type": "json_object"}), Grammar(kind="json", source='{"type": "object"}')),
+        (dict(response_format={"type": "json_object", "schema": schema}), Grammar(kind="json", source=json.dumps(schema))),
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}),
+         Grammar(kind="json", source=json.dumps(schema))),
+        (dict(json_schema=schema), Grammar(kind="json", source=json.dumps(schema))),  # llama.cpp's
+        (dict(guided_json=json.dumps(schema)), Grammar(kind="json", source=json.dumps(schema))),  # vLLM's, as text
+        (dict(grammar='root ::= "yes" | "no"'), Grammar(kind="gbnf", source='root ::= "yes" | "no"')),
+        (dict(guided_regex="[0-9]+"), Grammar(kind="regex", source="[0-9]+")),
+        (dict(guided_choice=["a", "b c"]), Grammar(kind="choice", source='["a", "b c"]')),
+    ]
+    for fields, want in forms:
+        assert completion(**fields).sampling(8).grammar == want, fields
+        chat = ChatRequest(messages=[{"role": "user", "content": "Hi"}], **fields)
+        assert chat.sampling(8).grammar == want and chat.sampling(8).processes_logits
+    assert completion(response_format={"type": "text"}).sampling(8).grammar is None
+    assert completion(grammar="").sampling(8).grammar is None  # llama.cpp's default: none
+    assert completion(guided_choice=[], guided_json=None).sampling(8).grammar is None
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(response_format={"type": "xml"}), "response_format type 'xml'"),
+    (dict(response_format="json"), "response_format is an object"),
+    (dict(response_format={"type": "json_schema"}), "needs json_schema.schema"),
+    (dict(guided_json="{not json"), "guided_json is not valid JSON"),
+    (dict(json_schema=[1]), "json_schema is a JSON schema"),
+    (dict(guided_choice=["a", ""]), "guided_choice is a non-empty list"),
+    (dict(guided_regex=5), "guided_regex is a string"),
+    (dict(guided_regex="a", guided_json={"type": "object"}), "one structured output at a time"),
+    (dict(guided_regex="a" * 65_537), "at most 65536 characters"),
+    (dict(response_format={"type": "json_object"}, ignore_eos=True), "takes no ignore_eos or min_tokens"),
+])
+def test_structured_output_that_cannot_be_served_is_refused(fields, message):
+    with pytest.raises(ValidationError, match=message):
+        completion(**fields).sampling(8)

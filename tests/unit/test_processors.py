@@ -1,0 +1,143 @@
+"""Penalties, logit biases, min_tokens, stop_token_ids and min-p (``speculative.processors``,
+``SamplingParams``): each verified row is processed with the history it would have had decoded
+alone, so greedy outputs equal a plain decoding loop's that processes the logits itself, whatever
+proposed. (Their laws under sampling: ``tests/unit/test_lossless.py``.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from config import EngineConfig, KPolicyConfig, SamplingParams, SuffixConfig
+from conftest import _char_tokenizer, tiny_llama
+from speculative import RequestError, SpeculativeEngine
+from speculative.fast import FastRunner
+from speculative.processors import process_rows
+from speculative.proposers import DraftModelProposer, NgramProposer
+from speculative.runner import ForwardCall
+from speculative.sampling import warp_logits
+from speculative.suffix import SuffixProposer
+
+
+# -- by hand -----------------------------------------------------------------------------------------------
+def test_each_row_is_penalised_with_the_drafts_tokens_before_it():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]] * 3)  # [k+1 = 3, V = 4]
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    # prompt [3], output so far [0, 0]; the draft proposes [2, 0]
+    got = process_rows(logits, params, [3, 0, 0], 1, [2, 0], set())
+    assert got[0].tolist() == [2.0 - 2 * 0.5 - 0.25, -1.0, 0.5, 1.0]  # the prompt's 3 is not penalised
+    assert got[1].tolist() == [2.0 - 2 * 0.5 - 0.25, -1.0, 0.5 - 0.5 - 0.25, 1.0]  # after d_1 = 2
+    assert got[2].tolist() == [2.0 - 3 * 0.5 - 0.25, -1.0, 0.5 - 0.5 - 0.25, 1.0]  # after d_2 = 0
+    assert logits[0].tolist() == [2.0, -1.0, 0.5, 1.0]  # the input is left as it was
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_prompt_and_output():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0], [2.0, -1.0, 0.5, 1.0]])
+    got = process_rows(logits, SamplingParams(repetition_penalty=2.0), [1, 0], 1, [3], set())
+    assert got[0].tolist() == [1.0, -2.0, 0.5, 1.0]  # 1 (prompt) and 0 (output) seen
+    assert got[1].tolist() == [1.0, -2.0, 0.5, 0.5]  # and then the draft's 3
+
+
+def test_logit_bias_is_added_and_min_tokens_bans_the_stops_only_while_the_output_is_short():
+    logits = torch.zeros(3, 5)
+    params = SamplingParams(logit_bias={1: 3.0, 4: -100.0}, min_tokens=3, max_tokens=8)
+    got = process_rows(logits, params, [0, 2], 1, [1, 1], {2, 3})  # 1 token out: rows 0 and 1 are before 3
+    assert got[0].tolist() == [0.0, 3.0, -math.inf, -math.inf, -100.0]
+    assert got[1].tolist() == [0.0, 3.0, -math.inf, -math.inf, -100.0]
+    assert got[2].tolist() == [0.0, 3.0, 0.0, 0.0, -100.0]  # 3 tokens before row 2: the stops are allowed
+    # an end-of-sequence id past the head (a tokenizer's, that the model cannot emit) is skipped
+    assert process_rows(logits, params, [0], 1, [1, 1], {5, 2})[0, 2] == -math.inf
+
+
+def test_min_p_keeps_the_tokens_at_least_that_share_of_the_most_likely():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = warp_logits(logits, SamplingParams(temperature=1.0, min_p=0.3)) > 0
+    assert kept.tolist() == [[True, True, True, False]]  # 0.15 >= 0.3 * 0.5; 0.05 is not
+    kept = warp_logits(logits, SamplingParams(temperature=1.0, min_p=0.7)) > 0
+    assert kept.tolist() == [[True, False, False, False]]
+    edge = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))  # exactly min_p of the most likely: kept
+    assert (warp_logits(edge, SamplingParams(temperature=1.0, min_p=0.5)) > 0).tolist() == [[True, True, True]]
+    hot = warp_logits(logits, SamplingParams(temperature=2.0, min_p=0.3))  # after the temperature: flatter
+    assert (hot > 0).tolist() == [[True, True, True, True]] and hot.sum() == pytest.approx(1.0)
+
+
+# -- through the engine --------------------------------------------------------------------------------------
+def _engines():
+    target = FastRunner(tiny_llama(2, seed=0), name="target", bits=4, kv_tokens=4096, block_tokens=8)
+    tok = _char_tokenizer()
+    cfg = EngineConfig(chat_template=False, k=KPolicyConfig(k_max=3, fixed_k=3))
+    drafted = SpeculativeEngine(target, tok, DraftModelProposer(FastRunner(tiny_llama(1, seed=7), name="draft", bits=4), 128), cfg)
+    lookup = SpeculativeEngine(target, tok, NgramProposer(), cfg)
+    alone = SpeculativeEngine(target, tok, None, cfg)
+    return target, tok, (alone, drafted, lookup)
+
+
+def _plain_greedy(target, prompt_ids, params, eos, n):
+    """A decoding loop with no speculation: the whole sequence forward each token, its last row
+    processed as written out here (vLLM's order), then the argmax."""
+    seq = list(prompt_ids)
+    for _ in range(n):
+        z = target.forward_batch([ForwardCall("ref", 0, seq, 1)])[0][0].float().clone()  # [V]
+        target.release("ref")
+        out = seq[len(prompt_ids):]
+        if len(out) < params.min_tokens:
+            for t in eos | set(params.stop_token_ids):
+                z[t] = -math.inf
+        for t, b in params.logit_bias.items():
+            z[t] += b
+        for t in set(seq):
+            z[t] = z[t] / params.repetition_penalty if z[t] > 0 else z[t] * params.repetition_penalty
+        for t in set(out):
+            z[t] -= params.frequency_penalty * out.count(t) + params.presence_penalty
+        nxt = int(z.argmax())
+        seq.append(nxt)
+        if nxt in params.stop_token_ids:
+            break
+    return seq[len(prompt_ids):]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=24, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5),
+    SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.8, logit_bias={98: 2.0, 99: -100.0}),
+    SamplingParams(max_tokens=24, ignore_eos=True, frequency_penalty=-1.0, logit_bias={97: 0.7})])
+def test_greedy_with_penalties_is_the_plain_loops_output_whatever_drafted(params):
+    target, tok, engines = _engines()
+    prompt = "abcabcabcab"
+    want = _plain_greedy(target, tok(prompt)["input_ids"], params, set(), 24)
+    plain = engines[0].generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True)).token_ids
+    assert want != plain  # the processing changes this output
+    # a suffix tree that has seen the answer proposes it whole: every row after the first is
+    # processed with drafted tokens in its history, so a row processed without them shows
+    oracle = SuffixProposer(SuffixConfig(max_depth=32, spec_factor=4.0, min_token_prob=0.0))
+    oracle.add_served("seen", tok(prompt)["input_ids"] + want)
+    knows = SpeculativeEngine(target, tok, oracle, EngineConfig(chat_template=False, k=KPolicyConfig(k_max=4, fixed_k=4)))
+    for engine in (*engines, knows):
+        steps = []
+        gen = engine.generate(prompt, params, on_step=steps.append)
+        assert gen.token_ids == want, type(engine.proposer).__name__
+    assert sum(s.accepted for s in steps) >= 12  # the oracle's drafts were taken
+
+
+def test_a_stop_token_id_ends_the_output_and_is_kept_and_min_tokens_holds_it_off():
+    target, tok, (alone, drafted, lookup) = _engines()
+    prompt = "abcabcabcab"
+    free = alone.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True)).token_ids
+    stop = free[3]  # the 4th token of the unprocessed output
+    first = free.index(stop)
+    for engine in (alone, drafted, lookup):
+        gen = engine.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[stop]))
+        assert gen.token_ids == free[: first + 1] and gen.finish_reason == "stop"
+        held = SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[stop], min_tokens=first + 2)
+        gen = engine.generate(prompt, held)
+        assert stop not in gen.token_ids[: first + 2]  # banned until min_tokens tokens are out
+        assert gen.token_ids == _plain_greedy(target, tok(prompt)["input_ids"], held, set(), 24)
+
+
+def test_token_ids_a_request_names_must_be_in_the_vocabulary():
+    _, _, (alone, *_) = _engines()
+    for params in (SamplingParams(logit_bias={10_000: 1.0}), SamplingParams(stop_token_ids=[10_000])):
+        with pytest.raises(RequestError, match="out of range"):
+            alone.add_request("abc", params)
+    assert not alone.requests
