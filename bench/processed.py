@@ -5,8 +5,9 @@ The serve config's engine (int4 target, ``--proposers``) decodes chat prompts of
 turn prompt by prompt (the order rotated each prompt, so a drift of the machine falls on every
 way): plain; with OpenAI's frequency and presence penalties; as any JSON object
 (``response_format: json_object``); and as JSON of a small schema. The outputs differ between
-ways (that is the point of the parameters), so the figure is each way's tokens a second of its
-own output, with its drafted tokens' acceptance, and the JSON outputs are checked to parse.
+ways (that is the point of the parameters), so the figures are each way's tokens a second of its
+own output, whole and after the first token (a shorter output spreads the prompt's forward over
+fewer tokens), with its drafted tokens' acceptance; the JSON outputs are checked to parse.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def run(workload: str, domains: list[str], n: int, max_tokens: int, proposers: l
     engine = build_engine(cfg.engine.model_copy(update={"draft": DraftConfig(proposers=proposers, select=select)}))
     records = [json.loads(line) for line in open(workload)]
     texts = [r["text"][:1500] for r in records if r.get("domain") in domains][:n]
-    tally = {name: {"tokens": 0, "seconds": 0.0, "proposed": 0, "accepted": 0, "parsed": 0, "complete": 0}
-             for name in ways()}
+    tally = {name: {"tokens": 0, "seconds": 0.0, "decode_tokens": 0, "decode_s": 0.0, "proposed": 0, "accepted": 0,
+                    "parsed": 0, "complete": 0} for name in ways()}
     order = list(ways())
     for name in ways():  # warm (llguidance's view of the tokenizer is made at the first grammar)
         engine.generate(texts[0], SamplingParams(max_tokens=8, **ways()[name]))
@@ -57,6 +58,9 @@ def run(workload: str, domains: list[str], n: int, max_tokens: int, proposers: l
             t = tally[name]
             t["seconds"] += time.perf_counter() - t0
             t["tokens"] += len(gen.token_ids)
+            if gen.first_token_s is not None:  # after the first token: the decode alone, whatever the prompt
+                t["decode_tokens"] += len(gen.token_ids) - 1
+                t["decode_s"] += gen.seconds - gen.first_token_s
             t["proposed"] += sum(s.proposed for s in steps)
             t["accepted"] += sum(s.accepted for s in steps)
             if "json" in name:
@@ -67,10 +71,13 @@ def run(workload: str, domains: list[str], n: int, max_tokens: int, proposers: l
                 except ValueError:
                     pass
     out = {}
+    plain = tally["plain"]
     for name, t in tally.items():
         out[name] = {"tokens_per_s": t["tokens"] / t["seconds"], "tokens": t["tokens"],
+                     "decode_tokens_per_s": t["decode_tokens"] / t["decode_s"],
                      "acceptance": t["accepted"] / t["proposed"] if t["proposed"] else None,
-                     "over_plain": (t["tokens"] / t["seconds"]) / (tally["plain"]["tokens"] / tally["plain"]["seconds"])}
+                     "over_plain": (t["tokens"] / t["seconds"]) / (plain["tokens"] / plain["seconds"]),
+                     "decode_over_plain": (t["decode_tokens"] / t["decode_s"]) / (plain["decode_tokens"] / plain["decode_s"])}
         if "json" in name:
             out[name] |= {"complete": t["complete"], "parsed": t["parsed"], "prompts": len(texts)}
     return out
@@ -93,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in res.items():
         extra = f", {r['parsed']} of {r['prompts']} parse, {r['complete']} complete" if "parsed" in r else ""
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.3f}"
-        print(f"{name:12s} {r['tokens_per_s']:6.1f} tokens/s ({r['over_plain']:.3f}x plain), acceptance {acc}{extra}")
+        print(f"{name:12s} {r['tokens_per_s']:6.1f} tokens/s ({r['over_plain']:.3f}x plain), decode "
+              f"{r['decode_tokens_per_s']:6.1f} ({r['decode_over_plain']:.3f}x), {r['tokens']} tokens, acceptance {acc}{extra}")
     write_json({"args": vars(a), "ways": res}, a.json)
     return 0
 
