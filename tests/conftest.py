@@ -88,6 +88,22 @@ def tiny_llama(num_layers: int = 3, seed: int = 0, **overrides):
 _tiny_llama = tiny_llama
 
 
+def int4_engines():
+    """One int4 target (a tiny random Llama, character tokenizer) under three engines: target-only,
+    a 1-layer draft model and prompt lookup, k fixed at 3. Returns (target, tokenizer, engines)."""
+    from config import EngineConfig, KPolicyConfig
+    from speculative import SpeculativeEngine
+    from speculative.fast import FastRunner
+    from speculative.proposers import DraftModelProposer, NgramProposer
+
+    target = FastRunner(tiny_llama(2, seed=0), name="target", bits=4, kv_tokens=4096, block_tokens=8)
+    tok = _char_tokenizer()
+    cfg = EngineConfig(chat_template=False, k=KPolicyConfig(k_max=3, fixed_k=3))
+    draft = DraftModelProposer(FastRunner(tiny_llama(1, seed=7), name="draft", bits=4), 128)
+    engines = tuple(SpeculativeEngine(target, tok, proposer, cfg) for proposer in (None, draft, NgramProposer()))
+    return target, tok, engines
+
+
 @pytest.fixture(scope="session")
 def make_tokenizer():
     """Factory: ``make_tokenizer(name=..., eos=..., chars=...)`` -> a char-level PreTrainedTokenizerFast."""

@@ -11,11 +11,9 @@ import pytest
 import torch
 
 from config import EngineConfig, Grammar, KPolicyConfig, SamplingParams, SuffixConfig
-from conftest import _char_tokenizer, tiny_llama
+from conftest import _char_tokenizer, int4_engines
 from speculative import RequestError, SpeculativeEngine
-from speculative.fast import FastRunner
 from speculative.grammar import Constraint, ll_tokenizer
-from speculative.proposers import DraftModelProposer, NgramProposer
 from speculative.runner import ForwardCall
 from speculative.suffix import SuffixProposer
 from test_detokenize import _byte_level
@@ -63,7 +61,10 @@ def test_a_byte_level_tokenizer_is_read_by_llguidance_itself():
 @pytest.mark.parametrize("grammar, message", [
     (Grammar(kind="regex", source="a("), "regex grammar does not compile"),
     (Grammar(kind="json", source='{"type": "objec"}'), "json grammar does not compile"),
-    (Grammar(kind="gbnf", source="root ::= foo"), "gbnf grammar does not compile")])
+    (Grammar(kind="gbnf", source="root ::= foo"), "gbnf grammar does not compile"),
+    # the parser's own limits: nesting past them is refused, not recursed into
+    (Grammar(kind="lark", source="start: " + "(" * 2000 + '"a"' + ")" * 2000), "too deeply nested"),
+    (Grammar(kind="json", source='{"type": "array", "items": ' * 300 + '{"type": "integer"}' + "}" * 300), "recursion limit")])
 def test_a_grammar_that_does_not_compile_is_refused_when_queued(grammar, message):
     _, _, (alone, *_) = _engines()
     with pytest.raises(RequestError, match=message):
@@ -80,13 +81,7 @@ def test_structured_output_takes_no_ignore_eos_or_min_tokens():
 
 # -- through the engine --------------------------------------------------------------------------------------
 def _engines():
-    target = FastRunner(tiny_llama(2, seed=0), name="target", bits=4, kv_tokens=4096, block_tokens=8)
-    tok = _char_tokenizer()
-    cfg = EngineConfig(chat_template=False, k=KPolicyConfig(k_max=3, fixed_k=3))
-    drafted = SpeculativeEngine(target, tok, DraftModelProposer(FastRunner(tiny_llama(1, seed=7), name="draft", bits=4), 128), cfg)
-    lookup = SpeculativeEngine(target, tok, NgramProposer(), cfg)
-    alone = SpeculativeEngine(target, tok, None, cfg)
-    return target, tok, (alone, drafted, lookup)
+    return int4_engines()  # (target, tokenizer, (target-only, draft model, prompt lookup))
 
 
 def _plain_masked_greedy(target, tok, prompt_ids, grammar, n):

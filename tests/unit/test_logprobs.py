@@ -10,23 +10,14 @@ import math
 import pytest
 import torch
 
-from config import EngineConfig, KPolicyConfig, SamplingParams
-from conftest import _char_tokenizer, tiny_llama
-from speculative import SpeculativeEngine
-from speculative.fast import FastRunner
-from speculative.proposers import DraftModelProposer, NgramProposer
+from config import SamplingParams
+from conftest import int4_engines
 from speculative.runner import ForwardCall
 from speculative.summary import token_logprobs
 
 
 def _engines():
-    target = FastRunner(tiny_llama(2, seed=0), name="target", bits=4, kv_tokens=4096, block_tokens=8)
-    tok = _char_tokenizer()
-    cfg = EngineConfig(chat_template=False, k=KPolicyConfig(k_max=3, fixed_k=3))
-    drafted = SpeculativeEngine(target, tok, DraftModelProposer(FastRunner(tiny_llama(1, seed=7), name="draft", bits=4), 128), cfg)
-    lookup = SpeculativeEngine(target, tok, NgramProposer(), cfg)
-    alone = SpeculativeEngine(target, tok, None, cfg)
-    return target, tok, (alone, drafted, lookup)
+    return int4_engines()  # (target, tokenizer, (target-only, draft model, prompt lookup))
 
 
 def _run(engine, prompt, params):

@@ -11,11 +11,9 @@ import pytest
 import torch
 
 from config import EngineConfig, KPolicyConfig, SamplingParams, SuffixConfig
-from conftest import _char_tokenizer, tiny_llama
+from conftest import int4_engines
 from speculative import RequestError, SpeculativeEngine
-from speculative.fast import FastRunner
 from speculative.processors import process_rows
-from speculative.proposers import DraftModelProposer, NgramProposer
 from speculative.runner import ForwardCall
 from speculative.sampling import warp_logits
 from speculative.suffix import SuffixProposer
@@ -65,13 +63,7 @@ def test_min_p_keeps_the_tokens_at_least_that_share_of_the_most_likely():
 
 # -- through the engine --------------------------------------------------------------------------------------
 def _engines():
-    target = FastRunner(tiny_llama(2, seed=0), name="target", bits=4, kv_tokens=4096, block_tokens=8)
-    tok = _char_tokenizer()
-    cfg = EngineConfig(chat_template=False, k=KPolicyConfig(k_max=3, fixed_k=3))
-    drafted = SpeculativeEngine(target, tok, DraftModelProposer(FastRunner(tiny_llama(1, seed=7), name="draft", bits=4), 128), cfg)
-    lookup = SpeculativeEngine(target, tok, NgramProposer(), cfg)
-    alone = SpeculativeEngine(target, tok, None, cfg)
-    return target, tok, (alone, drafted, lookup)
+    return int4_engines()  # (target, tokenizer, (target-only, draft model, prompt lookup))
 
 
 def _plain_greedy(target, prompt_ids, params, eos, n):
