@@ -132,6 +132,14 @@ def test_structured_output_over_http(server, client, reference):
     assert set(value) == {"city", "population"} and isinstance(value["population"], int)
     want = reference.generate(prompt, SamplingParams(max_tokens=40, grammar=Grammar(kind="json", source=json.dumps(schema))))
     assert r.choices[0].text == want.text and r.choices[0].finish_reason == "stop"
+    import openai  # a split replica: its whole rows come over the hop from the Target deployment
+
+    split = openai.OpenAI(base_url=f"{server}/split/v1", api_key=KEY, max_retries=0, timeout=120)
+    hop = split.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, extra_body={
+        "json_schema": schema, "frequency_penalty": 0.3})  # llama.cpp's field, and a penalty with it
+    want = reference.generate(prompt, SamplingParams(max_tokens=40, frequency_penalty=0.3,
+                                                     grammar=Grammar(kind="json", source=json.dumps(schema))))
+    assert hop.choices[0].text == want.text
     small = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "legs": {"type": "integer"}},
              "required": ["name", "legs"], "additionalProperties": False}
     chat = client.chat.completions.create(model=MODEL, max_tokens=48, temperature=0,
