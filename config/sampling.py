@@ -63,8 +63,9 @@ class SamplingParams(_Strict):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     #: vLLM's (and Hugging Face's) repetition penalty over the prompt's and the output's tokens: a
-    #: positive logit is divided by it, a negative one multiplied; 1 disables it
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0, allow_inf_nan=False)
+    #: positive logit is divided by it, a negative one multiplied; 1 disables it (0.01 to 10: a logit
+    #: divided by a smaller one overflows)
+    repetition_penalty: float = Field(default=1.0, ge=0.01, le=10.0, allow_inf_nan=False)
     #: token id -> a value added to its logit (OpenAI's -100..100; -100 bans it, 100 forces it)
     logit_bias: dict[int, float] = Field(default_factory=dict)
     #: the end-of-sequence tokens and ``stop_token_ids`` cannot be generated before this many

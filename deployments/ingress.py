@@ -17,11 +17,11 @@ from pydantic import ValidationError
 from ray import serve
 
 from config import AppConfig
-from speculative.locate import light_vocab
+from speculative.locate import TextVocab, light_vocab
 
 from .loopback import bind_replica_grpc, replica_meter
-from .protocol import (ChatRequest, CompletionRequest, Done, GenerateRequest, Refused, TargetUnavailable, error_body, new_id,
-                       now)
+from .protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, Done, GenerateRequest, Refused, TargetUnavailable,
+                       TokenizeRequest, error_body, new_id, now)
 from .resume import resuming
 from .tenants import Admission, Tenants, refuse_open
 
@@ -423,6 +423,49 @@ class Ingress:
             self._vocab = vocab
         return self._vocab
 
+    async def tokenize(self, request: Request):
+        """``POST /tokenize``: the token ids of a text, as ``/v1/completions`` reads a raw prompt
+        (``{"tokens": [...], "count": n}``); any valid key."""
+        got = await self._tool_body(request, TokenizeRequest)
+        if isinstance(got, JSONResponse):
+            return got
+        if len(got.text) > self.cfg.ingress.max_prompt_chars:
+            return _error(400, f"the text is longer than {self.cfg.ingress.max_prompt_chars} characters")
+        vocab = self._vocabulary()
+        if isinstance(vocab, TextVocab):
+            ids = vocab.encode(got.text, got.add_special_tokens)
+        else:
+            ids = list(vocab(got.text, add_special_tokens=got.add_special_tokens)["input_ids"])
+        return {"tokens": ids, "count": len(ids)}
+
+    async def detokenize(self, request: Request):
+        """``POST /detokenize``: the text of token ids (``prompt`` for vLLM's clients, ``content``
+        for llama.cpp's); ids past the vocabulary are a 400."""
+        got = await self._tool_body(request, DetokenizeRequest)
+        if isinstance(got, JSONResponse):
+            return got
+        vocab = self._vocabulary()
+        bad = [t for t in got.tokens if t >= len(vocab)]
+        if bad:
+            return _error(400, f"token ids out of range [0, {len(vocab)}): {bad[:5]}", param="tokens")
+        text = vocab.decode(got.tokens)
+        return {"prompt": text, "content": text}
+
+    async def _tool_body(self, request: Request, model):
+        """The validated body of /tokenize or /detokenize, or the error response (401 without a
+        valid key; the body bounded as a completion's)."""
+        adm = self.tenants.identify(request.headers.get("authorization"))
+        if adm.status != 200:
+            return _refused(adm)
+        body = await _json_body(request, self.cfg.ingress.max_body_bytes)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            return model.model_validate(body)
+        except ValidationError as e:
+            message, param = _validation_message(e)
+            return _error(400, message, param=param)
+
     def _decode(self, ids: list[int]) -> str:
         """A token-id prompt as text, for the router (ids outside the vocabulary are left out
         here; the draft replica refuses the request for them)."""
@@ -603,6 +646,14 @@ class IngressDeployment(Ingress):
     def list_models(self, request: Request):
         adm = self.tenants.identify(request.headers.get("authorization"))
         return self.models() if adm.status == 200 else _refused(adm)
+
+    @api.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
+    async def tokenize_route(self, request: Request):
+        return await self.tokenize(request)
+
+    @api.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
+    async def detokenize_route(self, request: Request):
+        return await self.detokenize(request)
 
     @api.get("/metrics")
     async def metrics_route(self, request: Request):

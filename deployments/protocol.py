@@ -175,7 +175,7 @@ class _Request(BaseModel):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)  # vLLM's and llama.cpp's
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0, allow_inf_nan=False)  # vLLM's
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=10.0, allow_inf_nan=False)  # vLLM's
     logit_bias: dict | list | None = None
     min_tokens: int | None = Field(default=None, ge=0, strict=True)  # vLLM's
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM's
@@ -340,6 +340,43 @@ class ChatRequest(_Request):
     def last_user_text(self) -> str:
         users = [m.text() for m in self.messages if m.role == "user"]
         return users[-1] if users else self.messages[-1].text()
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: vLLM's ``prompt`` or llama.cpp's ``content``, tokenized as
+    ``/v1/completions`` tokenizes a raw prompt."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: str | None = None
+    content: str | None = None
+    add_special_tokens: bool = Field(default=True, strict=True)
+
+    @model_validator(mode="after")
+    def _one_text(self):
+        if (self.prompt is None) == (self.content is None):
+            raise ValueError("send the text as prompt (or content), once")
+        unicode_text(self.text, "the text")
+        return self
+
+    @property
+    def text(self) -> str:
+        return self.prompt if self.prompt is not None else self.content  # type: ignore[return-value]
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: token ids to text (vLLM's and llama.cpp's ``tokens``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    tokens: list[int] = Field(max_length=MAX_PROMPT_IDS)
+
+    @field_validator("tokens")
+    @classmethod
+    def _ids(cls, v: list[int]) -> list[int]:
+        if any(isinstance(t, bool) or t < 0 for t in v):
+            raise ValueError("tokens are token ids (>= 0)")
+        return v
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:

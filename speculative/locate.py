@@ -88,6 +88,10 @@ class TextVocab:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """As the transformers tokenizer's ``tokenizer(text)["input_ids"]`` (the raw prompt of a completion)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
 
 def light_vocab(name: str) -> TextVocab | None:
     """A :class:`TextVocab` of ``name`` when its folder holds a ``tokenizer.json``; None otherwise

@@ -155,6 +155,19 @@ def test_structured_output_over_http(server, client, reference):
     assert status == 400 and "does not compile" in err["error"]["message"]
 
 
+def test_tokenize_and_detokenize_over_http(server, client, reference):
+    """vLLM's and llama.cpp's token endpoints: the ids of a text are the prompt tokens its
+    completion counts, and back to the text."""
+    text = PROMPTS[0]
+    status, got = _post(server + "/tokenize", {"prompt": text})
+    assert status == 200 and got["tokens"] == reference.encode(text) and got["count"] == len(got["tokens"])
+    usage = client.completions.create(model=MODEL, prompt=text, max_tokens=2, temperature=0).usage
+    assert usage.prompt_tokens == got["count"]
+    status, back = _post(server + "/detokenize", {"tokens": got["tokens"]})
+    assert status == 200 and back["content"] == text
+    assert _call(server + "/tokenize", {"content": text}, key=None)[0] == 401
+
+
 def test_seeded_sampling_is_reproducible(client, reference):
     """A seeded request is the target's own sample for that seed: the same over HTTP (draft and
     adaptive k in the loop) as in-process without any draft, every time."""

@@ -21,6 +21,7 @@ from inprocess import (ADMIN, ISO, KEY, MODEL, TINY, App, Handle, LocalPool, ans
                        request, save_tiny_model)
 from router.router import GENERAL
 from speculative import ModelRunner, SpeculativeEngine
+from speculative.locate import TextVocab
 from speculative.models import load_tokenizer, load_weights
 
 
@@ -809,3 +810,35 @@ def test_named_domains_are_served_by_drafts_of_their_own_from_their_checkpoints(
         assert len(runner.model.model.layers) == layers
         assert (runner.vocab_map is None) if ids is None else torch.equal(runner.vocab_map, ids)
     assert set(a.router.router.drafts) == {GENERAL, "d-sql", "d-math"}
+
+
+def test_tokenize_and_detokenize_read_text_as_a_completion_does(app, folder):
+    tok = load_tokenizer(folder)
+    text = "Hello world, tokens!"
+
+    async def call(route, body, key=KEY):
+        return await answer(await getattr(app.ingress, route)(request(body, key)))
+
+    status, body, _ = run(call("tokenize", {"prompt": text}))
+    assert status == 200 and body == {"tokens": tok(text)["input_ids"], "count": len(tok(text)["input_ids"])}
+    status, same, _ = run(call("tokenize", {"content": text, "add_special_tokens": False}))  # llama.cpp's name
+    assert status == 200 and same["tokens"] == tok(text, add_special_tokens=False)["input_ids"]
+    status, back, _ = run(call("detokenize", {"tokens": body["tokens"]}))
+    assert status == 200 and back["prompt"] == back["content"] == tok.decode(body["tokens"])
+    # the completion of those ids is the completion of the text
+    by_ids = run(app.post({"prompt": body["tokens"], "max_tokens": 6}))[1]["choices"][0]["text"]
+    assert by_ids == run(app.post({"prompt": text, "max_tokens": 6}))[1]["choices"][0]["text"]
+    for route, bad, message in (("tokenize", {}, "send the text as prompt"), ("tokenize", {"prompt": "a", "content": "b"}, "once"),
+                                ("tokenize", {"prompt": "x" * 201}, "longer than 200 characters"),
+                                ("detokenize", {"tokens": [len(tok)]}, "out of range"), ("detokenize", {"tokens": [-1]}, ">= 0"),
+                                ("detokenize", {"tokens": "12"}, "tokens")):
+        status, err, _ = run(call(route, bad))
+        assert status == 400 and message in err["error"]["message"], (route, bad, err)
+    assert run(call("tokenize", {"prompt": text}, key="wrong"))[0] == 401
+    assert isinstance(app.ingress._vocab, TextVocab)  # the tokenizer.json, without transformers
+    app.ingress._vocab = None  # a model folder without one: the transformers tokenizer answers the same
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ingress_mod, "light_vocab", lambda name: None)
+        assert run(call("tokenize", {"prompt": text}))[1] == body
+        assert run(call("detokenize", {"tokens": body["tokens"]}))[1] == back
+    assert not isinstance(app.ingress._vocab, TextVocab)

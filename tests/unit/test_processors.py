@@ -129,7 +129,9 @@ def test_a_stop_token_id_ends_the_output_and_is_kept_and_min_tokens_holds_it_off
 
 def test_token_ids_a_request_names_must_be_in_the_vocabulary():
     _, _, (alone, *_) = _engines()
-    for params in (SamplingParams(logit_bias={10_000: 1.0}), SamplingParams(stop_token_ids=[10_000])):
+    vocab = alone.vocab_size
+    for params in (SamplingParams(logit_bias={vocab: 1.0}), SamplingParams(stop_token_ids=[vocab])):
         with pytest.raises(RequestError, match="out of range"):
             alone.add_request("abc", params)
     assert not alone.requests
+    alone.add_request("abc", SamplingParams(logit_bias={vocab - 1: 1.0}, stop_token_ids=[vocab - 1]))  # the last id is in

@@ -68,6 +68,7 @@ def test_out_of_range_or_mistyped_fields_are_refused(field, value):
     ("stop", ["x" * 256] * 4), ("user", "u" * 256),
     ("logit_bias", {"0": -100, "7": 100.0}), ("logit_bias", {str(i): 1 for i in range(1024)}), ("stop_token_ids", [0]),
     ("min_tokens", 0), ("min_p", 1.0), ("frequency_penalty", 2.0), ("presence_penalty", -2.0), ("repetition_penalty", 10.0),
+    ("repetition_penalty", 0.01),
 ])
 def test_the_edges_of_each_range_are_accepted(field, value):
     completion(**{field: value})
@@ -216,7 +217,8 @@ def test_penalties_bias_min_p_and_token_stops_are_carried_over():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("frequency_penalty", 2.5), ("presence_penalty", -2.01), ("repetition_penalty", 0.0), ("min_p", 1.5),
+    ("frequency_penalty", 2.5), ("presence_penalty", -2.01), ("repetition_penalty", 0.0), ("repetition_penalty", 5e-324),
+    ("repetition_penalty", 0.0099), ("min_p", 1.5),
     ("min_p", math.nan), ("logit_bias", {"x": 1}), ("logit_bias", {"1": 101}), ("logit_bias", {"1": -101}), ("logit_bias", {"-1": 1}),
     ("logit_bias", [[1]]), ("logit_bias", [5]), ("logit_bias", {"1": True}), ("logit_bias", "1"), ("logit_bias", {str(i): 1 for i in range(1025)}),
     ("min_tokens", -1), ("stop_token_ids", [-1]), ("stop_token_ids", list(range(65)))])
