@@ -395,10 +395,11 @@ class Ingress:
         stream = self._resuming(stream, gen, draft_id, tenant)
         if req.stream:
             settle = Settle(lambda used, status, usage: self._settle(tenant, timing, used, status, usage))
-            sse = self._sse(stream, rid, chat, route, req.include_usage, timing, settle)
+            echo = text if not chat and req.echo else ""  # the prompt's text first (OpenAI's echo)
+            sse = self._sse(stream, rid, chat, route, req.include_usage, timing, settle, echo)
             weakref.finalize(sse, settle, 0, 499, None)
             return StreamingResponse(sse, media_type="text/event-stream"), None
-        body = await self._whole(stream, rid, chat, route, timing)
+        body = await self._whole(stream, rid, chat, route, timing, text if not chat and req.echo else "")
         return body, body["usage"]["total_tokens"]
 
     def _resuming(self, stream, gen: GenerateRequest, draft_id: str, tenant: str):
@@ -501,8 +502,8 @@ class Ingress:
     def _usage(usage: dict) -> dict:
         return {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
 
-    async def _whole(self, stream, rid: str, chat: bool, route, timing: Timing) -> dict:
-        parts, end, tokens, lps = [], None, [], None
+    async def _whole(self, stream, rid: str, chat: bool, route, timing: Timing, echo: str = "") -> dict:
+        parts, end, tokens, lps = [echo], None, [], None
         try:
             async for item in stream:
                 if isinstance(item, Done):
@@ -533,7 +534,8 @@ class Ingress:
         self.running -= 1
         timing.done(status, usage)
 
-    async def _sse(self, stream, rid: str, chat: bool, route, include_usage: bool, timing: Timing, settle: Settle):
+    async def _sse(self, stream, rid: str, chat: bool, route, include_usage: bool, timing: Timing, settle: Settle,
+                   echo: str = ""):
         created, model = now(), self.cfg.ingress.model_name
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -561,6 +563,8 @@ class Ingress:
         try:
             if chat:
                 yield chunk(None, None, role=True)
+            if echo:
+                yield chunk(echo, None)
             async for item in stream:
                 if isinstance(item, Done):
                     yield chunk(None if chat else "", item.finish_reason)

@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
@@ -49,7 +49,6 @@ def _text_only(v) -> bool:
 #: this server does not serve: each with the test of its default, which is accepted (clients send
 #: defaults); any other value is refused rather than silently ignored
 UNSERVED = {
-    "echo": lambda v: v is None or v is False,
     "best_of": lambda v: v is None or v == 1,
     "suffix": lambda v: not v,
     "tools": lambda v: not v,
@@ -207,11 +206,14 @@ class _Request(BaseModel):
             raise ValueError("stop_token_ids are token ids (>= 0)")
         return v
 
+    #: more of :data:`UNSERVED`, for one endpoint
+    also_unserved: ClassVar[dict] = {}
+
     @model_validator(mode="before")
     @classmethod
     def _served(cls, data):
         if isinstance(data, dict):
-            for name, default in UNSERVED.items():
+            for name, default in {**UNSERVED, **cls.also_unserved}.items():
                 if name in data and not default(data[name]):
                     raise PydanticCustomError("unserved", "{param} is not supported by this server (send its default or leave it out)",
                                               {"param": name})
@@ -270,6 +272,14 @@ class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] = Field(min_length=1)
     #: each output token's log-probability and this many most likely tokens' (OpenAI's legacy form)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
+    #: the prompt's text before the completion's (the prompt's own log-probabilities are not served)
+    echo: bool | None = Field(default=None, strict=True)
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self):
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs asks for the prompt's log-probabilities, which this server does not serve")
+        return self
 
     def top_logprob_count(self) -> int | None:
         return self.logprobs
@@ -321,6 +331,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(_Request):
+    also_unserved: ClassVar[dict] = {"echo": lambda v: v is None or v is False}
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     logprobs: bool | None = Field(default=None, strict=True)
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)

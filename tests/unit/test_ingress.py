@@ -842,3 +842,21 @@ def test_tokenize_and_detokenize_read_text_as_a_completion_does(app, folder):
         assert run(call("tokenize", {"prompt": text}))[1] == body
         assert run(call("detokenize", {"tokens": body["tokens"]}))[1] == back
     assert not isinstance(app.ingress._vocab, TextVocab)
+
+
+def test_echo_puts_the_prompts_text_before_the_completion_whole_and_streamed(app, folder):
+    tok = load_tokenizer(folder)
+    plain = run(app.post({"prompt": "Hello world", "max_tokens": 6, "ignore_eos": True}))[1]
+    echoed = run(app.post({"prompt": "Hello world", "max_tokens": 6, "ignore_eos": True, "echo": True}))[1]
+    assert echoed["choices"][0]["text"] == "Hello world" + plain["choices"][0]["text"]
+    assert echoed["usage"] == plain["usage"] | {"speculative": echoed["usage"]["speculative"]}  # the same tokens counted
+    ids = tok("Hello world")["input_ids"]
+    by_ids = run(app.post({"prompt": ids, "max_tokens": 6, "ignore_eos": True, "echo": True}))[1]
+    assert by_ids["choices"][0]["text"] == tok.decode(ids) + plain["choices"][0]["text"]
+    status, events, _ = run(app.post({"prompt": "Hello world", "max_tokens": 6, "ignore_eos": True, "echo": True,
+                                      "stream": True}))
+    chunks = [e for e in events if e != "[DONE]"]
+    assert status == 200 and chunks[0]["choices"][0]["text"] == "Hello world"
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == echoed["choices"][0]["text"]
+    status, err, _ = run(app.post({"prompt": "Hello world", "max_tokens": 6, "echo": True, "logprobs": 1}))
+    assert status == 400 and "prompt's log-probabilities" in err["error"]["message"]

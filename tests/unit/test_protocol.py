@@ -164,7 +164,7 @@ def test_text_that_is_not_unicode_is_refused_at_the_edge():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("echo", True), ("best_of", 3), ("suffix", "x"), ("tools", [{"type": "function"}]),
+    ("best_of", 3), ("suffix", "x"), ("tools", [{"type": "function"}]),
     ("functions", [{"name": "f"}]), ("tool_choice", "required"), ("guided_grammar", "root ::= x"),
     ("repeat_penalty", 1.1), ("typical_p", 0.9), ("mirostat", 2), ("dry_multiplier", 0.8), ("xtc_probability", 0.5),
     ("top_n_sigma", 1.0), ("n_probs", 3), ("use_beam_search", True), ("bad_words", ["x"]), ("allowed_token_ids", [1]),
@@ -271,3 +271,13 @@ def test_structured_output_is_read_from_each_form_clients_send():
 def test_structured_output_that_cannot_be_served_is_refused(fields, message):
     with pytest.raises(ValidationError, match=message):
         completion(**fields).sampling(8)
+
+
+def test_echo_is_a_completions_field_without_logprobs():
+    assert completion(echo=True).echo and completion(echo=False, logprobs=2).logprobs == 2
+    with pytest.raises(ValidationError, match="prompt's log-probabilities"):
+        completion(echo=True, logprobs=0)
+    with pytest.raises(ValidationError) as e:
+        ChatRequest(messages=[{"role": "user", "content": "Hi"}], echo=True)
+    assert e.value.errors()[0]["ctx"]["param"] == "echo"
+    assert ChatRequest(messages=[{"role": "user", "content": "Hi"}], echo=False).n == 1  # its default passes
