@@ -85,7 +85,7 @@ def _schema_text(schema, where: str) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past Python's bound
             raise ValueError(f"{where} is not valid JSON") from None
     if not isinstance(schema, dict):
         raise ValueError(f"{where} is a JSON schema: an object")

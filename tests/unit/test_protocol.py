@@ -261,6 +261,7 @@ def test_structured_output_is_read_from_each_form_clients_send():
     (dict(response_format="json"), "response_format is an object"),
     (dict(response_format={"type": "json_schema"}), "needs json_schema.schema"),
     (dict(guided_json="{not json"), "guided_json is not valid JSON"),
+    (dict(guided_json="[" * 100_000), "guided_json is not valid JSON"),  # nested past Python's recursion bound
     (dict(json_schema=[1]), "json_schema is a JSON schema"),
     (dict(guided_choice=["a", ""]), "guided_choice is a non-empty list"),
     (dict(guided_regex=5), "guided_regex is a string"),
