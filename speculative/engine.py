@@ -448,7 +448,7 @@ class SpeculativeEngine:
         if self._ll_tokenizer is None:
             self._ll_tokenizer = ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_ids)
         try:
-            return Constraint.compile(params.grammar, self._ll_tokenizer, self.vocab_size)
+            return Constraint.compile(params.grammar, self._ll_tokenizer, self.vocab_size, frozenset(self.eos_ids))
         except GrammarError as e:
             raise RequestError(str(e)) from None
 

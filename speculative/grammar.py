@@ -72,9 +72,12 @@ class Constraint:
 
     matcher: object  # llguidance.LLMatcher
     vocab: int
+    #: end-of-sequence ids: a drafted one is never consumed (it ends the sequence, so no row after it
+    #: is used, and the matcher cannot roll back past it)
+    eos: frozenset[int] = frozenset()
 
     @classmethod
-    def compile(cls, grammar: Grammar, ll_tok, vocab: int) -> "Constraint":
+    def compile(cls, grammar: Grammar, ll_tok, vocab: int, eos: frozenset[int] = frozenset()) -> "Constraint":
         import llguidance
 
         try:
@@ -83,7 +86,7 @@ class Constraint:
             raise GrammarError(f"the {grammar.kind} grammar does not compile: {e}") from None
         if matcher.is_error():
             raise GrammarError(f"the {grammar.kind} grammar does not compile: {matcher.get_error()}")
-        return cls(matcher, vocab)
+        return cls(matcher, vocab, eos)
 
     def _mask(self) -> np.ndarray:
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
@@ -91,11 +94,12 @@ class Constraint:
 
     def masks(self, draft: list[int]) -> torch.Tensor:
         """[k+1, V] bool: row j's allowed tokens after the output so far and d_1..d_j. Rows past
-        the first draft token the grammar forbids repeat the row before (they are never used)."""
+        the first draft token the grammar forbids, or past a drafted end of sequence, repeat the row
+        before (they are never used)."""
         rows = [self._mask()]
         taken = 0
         for d in draft:
-            if taken == len(rows) - 1 and rows[-1][d] and self.matcher.consume_token(d):
+            if taken == len(rows) - 1 and d not in self.eos and rows[-1][d] and self.matcher.consume_token(d):
                 taken += 1
                 rows.append(self._mask())
             else:

@@ -48,6 +48,17 @@ def test_row_masks_follow_the_drafts_tokens_and_leave_the_matcher_where_it_was()
         c.commit([a])
 
 
+def test_a_drafted_end_of_sequence_is_not_consumed_so_the_matcher_rolls_back_whole():
+    tok = _char_tokenizer()
+    c = Constraint.compile(Grammar(kind="regex", source="ab"), ll_tokenizer(tok, 128, {0}), 128, frozenset({0}))
+    a, b = _ids(tok, "ab")
+    rows = c.masks([a, b, 0, a])  # the draft ends the text, then goes on
+    assert [_allowed(tok, r) for r in rows] == [{"a"}, {"b"}, {"<eos>"}, {"<eos>"}, {"<eos>"}]
+    assert not c.matcher.is_error() and _allowed(tok, c.masks([])[0]) == {"a"}
+    c.commit([a, b])
+    assert c.done
+
+
 def test_a_byte_level_tokenizer_is_read_by_llguidance_itself():
     tok = _byte_level()
     vocab = len(tok)
@@ -163,3 +174,17 @@ def test_a_tokenizer_llguidance_cannot_read_is_given_its_tokens_bytes_over_the_m
     assert view.special_token_ids == [0] and view.tokens == [b""]
     view = _Bytes(tok, 128, 0)
     assert view("ab") == _ids(tok, "ab") and view.tokens[_ids(tok, "α")[0]] == "α".encode()
+
+
+def test_a_draft_that_proposes_the_end_and_more_leaves_the_output_the_masked_targets():
+    target, tok, _ = _engines()
+    prompt, grammar = "abcabcabcab", Grammar(kind="regex", source="[a-c]{1,3}")
+    want = _plain_masked_greedy(target, tok, _ids(tok, prompt), grammar, 40)
+    assert 0 < len(want) <= 3  # then only the end is allowed
+    oracle = SuffixProposer(SuffixConfig(max_depth=32, spec_factor=4.0, min_token_prob=0.0))
+    oracle.add_served("seen", _ids(tok, prompt) + want + [tok.eos_token_id] + _ids(tok, "abcabc"))
+    knows = SpeculativeEngine(target, tok, oracle, EngineConfig(chat_template=False, k=KPolicyConfig(k_max=4, fixed_k=4)))
+    steps = []
+    gen = knows.generate(prompt, SamplingParams(max_tokens=40, grammar=grammar), on_step=steps.append)
+    assert gen.token_ids == want and gen.finish_reason == "stop"
+    assert any(tok.eos_token_id in s.draft_tokens for s in steps)  # the end was drafted
