@@ -42,15 +42,16 @@ def run(workload: str, domains: list[str], n: int, max_tokens: int, proposers: l
     engine = build_engine(cfg.engine.model_copy(update={"draft": DraftConfig(proposers=proposers, select=select)}))
     records = [json.loads(line) for line in open(workload)]
     texts = [r["text"][:1500] for r in records if r.get("domain") in domains][:n]
+    table = ways()
     tally = {name: {"tokens": 0, "seconds": 0.0, "decode_tokens": 0, "decode_s": 0.0, "proposed": 0, "accepted": 0,
-                    "parsed": 0, "complete": 0} for name in ways()}
-    order = list(ways())
-    for name in ways():  # warm (llguidance's view of the tokenizer is made at the first grammar)
-        engine.generate(texts[0], SamplingParams(max_tokens=8, **ways()[name]))
+                    "parsed": 0, "complete": 0} for name in table}
+    order = list(table)
+    for extra in table.values():  # warm (llguidance's view of the tokenizer is made at the first grammar)
+        engine.generate(texts[0], SamplingParams(max_tokens=8, **extra))
     for i, text in enumerate(texts):
         order = order[1:] + order[:1]
         for name in order:
-            params = SamplingParams(max_tokens=max_tokens, **ways()[name])
+            params = SamplingParams(max_tokens=max_tokens, **table[name])
             prompt = f"{text}\n\nAnswer in JSON." if "json" in name else text
             steps: list = []
             t0 = time.perf_counter()

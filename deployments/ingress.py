@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from ray import serve
 
 from config import AppConfig
-from speculative.locate import TextVocab, light_vocab
+from speculative.locate import light_vocab
 
 from .loopback import bind_replica_grpc, replica_meter
 from .protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, Done, GenerateRequest, Refused, TargetUnavailable,
@@ -393,13 +393,13 @@ class Ingress:
         if isinstance(first, Refused):
             return _error(400, first.error), 0
         stream = self._resuming(stream, gen, draft_id, tenant)
+        echo = text if not chat and req.echo else ""  # the prompt's text first (OpenAI's echo)
         if req.stream:
             settle = Settle(lambda used, status, usage: self._settle(tenant, timing, used, status, usage))
-            echo = text if not chat and req.echo else ""  # the prompt's text first (OpenAI's echo)
             sse = self._sse(stream, rid, chat, route, req.include_usage, timing, settle, echo)
             weakref.finalize(sse, settle, 0, 499, None)
             return StreamingResponse(sse, media_type="text/event-stream"), None
-        body = await self._whole(stream, rid, chat, route, timing, text if not chat and req.echo else "")
+        body = await self._whole(stream, rid, chat, route, timing, echo)
         return body, body["usage"]["total_tokens"]
 
     def _resuming(self, stream, gen: GenerateRequest, draft_id: str, tenant: str):
@@ -432,11 +432,7 @@ class Ingress:
             return got
         if len(got.text) > self.cfg.ingress.max_prompt_chars:
             return _error(400, f"the text is longer than {self.cfg.ingress.max_prompt_chars} characters")
-        vocab = self._vocabulary()
-        if isinstance(vocab, TextVocab):
-            ids = vocab.encode(got.text, got.add_special_tokens)
-        else:
-            ids = list(vocab(got.text, add_special_tokens=got.add_special_tokens)["input_ids"])
+        ids = list(self._vocabulary().encode(got.text, add_special_tokens=got.add_special_tokens))  # TextVocab's or transformers'
         return {"tokens": ids, "count": len(ids)}
 
     async def detokenize(self, request: Request):

@@ -66,7 +66,7 @@ def token_logprobs(top_ids: torch.Tensor, top_probs: torch.Tensor, logits: torch
     the ``n`` most likely tokens' there, [(id, logprob)], at temperature 1 (the model's own law).
 
     top_ids, top_probs: [rows, K] (the summary's); logits: [rows, V] where the step kept them (a
-    sampled request's), else None. A token outside its row's top K (sampled) is read from the
+    sampled request's, or one with penalties, biases or a grammar: unprocessed), else None. A token outside its row's top K (sampled) is read from the
     logits; a greedy step's tokens are the argmax, first of the top K. Past the top K, -inf."""
     out = []
     for j, tok in enumerate(tokens):
