@@ -109,6 +109,9 @@ class IngressConfig(_Strict):
     #: per ingress replica: past this many requests in flight, answer 503 with Retry-After (shed
     #: load rather than queue without bound); scale the ingress or the draft pool to raise it
     max_in_flight: int = Field(default=64, ge=1)
+    #: choices one request may ask for (``n`` times its prompts): each runs as a sequence of its own,
+    #: and counts as a request in flight for ``max_in_flight`` and the tenant's ``max_concurrent``
+    max_choices: int = Field(default=16, ge=1)
 
 
 class MetricsConfig(_Strict):

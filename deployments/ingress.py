@@ -9,14 +9,17 @@ import logging
 import math
 import time
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
-from config import AppConfig
+from config import AppConfig, SamplingParams
+from router.route import Route
 from speculative.locate import light_vocab
 
 from .loopback import bind_replica_grpc, replica_meter
@@ -317,19 +320,17 @@ class Ingress:
     async def completion(self, request: Request, chat: bool):
         if self.running >= self.cfg.ingress.max_in_flight:  # over capacity: shed, before any work
             Timing(self.meter, self.tenants.identify(request.headers.get("authorization")).tenant or "unauthenticated").done(503)
-            return JSONResponse(error_body(f"the server is at capacity ({self.running} requests in flight); retry later",
-                                           "server_overloaded", code="server_overloaded"),
-                                status_code=503, headers={"Retry-After": "1"})
+            return _overloaded(self.running)
         adm = self.tenants.admit(request.headers.get("authorization"))
         timing = Timing(self.meter, adm.tenant or "unauthenticated")
         if adm.status != 200:
             timing.done(adm.status)
             return _refused(adm)
-        used, response = 0, None
+        used, response, slots = 0, None, [1]  # slots: the request's sequences, held in flight (more for several choices)
         self.running += 1
         try:
             try:
-                response, used = await self._completion(request, chat, adm.tenant, timing)
+                response, used = await self._completion(request, chat, adm, timing, slots)
             except Exception as e:  # noqa: BLE001 - the target's absence is a 503; anything else a 500 in OpenAI's shape
                 if _target_gone(e):
                     response, used = _unavailable(e), 0
@@ -341,10 +342,13 @@ class Ingress:
         finally:
             if used is not None:  # a stream settles its own account (and its metrics) when it ends
                 status = getattr(response, "status_code", 200 if isinstance(response, dict) else 500)
-                self._settle(adm.tenant, timing, used or 0, status, response["usage"] if isinstance(response, dict) else None)
+                self._settle(adm.tenant, timing, used or 0, status, response["usage"] if isinstance(response, dict) else None,
+                             slots[0])
 
-    async def _completion(self, request: Request, chat: bool, tenant: str, timing: Timing):
-        """(response, tokens to charge now; None when the streaming response charges them itself)."""
+    async def _completion(self, request: Request, chat: bool, adm: Admission, timing: Timing, slots: list[int]):
+        """(response, tokens to charge now; None when the streaming response charges them itself).
+        ``slots[0]``: the sequences the request holds in flight, raised here for several choices."""
+        tenant = adm.tenant
         body = await _json_body(request, self.cfg.ingress.max_body_bytes)
         if isinstance(body, JSONResponse):
             return body, 0
@@ -366,41 +370,83 @@ class Ingress:
         if params.max_tokens > self.cfg.ingress.max_tokens_limit:
             return _error(400, f"max_tokens {params.max_tokens} exceeds this server's limit of "
                                f"{self.cfg.ingress.max_tokens_limit}", param="max_tokens"), 0
-        ids = None if chat else req.prompt_ids
-        text = req.last_user_text() if chat else self._decode(ids) if ids is not None else req.prompt
-        chars = sum(len(m["content"]) for m in messages) if chat else len(text)
-        if chars > self.cfg.ingress.max_prompt_chars:
-            decoded = " (decoded from its token ids)" if ids is not None else ""
-            return _error(400, f"the prompt{decoded} is longer than {self.cfg.ingress.max_prompt_chars} characters"), 0
+        prompts: list = [None] if chat else req.prompts  # chat: its messages, one "prompt"
+        count = len(prompts) * req.n
+        if count > self.cfg.ingress.max_choices:
+            return _error(400, f"the request asks for {count} choices (n = {req.n} for {len(prompts)} prompt(s)); this "
+                               f"server serves at most {self.cfg.ingress.max_choices}", param="n"), 0
+        texts = []  # (the text the router reads, the token ids of a token-id prompt)
+        for p in prompts:
+            ids = p if isinstance(p, list) else None
+            text = req.last_user_text() if chat else self._decode(ids) if ids is not None else p
+            chars = sum(len(m["content"]) for m in messages) if chat else len(text)
+            if chars > self.cfg.ingress.max_prompt_chars:
+                decoded = " (decoded from its token ids)" if ids is not None else ""
+                return _error(400, f"the prompt{decoded} is longer than {self.cfg.ingress.max_prompt_chars} characters"), 0
+            texts.append((text, ids))
+        if count > 1:  # every choice is a sequence in flight, for the server's capacity and the tenant's
+            if self.running + count - 1 > self.cfg.ingress.max_in_flight:
+                return _overloaded(self.running), 0
+            more = self.tenants.admit_more(adm, count - 1)
+            if more.status == 400:
+                return _error(400, more.message, param="n"), 0
+            if more.status != 200:
+                return _refused(more), 0
+            slots[0] += count - 1
+            self.running += count - 1
 
         t_route = time.perf_counter()
         # isolated tenants: routed from the router's configuration only (named domains, never a
         # cluster or the bandit, which other tenants' traffic shapes), to drafts of their own
         # (``<draft>@<tenant>``: their own engines, suffix trees, k priors and training)
         isolated = self.tenants.isolated(tenant)
-        route = await (self.router.route_private if isolated else self.router.route).remote(text)
+        route_of = self.router.route_private if isolated else self.router.route
+        routes = await asyncio.gather(*(route_of.remote(text) for text, _ in texts))
         self.meter.observe("osd_router_latency_seconds", time.perf_counter() - t_route)
-        self.meter.inc("osd_routes_total", reason=route.reason.split(":")[0], domain=route.domain)
         rid = new_id("chatcmpl" if chat else "cmpl")
-        gen = GenerateRequest(rid, params, prompt=None if chat or ids is not None else text, prompt_ids=ids,
-                              messages=messages, domain=route.domain, lang=route.lang, tenant=tenant)
-        draft_id = f"{route.draft_id}@{tenant}" if isolated else route.draft_id
-        stream = self.pool.options(multiplexed_model_id=draft_id, stream=True).stream.remote(gen)
-        first = await stream.__anext__()
-        if isinstance(first, Refused) and first.status == 503:  # the replica is overloaded: retry later
-            return JSONResponse(error_body(first.error, "server_error", code="overloaded"), status_code=503,
-                                headers={"Retry-After": str(max(1, math.ceil(first.retry_after)))}), 0
-        if isinstance(first, Refused):
-            return _error(400, first.error), 0
-        stream = self._resuming(stream, gen, draft_id, tenant)
-        echo = text if not chat and req.echo else ""  # the prompt's text first (OpenAI's echo)
+        choices = []
+        for (text, ids), route in zip(texts, routes):
+            self.meter.inc("osd_routes_total", reason=route.reason.split(":")[0], domain=route.domain)
+            for j in range(req.n):
+                i = len(choices)
+                gen = GenerateRequest(rid if count == 1 else f"{rid}-{i}", _nth_seed(params, j),
+                                      prompt=None if chat or ids is not None else text, prompt_ids=ids, messages=messages,
+                                      domain=route.domain, lang=route.lang, tenant=tenant)
+                choices.append(_Choice(i, gen, route, f"{route.draft_id}@{tenant}" if isolated else route.draft_id,
+                                       echo=text if not chat and req.echo else "", counts_prompt=j == 0))
+        refused = await self._open(choices, tenant)
+        if isinstance(refused, Refused) and refused.status == 503:  # a replica is overloaded: retry later
+            return JSONResponse(error_body(refused.error, "server_error", code="overloaded"), status_code=503,
+                                headers={"Retry-After": str(max(1, math.ceil(refused.retry_after)))}), 0
+        if refused is not None:
+            return _error(400, refused.error), 0
         if req.stream:
-            settle = Settle(lambda used, status, usage: self._settle(tenant, timing, used, status, usage))
-            sse = self._sse(stream, rid, chat, route, req.include_usage, timing, settle, echo)
-            weakref.finalize(sse, settle, 0, 499, None)
+            settle = Settle(lambda used, status, usage: self._settle(tenant, timing, used, status, usage, slots[0]))
+            sse = self._sse(choices, rid, chat, req.include_usage, timing, settle)
+            weakref.finalize(sse, _dropped, settle, [c.opened for c in choices])
             return StreamingResponse(sse, media_type="text/event-stream"), None
-        body = await self._whole(stream, rid, chat, route, timing, echo)
+        body = await self._whole(choices, rid, chat, timing)
         return body, body["usage"]["total_tokens"]
+
+    async def _open(self, choices: list["_Choice"], tenant: str) -> Refused | None:
+        """Start every choice's sequence on its draft replica and read each one's header: the
+        first refusal, after which none of them runs (a request refused as given, 400, says so
+        before one refused for now, 503); else None, each choice's ``stream`` ready to read
+        (resumed on another replica if its own dies)."""
+        for c in choices:
+            c.stream = self.pool.options(multiplexed_model_id=c.draft_id, stream=True).stream.remote(c.gen)
+        firsts = await asyncio.gather(*(c.stream.__anext__() for c in choices), return_exceptions=True)
+        failed = [f for f in firsts if isinstance(f, BaseException)]
+        refused = sorted((f for f in firsts if isinstance(f, Refused)), key=lambda r: r.status == 503)
+        if failed or refused:
+            for c in choices:
+                c.stream.cancel()
+            if failed:
+                raise failed[0]
+            return refused[0]
+        for c in choices:
+            c.opened, c.stream = c.stream, self._resuming(c.stream, c.gen, c.draft_id, tenant)
+        return None
 
     def _resuming(self, stream, gen: GenerateRequest, draft_id: str, tenant: str):
         """The draft pool's items for one request, resumed on another replica if its own dies."""
@@ -498,85 +544,107 @@ class Ingress:
     def _usage(usage: dict) -> dict:
         return {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
 
-    async def _whole(self, stream, rid: str, chat: bool, route, timing: Timing, echo: str = "") -> dict:
-        parts, end, tokens, lps = [echo], None, [], None
-        try:
-            async for item in stream:
-                if isinstance(item, Done):
-                    end = item
-                else:
-                    parts.append(item.text)
-                    if item.logprobs is not None:
-                        tokens += item.tokens
-                        lps = (lps or []) + item.logprobs
-                    if item.text:
-                        timing.chunk()
-        finally:
-            await stream.aclose()  # a cancelled request ends in the draft pool too
-        self._observe(route, end.usage)
-        text, model = "".join(parts), self.cfg.ingress.model_name
-        logprobs = None if lps is None else self._logprobs(tokens, lps, chat)
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": end.finish_reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": end.finish_reason}
-            obj = "text_completion"
-        return {"id": rid, "object": obj, "created": now(), "model": model, "choices": [choice], "usage": self._usage(end.usage)}
+    def _merged_usage(self, choices: list["_Choice"], usages: list[dict]) -> dict:
+        """The response's usage: each prompt's tokens once, every choice's completion tokens; the
+        speculative statistics of one choice as they are, of several summed with each choice's own
+        under ``choices``."""
+        if len(usages) == 1:
+            return self._usage(usages[0])
+        specs = [u["speculative"] for u in usages]
+        proposed, accepted = sum(s["proposed"] for s in specs), sum(s["accepted"] for s in specs)
+        return self._usage({
+            "prompt_tokens": sum(u["prompt_tokens"] for c, u in zip(choices, usages) if c.counts_prompt),
+            "completion_tokens": sum(u["completion_tokens"] for u in usages),
+            "speculative": {"proposed": proposed, "accepted": accepted, "alpha": accepted / proposed if proposed else None,
+                            "steps": sum(s["steps"] for s in specs), "choices": specs},
+        })
 
-    def _settle(self, tenant: str, timing: Timing, used: int, status: int, usage: dict | None) -> None:
-        self.tenants.done(tenant, used)
-        self.running -= 1
+    async def _whole(self, choices: list["_Choice"], rid: str, chat: bool, timing: Timing) -> dict:
+        async def collect(c: _Choice) -> tuple[dict, dict]:
+            parts, end, tokens, lps = [c.echo], None, [], None
+            try:
+                async for item in c.stream:
+                    if isinstance(item, Done):
+                        end = item
+                    else:
+                        parts.append(item.text)
+                        if item.logprobs is not None:
+                            tokens += item.tokens
+                            lps = (lps or []) + item.logprobs
+                        if item.text:
+                            timing.chunk()
+            finally:
+                await c.stream.aclose()  # a cancelled request ends in the draft pool too
+            self._observe(c.route, end.usage)
+            text = "".join(parts)
+            logprobs = None if lps is None else self._logprobs(tokens, lps, chat)
+            if chat:
+                return {"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                        "finish_reason": end.finish_reason}, end.usage
+            return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": end.finish_reason}, end.usage
+
+        done = await _all([collect(c) for c in choices])
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
+                "model": self.cfg.ingress.model_name, "choices": [choice for choice, _ in done],
+                "usage": self._merged_usage(choices, [usage for _, usage in done])}
+
+    def _settle(self, tenant: str, timing: Timing, used: int, status: int, usage: dict | None, slots: int = 1) -> None:
+        self.tenants.done(tenant, used, slots)
+        self.running -= slots
         timing.done(status, usage)
 
-    async def _sse(self, stream, rid: str, chat: bool, route, include_usage: bool, timing: Timing, settle: Settle,
-                   echo: str = ""):
+    async def _sse(self, choices: list["_Choice"], rid: str, chat: bool, include_usage: bool, timing: Timing,
+                   settle: Settle):
         created, model = now(), self.cfg.ingress.model_name
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        pending: list = []  # (tokens, logprobs) not sent yet: a chunk's tokens whose text is held go with the next text
-        offset = [0]  # the completions' text_offset: characters of the tokens sent before
+        # per choice: (tokens, logprobs) not sent yet (a chunk's tokens whose text is held go with the
+        # next text), and the completions' text_offset (characters of the tokens sent before)
+        pending: dict[int, list] = {c.index: [] for c in choices}
+        offset = dict.fromkeys(pending, 0)
 
-        def chunk(delta: str | None, finish: str | None, role: bool = False) -> str:
-            lp = None
-            if pending and not role:
-                lp = self._logprobs([t for ts, _ in pending for t in ts], [x for _, xs in pending for x in xs], chat, offset[0])
-                pending.clear()
+        def chunk(index: int, delta: str | None, finish: str | None, role: bool = False) -> str:
+            lp, held = None, pending[index]
+            if held and not role:
+                lp = self._logprobs([t for ts, _ in held for t in ts], [x for _, xs in held for x in xs], chat, offset[index])
+                held.clear()
                 if not chat and lp["tokens"]:
-                    offset[0] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                    offset[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
             if chat:
                 d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
-                choice = {"index": 0, "delta": d, "logprobs": lp, "finish_reason": finish}
+                choice = {"index": index, "delta": d, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": delta or "", "logprobs": lp, "finish_reason": finish}
+                choice = {"index": index, "text": delta or "", "logprobs": lp, "finish_reason": finish}
             body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
             if include_usage:
                 body["usage"] = None
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         used, usage, status = 0, None, 500
+        ends: dict[int, dict] = {}
+        merged = _merged(choices)
         try:
-            if chat:
-                yield chunk(None, None, role=True)
-            if echo:
-                yield chunk(echo, None)
-            async for item in stream:
+            for c in choices:
+                if chat:
+                    yield chunk(c.index, None, None, role=True)
+                if c.echo:  # the prompt's text first (OpenAI's echo)
+                    yield chunk(c.index, c.echo, None)
+            async for c, item in merged:
                 if isinstance(item, Done):
-                    yield chunk(None if chat else "", item.finish_reason)
-                    self._observe(route, item.usage)
-                    usage = self._usage(item.usage)
-                    used, status = usage["total_tokens"], 200
-                    if include_usage:
-                        body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                                "usage": usage}
-                        yield f"data: {json.dumps(body)}\n\n"
+                    yield chunk(c.index, None if chat else "", item.finish_reason)
+                    self._observe(c.route, item.usage)
+                    ends[c.index] = item.usage
                 else:
                     if item.logprobs is not None:
-                        pending.append((item.tokens, item.logprobs))
+                        pending[c.index].append((item.tokens, item.logprobs))
                     if item.text:
                         timing.chunk()
-                        yield chunk(item.text, None)
+                        yield chunk(c.index, item.text, None)
+            usage = self._merged_usage(choices, [ends[c.index] for c in choices])
+            used, status = usage["total_tokens"], 200
+            if include_usage:
+                body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
+                yield f"data: {json.dumps(body)}\n\n"
         except (GeneratorExit, asyncio.CancelledError):  # the client went away mid-stream
             status = 499  # nginx's "client closed request", as the metrics' status
             raise
@@ -590,8 +658,100 @@ class Ingress:
             yield f"data: {json.dumps(body)}\n\n"
         finally:
             settle(used, status, usage)
-            await stream.aclose()  # ends the request in the draft pool too, if it still runs
+            await merged.aclose()  # ends the requests in the draft pool too, if they still run
         yield "data: [DONE]\n\n"
+
+
+@dataclass
+class _Choice:
+    """One choice of a response: the sequence that answers it, streamed from a draft replica."""
+
+    index: int
+    gen: GenerateRequest
+    route: Route
+    draft_id: str
+    echo: str = ""  # the prompt's text before the completion's (OpenAI's echo)
+    counts_prompt: bool = True  # the first choice of its prompt: its prompt tokens count in the usage
+    stream: Any = None  # the draft pool's items for it, once opened (resumed on another replica if its own dies)
+    opened: Any = None  # the stream first opened for it
+
+
+def _nth_seed(params: SamplingParams, j: int) -> SamplingParams:
+    """The sampling of a prompt's choice ``j``: a seeded request's choice j samples with seed + j
+    (wrapped into the seed's range), so that choice 0 is what the request alone would return and
+    the others differ from it, each reproducibly."""
+    if j == 0 or params.seed is None:
+        return params
+    seed = params.seed + j
+    return params.model_copy(update={"seed": seed - 2**64 if seed >= 2**64 else seed})
+
+
+async def _all(coros: list) -> list:
+    """The results of ``coros``, run together; if one fails, the others are cancelled."""
+    if len(coros) == 1:
+        return [await coros[0]]
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def _merged(choices: list[_Choice]):
+    """(choice, item) from every choice's stream as the items come; closing it ends them all."""
+    if len(choices) == 1:
+        c = choices[0]
+        try:
+            async for item in c.stream:
+                yield c, item
+        finally:
+            await c.stream.aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: _Choice) -> None:
+        try:
+            async for item in c.stream:
+                await queue.put((c, item, None))
+        except Exception as e:  # noqa: BLE001 - raised to the reader below
+            await queue.put((c, None, e))
+            return
+        await queue.put((c, None, None))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    try:
+        live = len(tasks)
+        while live:
+            c, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is None:
+                live -= 1
+            else:
+                yield c, item
+    finally:  # a pump cancelled while it reads cancels its stream (``resuming``)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _dropped(settle: Settle, opened: list) -> None:
+    """A streamed response object is gone: if its body never ran (the client left before its first
+    byte), its account is settled as 499 and the sequences it opened are cancelled; a body that
+    ran settled and closed them itself."""
+    if not settle.settled:
+        settle(0, 499, None)
+        for stream in opened:
+            stream.cancel()
+
+
+def _overloaded(running: int) -> JSONResponse:
+    return JSONResponse(error_body(f"the server is at capacity ({running} requests in flight); retry later",
+                                   "server_overloaded", code="server_overloaded"),
+                        status_code=503, headers={"Retry-After": "1"})
 
 
 def _finite(lp: float) -> float:

@@ -23,6 +23,11 @@ from config import Grammar, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, 
 
 
 MAX_PROMPT_IDS = 32_768
+#: OpenAI's bound on ``n``; the server's own bound on choices a request (prompts x n) is
+#: ``ingress.max_choices``
+MAX_N = 128
+#: prompts in one completions request (a batch), before ``ingress.max_choices``
+MAX_PROMPTS = 128
 #: bounds on what else a client sizes (the body is at most ``ingress.max_body_bytes`` and the text of
 #: the prompt or the messages at most ``ingress.max_prompt_chars``): messages in a chat, content
 #: parts in a message, and the length of short string fields
@@ -166,7 +171,7 @@ class _Request(BaseModel):
     top_k: int | None = Field(default=None, ge=0, strict=True)  # an extension (vLLM has it too)
     seed: int | None = Field(default=None, strict=True)
     stop: str | list[str] | None = None
-    n: int = Field(default=1, strict=True)
+    n: int = Field(default=1, ge=1, le=MAX_N, strict=True)  # choices for each prompt
     stream: bool = Field(default=False, strict=True)
     stream_options: dict | None = Field(default=None, max_length=8)
     user: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
@@ -219,13 +224,6 @@ class _Request(BaseModel):
                                               {"param": name})
         return data
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n = 1 is supported")
-        return v
-
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
@@ -268,8 +266,10 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    #: one string, or one prompt as token ids (checked against the vocabulary by the draft replica)
-    prompt: str | list[str] | list[int] = Field(min_length=1)
+    #: one prompt (a string or token ids) or a batch of them (strings, or lists of token ids), each
+    #: answered by ``n`` choices; a token id is checked against the vocabulary by the draft replica.
+    #: Validated into a list of prompts, a batch of one for a single prompt.
+    prompt: list[str] | list[list[int]] = Field(min_length=1, max_length=MAX_PROMPTS)
     #: each output token's log-probability and this many most likely tokens' (OpenAI's legacy form)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
     #: the prompt's text before the completion's (the prompt's own log-probabilities are not served)
@@ -286,24 +286,26 @@ class CompletionRequest(_Request):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], list) and all(isinstance(i, int) for i in v[0]):
-            v = v[0]  # a batch of one token-id prompt
-        if isinstance(v, list) and v and all(isinstance(i, int) and not isinstance(i, bool) for i in v):
-            if len(v) > MAX_PROMPT_IDS:
+    def _prompts(cls, v):
+        """OpenAI's four forms (a string, strings, token ids, lists of token ids) as a list of prompts."""
+        def ids(x) -> bool:
+            return isinstance(x, list) and bool(x) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+        if isinstance(v, str) or ids(v):
+            v = [v]
+        if not isinstance(v, list) or not v:
+            raise ValueError("prompt is a string, a list of token ids, or a batch of either")
+        if not (all(isinstance(p, str) for p in v) or all(ids(p) for p in v)):
+            raise ValueError("a batch of prompts is all strings or all lists of token ids (none empty)")
+        for p in v:
+            if isinstance(p, str) and not p.strip():
+                raise ValueError("prompt is empty")
+            if isinstance(p, list) and len(p) > MAX_PROMPT_IDS:
                 raise ValueError(f"a token-id prompt has at most {MAX_PROMPT_IDS} ids")
-            return v
-        if isinstance(v, list):
-            if len(v) != 1 or not isinstance(v[0], str):
-                raise ValueError("prompt must be one string or one list of token ids (batches of prompts are not supported)")
-            v = v[0]
-        if isinstance(v, str) and not v.strip():
-            raise ValueError("prompt is empty")
-        return unicode_text(v, "the prompt") if isinstance(v, str) else v
+        return [unicode_text(p, "the prompt") if isinstance(p, str) else p for p in v]
 
     @property
-    def prompt_ids(self) -> list[int] | None:
-        return self.prompt if isinstance(self.prompt, list) else None
+    def prompts(self) -> list[str | list[int]]:
+        return list(self.prompt)
 
 
 class ChatMessage(BaseModel):

@@ -204,9 +204,25 @@ class Tenants:
         self.in_flight[who.tenant] = self.in_flight.get(who.tenant, 0) + 1
         return who
 
-    def done(self, tenant: str, tokens: int) -> None:
-        """A request ended: free its slot and charge its tokens (prompt + completion)."""
-        if self.in_flight.get(tenant, 0) > 0:  # a done without its admit (a retried cleanup) frees nothing
-            self.in_flight[tenant] -= 1
+    def admit_more(self, who: Admission, count: int) -> Admission:
+        """``count`` more slots for an admitted request that runs several sequences (choices):
+        all of them or none. A request asking more than the tenant's ``max_concurrent`` in all can
+        never run (400); one that would pass it now waits (429). :meth:`done` frees them."""
+        lim = None if self.open or who.key is None else self.limits(who.key)
+        if lim is not None and lim.max_concurrent is not None:
+            if 1 + count > lim.max_concurrent:
+                return Admission(who.tenant, who.admin, 400, f"the request runs {1 + count} sequences, more than tenant "
+                                                             f"{who.tenant!r} may run at once ({lim.max_concurrent})")
+            if self.in_flight.get(who.tenant, 0) + count > lim.max_concurrent:
+                return Admission(who.tenant, who.admin, 429, f"tenant {who.tenant!r} has {lim.max_concurrent} requests "
+                                                             "in flight", 1.0)
+        self.in_flight[who.tenant] = self.in_flight.get(who.tenant, 0) + count
+        return who
+
+    def done(self, tenant: str, tokens: int, slots: int = 1) -> None:
+        """A request ended: free its slots and charge its tokens (prompt + completion)."""
+        # a done without its admit (a retried cleanup) frees nothing
+        if self.in_flight.get(tenant, 0) > 0:
+            self.in_flight[tenant] = max(0, self.in_flight[tenant] - slots)
         if tenant in self.tokens:
             self.tokens[tenant].take(tokens, self.clock())

@@ -87,7 +87,9 @@ class _Method:
         token = MODEL_ID.set(self.model_id)
         try:
             if self.stream:
-                return Stream(getattr(replica, self.name)(*args, **kwargs))
+                stream = Stream(getattr(replica, self.name)(*args, **kwargs))
+                self.handle.streams.append(stream)
+                return stream
             try:
                 out = getattr(replica, self.name)(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - delivered to whoever awaits, as Serve does
@@ -112,12 +114,15 @@ class _Broadcast:
 
 class Handle:
     """A deployment handle over replicas in this process; calls go to the replicas in turn.
-    `calls` records (method, multiplexed model id, args) of every call made through it."""
+    `calls` records (method, multiplexed model id, args) of every call made through it, `streams`
+    every stream it opened."""
 
-    def __init__(self, *replicas, stream: bool = False, model_id: str = "", calls: list | None = None, turn: list | None = None):
+    def __init__(self, *replicas, stream: bool = False, model_id: str = "", calls: list | None = None, turn: list | None = None,
+                 streams: list | None = None):
         self.replicas = list(replicas)
         self._stream, self._model_id = stream, model_id
         self.calls = [] if calls is None else calls
+        self.streams = [] if streams is None else streams
         self._turn = [0] if turn is None else turn
 
     def pick(self):
@@ -126,7 +131,8 @@ class Handle:
         return r
 
     def options(self, multiplexed_model_id: str = "", stream: bool = False) -> "Handle":
-        return Handle(*self.replicas, stream=stream, model_id=multiplexed_model_id, calls=self.calls, turn=self._turn)
+        return Handle(*self.replicas, stream=stream, model_id=multiplexed_model_id, calls=self.calls, turn=self._turn,
+                      streams=self.streams)
 
     def broadcast(self, name: str, *args) -> _Broadcast:
         return _Broadcast(self, name, args)

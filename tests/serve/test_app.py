@@ -179,6 +179,26 @@ def test_seeded_sampling_is_reproducible(client, reference):
     assert len(texts) > 1  # the seed is used, not ignored
 
 
+def test_several_choices_over_http(client, reference):
+    """``n`` seeded choices are the target's own samples for the seed, the seed + 1, ...; a batch of
+    prompts streamed answers each one, its chunks tagged with its choice's index, greedy as
+    target-only (up to near-ties: its sequences share batched forwards, as concurrent requests do)."""
+    kw = dict(model=MODEL, prompt="Tell me a story about a fox.", max_tokens=12, temperature=0.9)
+    r = client.completions.create(n=3, seed=99, **kw)
+    want = [reference.generate(kw["prompt"], SamplingParams(max_tokens=12, temperature=0.9, seed=99 + j)).text for j in range(3)]
+    assert [c.index for c in r.choices] == [0, 1, 2] and [c.text for c in r.choices] == want
+    assert r.usage.prompt_tokens == client.completions.create(seed=99, **kw).usage.prompt_tokens  # counted once
+    prompts = PROMPTS[:3]
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=MAX_TOKENS, temperature=0, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert sorted(texts) == [0, 1, 2]
+    for i, p in enumerate(prompts):
+        want_p = _target_only(reference, p)
+        assert texts[i] == want_p or _tie_gap(reference, p, texts[i], want_p) < 1e-3, p
+
+
 def test_concurrent_greedy_equals_sequential(client, reference):
     """Eight requests at once: their verify calls share padded forwards in the target. A
     divergence is tolerated only where the target's top two logits tie (padding changes rounding);
@@ -356,9 +376,9 @@ def test_published_update_reaches_every_replica(server, client, reference):
 
 
 BAD = [
-    ("completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("completions", {"prompt": "x", "n": 0}, 400, "n"),
     ("completions", {"prompt": ""}, 400, "prompt"),
-    ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"prompt": ["a", [1]]}, 400, "prompt"),
     ("completions", {}, 400, "prompt"),
     ("completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
     ("completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),

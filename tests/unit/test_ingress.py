@@ -195,7 +195,11 @@ def test_default_max_tokens_differ_for_completions_and_chat(folder):
     (None, b"\xff\xfe{}", 400, "not valid UTF-8", None),
     (None, b"[" * 1000 + b"]" * 1000, 400, "nested too deeply", None),
     ({"prompt": "a", "max_tokens": 0}, None, 400, "max_tokens: ", "max_tokens"),
-    ({"prompt": "a", "n": 2}, None, 400, "n: ", "n"),
+    ({"prompt": "a", "n": 0}, None, 400, "n: ", "n"),
+    ({"prompt": ["a", "b"], "n": 9}, None, 400, "the request asks for 18 choices (n = 9 for 2 prompt(s)); this server "
+                                                "serves at most 16", "n"),
+    ({"prompt": ["a", [65]]}, None, 400, "prompt: Value error, a batch of prompts is all strings or all lists", "prompt"),
+    ({"prompt": ["a", " "]}, None, 400, "prompt: Value error, prompt is empty", "prompt"),
     ({"prompt": "a", "model": "gpt-4"}, None, 404, f"model 'gpt-4' does not exist; GET /v1/models lists '{MODEL}'", "model"),
     ({"prompt": "a", "max_tokens": 65}, None, 400, "max_tokens 65 exceeds this server's limit of 64", "max_tokens"),
     ({"prompt": "x" * 201}, None, 400, "the prompt is longer than 200 characters", None),
@@ -433,16 +437,20 @@ def test_settle_runs_once():
     assert calls == [(3, 200, None)] and s.settled
 
 
-def test_a_stream_dropped_before_it_ran_settles_as_499(app):
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_stream_dropped_before_it_ran_settles_as_499_and_cancels_its_sequences(app, n):
     app.ingress.tenants.clock = lambda: 1000.0
 
     async def go():
-        resp = await app.ingress.completion(request({"prompt": "Hi", "max_tokens": 4, "stream": True}, KEY), chat=False)
-        assert app.ingress.running == 1 and app.ingress.tenants.in_flight["alice"] == 1
+        resp = await app.ingress.completion(request({"prompt": "Hi", "max_tokens": 4, "stream": True, "n": n}, KEY),
+                                            chat=False)
+        assert app.ingress.running == n and app.ingress.tenants.in_flight["alice"] == n
+        assert len(app.pool.streams) == n and not any(s.cancelled for s in app.pool.streams)
         del resp  # the client left before the first byte
         import gc
 
         gc.collect()
+        assert all(s.cancelled for s in app.pool.streams)
     run(go())
     assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
     assert counter(app.ingress.meter, "osd_requests_total", tenant="alice", status=499) == 1
@@ -450,12 +458,13 @@ def test_a_stream_dropped_before_it_ran_settles_as_499(app):
     assert bucket.level == bucket.rate  # nothing was generated: no tokens charged
 
 
-def test_a_client_leaving_mid_stream_is_a_499_and_ends_the_decoding(app):
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_client_leaving_mid_stream_is_a_499_and_ends_the_decoding(app, n):
     app.ingress.tenants.clock = lambda: 1000.0
 
     async def go():
         resp = await app.ingress.completion(request({"prompt": "Hi", "max_tokens": 30, "ignore_eos": True,
-                                                     "stream": True}, KEY), chat=False)
+                                                     "stream": True, "n": n}, KEY), chat=False)
         it = resp.body_iterator
         await it.__anext__()
         await it.__anext__()
@@ -528,19 +537,33 @@ def test_the_target_gone_is_a_retryable_503_whole_or_streamed(folder):
     assert bucket.level == bucket.rate  # no tokens charged for what the target never answered
 
 
-def test_a_request_that_fails_otherwise_is_a_500_in_openais_shape_whole_or_streamed(folder):
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_request_that_fails_otherwise_is_a_500_in_openais_shape_whole_or_streamed(folder, n):
+    """Of several choices one fails (once): the request fails, and the others end with it."""
     cfg = app_config(folder)
     a = App(cfg, pools=[LocalPool(cfg, fail_after=1, fail_with=RuntimeError("boom"))])
     a.ingress.tenants.clock = lambda: 1000.0  # still: a token charged would show in the bucket
-    got, events, _ = run(a.post({"prompt": "Hi", "max_tokens": 8, "ignore_eos": True, "stream": True}))
+    pool = a.pools[0]
+
+    def ended() -> bool:
+        for _ in range(200):  # the engine loop drops them at its next step boundary
+            if not pool.loop.running:
+                break
+            time.sleep(0.01)
+        return pool.loop.reserved == 0 and all(not e.requests for e in pool.held.values())
+
+    body = {"prompt": "Hi", "max_tokens": 30, "ignore_eos": True, "n": n}
+    got, events, _ = run(a.post({**body, "stream": True}))
     assert got == 200 and events[-1] == "[DONE]"
     assert events[-2]["error"]["message"] == "generation failed: boom" and events[-2]["error"]["type"] == "server_error"
     assert counter(a.ingress.meter, "osd_requests_total", tenant="alice", status=500) == 1
-    assert a.ingress.running == 0 and a.ingress.tenants.in_flight["alice"] == 0
-    a.pools[0].fail_after, a.pools[0].fail_with = 1, RuntimeError("boom")
-    got, body, _ = run(a.post({"prompt": "Hi", "max_tokens": 8, "ignore_eos": True}))  # whole: a 500 in OpenAI's shape
-    assert got == 500 and body["error"]["type"] == "server_error" and "RuntimeError" in body["error"]["message"]
-    assert a.ingress.running == 0 and a.ingress.tenants.in_flight["alice"] == 0
+    assert a.ingress.running == 0 and a.ingress.tenants.in_flight["alice"] == 0 and ended()
+    assert sum(s.cancelled for s in a.pool.streams) == n - 1  # the one that failed ended by itself
+    pool.fail_after, pool.fail_with = 1, RuntimeError("boom")
+    got, err, _ = run(a.post(body))  # whole: a 500 in OpenAI's shape
+    assert got == 500 and err["error"]["type"] == "server_error" and "RuntimeError" in err["error"]["message"]
+    assert a.ingress.running == 0 and a.ingress.tenants.in_flight["alice"] == 0 and ended()
+    assert sum(s.cancelled for s in a.pool.streams[n:]) == n - 1
     assert counter(a.ingress.meter, "osd_requests_total", tenant="alice", status=500) == 2
     bucket = a.ingress.tenants.tokens["alice"]
     assert bucket.level == bucket.rate  # a failed request is charged no tokens
@@ -860,3 +883,112 @@ def test_echo_puts_the_prompts_text_before_the_completion_whole_and_streamed(app
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == echoed["choices"][0]["text"]
     status, err, _ = run(app.post({"prompt": "Hello world", "max_tokens": 6, "echo": True, "logprobs": 1}))
     assert status == 400 and "prompt's log-probabilities" in err["error"]["message"]
+
+
+# -- several choices: n, and a batch of prompts ------------------------------------------------------
+
+def test_n_choices_are_each_the_seeded_answer_with_the_seed_plus_their_index(app):
+    """Choice j of a seeded request is what the request alone returns with seed + j: choice 0 is the
+    request's own answer and the others differ from it, each reproducibly."""
+    app.ingress.tenants.clock = lambda: 1000.0
+    body = {"prompt": "Hello world", "max_tokens": 8, "ignore_eos": True, "temperature": 1.0, "seed": 7}
+    status, many, _ = run(app.post({**body, "n": 3}))
+    assert status == 200 and [c["index"] for c in many["choices"]] == [0, 1, 2]
+    alone = [run(app.post({**body, "seed": 7 + j}))[1]["choices"][0]["text"] for j in range(3)]
+    assert [c["text"] for c in many["choices"]] == alone and len(set(alone)) > 1
+    usage = many["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (11, 24, 35)  # the prompt once
+    spec = usage["speculative"]
+    assert len(spec["choices"]) == 3 and spec["proposed"] == sum(s["proposed"] for s in spec["choices"]) > 0
+    assert spec["accepted"] == sum(s["accepted"] for s in spec["choices"]) and spec["alpha"] == spec["accepted"] / spec["proposed"]
+    ids = [gen.request_id for _, gen in app.pools[0].requests[:3]]
+    assert len(set(ids)) == 3 and all(i.startswith(many["id"]) for i in ids)
+    assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
+    bucket = app.ingress.tenants.tokens["alice"]
+    assert bucket.level == bucket.rate - 35 - 3 * 19  # this request's tokens, and the three alone
+
+
+def test_a_batch_of_prompts_answers_each_prompt_n_times_in_order(app, folder):
+    """Choice p * n + j answers prompt p: greedy, every choice of a prompt is its target-only text;
+    text and token-id prompts alike, each routed as its text; with echo, each choice's own prompt first."""
+    tok = load_tokenizer(folder)
+    ids = tok("The cat sat")["input_ids"]
+    status, body, _ = run(app.post({"prompt": ["Hello world", "A B C"], "n": 2, "max_tokens": 6, "ignore_eos": True,
+                                    "echo": True}))
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    for c, prompt in zip(body["choices"], ["Hello world", "Hello world", "A B C", "A B C"]):
+        assert c["text"] == prompt + tok.decode(reference(folder, tok(prompt)["input_ids"], 6))
+    assert body["usage"]["prompt_tokens"] == len(tok("Hello world")["input_ids"]) + len(tok("A B C")["input_ids"])
+    assert body["usage"]["completion_tokens"] == 24
+    status, body, _ = run(app.post({"prompt": [ids, ids[:2]], "max_tokens": 5, "ignore_eos": True}))
+    assert [c["text"] for c in body["choices"]] == [tok.decode(reference(folder, p, 5)) for p in (ids, ids[:2])]
+    assert [gen.prompt_ids for _, gen in app.pools[0].requests[-2:]] == [ids, ids[:2]]
+    assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
+
+
+def test_streamed_choices_interleave_by_index_and_each_ends_once(app):
+    """Streamed, every choice's chunks carry its index: each choice's text equals the whole answer's,
+    chat sends each choice its role first, each choice ends with one finish chunk, and the usage
+    comes once, after all of them."""
+    msgs = [{"role": "user", "content": "Hi there"}]
+    for chat, body in ((True, {"messages": msgs}), (False, {"prompt": ["Hello world", "A B C"]})):
+        body = {**body, "n": 2, "max_tokens": 7, "ignore_eos": True, "temperature": 1.0, "seed": 3}
+        _, whole, _ = run(app.post(body, chat=chat))
+        status, events, _ = run(app.post({**body, "stream": True, "stream_options": {"include_usage": True}}, chat=chat))
+        assert status == 200 and events[-1] == "[DONE]" and events[-2]["choices"] == []
+        chunks = events[:-2]
+        assert all(len(c["choices"]) == 1 for c in chunks)
+        count = len(whole["choices"])
+        for i, choice in enumerate(whole["choices"]):
+            mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+            key = "delta" if chat else None
+            text = "".join((m["delta"].get("content", "") if key else m["text"]) for m in mine)
+            assert text == (choice["message"]["content"] if chat else choice["text"])
+            assert [m["finish_reason"] for m in mine].count("length") == 1 and mine[-1]["finish_reason"] == "length"
+            if chat:
+                assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert {c["choices"][0]["index"] for c in chunks} == set(range(count))
+        assert events[-2]["usage"] == {**whole["usage"], "speculative": events[-2]["usage"]["speculative"]}
+        assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
+
+
+def test_a_request_of_several_choices_holds_a_slot_for_each(folder):
+    """Each choice is a sequence in flight: a request needing more than a tenant may run at once is a
+    400, one that would pass the tenant's limit now a 429, one past the ingress's capacity a 503;
+    none of them reaches the pool, and every slot is freed after."""
+    limits = {"requests_per_minute": 600.0, "tokens_per_minute": 200000.0, "max_concurrent": 3}
+    a = App(app_config(folder, ingress={"max_in_flight": 4}, auth={"default_limits": limits}))
+    status, err, _ = run(a.post({"prompt": "Hi", "n": 4, "max_tokens": 2}))
+    assert status == 400 and err["error"]["param"] == "n" and "more than tenant 'alice' may run at once (3)" in err["error"]["message"]
+    a.ingress.tenants.in_flight["alice"] = 1  # another of alice's requests runs
+    status, err, headers = run(a.post({"prompt": "Hi", "n": 3, "max_tokens": 2}))
+    assert status == 429 and headers["retry-after"] == "1"
+    a.ingress.tenants.in_flight["alice"] = 0
+    a.ingress.running = 2
+    status, err, _ = run(a.post({"prompt": "Hi", "n": 3, "max_tokens": 2}))
+    assert status == 503 and err["error"]["code"] == "server_overloaded"
+    a.ingress.running = 0
+    assert a.pools[0].requests == []
+    assert run(a.post({"prompt": "Hi", "n": 3, "max_tokens": 2}))[0] == 200
+    assert a.ingress.running == 0 and a.ingress.tenants.in_flight["alice"] == 0
+
+
+def test_a_choice_the_replica_refuses_ends_the_others_too(folder):
+    """Of three choices the first runs, the replica refuses the second for now (none may wait) and
+    the third as given (a token id past the vocabulary): the request is a 400, since a retry cannot
+    mend it, and the choice that started is cancelled at once, its budget returned. Alone, the second
+    refusal is a 503 with Retry-After."""
+    app = App(app_config(folder, loop={"max_running": 1, "max_waiting": 0}))
+    status, body, _ = run(app.post({"prompt": [[65, 66], [67, 68], [1 << 30]], "max_tokens": 30, "ignore_eos": True}))
+    assert status == 400 and "prompt token id 1073741824 is outside the vocabulary" in body["error"]["message"]
+    assert len(app.pool.streams) == 3 and all(s.cancelled for s in app.pool.streams)
+    status, body, headers = run(app.post({"prompt": "Hello world", "n": 2, "max_tokens": 30, "ignore_eos": True}))
+    assert status == 503 and body["error"]["code"] == "overloaded" and int(headers["retry-after"]) >= 1
+    assert len(app.pool.streams) == 5 and all(s.cancelled for s in app.pool.streams)
+    pool = app.pools[0]
+    for _ in range(200):  # the engine loop drops them at its next step boundary
+        if not pool.loop.running:
+            break
+        time.sleep(0.01)
+    assert pool.loop.reserved == 0 and all(not e.requests for e in pool.held.values())
+    assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0

@@ -14,6 +14,7 @@ from config import Grammar
 
 from deployments.protocol import (
     MAX_PROMPT_IDS,
+    MAX_PROMPTS,
     ChatMessage,
     ChatRequest,
     CompletionRequest,
@@ -49,7 +50,7 @@ def test_every_sampling_field_is_carried_over():
     ("top_p", 0.0), ("top_p", 1.01), ("top_p", math.nan),
     ("top_k", -1), ("top_k", "3"),
     ("seed", "1"), ("seed", 1.5),
-    ("n", 2), ("n", 0), ("n", "1"),
+    ("n", 129), ("n", 0), ("n", "1"),
     ("stream", "yes"), ("stream", 1),
     ("ignore_eos", "true"),
     ("stop", ["a", "b", "c", "d", "e"]),
@@ -87,13 +88,15 @@ def test_usage_is_included_only_in_a_stream_that_asks_for_it():
     assert not completion(stream=False, stream_options={"include_usage": True}).include_usage
 
 
-def test_a_prompt_is_one_text_or_one_list_of_token_ids():
-    assert completion(prompt="Hi").prompt == "Hi" and completion(prompt="Hi").prompt_ids is None
-    assert completion(prompt=["Hi"]).prompt == "Hi"  # a batch of one
-    ids = completion(prompt=[1, 2, 3])
-    assert ids.prompt_ids == [1, 2, 3] == completion(prompt=[[1, 2, 3]]).prompt_ids  # a batch of one, as ids too
-    assert completion(prompt=[0] * MAX_PROMPT_IDS).prompt_ids == [0] * MAX_PROMPT_IDS
-    for bad in (["a", "b"], [], "", "  \n", [0] * (MAX_PROMPT_IDS + 1), [True, 2], [1, "a"], [["a"]], [" "], [[1], [2]], [[]]):
+def test_a_prompt_is_a_text_or_token_ids_or_a_batch_of_either():
+    assert completion(prompt="Hi").prompts == ["Hi"] == completion(prompt=["Hi"]).prompts
+    assert completion(prompt=["Hi", "there"]).prompts == ["Hi", "there"]
+    assert completion(prompt=[1, 2, 3]).prompts == [[1, 2, 3]] == completion(prompt=[[1, 2, 3]]).prompts
+    assert completion(prompt=[[1, 2], [3]]).prompts == [[1, 2], [3]]
+    assert completion(prompt=[0] * MAX_PROMPT_IDS).prompts == [[0] * MAX_PROMPT_IDS]
+    assert len(completion(prompt=["a"] * MAX_PROMPTS).prompts) == MAX_PROMPTS
+    for bad in ([], "", "  \n", [0] * (MAX_PROMPT_IDS + 1), [[0] * (MAX_PROMPT_IDS + 1)], [True, 2], [1, "a"], [["a"]], [" "],
+                ["a", " "], ["a", [1]], [[1], []], [[]], [[1], [True]], ["a"] * (MAX_PROMPTS + 1), 5, {"a": 1}):
         with pytest.raises(ValidationError):
             completion(prompt=bad)
     with pytest.raises(ValidationError):
@@ -160,7 +163,7 @@ def test_text_that_is_not_unicode_is_refused_at_the_edge():
         ChatRequest(messages=[{"role": "user", "content": bad}])
     with pytest.raises(ValueError, match="not valid Unicode"):
         ChatRequest(messages=[{"role": "user", "content": [{"type": "text", "text": bad}]}]).chat()
-    assert completion(prompt="é 漢字 🙂").prompt == "é 漢字 🙂"  # every other character passes
+    assert completion(prompt="é 漢字 🙂").prompts == ["é 漢字 🙂"]  # every other character passes
 
 
 @pytest.mark.parametrize("field,value", [
@@ -184,7 +187,7 @@ def test_the_defaults_of_what_is_not_served_are_accepted():
                 "response_format": {"type": "text"}, "tools": [], "functions": None, "tool_choice": "auto",
                 "guided_json": None, "grammar": "", "repeat_penalty": 1.0, "typical_p": 1.0, "mirostat": 0,
                 "top_n_sigma": -1.0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "skip_special_tokens": True}
-    assert completion(prompt="Hi", **defaults).prompt == "Hi"
+    assert completion(prompt="Hi", **defaults).prompts == ["Hi"]
     assert ChatRequest(messages=[{"role": "user", "content": "Hi"}], **defaults).n == 1
 
 

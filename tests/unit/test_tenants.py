@@ -88,6 +88,29 @@ def test_concurrency_limit_frees_on_done():
     assert t.admit("Bearer sk-alice").status == 200
 
 
+def test_a_request_of_several_sequences_takes_a_slot_for_each_all_or_none():
+    t, _ = _tenants(max_concurrent=4)
+    first = t.admit("Bearer sk-alice")
+    assert t.admit_more(first, 2).status == 200 and t.in_flight["alice"] == 3
+    other = t.admit("Bearer sk-alice")  # the fourth slot
+    wait = t.admit_more(other, 1)  # would be the fifth: later, and nothing taken
+    assert wait.status == 429 and wait.retry_after > 0 and t.in_flight["alice"] == 4
+    never = t.admit_more(other, 4)  # five in all: never within the limit
+    assert never.status == 400 and "runs 5 sequences, more than tenant 'alice' may run at once (4)" in never.message
+    t.done("alice", 10, slots=3)
+    assert t.in_flight["alice"] == 1 and t.admit_more(other, 3).status == 200 and t.in_flight["alice"] == 4
+    t.done("alice", 0, slots=9)  # a cleanup past what is held frees no more than that
+    assert t.in_flight["alice"] == 0
+    t.done("bob", 0, slots=2)  # a done without its admit frees nothing
+    assert "bob" not in t.in_flight
+
+
+def test_an_open_server_counts_every_sequence_without_limits():
+    t = Tenants(AuthConfig(), [])
+    who = t.admit(None)
+    assert t.admit_more(who, 20).status == 200 and t.in_flight["anonymous"] == 21
+
+
 def test_token_rate_charged_after_the_answer():
     t, clock = _tenants(tokens_per_minute=100)
     assert t.admit("Bearer sk-alice").status == 200
