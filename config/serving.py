@@ -64,6 +64,10 @@ class LoopConfig(_Strict):
     #: leave first): without a bound they fill the whole budget's pages in time, however little
     #: runs. None: bounded by the budget alone
     prefix_cache_bytes: int | None = Field(default=512 << 20, ge=0)
+    #: with ``prefix_cache``: a request that has not started waits while an earlier one of the same
+    #: tenant computes at least this many prompt positions it shares (the choices of one request, a
+    #: burst of one system prompt), then starts from the cache instead of computing them again. 0: never
+    share_prompt_min: int = Field(default=64, ge=0)
     #: Python's GIL switch interval in a process that runs an engine loop (``sys.setswitchinterval``,
     #: process-wide). The loop's thread lets the GIL go in every native kernel call; at Python's
     #: default, 5 ms, the replica's event loop or Ray's threads, taking it meanwhile, could keep it

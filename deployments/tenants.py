@@ -207,16 +207,17 @@ class Tenants:
     def admit_more(self, who: Admission, count: int) -> Admission:
         """``count`` more slots for an admitted request that runs several sequences (choices):
         all of them or none. A request asking more than the tenant's ``max_concurrent`` in all can
-        never run (400); one that would pass it now waits (429). :meth:`done` frees them."""
-        lim = None if self.open or who.key is None else self.limits(who.key)
+        never run (400); one that would pass it now waits (429). :meth:`done` frees them. ``who``:
+        what :meth:`admit` answered (an open server's has no key and no limits)."""
+        lim = None if who.key is None else self.limits(who.key)
         if lim is not None and lim.max_concurrent is not None:
             if 1 + count > lim.max_concurrent:
                 return Admission(who.tenant, who.admin, 400, f"the request runs {1 + count} sequences, more than tenant "
                                                              f"{who.tenant!r} may run at once ({lim.max_concurrent})")
-            if self.in_flight.get(who.tenant, 0) + count > lim.max_concurrent:
+            if self.in_flight[who.tenant] + count > lim.max_concurrent:
                 return Admission(who.tenant, who.admin, 429, f"tenant {who.tenant!r} has {lim.max_concurrent} requests "
                                                              "in flight", 1.0)
-        self.in_flight[who.tenant] = self.in_flight.get(who.tenant, 0) + count
+        self.in_flight[who.tenant] += count
         return who
 
     def done(self, tenant: str, tokens: int, slots: int = 1) -> None:

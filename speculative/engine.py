@@ -305,6 +305,15 @@ class SpeculativeEngine:
         st = self.requests[request_id]
         return len(st.tokens) - st.target_len
 
+    def reattach(self, request_id: str, cache_salt: str | None = None) -> int:
+        """The request starts again from the longest prefix of its tokens the target has cached now
+        (another request has computed it since): for one that has computed nothing yet, whose
+        positions came from the cache or nowhere. Returns the positions cached."""
+        st = self.requests[request_id]
+        if not self.wants_features:
+            st.target_len = self.target.attach_prefix(request_id, st.tokens, cache_salt)
+        return st.target_len
+
     @property
     def can_chunk_prefill(self) -> bool:
         """A feature-conditioned draft reads the target's features at every position, which a

@@ -200,6 +200,24 @@ class BlockPool:
     def find(self, key: bytes) -> int | None:
         return self._index.get(key)
 
+    def lookup(self, root: bytes, tokens: list[int]) -> tuple[list[int], list[bytes], tuple[int | None, int]]:
+        """The cached prefix of ``tokens`` in the chain from ``root`` (a salt's), touching nothing:
+        its whole indexed blocks and their keys, then (block, positions) of the indexed block after
+        them that matches the longest head of the rest (:meth:`best_child`)."""
+        B = self.block_tokens
+        blocks: list[int] = []
+        keys: list[bytes] = []
+        while (len(blocks) + 1) * B <= len(tokens):
+            n = len(blocks) * B
+            key = self.digest(keys[-1] if keys else root, tokens[n : n + B])
+            block = self.find(key)
+            if block is None:
+                break
+            blocks.append(block)
+            keys.append(key)
+        n = len(blocks) * B
+        return blocks, keys, self.best_child(keys[-1] if keys else root, tokens[n : n + B])
+
     def best_child(self, parent: bytes, tokens: list[int]) -> tuple[int | None, int]:
         """The indexed block after ``parent`` whose tokens start with the longest head of ``tokens``:
         (block, how many positions match); (None, 0) when none does."""
@@ -241,19 +259,13 @@ class SeqCache:
     def attach(self, tokens: list[int]) -> int:
         """An empty sequence takes the longest cached prefix of ``tokens``: whole indexed blocks,
         shared, then the matching head of one more, copied. Returns the positions now cached."""
-        pool, B = self.pool, self.pool.block_tokens
+        pool = self.pool
         pool.prefix_stats["looked_up"] += len(tokens)
-        n = 0
-        while n + B <= len(tokens):
-            key = pool.digest(self.keys[-1], tokens[n : n + B])
-            block = pool.find(key)
-            if block is None:
-                break
+        blocks, keys, (src, m) = pool.lookup(self.keys[0], tokens)
+        for block in blocks:
             pool.share(block)
-            self.blocks.append(block)
-            self.keys.append(key)
-            n += B
-        src, m = pool.best_child(self.keys[-1], tokens[n : n + B])
+        self.blocks, self.keys = list(blocks), [self.keys[0], *keys]
+        n = len(blocks) * pool.block_tokens
         if src is not None:
             self.blocks.append(pool.copy_of(src, m))
             n += m
@@ -358,6 +370,13 @@ class PooledCaches:
             return 0
         cache = self._caches[seq_id] = SeqCache(self.pool, salt)
         return cache.attach(list(tokens[:-1]))
+
+    def cached_prefix(self, tokens: list[int], salt: str | None = None) -> int:
+        """The positions :meth:`attach_prefix` would find cached for a prompt of ``tokens`` now."""
+        if not self.prefix_caching or len(tokens) < 2:
+            return 0
+        blocks, _, (_, m) = self.pool.lookup(BlockPool.root(salt), list(tokens[:-1]))
+        return len(blocks) * self.pool.block_tokens + m
 
     def release(self, seq_id: str) -> None:
         cache = self._caches.pop(seq_id, None)

@@ -38,6 +38,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Generator
 
+import numpy as np
 import torch
 
 from config import LoopConfig, SamplingParams
@@ -191,6 +192,11 @@ class Sequence:
     enqueued: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     reserved: int = 0  # KV tokens held in the budget while running
+    started: bool = False  # in a step's plan once: its prompt is being computed
+    #: an earlier sequence computing prompt positions this one shares, and how many (set when it is
+    #: first planned; see ``LoopConfig.share_prompt_min``)
+    twin: "Sequence | None" = None
+    shared: int = 0
 
     def need(self, k_max: int) -> int:
         """KV positions it may hold at most: prompt + max_tokens, plus a step's draft tokens."""
@@ -482,11 +488,16 @@ class EngineLoop:
 
     def _plan(self) -> tuple[list[Sequence], list[tuple[Sequence, VerifyCall]]]:
         """Who decodes this step, and which prompts prefill how much (the step's token budget:
-        decoding sequences first, one step each; prompts after, in chunks, oldest first)."""
+        decoding sequences first, one step each; prompts after, in chunks, oldest first). A
+        sequence whose prompt an earlier one is computing waits for it (:meth:`_waits`)."""
         budget = self.cfg.step_tokens
         decode: list[Sequence] = []
         prompts: list[tuple[Sequence, int]] = []
         for seq in self.running:
+            if not seq.started:
+                if self._waits(seq):
+                    continue
+                seq.started = True
             uncached = seq.engine.uncached(seq.request_id)
             if uncached + self.k_max <= self.cfg.prefill_chunk or not seq.engine.can_chunk_prefill:
                 decode.append(seq)
@@ -504,6 +515,26 @@ class EngineLoop:
             budget -= n
         return decode, prefill
 
+    def _waits(self, seq: Sequence) -> bool:
+        """Whether a sequence not started yet waits for an earlier started one (of its salt) that is
+        computing at least ``share_prompt_min`` of its prompt positions the prefix cache does not
+        hold yet; when it goes, it starts from what the cache holds then (``reattach``)."""
+        if not (self.cfg.share_prompt_min and isinstance(self.target, PooledCaches) and self.target.prefix_caching):
+            return False
+        tokens = seq.engine.requests[seq.request_id].tokens
+        if seq.twin is None:  # looked for once, among those computing their prompts already
+            for other in self.running:
+                if other.started and other.cache_salt == seq.cache_salt:
+                    n = common_prefix(tokens, other.engine.requests[other.request_id].tokens, len(tokens) - 1)
+                    if n > seq.shared:
+                        seq.twin, seq.shared = other, n
+        cached = max(self.target.cached_prefix(tokens, seq.cache_salt), seq.engine.requests[seq.request_id].target_len)
+        if seq.twin in self.running and seq.shared - cached >= self.cfg.share_prompt_min:
+            return True
+        if cached > seq.engine.requests[seq.request_id].target_len:
+            seq.engine.reattach(seq.request_id, seq.cache_salt)
+        return False
+
     def _fail(self, seq: Sequence, error: Exception) -> None:
         self._release(seq)
         seq.send(Failed(error))
@@ -519,3 +550,12 @@ class EngineLoop:
             seq.engine.release(seq.request_id)
             self.reserved -= seq.reserved
             seq.reserved = 0
+
+
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading tokens ``a`` and ``b`` share, at most ``limit``."""
+    n = min(len(a), len(b), limit)
+    if n <= 0 or a[0] != b[0]:
+        return 0
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n

@@ -74,8 +74,12 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     # what a verification keeps of its logits (the native pass's Python side: when it applies, its checks)
     "speculative/summary.py": ("speculative.summary", None, ["tests/unit/test_summary.py", "tests/unit/test_logprobs.py"]),
     # the engine loop's decisions: the shared step's draft cap and the measured drafting switch
-    "speculative/scheduler.py": ("speculative.scheduler", {"DraftSwitch", "shared_k_cap", "EngineLoop._k_cap"},
+    "speculative/scheduler.py": ("speculative.scheduler", {"DraftSwitch", "shared_k_cap", "EngineLoop._k_cap",
+                                                         "EngineLoop._waits", "common_prefix"},
                                  ["tests/unit/test_scheduler.py"]),
+    # the prefix cache's look-up, shared by a sequence's attach and the loop's wait for a twin
+    "speculative/kvcache.py": ("speculative.kvcache", {"BlockPool.lookup", "SeqCache.attach", "PooledCaches.cached_prefix"},
+                               ["tests/unit/test_prefix_cache.py", "tests/unit/test_scheduler.py"]),
     # the instrument that sets a draft's acceptance by hand, the bench's prefill / decode split, and
     # the console's calls into Serve that may not answer
     "bench/oracle.py": ("bench.oracle", None, ["tests/unit/test_bench.py"]),

@@ -440,6 +440,65 @@ def test_requests_sharing_a_system_prompt_reuse_its_cache_in_the_loop_and_stay_e
     assert loop.reserved == 0 and loop.target.pool.free_blocks == loop.target.pool.num_blocks
 
 
+def _choices(loop, spec, prompt, count: int, salts=None, max_tokens: int = 12):
+    """``count`` seeded requests of one prompt submitted together (the choices of one request)."""
+    out = []
+    for j in range(count):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=40 + j, ignore_eos=True)
+        out.append(_submit(loop, spec, prompt, params, f"c{j}", cache_salt=(salts or [None] * count)[j]))
+    return out
+
+
+def test_choices_of_one_prompt_wait_for_the_first_and_start_from_its_cached_prompt():
+    """Four requests of one 60-token prompt submitted together: the first computes the prompt while
+    the others wait, then they take its blocks from the prefix cache, so the target computes the
+    prompt about once instead of four times; every output is still the seed's own sample, as
+    without sharing (and as alone)."""
+    prompt = _prompts(1, seed=3, lo=60, hi=61)[0]
+    runs = {}
+    for share in (0, 16):
+        loop, spec, alone = _setup(share_prompt_min=share, prefill_chunk=16, step_tokens=64)
+        loop.target.prefix_caching = True
+        subs = _choices(loop, spec, prompt, 4)
+        loop.step()
+        assert [seq.started for seq, _ in subs] == [True] + [share == 0] * 3
+        _drain(loop, [c for _, c in subs])
+        runs[share] = ([c.tokens for _, c in subs], loop.tokens, [seq.shared for seq, _ in subs])
+        assert loop.reserved == 0 and loop.target.pool.free_blocks == loop.target.pool.num_blocks
+    (free, fed_free, _), (shared, fed_shared, lengths) = runs[0], runs[16]
+    want = [alone.generate(prompt, SamplingParams(max_tokens=12, temperature=0.9, seed=40 + j, ignore_eos=True)).token_ids
+            for j in range(4)]
+    assert free == shared == want and len({tuple(t) for t in want}) > 1
+    assert lengths == [0, 59, 59, 59]  # each later one's twin: the first, sharing all but the last prompt token
+    assert fed_free - fed_shared >= 3 * 48  # three prompts' whole cached blocks not computed again
+
+
+def test_a_sequence_waits_only_for_its_own_tenants_prompt_and_never_for_a_twin_that_left():
+    """Another tenant's identical prompt is no twin (nothing is shared across salts); a sequence
+    whose twin is cancelled before its prompt is cached starts by itself; with the prefix cache off
+    nothing waits."""
+    prompt = _prompts(1, seed=4, lo=50, hi=51)[0]
+    loop, spec, _ = _setup(share_prompt_min=16, prefill_chunk=16, step_tokens=64)
+    loop.target.prefix_caching = True
+    subs = _choices(loop, spec, prompt, 2, salts=["t1", "t2"])
+    loop.step()
+    assert all(seq.started for seq, _ in subs)
+    _drain(loop, [c for _, c in subs])
+    loop, spec, _ = _setup(share_prompt_min=16, prefill_chunk=16, step_tokens=64)
+    loop.target.prefix_caching = True
+    (first, _), (second, c2) = _choices(loop, spec, prompt, 2)
+    loop.step()
+    assert not second.started and second.twin is first
+    loop.cancel(first)
+    loop.step()
+    assert second.started and loop.target.pool.prefix_stats["hit"] <= 16  # at most the one chunk it had settled
+    _drain(loop, [c2])
+    loop, spec, _ = _setup(share_prompt_min=16, prefill_chunk=16, step_tokens=64)  # prefix caching off
+    subs = _choices(loop, spec, prompt, 2)
+    loop.step()
+    assert all(seq.started for seq, _ in subs)
+
+
 def test_sequences_on_one_draft_model_share_its_forwards_and_propose_what_they_would_alone():
     """Six requests on one learned draft: each round of their proposals is one forward of the draft
     over all of them (fewer draft forwards than calls), and each request's steps (draft tokens,
