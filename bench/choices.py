@@ -74,6 +74,7 @@ def run(workload: str, domains: list[str], n_prompts: int, n: int, max_tokens: i
         return outs
 
     once("alone", engine.encode(texts[0]), 1, 0)  # warm
+    tally["alone"] = {"runs": 0, "seconds": 0.0, "tokens": 0, "first_token_s": 0.0, "fed": 0}
     for i, text in enumerate(texts):
         ids = engine.encode(text)
         once("alone", ids, 1, 1000 * i)

@@ -341,7 +341,8 @@ class Ingress:
             return response
         finally:
             if used is not None:  # a stream settles its own account (and its metrics) when it ends
-                status = getattr(response, "status_code", 200 if isinstance(response, dict) else 500)
+                # no response at all: the request was cancelled (its client went away), nginx's 499
+                status = getattr(response, "status_code", 200 if isinstance(response, dict) else 499)
                 self._settle(adm.tenant, timing, used or 0, status, response["usage"] if isinstance(response, dict) else None,
                              slots[0])
 
@@ -423,7 +424,7 @@ class Ingress:
         if req.stream:
             settle = Settle(lambda used, status, usage: self._settle(tenant, timing, used, status, usage, slots[0]))
             sse = self._sse(choices, rid, chat, req.include_usage, timing, settle)
-            weakref.finalize(sse, _dropped, settle, [c.opened for c in choices])
+            weakref.finalize(sse, _dropped, settle, choices)
             return StreamingResponse(sse, media_type="text/event-stream"), None
         body = await self._whole(choices, rid, chat, timing)
         return body, body["usage"]["total_tokens"]
@@ -434,31 +435,36 @@ class Ingress:
         before one refused for now, 503); else None, each choice's ``stream`` ready to read
         (resumed on another replica if its own dies)."""
         for c in choices:
-            c.stream = self.pool.options(multiplexed_model_id=c.draft_id, stream=True).stream.remote(c.gen)
-        firsts = await asyncio.gather(*(c.stream.__anext__() for c in choices), return_exceptions=True)
+            c.opened = self.pool.options(multiplexed_model_id=c.draft_id, stream=True).stream.remote(c.gen)
+        try:
+            firsts = await asyncio.gather(*(c.opened.__anext__() for c in choices), return_exceptions=True)
+        except BaseException:  # cancelled: the client went away
+            _cancel(choices)
+            raise
         failed = [f for f in firsts if isinstance(f, BaseException)]
         refused = sorted((f for f in firsts if isinstance(f, Refused)), key=lambda r: r.status == 503)
         if failed or refused:
-            for c in choices:
-                c.stream.cancel()
+            _cancel(choices)
             if failed:
                 raise failed[0]
             return refused[0]
         for c in choices:
-            c.opened, c.stream = c.stream, self._resuming(c.stream, c.gen, c.draft_id, tenant)
+            c.stream = self._resuming(c, tenant)
         return None
 
-    def _resuming(self, stream, gen: GenerateRequest, draft_id: str, tenant: str):
-        """The draft pool's items for one request, resumed on another replica if its own dies."""
+    def _resuming(self, c: "_Choice", tenant: str):
+        """The draft pool's items for one choice, resumed on another replica if its own dies (the
+        stream opened there becomes the choice's ``opened``)."""
         def reopen(again: GenerateRequest):
-            return self.pool.options(multiplexed_model_id=draft_id, stream=True).stream.remote(again)
+            c.opened = self.pool.options(multiplexed_model_id=c.draft_id, stream=True).stream.remote(again)
+            return c.opened
 
         def on_resume(n_sent: int, e: BaseException) -> None:
             log.warning("request %s: draft replica lost after %d tokens (%s); resuming on another replica",
-                        gen.request_id, n_sent, type(e).__name__)
+                        c.gen.request_id, n_sent, type(e).__name__)
             self.meter.inc("osd_requests_resumed_total", tenant=tenant)
 
-        return resuming(stream, gen, reopen, on_resume)
+        return resuming(c.opened, c.gen, reopen, on_resume)
 
     def _vocabulary(self):
         if self._vocab is None:  # after the engine replicas have written the model's folder
@@ -565,7 +571,7 @@ class Ingress:
             try:
                 async for item in c.stream:
                     if isinstance(item, Done):
-                        end = item
+                        end, c.done = item, True
                     else:
                         parts.append(item.text)
                         if item.logprobs is not None:
@@ -583,7 +589,11 @@ class Ingress:
                         "finish_reason": end.finish_reason}, end.usage
             return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": end.finish_reason}, end.usage
 
-        done = await _all([collect(c) for c in choices])
+        try:
+            done = await _all([collect(c) for c in choices])
+        except BaseException:  # a choice failed, or the client went away
+            _cancel(choices)
+            raise
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
                 "model": self.cfg.ingress.model_name, "choices": [choice for choice, _ in done],
                 "usage": self._merged_usage(choices, [usage for _, usage in done])}
@@ -631,6 +641,7 @@ class Ingress:
                     yield chunk(c.index, c.echo, None)
             async for c, item in merged:
                 if isinstance(item, Done):
+                    c.done = True
                     yield chunk(c.index, None if chat else "", item.finish_reason)
                     self._observe(c.route, item.usage)
                     ends[c.index] = item.usage
@@ -658,7 +669,8 @@ class Ingress:
             yield f"data: {json.dumps(body)}\n\n"
         finally:
             settle(used, status, usage)
-            await merged.aclose()  # ends the requests in the draft pool too, if they still run
+            await merged.aclose()
+            _cancel(choices)  # ends the requests in the draft pool too, if they still run
         yield "data: [DONE]\n\n"
 
 
@@ -672,8 +684,17 @@ class _Choice:
     draft_id: str
     echo: str = ""  # the prompt's text before the completion's (OpenAI's echo)
     counts_prompt: bool = True  # the first choice of its prompt: its prompt tokens count in the usage
-    stream: Any = None  # the draft pool's items for it, once opened (resumed on another replica if its own dies)
-    opened: Any = None  # the stream first opened for it
+    opened: Any = None  # its stream from a draft replica (the one it resumed on, if its first one died)
+    stream: Any = None  # its items, once opened: ``opened``'s, resumed on another replica if that one dies
+    done: bool = False  # its Done came
+
+
+def _cancel(choices: list[_Choice]) -> None:
+    """Cancel the sequences of the choices not done (a request that ends early: the client left,
+    a choice failed or was refused), wherever their streams are: read or not, started or not."""
+    for c in choices:
+        if not c.done and c.opened is not None:
+            c.opened.cancel()
 
 
 def _nth_seed(params: SamplingParams, j: int) -> SamplingParams:
@@ -738,14 +759,13 @@ async def _merged(choices: list[_Choice]):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _dropped(settle: Settle, opened: list) -> None:
+def _dropped(settle: Settle, choices: list[_Choice]) -> None:
     """A streamed response object is gone: if its body never ran (the client left before its first
-    byte), its account is settled as 499 and the sequences it opened are cancelled; a body that
-    ran settled and closed them itself."""
+    byte), its account is settled as 499 and its sequences are cancelled; a body that ran settled
+    and ended them itself."""
     if not settle.settled:
         settle(0, 499, None)
-        for stream in opened:
-            stream.cancel()
+        _cancel(choices)
 
 
 def _overloaded(running: int) -> JSONResponse:

@@ -486,6 +486,30 @@ def test_a_client_leaving_mid_stream_is_a_499_and_ends_the_decoding(app, n):
     assert bucket.level == bucket.rate  # it never got its usage: nothing charged
 
 
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("when", ["opening", "decoding"])
+def test_a_whole_request_whose_client_leaves_is_a_499_and_ends_its_sequences(app, n, when):
+    """The request's task is cancelled (the client went away before the answer), while its
+    sequences are being opened or while they decode: counted as 499, nothing charged, its slots
+    freed and every sequence it opened cancelled."""
+    app.ingress.tenants.clock = lambda: 1000.0
+
+    async def go():
+        body = {"prompt": "Hi", "max_tokens": 30, "ignore_eos": True, "n": n}
+        task = asyncio.ensure_future(app.ingress.completion(request(body, KEY), chat=False))
+        while len(app.pool.streams) < n or (when == "decoding" and app.pools[0].running < n):
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    run(go())
+    assert counter(app.ingress.meter, "osd_requests_total", tenant="alice", status=499) == 1
+    assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
+    assert all(s.cancelled for s in app.pool.streams)
+    bucket = app.ingress.tenants.tokens["alice"]
+    assert bucket.level == bucket.rate
+
+
 def test_a_request_the_engine_replica_cannot_queue_is_a_503_with_retry_after(folder):
     """One request runs at a time and none may wait: of two at once, one is served whole and the
     other is answered 503 with Retry-After (retry later), and the replica's budget returns to zero."""
@@ -558,12 +582,17 @@ def test_a_request_that_fails_otherwise_is_a_500_in_openais_shape_whole_or_strea
     assert events[-2]["error"]["message"] == "generation failed: boom" and events[-2]["error"]["type"] == "server_error"
     assert counter(a.ingress.meter, "osd_requests_total", tenant="alice", status=500) == 1
     assert a.ingress.running == 0 and a.ingress.tenants.in_flight["alice"] == 0 and ended()
-    assert sum(s.cancelled for s in a.pool.streams) == n - 1  # the one that failed ended by itself
+    assert all(s.cancelled for s in a.pool.streams)
     pool.fail_after, pool.fail_with = 1, RuntimeError("boom")
-    got, err, _ = run(a.post(body))  # whole: a 500 in OpenAI's shape
+
+    async def whole():
+        answer = await a.post(body)  # whole: a 500 in OpenAI's shape
+        await asyncio.sleep(0)
+        return answer, [t for t in asyncio.all_tasks() if "collect" in repr(t.get_coro()) and not t.done()]
+    (got, err, _), left = run(whole())
     assert got == 500 and err["error"]["type"] == "server_error" and "RuntimeError" in err["error"]["message"]
     assert a.ingress.running == 0 and a.ingress.tenants.in_flight["alice"] == 0 and ended()
-    assert sum(s.cancelled for s in a.pool.streams[n:]) == n - 1
+    assert all(s.cancelled for s in a.pool.streams) and left == []  # no choice's reader left behind
     assert counter(a.ingress.meter, "osd_requests_total", tenant="alice", status=500) == 2
     bucket = a.ingress.tenants.tokens["alice"]
     assert bucket.level == bucket.rate  # a failed request is charged no tokens
@@ -950,6 +979,7 @@ def test_streamed_choices_interleave_by_index_and_each_ends_once(app):
         assert {c["choices"][0]["index"] for c in chunks} == set(range(count))
         assert events[-2]["usage"] == {**whole["usage"], "speculative": events[-2]["usage"]["speculative"]}
         assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
+    assert not any(s.cancelled for s in app.pool.streams)  # each ended by itself: none to cancel
 
 
 def test_a_request_of_several_choices_holds_a_slot_for_each(folder):
