@@ -385,16 +385,16 @@ class Ingress:
                 decoded = " (decoded from its token ids)" if ids is not None else ""
                 return _error(400, f"the prompt{decoded} is longer than {self.cfg.ingress.max_prompt_chars} characters"), 0
             texts.append((text, ids))
-        if count > 1:  # every choice is a sequence in flight, for the server's capacity and the tenant's
-            if self.running + count - 1 > self.cfg.ingress.max_in_flight:
-                return _overloaded(self.running), 0
-            more = self.tenants.admit_more(adm, count - 1)
-            if more.status == 400:
-                return _error(400, more.message, param="n"), 0
-            if more.status != 200:
-                return _refused(more), 0
-            slots[0] += count - 1
-            self.running += count - 1
+        # every choice is a sequence in flight, for the server's capacity and the tenant's
+        if self.running + count - 1 > self.cfg.ingress.max_in_flight:
+            return _overloaded(self.running), 0
+        more = self.tenants.admit_more(adm, count - 1)
+        if more.status == 400:
+            return _error(400, more.message, param="n"), 0
+        if more.status != 200:
+            return _refused(more), 0
+        slots[0] += count - 1
+        self.running += count - 1
 
         t_route = time.perf_counter()
         # isolated tenants: routed from the router's configuration only (named domains, never a
@@ -814,7 +814,10 @@ class IngressDeployment(Ingress):
         bind_replica_grpc(cfg.replica_grpc_host)
         super().__init__(cfg, router, pool, learner, metrics=metrics, http_host=serve_http_host())
 
+    # llama-server's aliases (``/v1/health``, ``/models``, ``/chat/completions``), for clients whose
+    # base URL leaves out /v1: the same handlers, outside the schema
     @api.get("/health")
+    @api.get("/v1/health", include_in_schema=False)
     def health(self) -> dict:
         return {"status": "ok"}
 
@@ -823,6 +826,7 @@ class IngressDeployment(Ingress):
         return await self.ready()
 
     @api.get("/v1/models")
+    @api.get("/models", include_in_schema=False)
     def list_models(self, request: Request):
         adm = self.tenants.identify(request.headers.get("authorization"))
         return self.models() if adm.status == 200 else _refused(adm)
@@ -884,6 +888,7 @@ class IngressDeployment(Ingress):
         return await self.completion(request, chat=False)
 
     @api.post("/v1/chat/completions", openapi_extra=_body_schema(ChatRequest))
+    @api.post("/chat/completions", include_in_schema=False)
     async def chat_completions(self, request: Request):
         return await self.completion(request, chat=True)
 

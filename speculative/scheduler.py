@@ -554,8 +554,6 @@ class EngineLoop:
 
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:
     """How many leading tokens ``a`` and ``b`` share, at most ``limit``."""
-    n = min(len(a), len(b), limit)
-    if n <= 0 or a[0] != b[0]:
-        return 0
+    n = max(0, min(len(a), len(b), limit))
     differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
     return int(differ[0]) if differ.size else n

@@ -23,9 +23,19 @@ pytestmark = pytest.mark.serve
 
 def test_models_health_ready(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    for path in ("/health", "/ready"):
+    for path in ("/health", "/ready", "/v1/health"):
         with urllib.request.urlopen(server + path, timeout=30) as r:
             assert r.status == 200
+    # llama-server's aliases without /v1, for clients whose base URL leaves it out
+    import openai
+
+    bare = openai.OpenAI(base_url=server, api_key=KEY, max_retries=0, timeout=120)
+    assert [m.id for m in bare.models.list().data] == [MODEL]
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    assert (bare.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0).choices[0].message.content
+            == client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0).choices[0].message.content)
+    paths = json.loads(urllib.request.urlopen(server + "/openapi.json", timeout=30).read())["paths"]
+    assert "/v1/chat/completions" in paths and "/chat/completions" not in paths  # aliases stay out of the schema
 
 
 def test_greedy_completion_equals_target_only(client, reference):

@@ -999,7 +999,21 @@ def test_a_request_of_several_choices_holds_a_slot_for_each(folder):
     assert status == 503 and err["error"]["code"] == "server_overloaded"
     a.ingress.running = 0
     assert a.pools[0].requests == []
+    a.ingress.tenants.in_flight["alice"] = 1  # two choices and another request: three, within the limit
+    assert run(a.post({"prompt": "Hi", "n": 2, "max_tokens": 2}))[0] == 200
+    a.ingress.tenants.in_flight["alice"] = 2  # two choices would be the fourth
+    assert run(a.post({"prompt": "Hi", "n": 2, "max_tokens": 2}))[0] == 429
+    a.ingress.tenants.in_flight["alice"] = 0
     assert run(a.post({"prompt": "Hi", "n": 3, "max_tokens": 2}))[0] == 200
+    assert a.ingress.running == 0 and a.ingress.tenants.in_flight["alice"] == 0
+
+
+def test_a_request_may_ask_for_exactly_max_choices(folder):
+    a = App(app_config(folder, ingress={"max_choices": 4}))
+    status, body, _ = run(a.post({"prompt": ["Hi", "Yo"], "n": 2, "max_tokens": 2}))
+    assert status == 200 and len(body["choices"]) == 4
+    status, err, _ = run(a.post({"prompt": ["Hi", "Yo", "Ah"], "n": 2, "max_tokens": 2}))
+    assert status == 400 and err["error"]["param"] == "n" and "at most 4" in err["error"]["message"]
     assert a.ingress.running == 0 and a.ingress.tenants.in_flight["alice"] == 0
 
 

@@ -16,7 +16,7 @@ from speculative import RequestError, SpeculativeEngine
 from speculative.fast import FastRunner
 from speculative.proposers import DraftModelProposer, NgramProposer
 from speculative.scheduler import (DraftSwitch, EngineLoop, Failed, Finished, Overloaded, Sequence, Started, Step, StepCost,
-                                   calibrate_step_cost, shared_k_cap)
+                                   calibrate_step_cost, common_prefix, shared_k_cap)
 
 K = 3
 
@@ -449,6 +449,27 @@ def _choices(loop, spec, prompt, count: int, salts=None, max_tokens: int = 12):
     return out
 
 
+def test_common_prefix_by_hand():
+    assert common_prefix([1, 2, 3, 4], [1, 2, 9, 4, 7], 10) == 2
+    assert common_prefix([1, 2, 3, 4], [1, 2, 3, 5, 6, 8], 10) == 3
+    assert common_prefix([5, 2], [1, 2], 10) == 0
+    assert common_prefix([1, 2, 3], [1, 2, 3, 4], 10) == 3 == common_prefix([1, 2, 3, 4], [1, 2, 3], 10)
+    assert common_prefix([1, 2, 3, 4], [1, 2, 3, 4], 2) == 2  # at most the limit
+    assert common_prefix([1], [1], 0) == 0 == common_prefix([1], [1], -1) == common_prefix([], [1], 5)
+
+
+@pytest.mark.parametrize("margin", [0, 1])
+def test_a_sequence_waits_for_exactly_share_prompt_min_positions_not_fewer(margin):
+    """The bound is inclusive: 59 shared positions not cached make a sequence wait when the bound is
+    59, not when it is 60."""
+    prompt = _prompts(1, seed=3, lo=60, hi=61)[0]
+    loop, spec, _ = _setup(share_prompt_min=59 + margin, prefill_chunk=16, step_tokens=64)
+    loop.target.prefix_caching = True
+    subs = _choices(loop, spec, prompt, 2)
+    loop.step()
+    assert subs[1][0].shared == 59 and subs[1][0].started == bool(margin)
+
+
 def test_choices_of_one_prompt_wait_for_the_first_and_start_from_its_cached_prompt():
     """Four requests of one 60-token prompt submitted together: the first computes the prompt while
     the others wait, then they take its blocks from the prefix cache, so the target computes the
@@ -462,7 +483,11 @@ def test_choices_of_one_prompt_wait_for_the_first_and_start_from_its_cached_prom
         subs = _choices(loop, spec, prompt, 4)
         loop.step()
         assert [seq.started for seq, _ in subs] == [True] + [share == 0] * 3
-        _drain(loop, [c for _, c in subs])
+        overlap = False  # the waiting ones start once the prompt is cached, while the first still decodes
+        while not all(c.done for _, c in subs):
+            loop.step()
+            overlap = overlap or (all(seq.started for seq, _ in subs) and not subs[0][1].done)
+        assert overlap
         runs[share] = ([c.tokens for _, c in subs], loop.tokens, [seq.shared for seq, _ in subs])
         assert loop.reserved == 0 and loop.target.pool.free_blocks == loop.target.pool.num_blocks
     (free, fed_free, _), (shared, fed_shared, lengths) = runs[0], runs[16]
