@@ -521,17 +521,17 @@ class EngineLoop:
         hold yet; when it goes, it starts from what the cache holds then (``reattach``)."""
         if not (self.cfg.share_prompt_min and isinstance(self.target, PooledCaches) and self.target.prefix_caching):
             return False
-        tokens = seq.engine.requests[seq.request_id].tokens
+        st = seq.engine.requests[seq.request_id]
         if seq.twin is None:  # looked for once, among those computing their prompts already
             for other in self.running:
                 if other.started and other.cache_salt == seq.cache_salt:
-                    n = common_prefix(tokens, other.engine.requests[other.request_id].tokens, len(tokens) - 1)
+                    n = common_prefix(st.tokens, other.engine.requests[other.request_id].tokens, len(st.tokens) - 1)
                     if n > seq.shared:
                         seq.twin, seq.shared = other, n
-        cached = max(self.target.cached_prefix(tokens, seq.cache_salt), seq.engine.requests[seq.request_id].target_len)
+        cached = max(self.target.cached_prefix(st.tokens, seq.cache_salt), st.target_len)
         if seq.twin in self.running and seq.shared - cached >= self.cfg.share_prompt_min:
             return True
-        if cached > seq.engine.requests[seq.request_id].target_len:
+        if cached > st.target_len:
             seq.engine.reattach(seq.request_id, seq.cache_salt)
         return False
 
