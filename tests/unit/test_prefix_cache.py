@@ -207,3 +207,24 @@ def test_new_weights_forget_every_cached_prefix():
     assert torch.equal(r.forward("b", 0, prompt, 1), _runner(other, caching=False).forward("c", 0, prompt, 1))
     r.release("b")
     assert r.pool.free_blocks == r.pool.num_blocks
+
+
+def test_the_look_up_without_attaching_finds_what_attaching_would_and_touches_nothing():
+    """``cached_prefix`` answers, for prompts that share whole blocks, part of one, the prompt
+    exactly to a block's end, two tokens or nothing, the positions ``attach_prefix`` then takes;
+    it counts no look-up and holds no block. Another salt, or caching off, finds nothing."""
+    r = _runner(tiny_llama(2, seed=0))
+    warm = _ids(3 * B + 9, seed=1)
+    _serve(r, "warm", warm, salt="t")
+    r.release("warm")
+    other = _ids(40, seed=2)
+    cases = [warm + [7], warm[:2 * B + 1], warm[:B + 5] + [(warm[B + 5] + 1) % 128] + other[:9], warm[:2], warm[:1],
+             other, warm[: 3 * B + 9]]
+    stats, free = dict(r.pool.prefix_stats), r.pool.free_blocks
+    looked = [r.cached_prefix(p, "t") for p in cases]
+    assert r.pool.prefix_stats == stats and r.pool.free_blocks == free
+    assert looked == [r.attach_prefix(f"s{i}", p, "t") for i, p in enumerate(cases)]
+    assert looked == [3 * B, 2 * B, B + 5, 1, 0, 0, 3 * B]  # (block 3 is not settled: the warm request ended in it)
+    assert r.cached_prefix(warm + [7], "u") == 0
+    r.prefix_caching = False
+    assert r.cached_prefix(warm + [7], "t") == 0 == r.attach_prefix("off", warm + [7], "t")
