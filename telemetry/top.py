@@ -60,7 +60,9 @@ def render(s: dict, url: str):
                         _f(_last(series["acceptance"].get(d, [])), "{:.3f}"),
                         _f(a["drafted"], "{:.0f}"), _f(a["accepted"], "{:.0f}"),
                         _f(per.get(d, {}).get("tokens_per_step"), "{:.2f}"), _f(per.get(d, {}).get("speedup"), "{:.2f}x"))
-    parts = [head, overview, domains]
+    # the learner's lines above the table, whose length grows with the domains: a terminal too
+    # short for the frame loses its last lines (the oldest events), not the learner's state
+    parts = [head, overview]
     if "learner" in s:
         r, lr = s["running"], s["learner"]
         parts.append(Text(f"running {r['ingress']:.0f}  draft pool {r['draft_pool']:.0f}  target queue "
@@ -69,10 +71,11 @@ def render(s: dict, url: str):
         parts.append(Text(f"learner {'paused' if lr['paused'] else 'active'}: {lr['records']:.0f} records, "
                           f"{lr['rounds']:.0f} rounds, {lr['published']:.0f} published, {lr['rejected']:.0f} rejected, "
                           f"step {_f(lr['step_seconds'], '{:.3f} s')}; drafts {drafts}"))
-        for e in s["events"][-5:][::-1]:
-            when = datetime.fromtimestamp(e["t"]).strftime("%H:%M:%S")
-            detail = f"v{e['version']}" if "version" in e else e.get("reason", "")
-            parts.append(Text(f"  {when} {e['kind']} {e.get('draft') or ''} {detail}"))
+    parts.append(domains)
+    for e in s.get("events", [])[-5:][::-1]:
+        when = datetime.fromtimestamp(e["t"]).strftime("%H:%M:%S")
+        detail = f"v{e['version']}" if "version" in e else e.get("reason", "")
+        parts.append(Text(f"  {when} {e['kind']} {e.get('draft') or ''} {detail}"))
     return Group(*parts)
 
 

@@ -263,7 +263,8 @@ def _top_problems(screen: str, stats: dict) -> list:
         row = next((line for line in screen.splitlines() if line.strip().startswith(d + " ")), None)
         if row is None or (f"{a['alpha']:.3f}" not in row if a["alpha"] is not None else "-" not in row):
             problems.append((d, a["alpha"], row))
-    if not ("learner" in screen and "general v" in screen):
+    flowed = " ".join(screen.split())  # the drafts' list wraps wherever the terminal's width falls
+    if not ("learner" in flowed and "general v" in flowed):
         problems.append("no learner line")
     return problems
 

@@ -292,6 +292,30 @@ def test_top_renders_the_stats_figures():
     assert "learner" not in tenant_view.file.getvalue()
 
 
+def test_top_keeps_the_learner_line_on_a_terminal_shorter_than_the_domain_table():
+    """``osd top`` redraws in place, and a frame taller than the terminal loses its last lines:
+    with more domains than lines, the learner's state still shows (above the table)."""
+    from rich.console import Console
+    from rich.live import Live
+
+    from telemetry.top import render
+
+    cfg = MetricsConfig(sample_s=1.0)
+    m, lm, hub = Meter("DraftPool", cfg, replica="a"), Meter("Learner", cfg, replica="l"), Hub(cfg)
+    for j in range(60):
+        m.inc("osd_spec_decode_num_draft_tokens_total", 4, **{**SPEC, "domain": f"c{j}"})
+    lm.set("osd_draft_version", 4, draft="general")
+    for meter in (m, lm):
+        hub.merge(meter.snapshot())
+    hub.sample(now=11.0)
+    console = Console(file=io.StringIO(), width=150, height=30, force_terminal=True)
+    with Live(render(hub.stats(), "u"), console=console, screen=False, auto_refresh=False) as live:
+        live.refresh()
+        screen = console.file.getvalue()  # what shows while it runs (the last frame is printed whole on exit)
+    assert "c0 " in screen and "c59 " not in screen  # the table was cut to the terminal
+    assert "general v4" in screen
+
+
 def test_a_counter_at_zero_is_exported_so_that_ratios_have_both_sides():
     m, hub = Meter("DraftPool", replica="a"), Hub()
     m.inc("osd_spec_decode_num_draft_tokens_total", 4, **SPEC)
