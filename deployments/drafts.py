@@ -417,6 +417,7 @@ class DraftPool:
                 {
                     "prompt_tokens": st.prompt_len,
                     "completion_tokens": len(st.output),
+                    "prompt_tokens_details": {"cached_tokens": st.cached_tokens},
                     "speculative": {
                         "resumed_after": len(req.resume),  # output tokens decoded before a replica failed
                         "proposed": s.proposed,
@@ -436,6 +437,7 @@ class DraftPool:
                         "draft_version": engine.draft_version,
                     },
                 },
+                st.stop_reason,
             )
         finally:
             self.running -= 1

@@ -23,8 +23,10 @@ from router.route import Route
 from speculative.locate import light_vocab
 
 from .loopback import bind_replica_grpc, replica_meter
-from .protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, Done, GenerateRequest, Refused, TargetUnavailable,
-                       TokenizeRequest, error_body, new_id, now)
+from . import llama_api
+from .llama_api import Outcome
+from .protocol import (Accepted, ChatRequest, CompletionRequest, DetokenizeRequest, Done, GenerateRequest, LlamaCompletionRequest,
+                       Refused, TargetUnavailable, TokenizeRequest, error_body, new_id, now)
 from .resume import resuming
 from .tenants import Admission, Tenants, refuse_open
 
@@ -317,7 +319,9 @@ class Ingress:
         return await self.learner_call(request, "configure", body)
 
     # -- generation --------------------------------------------------------------------------
-    async def completion(self, request: Request, chat: bool):
+    async def completion(self, request: Request, chat: bool, llama: bool = False):
+        """``/v1/chat/completions`` (``chat``), ``/v1/completions``, or llama-server's own
+        ``/completion`` (``llama``: its names, defaults and shapes)."""
         if self.running >= self.cfg.ingress.max_in_flight:  # over capacity: shed, before any work
             Timing(self.meter, self.tenants.identify(request.headers.get("authorization")).tenant or "unauthenticated").done(503)
             return _overloaded(self.running)
@@ -330,7 +334,7 @@ class Ingress:
         self.running += 1
         try:
             try:
-                response, used = await self._completion(request, chat, adm, timing, slots)
+                response, used = await self._completion(request, chat, adm, timing, slots, llama)
             except Exception as e:  # noqa: BLE001 - the target's absence is a 503; anything else a 500 in OpenAI's shape
                 if _target_gone(e):
                     response, used = _unavailable(e), 0
@@ -343,10 +347,11 @@ class Ingress:
             if used is not None:  # a stream settles its own account (and its metrics) when it ends
                 # no response at all: the request was cancelled (its client went away), nginx's 499
                 status = getattr(response, "status_code", 200 if isinstance(response, dict) else 499)
-                self._settle(adm.tenant, timing, used or 0, status, response["usage"] if isinstance(response, dict) else None,
-                             slots[0])
+                usage = response["usage"] if isinstance(response, dict) else getattr(response, "usage", None)
+                self._settle(adm.tenant, timing, used or 0, status, usage, slots[0])
 
-    async def _completion(self, request: Request, chat: bool, adm: Admission, timing: Timing, slots: list[int]):
+    async def _completion(self, request: Request, chat: bool, adm: Admission, timing: Timing, slots: list[int],
+                          llama: bool = False):
         """(response, tokens to charge now; None when the streaming response charges them itself).
         ``slots[0]``: the sequences the request holds in flight, raised here for several choices."""
         tenant = adm.tenant
@@ -356,8 +361,10 @@ class Ingress:
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object"), 0
         try:
-            req = ChatRequest.model_validate(body) if chat else CompletionRequest.model_validate(body)
-            default = self.cfg.ingress.default_max_tokens if chat else COMPLETION_DEFAULT_MAX_TOKENS
+            model = ChatRequest if chat else LlamaCompletionRequest if llama else CompletionRequest
+            req = model.model_validate(body)
+            default = COMPLETION_DEFAULT_MAX_TOKENS if model is CompletionRequest else self.cfg.ingress.default_max_tokens
+            default = min(default, self.cfg.ingress.max_tokens_limit)  # a request that names none is never refused for it
             params = req.sampling(default)
             messages = req.chat() if chat else None
         except ValidationError as e:
@@ -423,9 +430,15 @@ class Ingress:
             return _error(400, refused.error), 0
         if req.stream:
             settle = Settle(lambda used, status, usage: self._settle(tenant, timing, used, status, usage, slots[0]))
-            sse = self._sse(choices, rid, chat, req.include_usage, timing, settle)
+            if isinstance(req, LlamaCompletionRequest):
+                sse = self._llama_sse(choices, req, params, texts, timing, settle)
+            else:
+                sse = self._sse(choices, rid, chat, req.include_usage, timing, settle)
             weakref.finalize(sse, _dropped, settle, choices)
             return StreamingResponse(sse, media_type="text/event-stream"), None
+        if isinstance(req, LlamaCompletionRequest):
+            answer = await self._llama_whole(choices, req, params, texts, timing)
+            return answer, answer.usage["total_tokens"]
         body = await self._whole(choices, rid, chat, timing)
         return body, body["usage"]["total_tokens"]
 
@@ -448,7 +461,8 @@ class Ingress:
             if failed:
                 raise failed[0]
             return refused[0]
-        for c in choices:
+        for c, first in zip(choices, firsts):
+            c.prompt_tokens = first.prompt_tokens if isinstance(first, Accepted) else 0
             c.stream = self._resuming(c, tenant)
         return None
 
@@ -558,45 +572,71 @@ class Ingress:
             return self._usage(usages[0])
         specs = [u["speculative"] for u in usages]
         proposed, accepted = sum(s["proposed"] for s in specs), sum(s["accepted"] for s in specs)
+        firsts = [u for c, u in zip(choices, usages) if c.counts_prompt]
         return self._usage({
-            "prompt_tokens": sum(u["prompt_tokens"] for c, u in zip(choices, usages) if c.counts_prompt),
+            "prompt_tokens": sum(u["prompt_tokens"] for u in firsts),
             "completion_tokens": sum(u["completion_tokens"] for u in usages),
+            "prompt_tokens_details": {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in firsts)},
             "speculative": {"proposed": proposed, "accepted": accepted, "alpha": accepted / proposed if proposed else None,
                             "steps": sum(s["steps"] for s in specs), "choices": specs},
         })
 
-    async def _whole(self, choices: list["_Choice"], rid: str, chat: bool, timing: Timing) -> dict:
-        async def collect(c: _Choice) -> tuple[dict, dict]:
-            parts, end, tokens, lps = [c.echo], None, [], None
+    async def _collect(self, choices: list["_Choice"], timing: Timing) -> list[Outcome]:
+        """Every choice's whole output, read together; if one fails (or the client goes away), the
+        others are cancelled."""
+        async def collect(c: _Choice) -> Outcome:
+            o, parts = Outcome(c.index, c.prompt_tokens), [c.echo]
             try:
                 async for item in c.stream:
                     if isinstance(item, Done):
-                        end, c.done = item, True
+                        o.end, c.done = item, True
                     else:
                         parts.append(item.text)
+                        o.tokens += item.tokens
                         if item.logprobs is not None:
-                            tokens += item.tokens
-                            lps = (lps or []) + item.logprobs
+                            o.logprobs = (o.logprobs or []) + item.logprobs
                         if item.text:
                             timing.chunk()
+                            o.first = timing.last if o.first is None else o.first
             finally:
                 await c.stream.aclose()  # a cancelled request ends in the draft pool too
-            self._observe(c.route, end.usage)
-            text = "".join(parts)
-            logprobs = None if lps is None else self._logprobs(tokens, lps, chat)
-            if chat:
-                return {"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                        "finish_reason": end.finish_reason}, end.usage
-            return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": end.finish_reason}, end.usage
+            o.text, o.finished = "".join(parts), time.perf_counter()
+            assert o.end is not None
+            self._observe(c.route, o.end.usage)
+            return o
 
         try:
-            done = await _all([collect(c) for c in choices])
+            return await _all([collect(c) for c in choices])
         except BaseException:  # a choice failed, or the client went away
             _cancel(choices)
             raise
+
+    async def _whole(self, choices: list["_Choice"], rid: str, chat: bool, timing: Timing) -> dict:
+        done = await self._collect(choices, timing)
+        out = []
+        for o in done:
+            assert o.end is not None
+            logprobs = None if o.logprobs is None else self._logprobs(o.tokens, o.logprobs, chat)
+            end = {"logprobs": logprobs, "finish_reason": o.end.finish_reason, "stop_reason": o.end.stop_reason}
+            if chat:
+                out.append({"index": o.index, "message": {"role": "assistant", "content": o.text}, **end})
+            else:
+                out.append({"index": o.index, "text": o.text, **end})
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
-                "model": self.cfg.ingress.model_name, "choices": [choice for choice, _ in done],
-                "usage": self._merged_usage(choices, [usage for _, usage in done])}
+                "model": self.cfg.ingress.model_name, "choices": out,
+                "usage": self._merged_usage(choices, [o.end.usage for o in done if o.end is not None])}
+
+    async def _llama_whole(self, choices: list["_Choice"], req: LlamaCompletionRequest, params: SamplingParams,
+                           texts: list, timing: Timing) -> "_Answer":
+        """llama-server's answer: the result, or an array of results for several."""
+        done = await self._collect(choices, timing)
+        settings = llama_api.generation_settings(params, self.cfg.ingress.model_name, False)
+        results = [llama_api.final(o, texts[o.index // req.n][0], settings, timing.t0, req.return_tokens,
+                                   self.cfg.ingress.model_name, False,
+                                   None if o.logprobs is None else llama_api.probabilities(self._decode, o.tokens, o.logprobs))
+                   for o in done]
+        return _Answer(results[0] if len(results) == 1 else results,
+                       self._merged_usage(choices, [o.end.usage for o in done if o.end is not None]))
 
     def _settle(self, tenant: str, timing: Timing, used: int, status: int, usage: dict | None, slots: int = 1) -> None:
         self.tenants.done(tenant, used, slots)
@@ -613,7 +653,7 @@ class Ingress:
         pending: dict[int, list] = {c.index: [] for c in choices}
         offset = dict.fromkeys(pending, 0)
 
-        def chunk(index: int, delta: str | None, finish: str | None, role: bool = False) -> str:
+        def chunk(index: int, delta: str | None, finish: str | None, role: bool = False, stop=None) -> str:
             lp, held = None, pending[index]
             if held and not role:
                 lp = self._logprobs([t for ts, _ in held for t in ts], [x for _, xs in held for x in xs], chat, offset[index])
@@ -622,9 +662,9 @@ class Ingress:
                     offset[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
             if chat:
                 d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
-                choice = {"index": index, "delta": d, "logprobs": lp, "finish_reason": finish}
+                choice = {"index": index, "delta": d, "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
             else:
-                choice = {"index": index, "text": delta or "", "logprobs": lp, "finish_reason": finish}
+                choice = {"index": index, "text": delta or "", "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
             body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
             if include_usage:
                 body["usage"] = None
@@ -642,7 +682,7 @@ class Ingress:
             async for c, item in merged:
                 if isinstance(item, Done):
                     c.done = True
-                    yield chunk(c.index, None if chat else "", item.finish_reason)
+                    yield chunk(c.index, None if chat else "", item.finish_reason, stop=item.stop_reason)
                     self._observe(c.route, item.usage)
                     ends[c.index] = item.usage
                 else:
@@ -674,6 +714,71 @@ class Ingress:
         yield "data: [DONE]\n\n"
 
 
+    async def _llama_sse(self, choices: list["_Choice"], req: LlamaCompletionRequest, params: SamplingParams,
+                         texts: list, timing: Timing, settle: Settle):
+        """llama-server's stream: a partial result for each new text, then each choice's final one."""
+        model = self.cfg.ingress.model_name
+        settings = llama_api.generation_settings(params, model, True)
+        outcomes = {c.index: Outcome(c.index, c.prompt_tokens) for c in choices}
+        pending: dict[int, list] = {c.index: [[], []] for c in choices}  # tokens and logprobs not sent yet
+
+        def event(body: dict) -> str:
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        used, usage, status = 0, None, 500
+        merged = _merged(choices)
+        try:
+            async for c, item in merged:
+                o = outcomes[c.index]
+                if isinstance(item, Done):
+                    c.done, o.end, o.finished = True, item, time.perf_counter()
+                    self._observe(c.route, item.usage)
+                    held = pending[c.index]
+                    if held[0]:  # tokens without text of their own (held by the detokeniser) go before the end
+                        probs = llama_api.probabilities(self._decode, *held) if params.logprobs is not None else None
+                        yield event(llama_api.partial(o, "", held[0], req.return_tokens, probs))
+                    yield event(llama_api.final(o, texts[c.index // req.n][0], settings, timing.t0, req.return_tokens,
+                                                model, True))
+                    continue
+                o.tokens += item.tokens
+                held = pending[c.index]
+                held[0] += item.tokens
+                if item.logprobs is not None:
+                    held[1] += item.logprobs
+                if not item.text:
+                    continue
+                timing.chunk()
+                o.first = timing.last if o.first is None else o.first
+                probs = llama_api.probabilities(self._decode, *held) if params.logprobs is not None else None
+                yield event(llama_api.partial(o, item.text, held[0], req.return_tokens, probs))
+                pending[c.index] = [[], []]
+            usage = self._merged_usage(choices, [outcomes[c.index].end.usage for c in choices])  # type: ignore[union-attr]
+            used, status = usage["total_tokens"], 200
+        except (GeneratorExit, asyncio.CancelledError):  # the client went away mid-stream
+            status = 499
+            raise
+        except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
+            if _target_gone(e):
+                status = 503
+                body = _unavailable_body(e)
+            else:
+                log.exception("stream of %s failed", [c.gen.request_id for c in choices])
+                body = error_body(f"generation failed: {e}", "server_error")
+            yield event(body)
+        finally:
+            settle(used, status, usage)
+            await merged.aclose()
+            _cancel(choices)
+
+
+class _Answer(JSONResponse):
+    """A JSON answer that is not OpenAI's (llama-server's), with the usage to account it by."""
+
+    def __init__(self, content, usage: dict):
+        super().__init__(content)
+        self.usage = usage
+
+
 @dataclass
 class _Choice:
     """One choice of a response: the sequence that answers it, streamed from a draft replica."""
@@ -683,6 +788,7 @@ class _Choice:
     route: Route
     draft_id: str
     echo: str = ""  # the prompt's text before the completion's (OpenAI's echo)
+    prompt_tokens: int = 0  # its prompt's length in tokens, once opened
     counts_prompt: bool = True  # the first choice of its prompt: its prompt tokens count in the usage
     opened: Any = None  # its stream from a draft replica (the one it resumed on, if its first one died)
     stream: Any = None  # its items, once opened: ``opened``'s, resumed on another replica if that one dies
@@ -886,6 +992,12 @@ class IngressDeployment(Ingress):
     @api.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(self, request: Request):
         return await self.completion(request, chat=False)
+
+    # llama-server's own completion API (its /completions is this one, not OpenAI's)
+    @api.post("/completion", openapi_extra=_body_schema(LlamaCompletionRequest))
+    @api.post("/completions", include_in_schema=False)
+    async def llama_completion(self, request: Request):
+        return await self.completion(request, chat=False, llama=True)
 
     @api.post("/v1/chat/completions", openapi_extra=_body_schema(ChatRequest))
     @api.post("/chat/completions", include_in_schema=False)

@@ -211,15 +211,16 @@ class _Request(BaseModel):
             raise ValueError("stop_token_ids are token ids (>= 0)")
         return v
 
-    #: more of :data:`UNSERVED`, for one endpoint
+    #: more of :data:`UNSERVED`, for one endpoint; and the names of it an endpoint serves
     also_unserved: ClassVar[dict] = {}
+    served_here: ClassVar[frozenset] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
     def _served(cls, data):
         if isinstance(data, dict):
             for name, default in {**UNSERVED, **cls.also_unserved}.items():
-                if name in data and not default(data[name]):
+                if name in data and name not in cls.served_here and not default(data[name]):
                     raise PydanticCustomError("unserved", "{param} is not supported by this server (send its default or leave it out)",
                                               {"param": name})
         return data
@@ -306,6 +307,51 @@ class CompletionRequest(_Request):
     @property
     def prompts(self) -> list[str | list[int]]:
         return list(self.prompt)
+
+
+#: llama-server's sampling defaults, for its own completion endpoint's requests that leave them out
+LLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+#: llama.cpp's "random seed" (LLAMA_DEFAULT_SEED, and -1 as clients send it)
+LLAMA_RANDOM_SEEDS = (-1, 0xFFFFFFFF)
+
+
+class LlamaCompletionRequest(CompletionRequest):
+    """llama-server's own ``POST /completion`` (and ``/completions``): its names (``n_predict``,
+    ``n_probs``, ``n_cmpl``), its sampling defaults (:data:`LLAMA_DEFAULTS`) and its conventions
+    (``n_predict`` -1: as long as the server allows, here its ``default_max_tokens``; seed -1: a
+    random one; ``top_k`` <= 0 and a negative temperature: off and greedy). The rest is a
+    completions request's; answered in llama-server's shapes (``deployments.llama_api``)."""
+
+    also_unserved: ClassVar[dict] = {"post_sampling_probs": lambda v: not v, "echo": lambda v: not v}
+    served_here: ClassVar[frozenset] = frozenset({"n_probs"})
+    #: each response (and streamed chunk) carries its output token ids (llama.cpp's ``tokens``)
+    return_tokens: bool = Field(default=False, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _llama_names(cls, data):
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for name, ours in (("n_predict", "max_tokens"), ("n_probs", "logprobs"), ("n_cmpl", "n")):
+            if name in data:
+                v = data.pop(name)
+                data.setdefault(ours, v)
+        if data.get("max_tokens") == -1:
+            data["max_tokens"] = None
+        if data.get("logprobs") == 0:
+            data["logprobs"] = None
+        for name, v in LLAMA_DEFAULTS.items():
+            if data.get(name) is None:
+                data[name] = v
+        k, t = data["top_k"], data["temperature"]
+        if isinstance(k, int) and not isinstance(k, bool) and k < 0:
+            data["top_k"] = 0
+        if isinstance(t, (int, float)) and not isinstance(t, bool) and t < 0:
+            data["temperature"] = 0.0
+        if data.get("seed") in LLAMA_RANDOM_SEEDS:
+            data["seed"] = None
+        return data
 
 
 class ChatMessage(BaseModel):
@@ -459,3 +505,5 @@ class Done:
 
     finish_reason: str
     usage: dict
+    #: what ended it at "stop": the stop string or stop token id matched; None at EOS
+    stop_reason: str | int | None = None

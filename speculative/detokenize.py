@@ -180,6 +180,7 @@ class StopScanner:
         self.anchor = 0  # output tokens whose text is settled
         self.tail = ""  # the last ``_keep`` characters of that text
         self.seen = 0  # output tokens checked
+        self.matched: str | None = None  # the stop string found
 
     def _decode(self, ids) -> str:
         return _text(self.tokenizer.decode(ids, skip_special_tokens=True))
@@ -197,7 +198,9 @@ class StopScanner:
             window = self.tail + cur[len(base) :]
         else:  # a decoder reaching further back: the whole output, once
             window = self._decode(tokens[start:])
-        if any(s in window for s in self.stop):
+        found = [(window.find(s), i) for i, s in enumerate(self.stop) if s in window]
+        if found:
+            self.matched = self.stop[min(found)[1]]  # the one that starts first (the listed first of a tie)
             return True
         if not window.endswith(REPLACEMENT):  # complete characters: settled
             self.anchor = n

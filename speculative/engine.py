@@ -131,6 +131,11 @@ class RequestState:
     target_len: int = 0
     finished: bool = False
     finish_reason: str | None = None
+    #: what ended it at "stop": the stop string or stop token id matched (vLLM's ``stop_reason``);
+    #: None at EOS, at the end of a grammar, or not stopped
+    stop_reason: str | int | None = None
+    #: prompt positions the target took from its prefix cache instead of computing them
+    cached_tokens: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
     started: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
@@ -244,7 +249,7 @@ class SpeculativeEngine:
         policy = KPolicy(self.cfg.k, self.costs, prior, probes=home.probes)
         self.requests[rid] = st = RequestState(rid, params, tokens, len(tokens), policy, gen, scope, constraint=constraint)
         if not self.wants_features:  # a feature draft reads the target's features at every prompt position
-            st.target_len = self.target.attach_prefix(rid, tokens, cache_salt)
+            st.target_len = st.cached_tokens = self.target.attach_prefix(rid, tokens, cache_salt)
         if self.proposer is not None:
             self.proposer.begin(rid, list(tokens), scope)
         return rid
@@ -311,7 +316,7 @@ class SpeculativeEngine:
         positions came from the cache or nowhere. Returns the positions cached."""
         st = self.requests[request_id]
         if not self.wants_features:
-            st.target_len = self.target.attach_prefix(request_id, st.tokens, cache_salt)
+            st.target_len = st.cached_tokens = self.target.attach_prefix(request_id, st.tokens, cache_salt)
         return st.target_len
 
     @property
@@ -434,10 +439,10 @@ class SpeculativeEngine:
             st.tokens.append(tok)
             out.append(tok)
             if tok in params.stop_token_ids:  # kept in the output, as vLLM does
-                st.finished, st.finish_reason = True, "stop"
+                st.finished, st.finish_reason, st.stop_reason = True, "stop", tok
                 break
-            if params.stop and self._hit_stop(st):
-                st.finished, st.finish_reason = True, "stop"
+            if params.stop and (hit := self._hit_stop(st)) is not None:
+                st.finished, st.finish_reason, st.stop_reason = True, "stop", hit
                 break
             if len(st.output) >= params.max_tokens:
                 st.finished, st.finish_reason = True, "length"
@@ -465,13 +470,13 @@ class SpeculativeEngine:
         """What min_tokens keeps out of the output until it has that many tokens."""
         return (self.eos_ids | set(params.stop_token_ids)) if params.min_tokens else set()
 
-    def _hit_stop(self, st: RequestState) -> bool:
-        """Whether the output holds a stop string, in time linear in the tokens since the last
-        check (``StopScanner``: a rolling decoded tail, kept with the request's state)."""
+    def _hit_stop(self, st: RequestState) -> str | None:
+        """The stop string the output holds (None: none), in time linear in the tokens since the
+        last check (``StopScanner``: a rolling decoded tail, kept with the request's state)."""
         if st.stop_scan is None:
             st.stop_scan = StopScanner(self.tokenizer, st.params.stop)
         scan = st.stop_scan
-        return scan.hit(st.tokens, st.prompt_len)
+        return scan.matched if scan.hit(st.tokens, st.prompt_len) else None
 
     def _observe(self, st: RequestState, prop: Proposal, n: int, emitted: int, fed: int, target_s: float, batch: int = 1) -> None:
         st.stats.observe(prop.k, n, emitted, prop.seconds, target_s)

@@ -302,11 +302,12 @@ class App:
         if self.metrics is not None:
             self.metrics.handles = {"Ingress": Handle(self.ingress), "DraftPool": self.pool, "Router": Handle(self.router)}
 
-    async def post(self, body=None, chat: bool = False, key: str | None = KEY, **kw):
-        """`body` greedy unless it says otherwise (OpenAI's default temperature is 1)."""
+    async def post(self, body=None, chat: bool = False, key: str | None = KEY, llama: bool = False, **kw):
+        """`body` greedy unless it says otherwise (OpenAI's default temperature is 1); ``llama``:
+        llama-server's own /completion, whose bodies are sent as they are."""
         if isinstance(body, dict) and "max_tokens" in body:
             body = {"temperature": 0, **body}
-        return await answer(await self.ingress.completion(request(body, key, **kw), chat=chat))
+        return await answer(await self.ingress.completion(request(body, key, **kw), chat=chat, llama=llama))
 
 
 

@@ -38,6 +38,32 @@ def test_models_health_ready(server, client):
     assert "/v1/chat/completions" in paths and "/chat/completions" not in paths  # aliases stay out of the schema
 
 
+def test_llama_servers_own_completion_api_answers_what_openais_does(server, client):
+    """``/completion`` (and its alias ``/completions``, llama-server's own API): the greedy text the
+    OpenAI endpoint gives, in llama-server's shape; streamed as partial results ending with the
+    final one (``stop: true``) and no ``[DONE]``."""
+    prompt = PROMPTS[0]
+    text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+    body = {"prompt": prompt, "n_predict": 12, "temperature": 0, "return_tokens": True}
+    for path in ("/completion", "/completions"):
+        status, out, _ = _call(server + path, body)
+        assert status == 200 and out["content"] == text and out["stop"] is True, (path, out)
+        assert len(out["tokens"]) == out["tokens_predicted"] <= 12 and out["stop_type"] in ("eos", "limit")
+        assert out["timings"]["predicted_n"] == out["tokens_predicted"] and out["tokens_evaluated"] > 0
+    req = urllib.request.Request(server + "/completion", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in r.read().decode().split("\n\n") if line]
+    assert "[DONE]" not in events
+    events = [json.loads(e) for e in events]
+    assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
+    assert "".join(e["content"] for e in events) == text
+    assert [t for e in events for t in e["tokens"]] == out["tokens"]
+    paths = json.loads(urllib.request.urlopen(server + "/openapi.json", timeout=30).read())["paths"]
+    assert "/completion" in paths and "/completions" not in paths
+
+
 def test_greedy_completion_equals_target_only(client, reference):
     for prompt in PROMPTS[:4]:
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)

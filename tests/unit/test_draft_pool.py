@@ -114,7 +114,10 @@ def test_a_tenants_requests_share_a_cached_prefix_and_the_replica_counts_it(fold
     hit = counter(pool.meter, "osd_engine_prefix_cache_hit_tokens_total") - before
     assert hit >= 48 and [s.tokens for s in again[1:-1]] != [] and (
         sum((s.tokens for s in again[1:-1]), []) == sum((s.tokens for s in first[1:-1]), []))
-    loop.run(pool.serve(prompt=opening + "sales rose.", n=8, tenant="bob"))
+    # each response's usage says how many of its prompt's positions came from the cache (OpenAI's field)
+    assert [r[-1].usage["prompt_tokens_details"]["cached_tokens"] for r in (first, again)] == [0, hit]
+    other = loop.run(pool.serve(prompt=opening + "sales rose.", n=8, tenant="bob"))
+    assert other[-1].usage["prompt_tokens_details"]["cached_tokens"] == 0
     pool.telemetry()
     assert counter(pool.meter, "osd_engine_prefix_cache_hit_tokens_total") - before == hit  # bob found nothing
     assert counter(pool.meter, "osd_engine_prefix_cache_queried_tokens_total") >= 3 * hit

@@ -64,7 +64,7 @@ def test_a_completion_is_the_target_only_greedy_text_in_openais_shape(app, folde
     assert status == 200
     expect = tok.decode(reference(folder, tok("Hello world")["input_ids"], 12))
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == MODEL
-    assert body["choices"] == [{"index": 0, "text": expect, "logprobs": None, "finish_reason": "length"}]
+    assert body["choices"] == [{"index": 0, "text": expect, "logprobs": None, "finish_reason": "length", "stop_reason": None}]
     usage = body["usage"]
     assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (11, 12, 23)
     spec = usage["speculative"]
@@ -88,7 +88,8 @@ def test_chat_whole_and_streamed_agree_and_streams_are_framed_as_openais(app, fo
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] and c["usage"] is None for c in chunks)
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
-    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length",
+                                        "stop_reason": None}
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert text == whole["choices"][0]["message"]["content"] and len(chunks) >= 3
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 10
@@ -134,7 +135,8 @@ def test_a_completion_stream_without_usage_ends_with_an_empty_text_and_done(app)
     assert status == 200 and events[-1] == "[DONE]"
     chunks = events[:-1]
     assert all("usage" not in c and c["object"] == "text_completion" for c in chunks)
-    assert chunks[-1]["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+    assert chunks[-1]["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "length",
+                                        "stop_reason": None}
     assert all(c["choices"][0]["text"] for c in chunks[:-1])  # empty steps are not sent
     _, whole, _ = run(app.post({"prompt": "abc", "max_tokens": 6, "ignore_eos": True}))
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
@@ -146,6 +148,24 @@ def test_a_stop_string_ends_the_text_before_it(app):
     stop = text[4:6]
     _, body, _ = run(app.post({"prompt": "Hello world", "max_tokens": 12, "ignore_eos": True, "stop": [stop]}))
     assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["text"] == text[: text.index(stop)]
+    assert body["choices"][0]["stop_reason"] == stop
+
+
+def test_the_stop_reason_names_the_stop_string_met_first_or_the_stop_token(app, folder):
+    """vLLM's ``stop_reason``: of several stop strings, the one the text meets first (whatever
+    their order in the request); a stop token's id; None at max_tokens."""
+    tok = load_tokenizer(folder)
+    ids = reference(folder, tok("Hello world")["input_ids"], 12)
+    text = tok.decode(ids)
+    early, late = text[3:5], text[8:10]
+    first = min((early, late), key=text.index)
+    _, body, _ = run(app.post({"prompt": "Hello world", "max_tokens": 12, "ignore_eos": True, "stop": [late, early]}))
+    assert body["choices"][0]["stop_reason"] == first and body["choices"][0]["text"] == text[: text.index(first)]
+    status, events, _ = run(app.post({"prompt": "Hello world", "max_tokens": 12, "ignore_eos": True, "stop_token_ids": [ids[5]],
+                                      "stream": True}))
+    assert status == 200 and events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert events[-2]["choices"][0]["stop_reason"] == ids[5]
+    assert all(e["choices"][0]["stop_reason"] is None for e in events[:-2])
 
 
 def test_a_token_id_prompt_is_routed_as_its_text_and_answered_like_it(app, folder):

@@ -1,0 +1,105 @@
+"""llama-server's own completion API (``POST /completion``), answered in its shapes: one object
+per result (an array for several), or server-sent events of partial objects ending with the
+final one (``stop: true``) and no ``[DONE]``. Pure functions of what the ingress collected; the
+request side is :class:`deployments.protocol.LlamaCompletionRequest`.
+
+Its timings are the ingress's clock: ``prompt_ms`` from the request's arrival to its first
+output text (routing and the queue included), ``predicted_ms`` from there to the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from config import SamplingParams
+
+from .protocol import Done
+
+
+@dataclass
+class Outcome:
+    """One choice's output as the ingress collected it."""
+
+    index: int
+    prompt_tokens: int
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list | None = None  # (logprob, [(id, logprob), ...]) per token, when asked
+    end: Done | None = None
+    first: float | None = None  # perf_counter of the first output text
+    finished: float | None = None
+
+
+def stop_type(end: Done) -> tuple[str, str]:
+    """llama.cpp's ``stop_type`` and ``stopping_word``: ``limit`` at max_tokens, ``word`` at a
+    stop string (the word), ``eos`` at the end of sequence (or a stop token, or a grammar's end)."""
+    if end.finish_reason == "length":
+        return "limit", ""
+    if isinstance(end.stop_reason, str):
+        return "word", end.stop_reason
+    return "eos", ""
+
+
+def probabilities(decode, tokens: list[int], lps: list) -> list[dict]:
+    """llama.cpp's ``completion_probabilities``: each output token with its log-probability and the
+    most likely tokens' (``decode``: token ids to text)."""
+    def entry(t: int, lp: float) -> dict:
+        text = decode([t])
+        return {"id": t, "token": text, "bytes": list(text.encode("utf-8", "replace")), "logprob": max(lp, -9999.0)}
+
+    return [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]} for t, (lp, top) in zip(tokens, lps)]
+
+
+def timings(o: Outcome, t0: float) -> dict:
+    """llama.cpp's ``timings`` of one result, with its drafts' counts (``draft_n``, ``draft_n_accepted``)."""
+    usage = o.end.usage if o.end is not None else {}
+    end = o.finished if o.finished is not None else t0
+    first = o.first if o.first is not None else end
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    prompt_n, predicted_n = o.prompt_tokens - cached, usage.get("completion_tokens", len(o.tokens))
+    prompt_ms, predicted_ms = 1e3 * (first - t0), 1e3 * (end - first)
+    out = {"cache_n": cached, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+           "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+           "prompt_per_second": 1e3 * prompt_n / prompt_ms if prompt_ms > 0 else 0.0,
+           "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+           "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
+           "predicted_per_second": 1e3 * predicted_n / predicted_ms if predicted_ms > 0 else 0.0}
+    spec = usage.get("speculative", {})
+    if spec.get("proposed"):
+        out["draft_n"], out["draft_n_accepted"] = spec["proposed"], spec["accepted"]
+    return out
+
+
+def generation_settings(params: SamplingParams, model: str, stream: bool) -> dict:
+    """What the result was generated with, under llama.cpp's names."""
+    return {"model": model, "n_predict": params.max_tokens, "max_tokens": params.max_tokens,
+            "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
+            "seed": params.seed if params.seed is not None else -1, "stop": list(params.stop),
+            "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+            "repeat_penalty": 1.0, "ignore_eos": params.ignore_eos, "n_probs": params.logprobs or 0,
+            "logit_bias": [[t, b] for t, b in params.logit_bias.items()], "stream": stream}
+
+
+def partial(o: Outcome, content: str, tokens: list[int], return_tokens: bool, probs: list[dict] | None) -> dict:
+    """A streamed chunk: new text (and its token ids, when asked)."""
+    out = {"index": o.index, "content": content, "tokens": tokens if return_tokens else [], "stop": False,
+           "id_slot": -1, "tokens_predicted": len(o.tokens), "tokens_evaluated": o.prompt_tokens}
+    if probs is not None:
+        out["completion_probabilities"] = probs
+    return out
+
+
+def final(o: Outcome, prompt: str, settings: dict, t0: float, return_tokens: bool, model: str, stream: bool,
+          probs: list[dict] | None = None) -> dict:
+    """The result (or a stream's last event, whose text and tokens the chunks before carried)."""
+    assert o.end is not None
+    kind, word = stop_type(o.end)
+    out = {"index": o.index, "content": "" if stream else o.text,
+           "tokens": o.tokens if return_tokens and not stream else [], "id_slot": -1, "stop": True, "model": model,
+           "tokens_predicted": o.end.usage["completion_tokens"], "tokens_evaluated": o.prompt_tokens,
+           "generation_settings": settings, "prompt": prompt, "has_new_line": "\n" in o.text, "truncated": False,
+           "stop_type": kind, "stopping_word": word, "tokens_cached": o.prompt_tokens + o.end.usage["completion_tokens"],
+           "timings": timings(o, t0), "speculative": o.end.usage.get("speculative")}
+    if probs is not None and not stream:
+        out["completion_probabilities"] = probs
+    return out

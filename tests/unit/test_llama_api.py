@@ -1,0 +1,170 @@
+"""llama-server's own completion API (``POST /completion``) on the real ingress in one process (the
+app of tests/inprocess.py on a tiny Llama): its names and defaults reach the engine, its answers
+and streams have its shapes and say what the OpenAI endpoints say of the same request."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.llama_api import Outcome, stop_type, timings
+from deployments.protocol import Done, LlamaCompletionRequest
+from inprocess import App, app_config, save_tiny_model
+from speculative import ModelRunner, SpeculativeEngine
+from speculative.models import load_tokenizer, load_weights
+from config import EngineConfig, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, make_llama, make_tokenizer):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"), make_llama, make_tokenizer)
+
+
+@pytest.fixture
+def app(folder, loop):
+    a = App(app_config(folder))
+    a.run = loop.run
+    return a
+
+
+def greedy(folder: str, prompt: str, n: int) -> list[int]:
+    """Target-only greedy output of the same model."""
+    engine = SpeculativeEngine(ModelRunner(load_weights(app_config(folder).engine.model), name="t"),
+                               load_tokenizer(folder), None, EngineConfig(chat_template=False))
+    return engine.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True)).token_ids
+
+
+def post(app, body: dict, **kw):
+    return app.run(app.post(body, llama=True, **kw))
+
+
+# -- the request's names and defaults ---------------------------------------------------------------
+
+def test_llama_names_and_conventions_become_the_completion_request_they_mean():
+    r = LlamaCompletionRequest.model_validate({"prompt": "x", "n_predict": 7, "n_probs": 2, "n_cmpl": 3, "seed": -1})
+    assert (r.max_tokens, r.logprobs, r.n, r.seed) == (7, 2, 3, None)
+    p = r.sampling(99)
+    assert (p.temperature, p.top_k, p.top_p, p.min_p) == (0.8, 40, 0.95, 0.05)  # llama-server's defaults
+    p = LlamaCompletionRequest.model_validate({"prompt": "x", "n_predict": -1, "top_k": -1, "temperature": -0.5,
+                                               "top_p": 1, "min_p": 0, "seed": 0xFFFFFFFF}).sampling(99)
+    assert (p.max_tokens, p.top_k, p.temperature, p.top_p, p.min_p, p.seed) == (99, 0, 0.0, 1.0, 0.0, None)
+    assert LlamaCompletionRequest.model_validate({"prompt": "x", "seed": 5, "n_probs": 0}).sampling(9).seed == 5
+    assert LlamaCompletionRequest.model_validate({"prompt": "x", "n_probs": 0}).logprobs is None
+    for refused in ({"repeat_penalty": 1.1}, {"post_sampling_probs": True}, {"n_predict": 0}, {"echo": True}):
+        with pytest.raises(ValueError):
+            LlamaCompletionRequest.model_validate({"prompt": "x", **refused})
+
+
+def test_stop_types_and_timings_follow_what_ended_the_request():
+    usage = {"prompt_tokens": 10, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 6},
+             "speculative": {"proposed": 5, "accepted": 3}}
+    assert stop_type(Done("length", usage)) == ("limit", "")
+    assert stop_type(Done("stop", usage, "###")) == ("word", "###")
+    assert stop_type(Done("stop", usage, 13)) == ("eos", "") and stop_type(Done("stop", usage)) == ("eos", "")
+    t = timings(Outcome(0, 10, end=Done("stop", usage), first=1.5, finished=2.5), t0=1.0)
+    assert (t["cache_n"], t["prompt_n"], t["predicted_n"]) == (6, 4, 4)
+    assert t["prompt_ms"] == pytest.approx(500) and t["predicted_ms"] == pytest.approx(1000)
+    assert t["prompt_per_second"] == pytest.approx(8) and t["predicted_per_second"] == pytest.approx(4)
+    assert t["predicted_per_token_ms"] == pytest.approx(250) and (t["draft_n"], t["draft_n_accepted"]) == (5, 3)
+    assert "draft_n" not in timings(Outcome(0, 10, end=Done("stop", {**usage, "speculative": {"proposed": 0}}),
+                                            first=1.5, finished=2.5), t0=1.0)
+
+
+def test_defaults_and_names_reach_the_engine(app):
+    status, body, _ = post(app, {"prompt": "Hello world", "n_predict": 3, "seed": -1})
+    assert status == 200 and body["tokens_predicted"] <= 3
+    p = app.pool.calls[-1][2][0].params
+    assert (p.temperature, p.top_k, p.top_p, p.min_p, p.seed, p.max_tokens) == (0.8, 40, 0.95, 0.05, None, 3)
+    status, body, _ = post(app, {"prompt": "Hello world", "temperature": 0, "n_predict": -1, "ignore_eos": True})
+    ingress = app.ingress.cfg.ingress  # -1: as long as the server allows (its default, within its limit)
+    assert status == 200 and ingress.default_max_tokens > ingress.max_tokens_limit
+    assert app.pool.calls[-1][2][0].params.max_tokens == body["tokens_predicted"] == ingress.max_tokens_limit
+
+
+# -- answers -----------------------------------------------------------------------------------------
+
+def test_a_greedy_completion_is_the_target_only_text_in_llama_servers_shape(app, folder):
+    tok = load_tokenizer(folder)
+    ids = greedy(folder, "Hello world", 12)
+    app.ingress.tenants.clock = lambda: 1000.0  # still: the token bucket does not refill meanwhile
+    status, body, _ = post(app, {"prompt": "Hello world", "n_predict": 12, "temperature": 0, "ignore_eos": True,
+                                 "return_tokens": True})
+    assert status == 200 and isinstance(body, dict)
+    assert body["content"] == tok.decode(ids) and body["tokens"] == ids and body["stop"] is True
+    assert (body["tokens_predicted"], body["tokens_evaluated"], body["stop_type"], body["stopping_word"]) == (12, 11, "limit", "")
+    assert body["prompt"] == "Hello world" and body["model"] == app.ingress.cfg.ingress.model_name and not body["truncated"]
+    assert body["has_new_line"] == ("\n" in body["content"]) and "completion_probabilities" not in body
+    t = body["timings"]
+    assert t["predicted_n"] == 12 and t["prompt_n"] + t["cache_n"] == 11 and t["prompt_ms"] > 0 and t["predicted_ms"] >= 0
+    assert t.get("draft_n", 0) == body["speculative"]["proposed"]
+    assert body["generation_settings"]["n_predict"] == 12 and body["generation_settings"]["temperature"] == 0
+    bucket = app.ingress.tenants.tokens["alice"]
+    assert bucket.level == bucket.rate - 23  # charged prompt + completion, as the OpenAI endpoints are
+    assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
+    again = post(app, {"prompt": "Hello world", "n_predict": 12, "temperature": 0, "ignore_eos": True})[1]
+    assert again["tokens"] == [] and again["content"] == body["content"]  # ids only when asked for
+
+
+def test_a_stream_is_partial_results_then_the_final_one_without_done(app, folder):
+    tok = load_tokenizer(folder)
+    ids = greedy(folder, "Hello world", 10)
+    status, events, headers = post(app, {"prompt": "Hello world", "n_predict": 10, "temperature": 0, "ignore_eos": True,
+                                         "stream": True, "return_tokens": True})
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert "[DONE]" not in events and events[-1]["stop"] is True and not any(e["stop"] for e in events[:-1])
+    assert "".join(e["content"] for e in events) == tok.decode(ids)
+    assert [t for e in events[:-1] for t in e["tokens"]] == ids and events[-1]["tokens"] == []
+    assert [e["tokens_predicted"] for e in events[:-1]] == sorted(e["tokens_predicted"] for e in events[:-1])
+    final = events[-1]
+    assert final["content"] == "" and final["tokens_predicted"] == 10 and final["stop_type"] == "limit"
+    assert final["timings"]["predicted_n"] == 10
+    assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
+
+
+def test_a_stop_word_is_named_and_cut(app, folder):
+    text = load_tokenizer(folder).decode(greedy(folder, "Hello world", 12))
+    stop = text[4:6]
+    for stream in (False, True):
+        _, body, _ = post(app, {"prompt": "Hello world", "n_predict": 12, "temperature": 0, "ignore_eos": True,
+                                "stop": [stop], "stream": stream})
+        final = body[-1] if stream else body
+        content = "".join(e["content"] for e in body) if stream else body["content"]
+        assert content == text[: text.index(stop)] and (final["stop_type"], final["stopping_word"]) == ("word", stop)
+
+
+def test_n_probs_give_each_tokens_log_probability_and_the_most_likely(app):
+    status, body, _ = post(app, {"prompt": "Hello world", "n_predict": 6, "temperature": 0, "ignore_eos": True,
+                                 "n_probs": 3, "return_tokens": True})
+    probs = body["completion_probabilities"]
+    assert status == 200 and [p["id"] for p in probs] == body["tokens"]
+    for p in probs:
+        assert len(p["top_logprobs"]) == 3 and p["top_logprobs"][0]["id"] == p["id"]  # greedy: the most likely
+        assert p["logprob"] == pytest.approx(p["top_logprobs"][0]["logprob"]) and p["logprob"] <= 0
+        assert [t["logprob"] for t in p["top_logprobs"]] == sorted((t["logprob"] for t in p["top_logprobs"]), reverse=True)
+        assert bytes(p["bytes"]).decode() == p["token"]
+    _, events, _ = post(app, {"prompt": "Hello world", "n_predict": 6, "temperature": 0, "ignore_eos": True,
+                              "n_probs": 3, "stream": True})
+    streamed = [p for e in events[:-1] for p in e["completion_probabilities"]]
+    assert [p["id"] for p in streamed] == body["tokens"]
+    assert [p["logprob"] for p in streamed] == pytest.approx([p["logprob"] for p in probs], abs=1e-4)
+
+
+def test_several_prompts_are_an_array_of_results_in_order(app, folder):
+    tok = load_tokenizer(folder)
+    status, body, _ = post(app, {"prompt": ["Hello world", "abc"], "n_predict": 5, "temperature": 0, "ignore_eos": True})
+    assert status == 200 and isinstance(body, list) and [r["index"] for r in body] == [0, 1]
+    assert [r["content"] for r in body] == [tok.decode(greedy(folder, p, 5)) for p in ("Hello world", "abc")]
+    assert [r["prompt"] for r in body] == ["Hello world", "abc"]
+    _, events, _ = post(app, {"prompt": ["Hello world", "abc"], "n_predict": 5, "temperature": 0, "ignore_eos": True,
+                              "stream": True})
+    finals = [e for e in events if e["stop"]]
+    assert sorted(e["index"] for e in finals) == [0, 1]
+    for i, r in enumerate(body):
+        assert "".join(e["content"] for e in events if e["index"] == i) == r["content"]
+
+
+def test_refusals_are_400s_in_the_servers_error_shape(app):
+    for bad in ({"prompt": "x", "repeat_penalty": 1.3}, {"prompt": "", "n_predict": 2}, {"n_predict": 2},
+                {"prompt": "x", "n_predict": 10**6}):
+        status, body, _ = post(app, bad)
+        assert status == 400 and body["error"]["message"], bad
+    assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
