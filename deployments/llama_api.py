@@ -70,6 +70,15 @@ def timings(o: Outcome, t0: float) -> dict:
     return out
 
 
+#: llama.cpp's samplers this server does not serve, as a request's settings show them: off (a
+#: request that turns one on is refused)
+OFF_SAMPLERS = {"typical_p": 1.0, "top_n_sigma": -1.0, "dynatemp_range": 0.0, "xtc_probability": 0.0, "mirostat": 0,
+                "dry_multiplier": 0.0, "n_keep": 0, "n_discard": 0, "min_keep": 0, "post_sampling_probs": False,
+                "timings_per_token": False}
+#: the order the served samplers apply in (vLLM's: the temperature before the cut-offs)
+SAMPLERS = ["penalties", "temperature", "min_p", "top_k", "top_p"]
+
+
 def generation_settings(params: SamplingParams, model: str, stream: bool) -> dict:
     """What the result was generated with, under llama.cpp's names."""
     return {"model": model, "n_predict": params.max_tokens, "max_tokens": params.max_tokens,
@@ -77,7 +86,8 @@ def generation_settings(params: SamplingParams, model: str, stream: bool) -> dic
             "seed": params.seed if params.seed is not None else -1, "stop": list(params.stop),
             "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
             "repeat_penalty": 1.0, "ignore_eos": params.ignore_eos, "n_probs": params.logprobs or 0,
-            "logit_bias": [[t, b] for t, b in params.logit_bias.items()], "stream": stream}
+            "logit_bias": [[t, b] for t, b in params.logit_bias.items()], "stream": stream,
+            "grammar": params.grammar.source if params.grammar is not None else "", "samplers": SAMPLERS, **OFF_SAMPLERS}
 
 
 def partial(o: Outcome, content: str, tokens: list[int], return_tokens: bool, probs: list[dict] | None) -> dict:

@@ -111,7 +111,9 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "learner/background.py": ("learner.background", None, ["tests/unit/test_background.py"]),
     # the edge: API keys, per-tenant limits, and the request shapes every client sends
     "deployments/tenants.py": ("deployments.tenants", None, ["tests/unit/test_tenants.py"]),
-    "deployments/protocol.py": ("deployments.protocol", None, ["tests/unit/test_protocol.py"]),
+    "deployments/protocol.py": ("deployments.protocol", None, ["tests/unit/test_protocol.py", "tests/unit/test_llama_api.py"]),
+    # llama-server's own completion API: its answers' shapes, stop types and timings
+    "deployments/llama_api.py": ("deployments.llama_api", None, ["tests/unit/test_llama_api.py"]),
     "deployments/resume.py": ("deployments.resume", None, ["tests/unit/test_resume.py"]),
     "telemetry/hub.py": ("telemetry.hub", None, ["tests/unit/test_telemetry.py"]),
     "telemetry/meter.py": ("telemetry.meter", None, ["tests/unit/test_telemetry.py"]),

@@ -11,7 +11,7 @@ from deployments.protocol import Done, LlamaCompletionRequest
 from inprocess import App, app_config, save_tiny_model
 from speculative import ModelRunner, SpeculativeEngine
 from speculative.models import load_tokenizer, load_weights
-from config import EngineConfig, SamplingParams
+from config import EngineConfig, Grammar, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +60,38 @@ def test_stop_types_and_timings_follow_what_ended_the_request():
     assert stop_type(Done("length", usage)) == ("limit", "")
     assert stop_type(Done("stop", usage, "###")) == ("word", "###")
     assert stop_type(Done("stop", usage, 13)) == ("eos", "") and stop_type(Done("stop", usage)) == ("eos", "")
-    t = timings(Outcome(0, 10, end=Done("stop", usage), first=1.5, finished=2.5), t0=1.0)
+    t = timings(Outcome(0, 10, end=Done("stop", usage), first=1.5, finished=1.75), t0=1.0)
     assert (t["cache_n"], t["prompt_n"], t["predicted_n"]) == (6, 4, 4)
-    assert t["prompt_ms"] == pytest.approx(500) and t["predicted_ms"] == pytest.approx(1000)
-    assert t["prompt_per_second"] == pytest.approx(8) and t["predicted_per_second"] == pytest.approx(4)
-    assert t["predicted_per_token_ms"] == pytest.approx(250) and (t["draft_n"], t["draft_n_accepted"]) == (5, 3)
+    assert t["prompt_ms"] == pytest.approx(500) and t["predicted_ms"] == pytest.approx(250)
+    assert t["prompt_per_token_ms"] == pytest.approx(125) and t["prompt_per_second"] == pytest.approx(8)
+    assert t["predicted_per_token_ms"] == pytest.approx(62.5) and t["predicted_per_second"] == pytest.approx(16)
+    assert (t["draft_n"], t["draft_n_accepted"]) == (5, 3)
+    # no cache figure: nothing cached; no time between the clocks: no rate (not a division by zero)
+    bare = {"prompt_tokens": 10, "completion_tokens": 4}
+    t = timings(Outcome(0, 10, end=Done("stop", bare), first=1.0, finished=1.0), t0=1.0)
+    assert (t["cache_n"], t["prompt_n"], t["prompt_per_second"], t["predicted_per_second"]) == (0, 10, 0.0, 0.0)
+    t = timings(Outcome(0, 10, end=Done("stop", bare), first=1.0005, finished=1.001), t0=1.0)  # under a millisecond each
+    assert t["prompt_per_second"] == pytest.approx(20_000) and t["predicted_per_second"] == pytest.approx(8_000)
     assert "draft_n" not in timings(Outcome(0, 10, end=Done("stop", {**usage, "speculative": {"proposed": 0}}),
                                             first=1.5, finished=2.5), t0=1.0)
+
+
+def test_generation_settings_and_probabilities_in_llama_servers_names():
+    from deployments.llama_api import generation_settings, probabilities
+
+    p = SamplingParams(max_tokens=9, temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, stop=["x"], logit_bias={7: -2.0})
+    g = generation_settings(p, "m", stream=True)
+    assert (g["n_predict"], g["max_tokens"], g["temperature"], g["top_k"], g["top_p"], g["min_p"]) == (9, 9, 0.5, 3, 0.9, 0.1)
+    assert (g["seed"], g["n_probs"], g["repeat_penalty"], g["stop"], g["logit_bias"], g["stream"]) == (-1, 0, 1.0, ["x"], [[7, -2.0]], True)
+    assert g["samplers"] == ["penalties", "temperature", "min_p", "top_k", "top_p"] and g["grammar"] == ""
+    assert (g["typical_p"], g["mirostat"], g["dry_multiplier"], g["xtc_probability"]) == (1.0, 0, 0.0, 0.0)  # refused otherwise
+    grammar = Grammar(kind="gbnf", source='root ::= "a"')
+    g = generation_settings(p.model_copy(update={"seed": 5, "logprobs": 3, "grammar": grammar}), "m", stream=False)
+    assert (g["seed"], g["n_probs"], g["stream"], g["model"], g["grammar"]) == (5, 3, False, "m", 'root ::= "a"')
+    probs = probabilities(lambda ids: f"<{ids[0]}>", [4], [(float("-inf"), [(4, -0.5), (2, float("-inf"))])])
+    assert probs == [{"id": 4, "token": "<4>", "bytes": list(b"<4>"), "logprob": -9999.0,
+                      "top_logprobs": [{"id": 4, "token": "<4>", "bytes": list(b"<4>"), "logprob": -0.5},
+                                       {"id": 2, "token": "<2>", "bytes": list(b"<2>"), "logprob": -9999.0}]}]
 
 
 def test_defaults_and_names_reach_the_engine(app):
@@ -92,6 +117,7 @@ def test_a_greedy_completion_is_the_target_only_text_in_llama_servers_shape(app,
     assert body["content"] == tok.decode(ids) and body["tokens"] == ids and body["stop"] is True
     assert (body["tokens_predicted"], body["tokens_evaluated"], body["stop_type"], body["stopping_word"]) == (12, 11, "limit", "")
     assert body["prompt"] == "Hello world" and body["model"] == app.ingress.cfg.ingress.model_name and not body["truncated"]
+    assert body["id_slot"] == -1 and body["tokens_cached"] == 11 + 12
     assert body["has_new_line"] == ("\n" in body["content"]) and "completion_probabilities" not in body
     t = body["timings"]
     assert t["predicted_n"] == 12 and t["prompt_n"] + t["cache_n"] == 11 and t["prompt_ms"] > 0 and t["predicted_ms"] >= 0
@@ -111,6 +137,7 @@ def test_a_stream_is_partial_results_then_the_final_one_without_done(app, folder
                                          "stream": True, "return_tokens": True})
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
     assert "[DONE]" not in events and events[-1]["stop"] is True and not any(e["stop"] for e in events[:-1])
+    assert all(e["id_slot"] == -1 and e["tokens_evaluated"] == 11 for e in events)
     assert "".join(e["content"] for e in events) == tok.decode(ids)
     assert [t for e in events[:-1] for t in e["tokens"]] == ids and events[-1]["tokens"] == []
     assert [e["tokens_predicted"] for e in events[:-1]] == sorted(e["tokens_predicted"] for e in events[:-1])
@@ -168,3 +195,14 @@ def test_refusals_are_400s_in_the_servers_error_shape(app):
         status, body, _ = post(app, bad)
         assert status == 400 and body["error"]["message"], bad
     assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
+
+
+def test_the_side_by_side_check_names_missing_fields_and_stream_framing():
+    from bench.llama_compat import _framed, _missing
+
+    theirs = {"content": "x", "timings": {"prompt_n": 1, "predicted_n": 2}, "stop": True}
+    assert _missing(theirs, {"content": "y", "timings": {"prompt_n": 3}}) == ["timings.predicted_n", "stop"]
+    assert _missing(theirs, {**theirs, "extra": 1}) == []
+    assert _framed([{"stop": False}, {"stop": False}, {"stop": True}])
+    assert not _framed([{"stop": False}, {"stop": True}, "[DONE]"]) and not _framed([{"stop": True}, {"stop": True}])
+    assert not _framed([])

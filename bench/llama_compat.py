@@ -1,0 +1,131 @@
+"""``python -m bench.llama_compat``: llama-server's own completion API (``POST /completion``)
+sent to this server and to a llama-server side by side, the same requests to both, and what
+differs in the answers.
+
+For each prompt of the workload (``--workload``, ``--domains``), four requests to each server: a
+greedy one whole (``n_probs``, ``return_tokens``), the same streamed, one with a stop word taken
+from llama-server's own greedy text, and one with llama-server's defaults (no sampling fields).
+Reported: the fields llama-server's answers carry that ours lack (results, streamed chunks, the
+last streamed event), whether both streams are framed alike (``stop`` false then true, no
+``[DONE]``), ``stop_type`` and ``stopping_word`` agreement on the stop-word requests, and how
+often the greedy texts agree (the two runtimes round differently: our int4 against its Q4_1 of
+the same model, so equality is not expected of every prompt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import urllib.request
+
+from bench.bench import write_json
+
+
+def _post(url: str, body: dict, key: str | None) -> tuple[object, list | None]:
+    """(the JSON answer, None) or, streamed, (None, its events: JSON, or the raw text of a non-JSON one)."""
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(), headers=headers)
+    with urllib.request.urlopen(req, timeout=300) as r:
+        text = r.read().decode()
+    if not body.get("stream"):
+        return json.loads(text), None
+    events = []
+    for block in text.split("\n\n"):
+        if block.startswith("data: "):
+            payload = block[len("data: "):]
+            try:
+                events.append(json.loads(payload))
+            except ValueError:
+                events.append(payload)
+    return None, events
+
+
+def _missing(theirs: dict, ours: dict, prefix: str = "") -> list[str]:
+    """Keys (nested ones dotted) llama-server's object has and ours lacks."""
+    out = []
+    for k, v in theirs.items():
+        if k not in ours:
+            out.append(prefix + k)
+        elif isinstance(v, dict) and isinstance(ours[k], dict):
+            out += _missing(v, ours[k], f"{prefix}{k}.")
+    return out
+
+
+def _framed(events: list) -> bool:
+    return (bool(events) and all(isinstance(e, dict) for e in events) and events[-1].get("stop") is True
+            and not any(e.get("stop") for e in events[:-1]))
+
+
+def compare(ours: str, llama: str, prompts: list[str], max_tokens: int, key: str | None) -> dict:
+    missing: dict[str, set] = {"result": set(), "chunk": set(), "final": set(), "probability": set()}
+    framed = {"ours": 0, "llama": 0}
+    same_text = same_stop = defaults_ok = 0
+    rows = []
+    for prompt in prompts:
+        greedy = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "n_probs": 2, "return_tokens": True}
+        a, _ = _post(ours, greedy, key)
+        b, _ = _post(llama, greedy, None)
+        assert isinstance(a, dict) and isinstance(b, dict)
+        missing["result"] |= set(_missing(b, a))
+        if a.get("completion_probabilities") and b.get("completion_probabilities"):
+            missing["probability"] |= set(_missing(b["completion_probabilities"][0], a["completion_probabilities"][0]))
+        _, sa = _post(ours, {**greedy, "stream": True}, key)
+        _, sb = _post(llama, {**greedy, "stream": True}, None)
+        assert sa is not None and sb is not None
+        framed["ours"] += _framed(sa)
+        framed["llama"] += _framed(sb)
+        if len(sa) > 1 and len(sb) > 1 and isinstance(sa[0], dict) and isinstance(sb[0], dict):
+            missing["chunk"] |= set(_missing(sb[0], sa[0]))
+        if isinstance(sa[-1], dict) and isinstance(sb[-1], dict):
+            missing["final"] |= set(_missing(sb[-1], sa[-1]))
+        same_text += a["content"] == b["content"]
+        words = b["content"].split()
+        word = words[len(words) // 2] if len(words) > 2 else None
+        stop_row = None
+        if word:
+            body = {**greedy, "stop": [word]}
+            a2, _ = _post(ours, body, key)
+            b2, _ = _post(llama, body, None)
+            assert isinstance(a2, dict) and isinstance(b2, dict)
+            stop_row = {"word": word, "ours": [a2["stop_type"], a2["stopping_word"]], "llama": [b2["stop_type"], b2["stopping_word"]]}
+            # the same word where both texts hold it; else each stops as its own text says
+            same_stop += (a2["stop_type"], a2["stopping_word"]) == (b2["stop_type"], b2["stopping_word"])
+        a3, _ = _post(ours, {"prompt": prompt, "n_predict": 8}, key)
+        b3, _ = _post(llama, {"prompt": prompt, "n_predict": 8}, None)
+        assert isinstance(a3, dict) and isinstance(b3, dict)
+        keys = ("temperature", "top_k", "top_p", "min_p")
+        # llama-server writes its settings as float32 (0.95 as 0.949999988)
+        defaults_ok += all(abs(float(a3["generation_settings"][k]) - float(b3["generation_settings"][k])) < 1e-6 for k in keys)
+        rows.append({"prompt": prompt[:80], "same_text": a["content"] == b["content"], "ours": a["content"][:120],
+                     "llama": b["content"][:120], "stop": stop_row,
+                     "tokens_predicted": [a["tokens_predicted"], b["tokens_predicted"]]})
+    n = len(prompts)
+    return {"prompts": n, "max_tokens": max_tokens,
+            "missing_fields": {k: sorted(v) for k, v in missing.items()},
+            "streams_framed_alike": framed, "greedy_text_equal": same_text,
+            "stop_word_requests": sum(r["stop"] is not None for r in rows), "stop_type_and_word_equal": same_stop,
+            "default_sampling_equal": defaults_ok, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.llama_compat", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ours", default="http://127.0.0.1:8000")
+    p.add_argument("--llama", default="http://127.0.0.1:8090")
+    p.add_argument("--key", default=None, help="this server's API key, if it has keys")
+    p.add_argument("--workload", default="bench/data/open.jsonl")
+    p.add_argument("--domains", nargs="+", default=["sql", "code", "chat"])
+    p.add_argument("--n", type=int, default=12)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    records = [json.loads(line) for line in open(a.workload)]
+    by_domain = {d: [r["text"][:1500] for r in records if r.get("domain") == d] for d in a.domains}
+    prompts = [t for group in zip(*by_domain.values()) for t in group][: a.n]
+    out = compare(a.ours, a.llama, prompts, a.max_tokens, a.key)
+    print(json.dumps({k: v for k, v in out.items() if k != "rows"}, indent=1))
+    write_json(out, a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
