@@ -46,9 +46,10 @@ from speculative import RequestError, SpeculativeEngine, TargetRows, VerifyCall
 from speculative.detokenize import Detokenizer
 from speculative.engine import time_verify
 from speculative.runtime import make_runner, resolve_quantize
-from speculative.kvcache import kv_bytes_per_token
+from speculative.kvcache import KVCacheFull, kv_bytes_per_token
 from speculative.models import encode_messages, encode_prompt, eos_token_ids, load_tokenizer, load_weights
 from speculative.scheduler import EngineLoop, Failed, Finished, Overloaded, Sequence, Started, Step, calibrate_step_cost
+from speculative.summary import prompt_logprobs
 from telemetry.engine import LoopGauges
 from telemetry.spec import count_step
 
@@ -265,6 +266,15 @@ class DraftPool:
             prefixes = await self._on_engine(lambda: self.loop.forget_prefixes(tenant))
         return {"kept": kept, "trees": trees, "prefixes": prefixes}
 
+    async def _score_prompt(self, prompt: list[int], n: int) -> list:
+        """The prompt's own log-probabilities (:func:`speculative.summary.prompt_logprobs`), between
+        two steps of the engine loop: one forward of its runner over the prompt, every position's row."""
+        loop = self.loop
+        if loop is None:  # split placement: the target's weights are in another deployment
+            raise RequestError("the prompt's log-probabilities (echo with logprobs) are served by the co-located "
+                               "placement only")
+        return await self._on_engine(lambda: prompt_logprobs(loop.target, prompt, n))
+
     async def _on_engine(self, fn):
         """``fn()`` where the engines run: on the engine loop's thread between two steps (co-located), else here."""
         if self.loop is None:
@@ -350,8 +360,12 @@ class DraftPool:
         replica is overloaded), then a :class:`Chunk` per step, then :class:`Done`."""
         try:
             prompt = self._prompt_ids(req)
+            scored = None if req.prompt_logprobs is None else await self._score_prompt(prompt, req.prompt_logprobs)
         except RequestError as e:
             yield Refused(str(e))
+            return
+        except KVCacheFull as e:  # the running requests hold the KV pool: retry later
+            yield Refused(str(e), 503, 1.0)
             return
         if self.learner is not None:  # traffic: a learner sharing the machine keeps its rounds for the gaps
             contextvars.Context().run(self.learner.touch.remote)  # fire and forget, outside this request's context
@@ -383,7 +397,7 @@ class DraftPool:
         held_tokens: list[int] = []
         held_lps: list | None = [] if req.params.logprobs is not None else None
         try:
-            yield Accepted(first.prompt_tokens)
+            yield Accepted(first.prompt_tokens, prompt if scored is not None else None, scored)
             async for ev in events:
                 if isinstance(ev, Failed):
                     raise ev.error

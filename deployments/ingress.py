@@ -417,9 +417,11 @@ class Ingress:
             self.meter.inc("osd_routes_total", reason=route.reason.split(":")[0], domain=route.domain)
             for j in range(req.n):
                 i = len(choices)
+                # echo with logprobs: the prompt's own log-probabilities, computed for its first choice
+                scored = req.logprobs if not chat and j == 0 and req.echo and req.logprobs is not None else None
                 gen = GenerateRequest(rid if count == 1 else f"{rid}-{i}", _nth_seed(params, j),
                                       prompt=None if chat or ids is not None else text, prompt_ids=ids, messages=messages,
-                                      domain=route.domain, lang=route.lang, tenant=tenant)
+                                      domain=route.domain, lang=route.lang, tenant=tenant, prompt_logprobs=scored)
                 choices.append(_Choice(i, gen, route, f"{route.draft_id}@{tenant}" if isolated else route.draft_id,
                                        echo=text if not chat and req.echo else "", counts_prompt=j == 0))
         refused = await self._open(choices, tenant)
@@ -461,8 +463,12 @@ class Ingress:
             if failed:
                 raise failed[0]
             return refused[0]
+        scores = None
         for c, first in zip(choices, firsts):
-            c.prompt_tokens = first.prompt_tokens if isinstance(first, Accepted) else 0
+            assert isinstance(first, Accepted)
+            if c.counts_prompt:  # a prompt's first choice: its scores, if asked, serve the prompt's other choices too
+                scores = (first.prompt_ids, first.prompt_logprobs) if first.prompt_logprobs is not None else None
+            c.prompt_tokens, c.prompt_scores = first.prompt_tokens, scores
             c.stream = self._resuming(c, tenant)
         return None
 
@@ -551,8 +557,10 @@ class Ingress:
         for t in text:
             offsets.append(offset)
             offset += len(t)
-        return {"tokens": text, "token_logprobs": [_finite(lp) for lp, _ in lps],
-                "top_logprobs": [{vocab.decode([i]): _finite(v) for i, v in top} for _, top in lps], "text_offset": offsets}
+        # (an echoed prompt's first token has no log-probability: null, as OpenAI writes it)
+        return {"tokens": text, "token_logprobs": [None if lp is None else _finite(lp) for lp, _ in lps],
+                "top_logprobs": [None if top is None else {vocab.decode([i]): _finite(v) for i, v in top} for _, top in lps],
+                "text_offset": offsets}
 
     def _observe(self, route, usage: dict) -> None:
         spec = usage["speculative"]
@@ -586,6 +594,8 @@ class Ingress:
         others are cancelled."""
         async def collect(c: _Choice) -> Outcome:
             o, parts = Outcome(c.index, c.prompt_tokens), [c.echo]
+            if c.prompt_scores is not None:  # echo with logprobs: the prompt's tokens first, the first one unscored
+                o.tokens, o.logprobs = list(c.prompt_scores[0]), [(None, None), *c.prompt_scores[1]]
             try:
                 async for item in c.stream:
                     if isinstance(item, Done):
@@ -677,7 +687,9 @@ class Ingress:
             for c in choices:
                 if chat:
                     yield chunk(c.index, None, None, role=True)
-                if c.echo:  # the prompt's text first (OpenAI's echo)
+                if c.echo:  # the prompt's text first (OpenAI's echo), with its tokens' log-probabilities if asked
+                    if c.prompt_scores is not None:
+                        pending[c.index].append((list(c.prompt_scores[0]), [(None, None), *c.prompt_scores[1]]))
                     yield chunk(c.index, c.echo, None)
             async for c, item in merged:
                 if isinstance(item, Done):
@@ -789,6 +801,7 @@ class _Choice:
     draft_id: str
     echo: str = ""  # the prompt's text before the completion's (OpenAI's echo)
     prompt_tokens: int = 0  # its prompt's length in tokens, once opened
+    prompt_scores: tuple | None = None  # echo with logprobs: the prompt's token ids and their log-probabilities
     counts_prompt: bool = True  # the first choice of its prompt: its prompt tokens count in the usage
     opened: Any = None  # its stream from a draft replica (the one it resumed on, if its first one died)
     stream: Any = None  # its items, once opened: ``opened``'s, resumed on another replica if that one dies

@@ -273,14 +273,9 @@ class CompletionRequest(_Request):
     prompt: list[str] | list[list[int]] = Field(min_length=1, max_length=MAX_PROMPTS)
     #: each output token's log-probability and this many most likely tokens' (OpenAI's legacy form)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
-    #: the prompt's text before the completion's (the prompt's own log-probabilities are not served)
+    #: the prompt's text before the completion's; with ``logprobs``, the prompt's tokens and their
+    #: log-probabilities before the completion's (the first token's null)
     echo: bool | None = Field(default=None, strict=True)
-
-    @model_validator(mode="after")
-    def _echo_without_logprobs(self):
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs asks for the prompt's log-probabilities, which this server does not serve")
-        return self
 
     def top_logprob_count(self) -> int | None:
         return self.logprobs
@@ -470,6 +465,9 @@ class GenerateRequest:
     tenant: str | None = None
     #: output token ids already sent to the client by a replica that died: continue after them
     resume: list[int] = field(default_factory=list)
+    #: the prompt's own log-probabilities, with this many most likely tokens' at each position
+    #: (OpenAI's echo with logprobs); None: not asked
+    prompt_logprobs: int | None = None
 
 
 # -- what a draft replica streams back for one request, in order: Refused; or Accepted, Chunk..., Done --
@@ -484,9 +482,12 @@ class Refused:
 
 @dataclass(frozen=True)
 class Accepted:
-    """The request runs; its prompt's length in tokens."""
+    """The request runs; its prompt's length in tokens. Asked for, the prompt's token ids and each
+    one's log-probability after the first (with the most likely tokens' there)."""
 
     prompt_tokens: int
+    prompt_ids: list[int] | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass(frozen=True)

@@ -44,4 +44,6 @@ async def resuming(stream, gen, reopen: Callable[[object], object], on_resume: C
             if attempt == max_resumes:
                 raise
             on_resume(len(sent), e)
-            stream = reopen(replace(gen, request_id=f"{gen.request_id}-r{attempt + 1}", resume=list(sent)))
+            # (the prompt's log-probabilities came with the first header: not computed again)
+            stream = reopen(replace(gen, request_id=f"{gen.request_id}-r{attempt + 1}", resume=list(sent),
+                                    prompt_logprobs=None))

@@ -112,6 +112,21 @@ def test_logprobs_whole_streamed_and_across_the_target_hop(server, client):
     assert [t.logprob for t in hop] == pytest.approx([t.logprob for t in whole], abs=1e-5)
 
 
+def test_echo_with_logprobs_scores_the_prompt_where_the_target_is_co_located(server, client):
+    """OpenAI's echo with logprobs (evaluation harnesses' loglikelihood) on the shipped runtime: the
+    prompt's tokens first, the first unscored, the output's numbers as without echo; the split
+    placement, whose target is another deployment, says it does not serve it."""
+    ask = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0, logprobs=1)
+    plain = client.completions.create(**ask).choices[0].logprobs
+    r = client.completions.create(**ask, echo=True)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == r.usage.prompt_tokens + r.usage.completion_tokens and lp.token_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and lp.tokens[r.usage.prompt_tokens:] == plain.tokens
+    assert lp.token_logprobs[r.usage.prompt_tokens:] == pytest.approx(plain.token_logprobs, abs=1e-5)
+    status, body, _ = _call(f"{server}/split/v1/completions", {**ask, "echo": True})
+    assert status == 400 and "co-located" in body["error"]["message"]
+
+
 def test_stream_ends_with_done(server):
     req = urllib.request.Request(f"{server}/v1/completions", data=json.dumps(
         {"prompt": "Le chat est", "max_tokens": 6, "temperature": 0, "stream": True}).encode(),

@@ -930,8 +930,46 @@ def test_echo_puts_the_prompts_text_before_the_completion_whole_and_streamed(app
     chunks = [e for e in events if e != "[DONE]"]
     assert status == 200 and chunks[0]["choices"][0]["text"] == "Hello world"
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == echoed["choices"][0]["text"]
-    status, err, _ = run(app.post({"prompt": "Hello world", "max_tokens": 6, "echo": True, "logprobs": 1}))
-    assert status == 400 and "prompt's log-probabilities" in err["error"]["message"]
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_the_target_would_its_own_output(app, folder):
+    """OpenAI's echo with logprobs (how evaluation harnesses score a text): the prompt's tokens come
+    first in ``logprobs``, the first one null, each later one with the target's log-probability
+    given the tokens before it. Scoring the prompt followed by the output gives the output's own
+    log-probabilities; streamed, the echo's chunk carries the prompt's; several choices of a prompt
+    share one scoring."""
+    tok = load_tokenizer(folder)
+    ids = tok("Hello world")["input_ids"]
+    plain = run(app.post({"prompt": "Hello world", "max_tokens": 5, "ignore_eos": True, "logprobs": 2}))[1]
+    out_lp = plain["choices"][0]["logprobs"]
+    status, echoed, _ = run(app.post({"prompt": "Hello world", "max_tokens": 5, "ignore_eos": True, "logprobs": 2,
+                                      "echo": True}))
+    lp = echoed["choices"][0]["logprobs"]
+    assert status == 200 and len(lp["tokens"]) == len(ids) + 5 == echoed["usage"]["prompt_tokens"] + 5
+    assert lp["tokens"] == [tok.decode([i]) for i in ids] + out_lp["tokens"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v <= 0 for v in lp["token_logprobs"][1:]) and all(len(t) == 2 for t in lp["top_logprobs"][1:])
+    assert lp["token_logprobs"][len(ids):] == out_lp["token_logprobs"] and lp["text_offset"][0] == 0
+    # the prompt followed by the output, scored: the output's log-probabilities, position by position
+    whole_ids = ids + reference(folder, ids, 5)
+    scored = run(app.post({"prompt": whole_ids, "max_tokens": 1, "logprobs": 2, "echo": True}))[1]["choices"][0]["logprobs"]
+    assert scored["token_logprobs"][len(ids):len(ids) + 5] == pytest.approx(out_lp["token_logprobs"], abs=1e-4)
+    assert scored["token_logprobs"][1:len(ids)] == pytest.approx(lp["token_logprobs"][1:len(ids)], abs=1e-4)
+    # streamed: the echo's chunk carries the prompt's log-probabilities, then the output's follow
+    _, events, _ = run(app.post({"prompt": "Hello world", "max_tokens": 5, "ignore_eos": True, "logprobs": 2,
+                                 "echo": True, "stream": True}))
+    chunks = [e for e in events if e != "[DONE]" and e["choices"] and e["choices"][0]["logprobs"]]
+    assert chunks[0]["choices"][0]["text"] == "Hello world" and chunks[0]["choices"][0]["logprobs"]["tokens"] == lp["tokens"][:len(ids)]
+    assert [v for c in chunks for v in c["choices"][0]["logprobs"]["token_logprobs"]] == lp["token_logprobs"]
+    # two choices of one prompt: scored once (its first choice), both carry the prompt's
+    calls = len(app.pool.calls)
+    both = run(app.post({"prompt": "Hello world", "max_tokens": 3, "ignore_eos": True, "logprobs": 1, "echo": True,
+                         "n": 2}))[1]["choices"]
+    assert [c[2][0].prompt_logprobs for c in app.pool.calls[calls:]] == [1, None]
+    assert [c["logprobs"]["token_logprobs"][: len(ids)] for c in both] == [lp["token_logprobs"][: len(ids)]] * 2
+    # without echo, the prompt is not scored
+    run(app.post({"prompt": "Hello world", "max_tokens": 2, "logprobs": 1}))
+    assert app.pool.calls[-1][2][0].prompt_logprobs is None
 
 
 # -- several choices: n, and a batch of prompts ------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 from config import SamplingParams
 from conftest import int4_engines
 from speculative.runner import ForwardCall
-from speculative.summary import token_logprobs
+from speculative.summary import prompt_logprobs, token_logprobs
 
 
 def _engines():
@@ -69,3 +69,29 @@ def test_token_logprobs_by_hand():
     got = token_logprobs(ids, probs, logits, [3, 0], 0)  # full rows: any token, from the logits
     assert got[0] == (pytest.approx(math.log(0.25)), []) and got[1][0] == pytest.approx(float(torch.log_softmax(logits[1], -1)[0]))
     assert token_logprobs(ids, torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]), None, [4], 1)[0] == (float("-inf"), [(4, float("-inf"))])
+
+
+@pytest.mark.parametrize("chunk", [3, 128])
+def test_the_prompts_logprobs_are_the_targets_rows_before_each_token_in_chunks_or_whole(chunk):
+    """``prompt_logprobs``: each prompt token after the first under the target given the tokens
+    before it (and the most likely tokens there), as the output's are: scoring prompt + output
+    gives the output's own log-probabilities. The forward's sequence is released; chunks of any
+    size give the same numbers (int4 rows are batch-invariant)."""
+    target, tok, (alone, *_) = _engines()
+    prompt = "abcabcabcab"
+    gen, lps = _run(alone, prompt, SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2))
+    full = tok(prompt)["input_ids"] + gen.token_ids
+    held = len(target)
+    scored = prompt_logprobs(target, full, 2, chunk=chunk)
+    assert len(scored) == len(full) - 1 and len(target) == held  # every token but the first; nothing left held
+    p0 = len(full) - len(gen.token_ids)
+    # the output's positions: the numbers generation reported (through its rows' summary: rounding apart)
+    assert [lp for lp, _ in scored[p0 - 1:]] == pytest.approx([lp for lp, _ in lps], abs=1e-4)
+    assert [[i for i, _ in top] for _, top in scored[p0 - 1:]] == [[i for i, _ in top] for _, top in lps]
+    logits = target.forward_batch([ForwardCall("ref", 0, full, len(full))])[0]
+    target.release("ref")
+    for j, (lp, top) in enumerate(scored):
+        want = torch.log_softmax(logits[j].float(), -1)
+        assert lp == pytest.approx(float(want[full[j + 1]]), abs=1e-4)
+        assert [i for i, _ in top] == want.topk(2).indices.tolist()
+    assert prompt_logprobs(target, full[:1], 2) == [] and prompt_logprobs(target, full, 0, chunk=chunk)[0][1] == []
