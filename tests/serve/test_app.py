@@ -522,8 +522,8 @@ def test_a_token_id_prompt_decodes_like_its_text(client, reference):
 
 
 def test_fuzzing_the_openapi_schema_finds_no_server_error_and_restarts_no_replica(server):
-    """schemathesis draws bodies from the served OpenAPI schema for the generation endpoints (60
-    in all), plus the read-only ones: no answer is a 5xx and every replica of every deployment
+    """schemathesis draws bodies from the served OpenAPI schema for the generation endpoints (80
+    in all, llama-server's /completion among them), plus the read-only ones: no answer is a 5xx and every replica of every deployment
     is the one that was there before (max_tokens capped at 4 to bound the run)."""
     import ray
     import schemathesis
@@ -537,7 +537,7 @@ def test_fuzzing_the_openapi_schema_finds_no_server_error_and_restarts_no_replic
     seen: dict[int, int] = {}
     headers = {"Authorization": f"Bearer {KEY}"}
     for path, method, n in [("/v1/completions", "POST", 30), ("/v1/chat/completions", "POST", 30),
-                            ("/v1/models", "GET", 3), ("/ready", "GET", 2)]:
+                            ("/completion", "POST", 20), ("/v1/models", "GET", 3), ("/ready", "GET", 2)]:
         op = schema[path][method]
 
         @given(case=op.as_strategy())
