@@ -417,13 +417,17 @@ class Ingress:
             self.meter.inc("osd_routes_total", reason=route.reason.split(":")[0], domain=route.domain)
             for j in range(req.n):
                 i = len(choices)
-                # echo with logprobs: the prompt's own log-probabilities, computed for its first choice
-                scored = req.logprobs if not chat and j == 0 and req.echo and req.logprobs is not None else None
+                # echo with logprobs, or vLLM's prompt_logprobs: the prompt's own log-probabilities,
+                # computed for its first choice (with the most likely tokens either asks for)
+                echo_top = req.logprobs if not chat and req.echo and req.logprobs is not None else None
+                asked = [k for k in (echo_top, req.prompt_logprobs) if k is not None]
+                scored = max(asked) if asked and j == 0 else None
                 gen = GenerateRequest(rid if count == 1 else f"{rid}-{i}", _nth_seed(params, j),
                                       prompt=None if chat or ids is not None else text, prompt_ids=ids, messages=messages,
                                       domain=route.domain, lang=route.lang, tenant=tenant, prompt_logprobs=scored)
                 choices.append(_Choice(i, gen, route, f"{route.draft_id}@{tenant}" if isolated else route.draft_id,
-                                       echo=text if not chat and req.echo else "", counts_prompt=j == 0))
+                                       echo=text if not chat and req.echo else "", counts_prompt=j == 0,
+                                       echo_top=echo_top, prompt_top=req.prompt_logprobs))
         refused = await self._open(choices, tenant)
         if isinstance(refused, Refused) and refused.status == 503:  # a replica is overloaded: retry later
             return JSONResponse(error_body(refused.error, "server_error", code="overloaded"), status_code=503,
@@ -562,6 +566,28 @@ class Ingress:
                 "top_logprobs": [None if top is None else {vocab.decode([i]): _finite(v) for i, v in top} for _, top in lps],
                 "text_offset": offsets}
 
+    @staticmethod
+    def _echo_scores(c: "_Choice") -> tuple[list[int], list]:
+        """Echo with logprobs: the prompt's token ids and (logprob, top) of each, the first unscored."""
+        assert c.prompt_scores is not None and c.echo_top is not None
+        ids, scores = c.prompt_scores
+        return list(ids), [(None, None), *((lp, top[: c.echo_top]) for lp, top, _ in scores)]
+
+    def _prompt_logprobs(self, c: "_Choice") -> list | None:
+        """vLLM's ``prompt_logprobs``: per prompt token (the first None), its id's log-probability,
+        rank and text, and the most likely tokens' (ids as strings, JSON's keys)."""
+        if c.prompt_top is None or c.prompt_scores is None:
+            return None
+        vocab = self._vocabulary()
+        ids, scores = c.prompt_scores
+        out: list = [None]
+        for tok, (lp, top, rank) in zip(ids[1:], scores):
+            entry = {str(tok): {"logprob": _finite(lp), "rank": rank, "decoded_token": vocab.decode([tok])}}
+            for r, (i, v) in enumerate(top[: c.prompt_top], 1):
+                entry.setdefault(str(i), {"logprob": _finite(v), "rank": r, "decoded_token": vocab.decode([i])})
+            out.append(entry)
+        return out
+
     def _observe(self, route, usage: dict) -> None:
         spec = usage["speculative"]
         if spec["draft_id"] != route.draft_id:  # an isolated tenant's own draft: not the router's to learn from
@@ -594,8 +620,8 @@ class Ingress:
         others are cancelled."""
         async def collect(c: _Choice) -> Outcome:
             o, parts = Outcome(c.index, c.prompt_tokens), [c.echo]
-            if c.prompt_scores is not None:  # echo with logprobs: the prompt's tokens first, the first one unscored
-                o.tokens, o.logprobs = list(c.prompt_scores[0]), [(None, None), *c.prompt_scores[1]]
+            if c.echo_top is not None:  # echo with logprobs: the prompt's tokens first, the first one unscored
+                o.tokens, o.logprobs = self._echo_scores(c)
             try:
                 async for item in c.stream:
                     if isinstance(item, Done):
@@ -624,7 +650,7 @@ class Ingress:
     async def _whole(self, choices: list["_Choice"], rid: str, chat: bool, timing: Timing) -> dict:
         done = await self._collect(choices, timing)
         out = []
-        for o in done:
+        for c, o in zip(choices, done):
             assert o.end is not None
             logprobs = None if o.logprobs is None else self._logprobs(o.tokens, o.logprobs, chat)
             end = {"logprobs": logprobs, "finish_reason": o.end.finish_reason, "stop_reason": o.end.stop_reason}
@@ -632,9 +658,14 @@ class Ingress:
                 out.append({"index": o.index, "message": {"role": "assistant", "content": o.text}, **end})
             else:
                 out.append({"index": o.index, "text": o.text, **end})
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
+                if c.prompt_top is not None:  # vLLM's: on each choice of a completion
+                    out[-1]["prompt_logprobs"] = self._prompt_logprobs(c)
+        body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
                 "model": self.cfg.ingress.model_name, "choices": out,
                 "usage": self._merged_usage(choices, [o.end.usage for o in done if o.end is not None])}
+        if chat and choices[0].prompt_top is not None:  # vLLM's: once, for the conversation all choices continue
+            body["prompt_logprobs"] = self._prompt_logprobs(choices[0])
+        return body
 
     async def _llama_whole(self, choices: list["_Choice"], req: LlamaCompletionRequest, params: SamplingParams,
                            texts: list, timing: Timing) -> "_Answer":
@@ -663,7 +694,8 @@ class Ingress:
         pending: dict[int, list] = {c.index: [] for c in choices}
         offset = dict.fromkeys(pending, 0)
 
-        def chunk(index: int, delta: str | None, finish: str | None, role: bool = False, stop=None) -> str:
+        def chunk(index: int, delta: str | None, finish: str | None, role: bool = False, stop=None,
+                  prompt_lp: list | None = None) -> str:
             lp, held = None, pending[index]
             if held and not role:
                 lp = self._logprobs([t for ts, _ in held for t in ts], [x for _, xs in held for x in xs], chat, offset[index])
@@ -675,7 +707,11 @@ class Ingress:
                 choice = {"index": index, "delta": d, "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
             else:
                 choice = {"index": index, "text": delta or "", "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
+            if prompt_lp is not None and not chat:
+                choice["prompt_logprobs"] = prompt_lp
             body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+            if prompt_lp is not None and chat:
+                body["prompt_logprobs"] = prompt_lp
             if include_usage:
                 body["usage"] = None
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
@@ -684,12 +720,14 @@ class Ingress:
         ends: dict[int, dict] = {}
         merged = _merged(choices)
         try:
-            for c in choices:
+            for c in choices:  # each choice's first chunk carries vLLM's prompt_logprobs, when asked
                 if chat:
-                    yield chunk(c.index, None, None, role=True)
+                    yield chunk(c.index, None, None, role=True, prompt_lp=self._prompt_logprobs(c))
+                elif c.prompt_top is not None:
+                    yield chunk(c.index, "", None, prompt_lp=self._prompt_logprobs(c))
                 if c.echo:  # the prompt's text first (OpenAI's echo), with its tokens' log-probabilities if asked
-                    if c.prompt_scores is not None:
-                        pending[c.index].append((list(c.prompt_scores[0]), [(None, None), *c.prompt_scores[1]]))
+                    if c.echo_top is not None:
+                        pending[c.index].append(self._echo_scores(c))
                     yield chunk(c.index, c.echo, None)
             async for c, item in merged:
                 if isinstance(item, Done):
@@ -801,7 +839,9 @@ class _Choice:
     draft_id: str
     echo: str = ""  # the prompt's text before the completion's (OpenAI's echo)
     prompt_tokens: int = 0  # its prompt's length in tokens, once opened
-    prompt_scores: tuple | None = None  # echo with logprobs: the prompt's token ids and their log-probabilities
+    prompt_scores: tuple | None = None  # the prompt's token ids and their scores (lp, top, rank), when asked
+    echo_top: int | None = None  # echo with logprobs: the most likely tokens a prompt position lists
+    prompt_top: int | None = None  # vLLM's prompt_logprobs: the same
     counts_prompt: bool = True  # the first choice of its prompt: its prompt tokens count in the usage
     opened: Any = None  # its stream from a draft replica (the one it resumed on, if its first one died)
     stream: Any = None  # its items, once opened: ``opened``'s, resumed on another replica if that one dies

@@ -78,7 +78,6 @@ UNSERVED = {
     "length_penalty": lambda v: v is None or v == 1,
     "bad_words": lambda v: not v,
     "allowed_token_ids": lambda v: v is None,
-    "prompt_logprobs": lambda v: v is None,
     "include_stop_str_in_output": lambda v: not v,
     "skip_special_tokens": lambda v: v is None or v is True,
     "spaces_between_special_tokens": lambda v: v is None or v is True,
@@ -183,6 +182,8 @@ class _Request(BaseModel):
     logit_bias: dict | list | None = None
     min_tokens: int | None = Field(default=None, ge=0, strict=True)  # vLLM's
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM's
+    #: vLLM's: the prompt's own log-probabilities, each with its rank and this many most likely tokens'
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
     #: structured output, from whichever of the fields clients use for it (:func:`structured_output`;
     #: not in the schema: clients send those fields, and llama.cpp's ``grammar`` is a string)
     grammar: SkipJsonSchema[Grammar | None] = None
@@ -317,7 +318,8 @@ class LlamaCompletionRequest(CompletionRequest):
     random one; ``top_k`` <= 0 and a negative temperature: off and greedy). The rest is a
     completions request's; answered in llama-server's shapes (``deployments.llama_api``)."""
 
-    also_unserved: ClassVar[dict] = {"post_sampling_probs": lambda v: not v, "echo": lambda v: not v}
+    also_unserved: ClassVar[dict] = {"post_sampling_probs": lambda v: not v, "echo": lambda v: not v,
+                                     "prompt_logprobs": lambda v: v is None}
     served_here: ClassVar[frozenset] = frozenset({"n_probs"})
     #: each response (and streamed chunk) carries its output token ids (llama.cpp's ``tokens``)
     return_tokens: bool = Field(default=False, strict=True)
@@ -466,7 +468,7 @@ class GenerateRequest:
     #: output token ids already sent to the client by a replica that died: continue after them
     resume: list[int] = field(default_factory=list)
     #: the prompt's own log-probabilities, with this many most likely tokens' at each position
-    #: (OpenAI's echo with logprobs); None: not asked
+    #: (OpenAI's echo with logprobs, vLLM's prompt_logprobs); None: not asked
     prompt_logprobs: int | None = None
 
 
@@ -483,11 +485,11 @@ class Refused:
 @dataclass(frozen=True)
 class Accepted:
     """The request runs; its prompt's length in tokens. Asked for, the prompt's token ids and each
-    one's log-probability after the first (with the most likely tokens' there)."""
+    one's log-probability after the first, the most likely tokens' there and its rank."""
 
     prompt_tokens: int
     prompt_ids: list[int] | None = None
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]], int]] | None = None
 
 
 @dataclass(frozen=True)

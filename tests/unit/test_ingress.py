@@ -972,6 +972,39 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_target_would_its_own_output
     assert app.pool.calls[-1][2][0].prompt_logprobs is None
 
 
+def test_vllms_prompt_logprobs_rank_each_prompt_token_on_completions_and_chat(app, folder):
+    """vLLM's ``prompt_logprobs``: per prompt token (the first None) its id's log-probability, rank
+    and text, with the N most likely tokens'; on each completion choice, at the top of a chat
+    response; in a stream, with each choice's first chunk. llama-server's API refuses it."""
+    tok = load_tokenizer(folder)
+    ids = tok("Hello world")["input_ids"]
+    echo = run(app.post({"prompt": "Hello world", "max_tokens": 2, "logprobs": 2, "echo": True}))[1]["choices"][0]["logprobs"]
+    status, body, _ = run(app.post({"prompt": "Hello world", "max_tokens": 2, "prompt_logprobs": 2}))
+    plp = body["choices"][0]["prompt_logprobs"]
+    assert status == 200 and plp[0] is None and len(plp) == len(ids) == body["usage"]["prompt_tokens"]
+    assert body["choices"][0]["logprobs"] is None  # the output's were not asked
+    for j, entry in enumerate(plp[1:], 1):
+        mine = entry[str(ids[j])]
+        assert mine["logprob"] == pytest.approx(echo["token_logprobs"][j], abs=1e-6) and mine["rank"] >= 1
+        assert mine["decoded_token"] == tok.decode([ids[j]])
+        top = sorted((v for k, v in entry.items() if k != str(ids[j]) or v["rank"] <= 2), key=lambda v: v["rank"])
+        assert [v["rank"] for v in top] == [1, 2] and len(entry) == 2 + (mine["rank"] > 2)
+        assert [v["logprob"] for v in top] == pytest.approx(sorted(echo["top_logprobs"][j].values(), reverse=True), abs=1e-6)
+        assert (mine["rank"] > 2) == (mine["logprob"] < top[1]["logprob"])
+    msgs = [{"role": "user", "content": "Hi there"}]
+    chat = run(app.post({"messages": msgs, "max_tokens": 2, "prompt_logprobs": 0, "n": 2}, chat=True))[1]
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])  # its own token only
+    assert [c[2][0].prompt_logprobs for c in app.pool.calls[-2:]] == [0, None]  # scored once for both choices
+    _, events, _ = run(app.post({"messages": msgs, "max_tokens": 2, "prompt_logprobs": 0, "stream": True}, chat=True))
+    assert events[0]["prompt_logprobs"] == chat["prompt_logprobs"] and "prompt_logprobs" not in events[1]
+    _, events, _ = run(app.post({"prompt": "Hello world", "max_tokens": 2, "prompt_logprobs": 2, "stream": True}))
+    assert events[0]["choices"][0]["prompt_logprobs"] == plp and events[0]["choices"][0]["text"] == ""
+    assert all("prompt_logprobs" not in e["choices"][0] for e in events[1:] if e != "[DONE]" and e["choices"])
+    status, err, _ = run(app.post({"prompt": "Hello world", "n_predict": 2, "prompt_logprobs": 1}, llama=True))
+    assert status == 400 and "prompt_logprobs" in err["error"]["message"]
+
+
 # -- several choices: n, and a batch of prompts ------------------------------------------------------
 
 def test_n_choices_are_each_the_seeded_answer_with_the_seed_plus_their_index(app):

@@ -86,12 +86,16 @@ def test_the_prompts_logprobs_are_the_targets_rows_before_each_token_in_chunks_o
     assert len(scored) == len(full) - 1 and len(target) == held  # every token but the first; nothing left held
     p0 = len(full) - len(gen.token_ids)
     # the output's positions: the numbers generation reported (through its rows' summary: rounding apart)
-    assert [lp for lp, _ in scored[p0 - 1:]] == pytest.approx([lp for lp, _ in lps], abs=1e-4)
-    assert [[i for i, _ in top] for _, top in scored[p0 - 1:]] == [[i for i, _ in top] for _, top in lps]
+    assert [lp for lp, _, _ in scored[p0 - 1:]] == pytest.approx([lp for lp, _ in lps], abs=1e-4)
+    assert [[i for i, _ in top] for _, top, _ in scored[p0 - 1:]] == [[i for i, _ in top] for _, top in lps]
     logits = target.forward_batch([ForwardCall("ref", 0, full, len(full))])[0]
     target.release("ref")
-    for j, (lp, top) in enumerate(scored):
+    ranks = []
+    for j, (lp, top, rank) in enumerate(scored):
         want = torch.log_softmax(logits[j].float(), -1)
         assert lp == pytest.approx(float(want[full[j + 1]]), abs=1e-4)
         assert [i for i, _ in top] == want.topk(2).indices.tolist()
+        assert rank == 1 + int((want > want[full[j + 1]]).sum())  # vLLM's rank: 1 is the most likely
+        ranks.append(rank)
+    assert min(ranks) == 1 and max(ranks) > 2  # the prompt holds tokens the model expects and some it does not
     assert prompt_logprobs(target, full[:1], 2) == [] and prompt_logprobs(target, full, 0, chunk=chunk)[0][1] == []

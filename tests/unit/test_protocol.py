@@ -171,7 +171,7 @@ def test_text_that_is_not_unicode_is_refused_at_the_edge():
     ("functions", [{"name": "f"}]), ("tool_choice", "required"), ("guided_grammar", "root ::= x"),
     ("repeat_penalty", 1.1), ("typical_p", 0.9), ("mirostat", 2), ("dry_multiplier", 0.8), ("xtc_probability", 0.5),
     ("top_n_sigma", 1.0), ("n_probs", 3), ("use_beam_search", True), ("bad_words", ["x"]), ("allowed_token_ids", [1]),
-    ("prompt_logprobs", 0), ("include_stop_str_in_output", True), ("skip_special_tokens", False)])
+    ("include_stop_str_in_output", True), ("skip_special_tokens", False)])
 def test_what_changes_the_output_and_is_not_served_is_refused_not_ignored(field, value):
     for make in (lambda **kw: completion(prompt="Hi", **kw), lambda **kw: ChatRequest(messages=[{"role": "user", "content": "Hi"}], **kw)):
         with pytest.raises(ValidationError) as e:
@@ -275,6 +275,14 @@ def test_structured_output_is_read_from_each_form_clients_send():
 def test_structured_output_that_cannot_be_served_is_refused(fields, message):
     with pytest.raises(ValidationError, match=message):
         completion(**fields).sampling(8)
+
+
+def test_prompt_logprobs_is_vllms_count_on_both_endpoints():
+    assert completion(prompt_logprobs=0).prompt_logprobs == 0 and completion().prompt_logprobs is None
+    assert ChatRequest(messages=[{"role": "user", "content": "Hi"}], prompt_logprobs=3).prompt_logprobs == 3
+    for bad in (-1, 21, True, "2"):  # -1 (vLLM's whole vocabulary) is not served
+        with pytest.raises(ValidationError):
+            completion(prompt_logprobs=bad)
 
 
 def test_echo_is_a_completions_field_with_or_without_logprobs():
