@@ -23,7 +23,7 @@ from router.route import Route
 from speculative.locate import light_vocab
 
 from .loopback import bind_replica_grpc, replica_meter
-from . import llama_api
+from . import llama_api, openai_api
 from .llama_api import Outcome
 from .protocol import (Accepted, ChatRequest, CompletionRequest, DetokenizeRequest, Done, GenerateRequest, LlamaCompletionRequest,
                        Refused, TargetUnavailable, TokenizeRequest, error_body, new_id, now)
@@ -546,47 +546,17 @@ class Ingress:
         return vocab.decode([i for i in ids if 0 <= i < len(vocab)])
 
     def _logprobs(self, tokens: list[int], lps: list, chat: bool, offset: int = 0) -> dict:
-        """OpenAI's ``logprobs`` of a choice (or of one chunk's tokens): chat's ``content`` list, or
-        the completions' legacy columns (``text_offset`` from ``offset``, the characters before)."""
-        vocab = self._vocabulary()
-        text = [vocab.decode([t]) for t in tokens]
-        if chat:
-            def entry(t: str, lp: float, top=None) -> dict:
-                e = {"token": t, "logprob": _finite(lp), "bytes": list(t.encode("utf-8", "replace"))}
-                if top is not None:
-                    e["top_logprobs"] = [entry(vocab.decode([i]), v) for i, v in top]
-                return e
-            return {"content": [entry(t, lp, top) for t, (lp, top) in zip(text, lps)], "refusal": None}
-        offsets = []
-        for t in text:
-            offsets.append(offset)
-            offset += len(t)
-        # (an echoed prompt's first token has no log-probability: null, as OpenAI writes it)
-        return {"tokens": text, "token_logprobs": [None if lp is None else _finite(lp) for lp, _ in lps],
-                "top_logprobs": [None if top is None else {vocab.decode([i]): _finite(v) for i, v in top} for _, top in lps],
-                "text_offset": offsets}
+        return openai_api.logprobs(self._vocabulary().decode, tokens, lps, chat, offset)
 
     @staticmethod
     def _echo_scores(c: "_Choice") -> tuple[list[int], list]:
-        """Echo with logprobs: the prompt's token ids and (logprob, top) of each, the first unscored."""
         assert c.prompt_scores is not None and c.echo_top is not None
-        ids, scores = c.prompt_scores
-        return list(ids), [(None, None), *((lp, top[: c.echo_top]) for lp, top, _ in scores)]
+        return openai_api.echo_scores(*c.prompt_scores, c.echo_top)
 
     def _prompt_logprobs(self, c: "_Choice") -> list | None:
-        """vLLM's ``prompt_logprobs``: per prompt token (the first None), its id's log-probability,
-        rank and text, and the most likely tokens' (ids as strings, JSON's keys)."""
         if c.prompt_top is None or c.prompt_scores is None:
             return None
-        vocab = self._vocabulary()
-        ids, scores = c.prompt_scores
-        out: list = [None]
-        for tok, (lp, top, rank) in zip(ids[1:], scores):
-            entry = {str(tok): {"logprob": _finite(lp), "rank": rank, "decoded_token": vocab.decode([tok])}}
-            for r, (i, v) in enumerate(top[: c.prompt_top], 1):
-                entry.setdefault(str(i), {"logprob": _finite(v), "rank": r, "decoded_token": vocab.decode([i])})
-            out.append(entry)
-        return out
+        return openai_api.prompt_logprobs(self._vocabulary().decode, *c.prompt_scores, c.prompt_top)
 
     def _observe(self, route, usage: dict) -> None:
         spec = usage["speculative"]
@@ -595,25 +565,8 @@ class Ingress:
         self.router.observe.remote(route, spec["accepted"], spec["proposed"])
 
     @staticmethod
-    def _usage(usage: dict) -> dict:
-        return {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
-
-    def _merged_usage(self, choices: list["_Choice"], usages: list[dict]) -> dict:
-        """The response's usage: each prompt's tokens once, every choice's completion tokens; the
-        speculative statistics of one choice as they are, of several summed with each choice's own
-        under ``choices``."""
-        if len(usages) == 1:
-            return self._usage(usages[0])
-        specs = [u["speculative"] for u in usages]
-        proposed, accepted = sum(s["proposed"] for s in specs), sum(s["accepted"] for s in specs)
-        firsts = [u for c, u in zip(choices, usages) if c.counts_prompt]
-        return self._usage({
-            "prompt_tokens": sum(u["prompt_tokens"] for u in firsts),
-            "completion_tokens": sum(u["completion_tokens"] for u in usages),
-            "prompt_tokens_details": {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in firsts)},
-            "speculative": {"proposed": proposed, "accepted": accepted, "alpha": accepted / proposed if proposed else None,
-                            "steps": sum(s["steps"] for s in specs), "choices": specs},
-        })
+    def _merged_usage(choices: list["_Choice"], usages: list[dict]) -> dict:
+        return openai_api.merged_usage([c.counts_prompt for c in choices], usages)
 
     async def _collect(self, choices: list["_Choice"], timing: Timing) -> list[Outcome]:
         """Every choice's whole output, read together; if one fails (or the client goes away), the
@@ -931,11 +884,6 @@ def _overloaded(running: int) -> JSONResponse:
     return JSONResponse(error_body(f"the server is at capacity ({running} requests in flight); retry later",
                                    "server_overloaded", code="server_overloaded"),
                         status_code=503, headers={"Retry-After": "1"})
-
-
-def _finite(lp: float) -> float:
-    """A log-probability for JSON: -inf (a token past the kept top k) as OpenAI writes it, -9999."""
-    return lp if lp > -9999.0 else -9999.0
 
 
 def _body_schema(model) -> dict:
