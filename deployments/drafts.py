@@ -47,7 +47,7 @@ from speculative.detokenize import Detokenizer
 from speculative.engine import time_verify
 from speculative.runtime import make_runner, resolve_quantize
 from speculative.kvcache import KVCacheFull, kv_bytes_per_token
-from speculative.models import encode_messages, encode_prompt, eos_token_ids, load_tokenizer, load_weights
+from speculative.models import chat_text, encode_messages, encode_prompt, eos_token_ids, load_tokenizer, load_weights
 from speculative.scheduler import EngineLoop, Failed, Finished, Overloaded, Sequence, Started, Step, calibrate_step_cost
 from speculative.summary import prompt_logprobs
 from telemetry.engine import LoopGauges
@@ -265,6 +265,10 @@ class DraftPool:
         if self.loop is not None:  # its prompts' cached KV blocks
             prefixes = await self._on_engine(lambda: self.loop.forget_prefixes(tenant))
         return {"kept": kept, "trees": trees, "prefixes": prefixes}
+
+    def apply_template(self, messages: list[dict]) -> str:
+        """A chat's text in the target's template, as a chat request's prompt is made."""
+        return chat_text(self.tokenizer, messages)
 
     async def _score_prompt(self, prompt: list[int], n: int) -> list:
         """The prompt's own log-probabilities (:func:`speculative.summary.prompt_logprobs`), between

@@ -20,13 +20,13 @@ from ray import serve
 
 from config import AppConfig, SamplingParams
 from router.route import Route
-from speculative.locate import light_vocab
+from speculative.locate import light_vocab, model_card
 
 from .loopback import bind_replica_grpc, replica_meter
 from . import llama_api, openai_api
 from .llama_api import Outcome
 from .protocol import (Accepted, ChatRequest, CompletionRequest, DetokenizeRequest, Done, GenerateRequest, LlamaCompletionRequest,
-                       Refused, TargetUnavailable, TokenizeRequest, error_body, new_id, now)
+                       Refused, TargetUnavailable, TemplateRequest, TokenizeRequest, error_body, new_id, now)
 from .resume import resuming
 from .tenants import Admission, Tenants, refuse_open
 
@@ -539,6 +539,33 @@ class Ingress:
             message, param = _validation_message(e)
             return _error(400, message, param=param)
 
+    async def apply_template(self, request: Request):
+        """``POST /apply-template`` (llama-server's): a chat's text in the target's template, as a
+        chat request's prompt is made (``{"prompt": text}``, for ``/completion``); any valid key."""
+        got = await self._tool_body(request, TemplateRequest)
+        if isinstance(got, JSONResponse):
+            return got
+        try:
+            messages = got.chat()
+        except ValueError as e:
+            return _error(400, str(e), param="messages")
+        if sum(len(m["content"]) for m in messages) > self.cfg.ingress.max_prompt_chars:
+            return _error(400, f"the messages are longer than {self.cfg.ingress.max_prompt_chars} characters")
+        return {"prompt": await self.pool.apply_template.remote(messages)}
+
+    def props(self) -> dict:
+        """``GET /props`` (llama-server's): the context, the chat template, the slots and the
+        defaults of ``/completion``, for clients that read them before they ask."""
+        card = model_card(self.cfg.engine.model.name)
+        ingress, name = self.cfg.ingress, self.cfg.ingress.model_name
+        params = LlamaCompletionRequest.model_validate({"prompt": "x"}).sampling(min(ingress.default_max_tokens,
+                                                                                     ingress.max_tokens_limit))
+        return {"default_generation_settings": {"n_ctx": card["n_ctx"], "params": llama_api.generation_settings(params, name, False)},
+                "total_slots": ingress.max_in_flight, "model_alias": name, "model_path": name,
+                "modalities": {"vision": False, "audio": False}, "chat_template": card["chat_template"],
+                "bos_token": card["bos_token"], "eos_token": card["eos_token"], "build_info": f"osd-serve {_version()}",
+                "endpoint_slots": False, "endpoint_props": False, "endpoint_metrics": True, "is_sleeping": False}
+
     def _decode(self, ids: list[int]) -> str:
         """A token-id prompt as text, for the router (ids outside the vocabulary are left out
         here; the draft replica refuses the request for them)."""
@@ -886,6 +913,15 @@ def _overloaded(running: int) -> JSONResponse:
                         status_code=503, headers={"Retry-After": "1"})
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("osd-serve")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def _body_schema(model) -> dict:
     """The OpenAPI request body of a route that reads its JSON itself (so that clients and
     fuzzers such as schemathesis see the fields): the model's JSON schema, definitions inlined."""
@@ -945,6 +981,16 @@ class IngressDeployment(Ingress):
     @api.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
     async def detokenize_route(self, request: Request):
         return await self.detokenize(request)
+
+    # llama-server's: the chat template applied (for /completion), and what clients read of the server
+    @api.post("/apply-template", openapi_extra=_body_schema(TemplateRequest))
+    async def apply_template_route(self, request: Request):
+        return await self.apply_template(request)
+
+    @api.get("/props")
+    def props_route(self, request: Request):
+        adm = self.tenants.identify(request.headers.get("authorization"))
+        return self.props() if adm.status == 200 else _refused(adm)
 
     @api.get("/metrics")
     async def metrics_route(self, request: Request):

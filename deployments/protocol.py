@@ -375,6 +375,11 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """A chat's messages as the template reads them (OpenAI's ``developer`` is a system turn)."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+
+
 class ChatRequest(_Request):
     also_unserved: ClassVar[dict] = {"echo": lambda v: v is None or v is False}
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
@@ -391,11 +396,22 @@ class ChatRequest(_Request):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat(self) -> list[dict]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return chat_messages(self.messages)
 
     def last_user_text(self) -> str:
         users = [m.text() for m in self.messages if m.role == "user"]
         return users[-1] if users else self.messages[-1].text()
+
+
+class TemplateRequest(BaseModel):
+    """``POST /apply-template`` (llama-server's): a chat's messages, as a chat request sends them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+
+    def chat(self) -> list[dict]:
+        return chat_messages(self.messages)
 
 
 class TokenizeRequest(BaseModel):

@@ -100,3 +100,27 @@ def light_vocab(name: str) -> TextVocab | None:
     path, _ = locate(name)
     file = Path(path) / "tokenizer.json"
     return TextVocab(file) if file.is_file() else None
+
+
+def model_card(name: str) -> dict:
+    """What a model's folder says of it without loading it (no torch): its context
+    (``max_position_embeddings``), chat template (``chat_template.jinja``, or the tokenizer
+    config's) and BOS / EOS tokens; a key is None where the folder does not say (or is not written yet)."""
+    import json
+
+    path = Path(locate(name)[0])
+
+    def read(file: str) -> dict:
+        try:
+            return json.loads((path / file).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def token(v) -> str | None:  # a string, or an AddedToken written out as {"content": ...}
+        return v.get("content") if isinstance(v, dict) else v
+
+    config, tok = read("config.json"), read("tokenizer_config.json")
+    template = path / "chat_template.jinja"
+    return {"n_ctx": config.get("max_position_embeddings"),
+            "chat_template": template.read_text() if template.is_file() else tok.get("chat_template"),
+            "bos_token": token(tok.get("bos_token")), "eos_token": token(tok.get("eos_token"))}

@@ -117,12 +117,21 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, chat_template
     return list(tokenizer(prompt)["input_ids"])
 
 
+def chat_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> str:
+    """The text :func:`encode_messages` tokenizes: the chat in the tokenizer's template, ending with
+    the assistant's turn (llama-server's ``/apply-template``)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+    text: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return str(text)
+
+
 def encode_messages(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
     """Token ids of a chat (``[{"role": ..., "content": ...}]``) in the tokenizer's chat template,
     ending with the assistant's turn (``apply_chat_template`` returns a list or a BatchEncoding
     depending on the tokenizer). A tokenizer without a template gets the turns joined by lines."""
     if not getattr(tokenizer, "chat_template", None):
-        return list(tokenizer("\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:")["input_ids"])
+        return list(tokenizer(chat_text(tokenizer, messages))["input_ids"])
     ids: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]

@@ -62,6 +62,14 @@ def test_llama_servers_own_completion_api_answers_what_openais_does(server, clie
     assert [t for e in events for t in e["tokens"]] == out["tokens"]
     paths = json.loads(urllib.request.urlopen(server + "/openapi.json", timeout=30).read())["paths"]
     assert "/completion" in paths and "/completions" not in paths
+    # a chat templated by /apply-template and sent to /completion: the chat's own answer
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    status, templated, _ = _call(server + "/apply-template", {"messages": msgs})
+    assert status == 200 and templated["prompt"].endswith("assistant\n")
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0).choices[0].message.content
+    assert _call(server + "/completion", {"prompt": templated["prompt"], "n_predict": 8, "temperature": 0})[1]["content"] == chat
+    status, props, _ = _call(server + "/props")
+    assert status == 200 and props["default_generation_settings"]["n_ctx"] == 8192 and props["eos_token"] == "<|im_end|>"
 
 
 def test_greedy_completion_equals_target_only(client, reference):

@@ -206,3 +206,44 @@ def test_the_side_by_side_check_names_missing_fields_and_stream_framing():
     assert _framed([{"stop": False}, {"stop": False}, {"stop": True}])
     assert not _framed([{"stop": False}, {"stop": True}, "[DONE]"]) and not _framed([{"stop": True}, {"stop": True}])
     assert not _framed([])
+
+
+def test_a_templated_chat_sent_to_completion_is_answered_as_the_chat_is(app, folder):
+    """``/apply-template`` gives the text a chat request's prompt is made of: sent to /completion
+    (greedy), it gets the chat's own answer. Any valid key; a bad body is a 400."""
+    from inprocess import answer, request
+
+    msgs = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Say hello"}]
+
+    async def call(route, body, key="sk-alice"):
+        return await answer(await getattr(app.ingress, route)(request(body, key)))
+
+    status, body, _ = app.run(call("apply_template", {"messages": msgs}))
+    tok = load_tokenizer(folder)
+    assert status == 200 and body["prompt"] == tok.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, msgs[1]], add_generation_prompt=True, tokenize=False)
+    chat = app.run(app.post({"messages": msgs, "max_tokens": 8, "ignore_eos": True}, chat=True))[1]
+    done = post(app, {"prompt": body["prompt"], "n_predict": 8, "temperature": 0, "ignore_eos": True})[1]
+    assert done["content"] == chat["choices"][0]["message"]["content"]
+    assert done["tokens_evaluated"] == chat["usage"]["prompt_tokens"]
+    assert app.run(call("apply_template", {"messages": msgs}, key=None))[0] == 401
+    for bad in ({}, {"messages": []}, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                {"messages": [{"role": "user", "content": "x" * 10_000}]}):
+        status, err, _ = app.run(call("apply_template", bad))
+        assert status in (400, 413) and err["error"]["message"], bad
+
+
+def test_props_say_the_context_the_template_and_the_completion_defaults(app, folder):
+    from transformers import AutoConfig
+
+    props = app.ingress.props()
+    tok = load_tokenizer(folder)
+    assert props["default_generation_settings"]["n_ctx"] == AutoConfig.from_pretrained(folder).max_position_embeddings > 0
+    params = props["default_generation_settings"]["params"]
+    assert (params["temperature"], params["top_k"], params["top_p"], params["min_p"]) == (0.8, 40, 0.95, 0.05)
+    ingress = app.ingress.cfg.ingress
+    assert params["n_predict"] == min(ingress.default_max_tokens, ingress.max_tokens_limit)
+    assert props["total_slots"] == ingress.max_in_flight and props["model_alias"] == ingress.model_name
+    assert props["chat_template"] == tok.chat_template and "messages" in props["chat_template"]
+    assert props["eos_token"] == tok.eos_token
+    assert props["build_info"].startswith("osd-serve ")
