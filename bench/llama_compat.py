@@ -4,9 +4,10 @@ differs in the answers.
 
 For each prompt of the workload (``--workload``, ``--domains``), four requests to each server: a
 greedy one whole (``n_probs``, ``return_tokens``), the same streamed, one with a stop word taken
-from llama-server's own greedy text, and one with llama-server's defaults (no sampling fields).
+from llama-server's own greedy text, and one with llama-server's defaults (no sampling fields);
+then ``/apply-template`` of a chat of each prompt, and ``GET /props``.
 Reported: the fields llama-server's answers carry that ours lack (results, streamed chunks, the
-last streamed event), whether both streams are framed alike (``stop`` false then true, no
+last streamed event, ``/props``), how many templated chats are the same text, whether both streams are framed alike (``stop`` false then true, no
 ``[DONE]``), ``stop_type`` and ``stopping_word`` agreement on the stop-word requests, and how
 often the greedy texts agree (the two runtimes round differently: our int4 against its Q4_1 of
 the same model, so equality is not expected of every prompt).
@@ -38,6 +39,19 @@ def _post(url: str, body: dict, key: str | None) -> tuple[object, list | None]:
             except ValueError:
                 events.append(payload)
     return None, events
+
+
+def _get(url: str, path: str, key: str | None) -> dict:
+    req = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def _post_json(url: str, path: str, body: dict, key: str | None) -> dict:
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers=headers)
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
 
 
 def _missing(theirs: dict, ours: dict, prefix: str = "") -> list[str]:
@@ -99,8 +113,15 @@ def compare(ours: str, llama: str, prompts: list[str], max_tokens: int, key: str
         rows.append({"prompt": prompt[:80], "same_text": a["content"] == b["content"], "ours": a["content"][:120],
                      "llama": b["content"][:120], "stop": stop_row,
                      "tokens_predicted": [a["tokens_predicted"], b["tokens_predicted"]]})
+    # GET /props, and POST /apply-template of a chat of each prompt
+    props_missing = _missing(_get(llama, "/props", None), _get(ours, "/props", key))
+    same_template = 0
+    for prompt in prompts:
+        msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}]
+        a4, b4 = _post_json(ours, "/apply-template", {"messages": msgs}, key), _post_json(llama, "/apply-template", {"messages": msgs}, None)
+        same_template += a4["prompt"] == b4["prompt"]
     n = len(prompts)
-    return {"prompts": n, "max_tokens": max_tokens,
+    return {"prompts": n, "max_tokens": max_tokens, "props_missing_fields": props_missing, "apply_template_equal": same_template,
             "missing_fields": {k: sorted(v) for k, v in missing.items()},
             "streams_framed_alike": framed, "greedy_text_equal": same_text,
             "stop_word_requests": sum(r["stop"] is not None for r in rows), "stop_type_and_word_equal": same_stop,

@@ -562,7 +562,7 @@ class Ingress:
                                                                                      ingress.max_tokens_limit))
         return {"default_generation_settings": {"n_ctx": card["n_ctx"], "params": llama_api.generation_settings(params, name, False)},
                 "total_slots": ingress.max_in_flight, "model_alias": name, "model_path": name,
-                "modalities": {"vision": False, "audio": False}, "chat_template": card["chat_template"],
+                "modalities": {"vision": False, "video": False, "audio": False}, "chat_template": card["chat_template"],
                 "bos_token": card["bos_token"], "eos_token": card["eos_token"], "build_info": f"osd-serve {_version()}",
                 "endpoint_slots": False, "endpoint_props": False, "endpoint_metrics": True, "is_sleeping": False}
 
