@@ -277,7 +277,16 @@ class DraftPool:
         if loop is None:  # split placement: the target's weights are in another deployment
             raise RequestError("the prompt's log-probabilities (echo with logprobs) are served by the co-located "
                                "placement only")
-        return await self._on_engine(lambda: prompt_logprobs(loop.target, prompt, n))
+        def score():
+            t = time.perf_counter()
+            try:
+                return prompt_logprobs(loop.target, prompt, n)
+            finally:
+                self.meter.inc("osd_engine_prompt_scoring_seconds_total", time.perf_counter() - t)
+
+        scored = await self._on_engine(score)
+        self.meter.inc("osd_engine_prompt_scored_tokens_total", len(scored))
+        return scored
 
     async def _on_engine(self, fn):
         """``fn()`` where the engines run: on the engine loop's thread between two steps (co-located), else here."""
@@ -364,7 +373,12 @@ class DraftPool:
         replica is overloaded), then a :class:`Chunk` per step, then :class:`Done`."""
         try:
             prompt = self._prompt_ids(req)
-            scored = None if req.prompt_logprobs is None else await self._score_prompt(prompt, req.prompt_logprobs)
+            scored = None
+            if req.prompt_logprobs is not None:  # (a prompt past the model's context is refused first, as below)
+                if self.view.max_positions and len(prompt) + req.params.max_tokens > self.view.max_positions:
+                    raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({req.params.max_tokens}) exceeds the "
+                                       f"model's context of {self.view.max_positions} positions")
+                scored = await self._score_prompt(prompt, req.prompt_logprobs)
         except RequestError as e:
             yield Refused(str(e))
             return

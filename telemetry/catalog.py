@@ -108,6 +108,11 @@ CATALOG: dict[str, Family] = _families(
     Family("osd_engine_prefix_cache_blocks", "gauge", "KV blocks indexed by the prefix cache (held or idle)"),
     Family("osd_engine_requests_overloaded_total", "counter",
            "Requests answered 503 because they waited too long for KV budget or the queue was full"),
+    Family("osd_engine_prompt_scored_tokens_total", "counter",
+           "Prompt positions scored for their log-probabilities (echo with logprobs, prompt_logprobs): "
+           "one forward between two steps of the loop"),
+    Family("osd_engine_prompt_scoring_seconds_total", "counter",
+           "Time the loop spent scoring prompts, which the other requests waited"),
     Family("osd_engine_shared_steps_total", "counter",
            "Steps several decoding requests shared, by decision: drafting (the cap allowed drafts), cap_zero "
            "(the cost model allowed none), plain_measured (such steps measured faster decoding plainly)",

@@ -541,3 +541,20 @@ def test_a_replicas_drafts_read_the_configured_window_of_the_prompt_and_serve_th
     assert windowed.held[GENERAL].learned_draft.context_tokens == 16
     assert loop.run(windowed.engine_for("other")).learned_draft.context_tokens == 16
     assert whole.held[GENERAL].learned_draft.context_tokens is None
+
+
+def test_a_prompt_scored_past_the_context_is_refused_before_its_forward(folder, loop):
+    """Scoring a prompt runs a forward of its own before the request joins the loop: a prompt the
+    model's context cannot hold with its max_tokens is refused as the engine refuses it (400),
+    never run; within the context, the scores come with the header and are counted."""
+    pool = LocalPool(app_config(folder))
+    context = pool.view.max_positions
+    items = loop.run(pool.serve(n=8, prompt=None, prompt_ids=[5] * (context - 4), prompt_logprobs=1))
+    assert len(items) == 1 and isinstance(items[0], Refused) and items[0].status == 400
+    assert "exceeds the model's context" in items[0].error
+    assert counter(pool.meter, "osd_engine_prompt_scored_tokens_total") == 0
+    items = loop.run(pool.serve(n=2, prompt=None, prompt_ids=[5, 6, 7, 8], prompt_logprobs=1))
+    head = items[0]
+    assert isinstance(head, Accepted) and head.prompt_ids == [5, 6, 7, 8] and len(head.prompt_logprobs) == 3
+    assert all(len(top) == 1 and rank >= 1 for _, top, rank in head.prompt_logprobs)
+    assert counter(pool.meter, "osd_engine_prompt_scored_tokens_total") == 3

@@ -961,12 +961,16 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_target_would_its_own_output
     chunks = [e for e in events if e != "[DONE]" and e["choices"] and e["choices"][0]["logprobs"]]
     assert chunks[0]["choices"][0]["text"] == "Hello world" and chunks[0]["choices"][0]["logprobs"]["tokens"] == lp["tokens"][:len(ids)]
     assert [v for c in chunks for v in c["choices"][0]["logprobs"]["token_logprobs"]] == lp["token_logprobs"]
+    scored_tokens = counter(app.pools[0].meter, "osd_engine_prompt_scored_tokens_total")
+    assert scored_tokens == 2 * (len(ids) - 1) + len(whole_ids) - 1  # three scorings so far, each counted
+    assert counter(app.pools[0].meter, "osd_engine_prompt_scoring_seconds_total") > 0
     # two choices of one prompt: scored once (its first choice), both carry the prompt's
     calls = len(app.pool.calls)
     both = run(app.post({"prompt": "Hello world", "max_tokens": 3, "ignore_eos": True, "logprobs": 1, "echo": True,
                          "n": 2}))[1]["choices"]
     assert [c[2][0].prompt_logprobs for c in app.pool.calls[calls:]] == [1, None]
     assert [c["logprobs"]["token_logprobs"][: len(ids)] for c in both] == [lp["token_logprobs"][: len(ids)]] * 2
+    assert counter(app.pools[0].meter, "osd_engine_prompt_scored_tokens_total") == scored_tokens + len(ids) - 1
     # without echo, the prompt is not scored
     run(app.post({"prompt": "Hello world", "max_tokens": 2, "logprobs": 1}))
     assert app.pool.calls[-1][2][0].prompt_logprobs is None
