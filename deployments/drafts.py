@@ -30,6 +30,7 @@ import copy
 import logging
 import math
 import time
+import uuid
 import weakref
 from dataclasses import replace
 
@@ -49,7 +50,7 @@ from speculative.runtime import make_runner, resolve_quantize
 from speculative.kvcache import KVCacheFull, kv_bytes_per_token
 from speculative.models import chat_text, encode_messages, encode_prompt, eos_token_ids, load_tokenizer, load_weights
 from speculative.scheduler import EngineLoop, Failed, Finished, Overloaded, Sequence, Started, Step, calibrate_step_cost
-from speculative.summary import prompt_logprobs
+from speculative.summary import score_chunk
 from telemetry.engine import LoopGauges
 from telemetry.spec import count_step
 
@@ -271,22 +272,38 @@ class DraftPool:
         return chat_text(self.tokenizer, messages)
 
     async def _score_prompt(self, prompt: list[int], n: int) -> list:
-        """The prompt's own log-probabilities (:func:`speculative.summary.prompt_logprobs`), between
-        two steps of the engine loop: one forward of its runner over the prompt, every position's row."""
+        """The prompt's own log-probabilities (:func:`speculative.summary.prompt_logprobs`): one
+        forward of the engine loop's runner over the prompt, every position's row, a prefill chunk
+        between two steps at a time (the other requests go on in between), its KV positions held
+        from the loop's budget meanwhile (none free: :class:`KVCacheFull`, a 503)."""
         loop = self.loop
         if loop is None:  # split placement: the target's weights are in another deployment
             raise RequestError("the prompt's log-probabilities (echo with logprobs) are served by the co-located "
                                "placement only")
-        def score():
+        need, chunk, seq = len(prompt), self.cfg.loop.prefill_chunk, f"prompt-logprobs-{uuid.uuid4().hex}"
+        if not await self._on_engine(lambda: loop.reserve(need)):
+            raise KVCacheFull(f"scoring a prompt of {need} tokens needs that many KV positions; the running requests "
+                              f"hold {loop.reserved} of {loop.budget_tokens}")
+        out: list = []
+
+        def step(start: int) -> list:
             t = time.perf_counter()
             try:
-                return prompt_logprobs(loop.target, prompt, n)
+                return score_chunk(loop.target, seq, prompt, start, n, chunk)
             finally:
                 self.meter.inc("osd_engine_prompt_scoring_seconds_total", time.perf_counter() - t)
 
-        scored = await self._on_engine(score)
-        self.meter.inc("osd_engine_prompt_scored_tokens_total", len(scored))
-        return scored
+        def release() -> None:
+            loop.target.release(seq)
+            loop.unreserve(need)
+
+        try:
+            for start in range(0, len(prompt) - 1, chunk):
+                out += await self._on_engine(lambda s=start: step(s))
+        finally:  # (not awaited: also when the client left meanwhile)
+            loop.call(release)
+        self.meter.inc("osd_engine_prompt_scored_tokens_total", len(out))
+        return out
 
     async def _on_engine(self, fn):
         """``fn()`` where the engines run: on the engine loop's thread between two steps (co-located), else here."""

@@ -271,6 +271,18 @@ class EngineLoop:
             self._run_calls()
         return fut
 
+    def reserve(self, tokens: int) -> bool:
+        """Hold ``tokens`` KV positions of the budget for work beside the running sequences (a
+        prompt scored between steps): False, nothing held, when the budget has no room. Call it
+        on the loop's thread (:meth:`call`), and :meth:`unreserve` after."""
+        if self.reserved + tokens > self.budget_tokens:
+            return False
+        self.reserved += tokens
+        return True
+
+    def unreserve(self, tokens: int) -> None:
+        self.reserved -= tokens
+
     def prefix_cache_stats(self) -> dict | None:
         """The target's prefix cache: prompt positions looked up and found (``looked_up``, ``hit``,
         since start) and the blocks it indexes (``blocks``); None where the runner has no pool."""

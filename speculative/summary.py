@@ -91,21 +91,29 @@ def prompt_logprobs(runner, tokens: list[int], n: int, chunk: int = 128) -> list
     given the tokens before it, the ``n`` most likely tokens' there, [(id, logprob)], and its rank
     among them (1: the most likely; vLLM's): temperature 1, unprocessed, the model's own law, as
     :func:`token_logprobs` gives the output's. One forward over the tokens, ``chunk`` positions at
-    a time, on a sequence of its own released at the end (no prefix cache: every row is computed).
-    On the thread that steps the runner."""
+    a time (:func:`score_chunk`), on a sequence of its own released at the end (no prefix cache:
+    every row is computed). On the thread that steps the runner."""
     seq = f"prompt-logprobs-{uuid.uuid4().hex}"
-    fed, out = tokens[:-1], []  # row i scores token i + 1; the last token scores nothing
+    out = []
     try:
-        for start in range(0, len(fed), chunk):
-            piece = fed[start : start + chunk]
-            rows = torch.log_softmax(runner.forward(seq, start, piece, keep_last=len(piece)).float(), -1)  # [P, V]
-            nxt = torch.tensor(tokens[start + 1 : start + 1 + len(piece)])  # [P]
-            lps = rows.gather(1, nxt[:, None])  # [P, 1]
-            ranks = (rows > lps).sum(-1) + 1  # [P]
-            top = torch.topk(rows, n, dim=-1) if n else None
-            for j in range(len(piece)):
-                best = [] if top is None else list(zip(top.indices[j].tolist(), top.values[j].tolist()))
-                out.append((float(lps[j, 0]), best, int(ranks[j])))
+        for start in range(0, len(tokens) - 1, chunk):
+            out += score_chunk(runner, seq, tokens, start, n, chunk)
     finally:
         runner.release(seq)
+    return out
+
+
+def score_chunk(runner, seq: str, tokens: list[int], start: int, n: int, chunk: int) -> list[tuple[float, list[tuple[int, float]], int]]:
+    """:func:`prompt_logprobs` of the tokens after positions ``start`` .. ``start + chunk - 1``:
+    their forward on sequence ``seq``, which holds the positions before ``start``."""
+    piece = tokens[start : min(start + chunk, len(tokens) - 1)]  # row i scores token i + 1; the last scores nothing
+    rows = torch.log_softmax(runner.forward(seq, start, piece, keep_last=len(piece)).float(), -1)  # [P, V]
+    nxt = torch.tensor(tokens[start + 1 : start + 1 + len(piece)])  # [P]
+    lps = rows.gather(1, nxt[:, None])  # [P, 1]
+    ranks = (rows > lps).sum(-1) + 1  # [P]
+    top = torch.topk(rows, n, dim=-1) if n else None
+    out = []
+    for j in range(len(piece)):
+        best = [] if top is None else list(zip(top.indices[j].tolist(), top.values[j].tolist()))
+        out.append((float(lps[j, 0]), best, int(ranks[j])))
     return out

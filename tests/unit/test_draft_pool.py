@@ -558,3 +558,36 @@ def test_a_prompt_scored_past_the_context_is_refused_before_its_forward(folder, 
     assert isinstance(head, Accepted) and head.prompt_ids == [5, 6, 7, 8] and len(head.prompt_logprobs) == 3
     assert all(len(top) == 1 and rank >= 1 for _, top, rank in head.prompt_logprobs)
     assert counter(pool.meter, "osd_engine_prompt_scored_tokens_total") == 3
+
+
+def test_a_prompt_is_scored_a_prefill_chunk_between_steps_with_its_kv_held_from_the_budget(folder, loop):
+    """Scoring goes a prefill chunk at a time, each between two steps of the loop (the other
+    requests go on in between), with the prompt's KV positions held from the loop's budget
+    meanwhile: the same numbers as one forward over it; the budget given back after; no room in
+    the budget, a 503 before any forward."""
+    from speculative.summary import prompt_logprobs
+
+    cfg = app_config(folder)
+    pool = LocalPool(app_config(folder, loop={**cfg.loop.model_dump(), "prefill_chunk": 8}))
+    ids = [(7 * i) % 50 + 3 for i in range(40)]
+    calls, real = [], pool.loop.call
+
+    def counting(fn):
+        calls.append(fn)
+        return real(fn)
+    pool.loop.call = counting
+    items = loop.run(pool.serve(n=2, prompt=None, prompt_ids=ids, prompt_logprobs=2))
+    pool.loop.call = real
+    head = items[0]
+    assert isinstance(head, Accepted) and len(head.prompt_logprobs) == len(ids) - 1
+    assert len(calls) >= 5 + 2  # a reservation, five chunks of 8, the release
+    whole = real(lambda: prompt_logprobs(pool.loop.target, ids, 2, chunk=64)).result()
+    assert [r for _, _, r in head.prompt_logprobs] == [r for _, _, r in whole]
+    # (float32 eager rows: the chunking rounds the largest values differently in the last bits)
+    assert [lp for lp, _, _ in head.prompt_logprobs] == pytest.approx([lp for lp, _, _ in whole], rel=1e-5, abs=1e-5)
+    assert real(lambda: pool.loop.reserved).result() == 0 and len(pool.loop.target) == 0  # all given back
+    held = real(lambda: pool.loop.budget_tokens - 10).result()
+    assert real(lambda: pool.loop.reserve(held)).result()
+    items = loop.run(pool.serve(n=2, prompt=None, prompt_ids=ids[:20], prompt_logprobs=0))
+    assert isinstance(items[0], Refused) and items[0].status == 503 and "KV positions" in items[0].error
+    real(lambda: pool.loop.unreserve(held)).result()
