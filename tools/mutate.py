@@ -75,7 +75,8 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "speculative/summary.py": ("speculative.summary", None, ["tests/unit/test_summary.py", "tests/unit/test_logprobs.py"]),
     # the engine loop's decisions: the shared step's draft cap and the measured drafting switch
     "speculative/scheduler.py": ("speculative.scheduler", {"DraftSwitch", "shared_k_cap", "EngineLoop._k_cap",
-                                                         "EngineLoop._waits", "common_prefix"},
+                                                         "EngineLoop._waits", "common_prefix", "EngineLoop.reserve",
+                                                         "EngineLoop.unreserve"},
                                  ["tests/unit/test_scheduler.py"]),
     # the prefix cache's look-up, shared by a sequence's attach and the loop's wait for a twin
     "speculative/kvcache.py": ("speculative.kvcache", {"BlockPool.lookup", "SeqCache.attach", "PooledCaches.cached_prefix"},

@@ -176,6 +176,24 @@ def test_requests_beyond_the_kv_budget_wait_then_time_out_with_503():
     assert loop.reserved == 0 and loop.target.pool.free_blocks == loop.target.pool.num_blocks
 
 
+def test_positions_reserved_beside_the_sequences_hold_back_admission_until_given_back():
+    """``reserve``: KV positions held for work beside the running sequences (a prompt scored
+    between steps) count against the budget as a running sequence's do: a request that no longer
+    fits waits, and runs once they are given back; a reservation past the budget holds nothing."""
+    loop, spec, _ = _setup(budget=120)
+    assert loop.reserve(80) and loop.reserved == 80
+    assert not loop.reserve(41) and loop.reserved == 80  # 121 > 120: refused, nothing held
+    assert loop.reserve(40) and loop.reserved == 120  # exactly the budget
+    loop.unreserve(40)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)  # needs 48 positions: 80 + 48 > 120
+    _, c = _submit(loop, spec, [5, 6, 7, 8], params, "r")
+    loop.step()
+    assert not c.events and len(loop.waiting) == 1
+    loop.unreserve(80)
+    _drain(loop, [c])
+    assert len(c.tokens) == 40 and loop.reserved == 0
+
+
 def test_past_max_waiting_the_newest_requests_are_turned_away():
     loop, spec, _ = _setup(max_running=2, max_waiting=1)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
