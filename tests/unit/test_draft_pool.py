@@ -576,8 +576,11 @@ def test_a_prompt_is_scored_a_prefill_chunk_between_steps_with_its_kv_held_from_
         calls.append(fn)
         return real(fn)
     pool.loop.call = counting
+    t0 = time.perf_counter()
     items = loop.run(pool.serve(n=2, prompt=None, prompt_ids=ids, prompt_logprobs=2))
+    took = time.perf_counter() - t0
     pool.loop.call = real
+    assert 0 < counter(pool.meter, "osd_engine_prompt_scoring_seconds_total") <= took
     head = items[0]
     assert isinstance(head, Accepted) and len(head.prompt_logprobs) == len(ids) - 1
     assert len(calls) >= 5 + 2  # a reservation, five chunks of 8, the release
@@ -586,6 +589,9 @@ def test_a_prompt_is_scored_a_prefill_chunk_between_steps_with_its_kv_held_from_
     # (float32 eager rows: the chunking rounds the largest values differently in the last bits)
     assert [lp for lp, _, _ in head.prompt_logprobs] == pytest.approx([lp for lp, _, _ in whole], rel=1e-5, abs=1e-5)
     assert real(lambda: pool.loop.reserved).result() == 0 and len(pool.loop.target) == 0  # all given back
+    for size in (33, 34, 41):  # the last chunk one row, a whole chunk, or ending just short of one
+        got = loop.run(pool.serve(n=1, prompt=None, prompt_ids=(ids * 2)[:size], prompt_logprobs=0))[0]
+        assert isinstance(got, Accepted) and len(got.prompt_logprobs) == size - 1, size
     held = real(lambda: pool.loop.budget_tokens - 10).result()
     assert real(lambda: pool.loop.reserve(held)).result()
     items = loop.run(pool.serve(n=2, prompt=None, prompt_ids=ids[:20], prompt_logprobs=0))

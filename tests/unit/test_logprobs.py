@@ -99,3 +99,4 @@ def test_the_prompts_logprobs_are_the_targets_rows_before_each_token_in_chunks_o
         ranks.append(rank)
     assert min(ranks) == 1 and max(ranks) > 2  # the prompt holds tokens the model expects and some it does not
     assert prompt_logprobs(target, full[:1], 2) == [] and prompt_logprobs(target, full, 0, chunk=chunk)[0][1] == []
+    assert len(prompt_logprobs(target, full[:5], 2, chunk=3)) == 4  # a last chunk of one row is scored too
