@@ -24,9 +24,8 @@ from speculative.locate import light_vocab, model_card
 
 from .loopback import bind_replica_grpc, replica_meter
 from . import llama_api, openai_api
-from .llama_api import Outcome
 from .protocol import (Accepted, ChatRequest, CompletionRequest, DetokenizeRequest, Done, GenerateRequest, LlamaCompletionRequest,
-                       Refused, TargetUnavailable, TemplateRequest, TokenizeRequest, error_body, new_id, now)
+                       Outcome, Refused, TargetUnavailable, TemplateRequest, TokenizeRequest, error_body, new_id, now)
 from .resume import resuming
 from .tenants import Admission, Tenants, refuse_open
 

@@ -9,25 +9,10 @@ output text (routing and the queue included), ``predicted_ms`` from there to the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from config import SamplingParams
 
-from .protocol import Done
-
-
-@dataclass
-class Outcome:
-    """One choice's output as the ingress collected it."""
-
-    index: int
-    prompt_tokens: int
-    text: str = ""
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list | None = None  # (logprob, [(id, logprob), ...]) per token, when asked
-    end: Done | None = None
-    first: float | None = None  # perf_counter of the first output text
-    finished: float | None = None
+from .openai_api import finite
+from .protocol import Done, Outcome
 
 
 def stop_type(end: Done) -> tuple[str, str]:
@@ -45,7 +30,7 @@ def probabilities(decode, tokens: list[int], lps: list) -> list[dict]:
     most likely tokens' (``decode``: token ids to text)."""
     def entry(t: int, lp: float) -> dict:
         text = decode([t])
-        return {"id": t, "token": text, "bytes": list(text.encode("utf-8", "replace")), "logprob": max(lp, -9999.0)}
+        return {"id": t, "token": text, "bytes": list(text.encode("utf-8", "replace")), "logprob": finite(lp)}
 
     return [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]} for t, (lp, top) in zip(tokens, lps)]
 

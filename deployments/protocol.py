@@ -526,3 +526,17 @@ class Done:
     usage: dict
     #: what ended it at "stop": the stop string or stop token id matched; None at EOS
     stop_reason: str | int | None = None
+
+
+@dataclass
+class Outcome:
+    """One choice's output as the ingress collected it."""
+
+    index: int
+    prompt_tokens: int
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list | None = None  # (logprob, [(id, logprob), ...]) per token, when asked
+    end: Done | None = None
+    first: float | None = None  # perf_counter of the first output text
+    finished: float | None = None

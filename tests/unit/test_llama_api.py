@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.llama_api import Outcome, stop_type, timings
-from deployments.protocol import Done, LlamaCompletionRequest
+from deployments.llama_api import stop_type, timings
+from deployments.protocol import Done, LlamaCompletionRequest, Outcome
 from inprocess import App, app_config, save_tiny_model
 from speculative import ModelRunner, SpeculativeEngine
 from speculative.models import load_tokenizer, load_weights
