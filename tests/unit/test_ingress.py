@@ -496,8 +496,8 @@ def test_a_client_leaving_mid_stream_is_a_499_and_ends_the_decoding(app, n):
     assert counter(app.ingress.meter, "osd_requests_total", tenant="alice", status=200) == 0
     assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
     pool = app.pools[0]
-    for _ in range(200):  # the engine loop drops it at its next step boundary
-        if not pool.loop.running:
+    for _ in range(1000):  # the engine loop drops it at its next step boundary (running first, then its KV)
+        if not pool.loop.running and pool.loop.reserved == 0 and all(not e.requests for e in pool.held.values()):
             break
         time.sleep(0.01)
     assert pool.running == 0 and not pool.loop.running and all(not e.requests for e in pool.held.values())
@@ -590,11 +590,13 @@ def test_a_request_that_fails_otherwise_is_a_500_in_openais_shape_whole_or_strea
     pool = a.pools[0]
 
     def ended() -> bool:
-        for _ in range(200):  # the engine loop drops them at its next step boundary
-            if not pool.loop.running:
+        def gone() -> bool:  # (the loop's thread takes a sequence out of running before it gives its KV back)
+            return not pool.loop.running and pool.loop.reserved == 0 and all(not e.requests for e in pool.held.values())
+        for _ in range(1000):  # the engine loop drops them at its next step boundary
+            if gone():
                 break
             time.sleep(0.01)
-        return pool.loop.reserved == 0 and all(not e.requests for e in pool.held.values())
+        return gone()
 
     body = {"prompt": "Hi", "max_tokens": 30, "ignore_eos": True, "n": n}
     got, events, _ = run(a.post({**body, "stream": True}))
@@ -1125,8 +1127,8 @@ def test_a_choice_the_replica_refuses_ends_the_others_too(folder):
     assert status == 503 and body["error"]["code"] == "overloaded" and int(headers["retry-after"]) >= 1
     assert len(app.pool.streams) == 5 and all(s.cancelled for s in app.pool.streams)
     pool = app.pools[0]
-    for _ in range(200):  # the engine loop drops them at its next step boundary
-        if not pool.loop.running:
+    for _ in range(1000):  # the engine loop drops them at its next step boundary (running first, then their KV)
+        if not pool.loop.running and pool.loop.reserved == 0 and all(not e.requests for e in pool.held.values()):
             break
         time.sleep(0.01)
     assert pool.loop.reserved == 0 and all(not e.requests for e in pool.held.values())
