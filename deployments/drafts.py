@@ -45,7 +45,7 @@ from learner.replay import LEARNED_SOURCES, RecordBuilder
 from config.draft_ids import GENERAL, start_domain
 from speculative import RequestError, SpeculativeEngine, TargetRows, VerifyCall
 from speculative.detokenize import Detokenizer
-from speculative.engine import time_verify
+from speculative.engine import check_context, time_verify
 from speculative.runtime import make_runner, resolve_quantize
 from speculative.kvcache import KVCacheFull, kv_bytes_per_token
 from speculative.models import chat_text, encode_messages, encode_prompt, eos_token_ids, load_tokenizer, load_weights
@@ -391,10 +391,8 @@ class DraftPool:
         try:
             prompt = self._prompt_ids(req)
             scored = None
-            if req.prompt_logprobs is not None:  # (a prompt past the model's context is refused first, as below)
-                if self.view.max_positions and len(prompt) + req.params.max_tokens > self.view.max_positions:
-                    raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({req.params.max_tokens}) exceeds the "
-                                       f"model's context of {self.view.max_positions} positions")
+            if req.prompt_logprobs is not None:  # (a prompt past the model's context is refused first, as the engine would)
+                check_context(len(prompt), req.params.max_tokens, self.view.max_positions)
                 scored = await self._score_prompt(prompt, req.prompt_logprobs)
         except RequestError as e:
             yield Refused(str(e))

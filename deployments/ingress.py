@@ -162,6 +162,15 @@ def _unavailable_body(e: BaseException) -> dict:
     return error_body(str(getattr(e, "cause", e)), "server_error", code="target_unavailable")
 
 
+def _stream_failure(e: Exception, rid: str) -> tuple[int, dict]:
+    """A stream that failed after its status line: the status its metrics count and the error event
+    it ends with (the target gone: retryable, as a 503 would be; anything else logged, a 500)."""
+    if _target_gone(e):
+        return 503, _unavailable_body(e)
+    log.exception("stream %s failed", rid)
+    return 500, error_body(f"generation failed: {e}", "server_error")
+
+
 def _unavailable(e: BaseException) -> JSONResponse:
     return JSONResponse(_unavailable_body(e), status_code=503, headers={"Retry-After": str(TargetUnavailable.retry_after_s)})
 
@@ -729,12 +738,7 @@ class Ingress:
             status = 499  # nginx's "client closed request", as the metrics' status
             raise
         except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
-            if _target_gone(e):  # retryable, as a 503 would be
-                status = 503
-                body = _unavailable_body(e)
-            else:
-                log.exception("stream %s failed", rid)
-                body = error_body(f"generation failed: {e}", "server_error")
+            status, body = _stream_failure(e, rid)
             yield f"data: {json.dumps(body)}\n\n"
         finally:
             settle(used, status, usage)
@@ -787,12 +791,7 @@ class Ingress:
             status = 499
             raise
         except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
-            if _target_gone(e):
-                status = 503
-                body = _unavailable_body(e)
-            else:
-                log.exception("stream of %s failed", [c.gen.request_id for c in choices])
-                body = error_body(f"generation failed: {e}", "server_error")
+            status, body = _stream_failure(e, choices[0].gen.request_id)
             yield event(body)
         finally:
             settle(used, status, usage)

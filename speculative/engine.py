@@ -158,6 +158,13 @@ class Generation:
     first_token_s: float | None
 
 
+def check_context(prompt_tokens: int, max_tokens: int, max_positions: int | None) -> None:
+    """Refuse (:class:`RequestError`) a request the model's context cannot hold with its max_tokens."""
+    if max_positions and prompt_tokens + max_tokens > max_positions:
+        raise RequestError(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                           f"context of {max_positions} positions")
+
+
 class SpeculativeEngine:
     """Target + proposer + k policy, serving many requests addressed by id (single-threaded)."""
 
@@ -225,11 +232,7 @@ class SpeculativeEngine:
         named = [t for t in params.token_ids() if t >= self.vocab_size]
         if named:
             raise RequestError(f"logit_bias and stop_token_ids name token ids out of range [0, {self.vocab_size}): {named[:5]}")
-        if self.max_positions and len(tokens) + params.max_tokens > self.max_positions:
-            raise RequestError(
-                f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context of {self.max_positions} positions"
-            )
+        check_context(len(tokens), params.max_tokens, self.max_positions)
         rid = request_id or uuid.uuid4().hex
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already active")
