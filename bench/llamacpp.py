@@ -8,7 +8,9 @@ import time
 from pathlib import Path
 
 INSTALL = ("pip install 'osd-serve[llamacpp]' (or pip install llama-cpp-python==0.3.36; it builds llama.cpp "
-           "from source with the machine's gcc and cmake, about 6 min on 2 cores)")
+           "from source with the machine's gcc and cmake, about 6 min on 2 cores; on a virtual machine whose CPU "
+           "lists AMX, set CFLAGS and CXXFLAGS to '-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' for the build, or "
+           "llama.cpp dies with SIGILL at its first token)")
 
 
 class BackendUnavailable(RuntimeError):
@@ -30,15 +32,19 @@ def gguf_of(model_name: str) -> Path:
     raise BackendUnavailable(f"llama.cpp runs GGUF files; target {model_name!r} is not one")
 
 
-def load_llamacpp(gguf: str | Path, threads: int = 2, n_ctx: int = 4096, logits_all: bool = False):
+def load_llamacpp(gguf: str | Path, threads: int = 2, n_ctx: int = 4096, logits_all: bool = False,
+                  flash_attn: bool = False):
     """A ``llama_cpp.Llama`` on ``threads`` threads, or :class:`BackendUnavailable` saying how to
-    install it. ``logits_all``: logits for every evaluated position (to time verification)."""
+    install it. ``logits_all``: logits for every evaluated position (to time verification).
+    ``flash_attn``: llama.cpp's fused attention (float16 queries and sums), which llama-server
+    turns on by default on a CPU and llama-cpp-python does not: its logits differ from the other
+    path's by up to about 0.1 in log-probability."""
     try:
         import llama_cpp
     except ImportError:
         raise BackendUnavailable(f"llama.cpp is not installed: {INSTALL}") from None
     return llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                           n_batch=512, logits_all=logits_all, verbose=False)
+                           n_batch=512, logits_all=logits_all, flash_attn=flash_attn, verbose=False)
 
 
 def llamacpp_greedy(llm, ids: list[int], max_tokens: int, eos: set[int]) -> tuple[list[int], float]:
