@@ -374,6 +374,13 @@ def test_teacher_data_carries_the_features_serving_records(trained_target, tok):
     torch.testing.assert_close(rec.features.float(), s.features[:n].float(), atol=2e-3, rtol=2e-3)
 
 
+def _fewer_misses(before: float, after: float) -> bool:
+    """Training took at least a quarter of the held-out misses away (disagreements, or rejected
+    drafts). The starting draft is the target's own last layer over its features: on some machines'
+    trained target it already agrees on about 0.9 of the positions, where no fixed gain of 0.1 fits."""
+    return 1 - after <= 0.75 * (1 - before)
+
+
 def test_offline_distillation_raises_held_out_agreement_and_serves_from_its_checkpoint(trained_target, tok, tmp_path):
     from drafts.build import build_draft_model, load_draft, save_draft
     from learner.offline import DistillConfig, collect_teacher_data, distill
@@ -385,10 +392,10 @@ def test_offline_distillation_raises_held_out_agreement_and_serves_from_its_chec
     train, held = data[:36], data[36:]  # held-out prompts: never trained on
     draft, keep = build_draft_model(DraftConfig(kind="feature"), trained_target, tok)
     untrained = copy.deepcopy(draft)
-    hist = distill(draft, train, DistillConfig(lr=1e-3, top_k=8, batch_positions=128, max_steps=60, epochs=100,
+    hist = distill(draft, train, DistillConfig(lr=1e-3, top_k=8, batch_positions=128, max_steps=150, epochs=100,
                                                warmup_steps=5), log=None, heldout=held)
     assert hist["agreement_on"] == "heldout"
-    assert hist["agreement_after"] >= hist["agreement_before"] + 0.1, hist
+    assert _fewer_misses(hist["agreement_before"], hist["agreement_after"]), hist
 
     save_draft(draft, tmp_path / "f", keep, meta={"note": "offline"})
     loaded, keep2, meta = load_draft(tmp_path / "f")
@@ -415,7 +422,8 @@ def test_offline_distillation_raises_held_out_agreement_and_serves_from_its_chec
             acc, drafted = acc + sum(s.accepted for s in steps), drafted + sum(s.proposed for s in steps)
         return acc / drafted
 
-    assert serve(str(tmp_path / "f")) > serve(untrained) + 0.1
+    before, after = serve(untrained), serve(str(tmp_path / "f"))
+    assert after > before and _fewer_misses(before, after), (before, after)
 
 
 # -- fusing several of the target's layers (EAGLE-3) --------------------------------------------------
@@ -791,7 +799,7 @@ def test_distilling_with_the_feature_loss_brings_predicted_features_to_the_targe
 
     def run(weight):
         draft, _ = build_draft_model(DraftConfig(kind="feature"), trained_target, tok)
-        hist = distill(draft, train, DistillConfig(lr=1e-3, top_k=8, batch_positions=128, max_steps=40, epochs=100,
+        hist = distill(draft, train, DistillConfig(lr=1e-3, top_k=8, batch_positions=128, max_steps=100, epochs=100,
                                                    warmup_steps=5, feature_loss=weight), log=None, heldout=held)
         with torch.no_grad():
             _, pred, tgt, valid = draft.teacher_forced(held)
@@ -800,4 +808,4 @@ def test_distilling_with_the_feature_loss_brings_predicted_features_to_the_targe
     without, _ = run(0.0)
     with_, hist1 = run(1.0)
     assert with_ < 0.75 * without, (with_, without)  # 0.21 against 0.33 when written
-    assert hist1["agreement_after"] >= hist1["agreement_before"] + 0.1, hist1
+    assert _fewer_misses(hist1["agreement_before"], hist1["agreement_after"]), hist1
