@@ -4,6 +4,7 @@ checked against target-only greedy, and the report's figures consistent with its
 from __future__ import annotations
 
 import pytest
+import torch
 
 from bench.bench import format_table, run_bench, select
 from workloads import WorkloadRecord, without_prompts_of
@@ -222,3 +223,15 @@ def test_tally_speeds():
     unknown = Tally()
     unknown.add(10, 2.0, True, None)
     assert unknown.first_s is None and unknown.decode_tps is None
+
+
+def test_quality_counts_a_sequence_equal_only_when_every_position_and_its_end_agree():
+    from bench.quality import _tally
+
+    eos = {0}
+    # argmax row i predicts out[i]; the last row what follows out
+    assert _tally(torch.tensor([5, 6, 7, 9]), [5, 6, 7], 3, eos) == (3, True)  # ran to max_tokens: any next
+    assert _tally(torch.tensor([5, 6, 0]), [5, 6], 4, eos) == (2, True)  # stopped: the next is the end
+    assert _tally(torch.tensor([5, 6, 8]), [5, 6], 4, eos) == (2, False)  # would have gone on
+    assert _tally(torch.tensor([5, 4, 7, 9]), [5, 6, 7], 3, eos) == (2, False)  # one flipped position
+    assert _tally(torch.tensor([0]), [], 4, eos) == (0, True)  # an immediate end on both sides
