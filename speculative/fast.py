@@ -107,13 +107,17 @@ class _PackedLinear(nn.Module):
 
 
 class Int8Linear(_PackedLinear):
-    """y = x W^T + b with W stored as int8, one float scale per output row (symmetric, amax / 127).
-    Two kernels, each computing an output row from its input row alone: the native one
-    (:mod:`speculative.qmatmul`, the default where it builds and the input width is a multiple of
-    32: x rounded to 8 bits per group of 32, integer dot products, outputs padded to 16) and torch's
-    ``aten._weight_int8pack_mm`` (x rounded to bfloat16, the scale too). y comes back in float32.
-    Several linears of the same input fuse into one (their rows stacked), which gives the same
-    numbers as running them apart."""
+    """y = x W^T + b with W in 8 bits. Two kernels, each computing an output row from its input row
+    alone:
+      - the native one (:mod:`speculative.qmatmul`, the default where it builds and the input width
+        is a multiple of 32): W symmetric per group of 32 inputs, the scale amax / 127 in float16,
+        like llama.cpp's Q8_0 (the embedded GGUF's embeddings, which the head shares: the served
+        head holds them exactly); x rounded to 8 bits per group of 32, integer dot products,
+        outputs padded to 16;
+      - torch's ``aten._weight_int8pack_mm``: one scale per output row (symmetric, amax / 127), x
+        rounded to bfloat16, the scale too.
+    y comes back in float32. Several linears of the same input fuse into one (their rows stacked),
+    which gives the same numbers as running them apart."""
 
     scale: torch.Tensor
     wsum: torch.Tensor
@@ -121,18 +125,22 @@ class Int8Linear(_PackedLinear):
     def __init__(self, *linears: nn.Linear, native: bool = True):
         super().__init__()
         w = torch.cat([lin.weight.detach().float() for lin in linears])  # [N, K]
-        scale = w.abs().amax(1).clamp_min(1e-12) / 127  # [N]
-        self.register_buffer("weight", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous())
-        self.register_buffer("scale", scale.to(torch.bfloat16))
-        self.in_features, self.out_features = w.shape[1], w.shape[0]
-        self.kernel = load_q8() if native and w.shape[1] % GROUP == 0 else None
-        if self.kernel is not None:  # the packed layout replaces torch's
-            pad = -w.shape[0] % 16
-            w8, wsum, sc = pack_q8(torch.cat([self.weight, self.weight.new_zeros(pad, w.shape[1])]),
-                                   torch.cat([scale, scale.new_ones(pad)]))
+        n, k = w.shape
+        self.in_features, self.out_features = k, n
+        self.kernel = load_q8() if native and k % GROUP == 0 else None
+        if self.kernel is None:
+            scale = w.abs().amax(1).clamp_min(1e-12) / 127  # [N]
+            self.register_buffer("weight", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous())
+            self.register_buffer("scale", scale.to(torch.bfloat16))
+        else:
+            w = torch.cat([w, w.new_zeros(-n % 16, k)])  # [N + pad, K]
+            groups = w.view(w.shape[0], k // GROUP, GROUP)  # [N', K/32, 32]
+            d = (groups.abs().amax(-1) / 127).half().float()  # [N', K/32]
+            q = torch.where(d[..., None] > 0, groups / d[..., None], torch.zeros_like(groups))
+            w8, wsum, d8 = pack_q8(q.round().clamp(-127, 127).to(torch.int8).view(w.shape), d)
             self.register_buffer("weight", w8)  # (the kernel's layout)
             self.register_buffer("wsum", wsum)
-            self.register_buffer("scale", sc)
+            self.register_buffer("scale", d8)
         self.bias, self.splits = _fused_bias(linears)
         self.set_adapter(linears)
 

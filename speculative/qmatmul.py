@@ -3,10 +3,11 @@
 torch's ``_weight_int4pack_mm_for_cpu`` widens the 4-bit weights to float for every block of a few
 rows, so its cost grows almost linearly with the rows of a call. A verify step of 8 sequences is
 16-40 rows and a prompt chunk hundreds, so that was the engine loop's largest cost under
-concurrency. The kernels here do what llama.cpp does for Q4_1 weights: each row of the input is
-rounded to 8 bits per group of 32 (one scale per group, and the rounded group's sum for the
-weights' minimum), and each group's product is an exact integer dot product (AVX-512 VNNI, or
-AVX2's ``maddubs``), scaled in float32. Measurements (time per rows of a call, agreement with
+concurrency. The kernels here do what llama.cpp does for Q4_1 and Q8_0 weights (the embedded
+GGUF's types): each row of the input is rounded to 8 bits per group of 32 (one scale per group, and
+the rounded group's sum for the weights' minimum, in float32 where llama.cpp's Q8_1 blocks keep
+them in float16), and each group's product is an exact integer dot product (AVX-512 VNNI, or AVX2's
+``maddubs``), scaled in float32. Measurements (time per rows of a call, agreement with
 the float model): docs/fast.md, "The native matrix kernels".
 
 Exactness: an output is computed from its own input row and weight row alone, in one fixed order
@@ -79,15 +80,24 @@ def unpack_q4(wq: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     return (q * d + m).view(T * TILE, G * GROUP)
 
 
-def pack_q8(w: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's layout of weights w * scale: w [N, K] int8 (N a multiple of 16), scale [N].
-    Returns (w8 [N/16, K/32, 8, 16, 4] int8, wsum [N/16, K/32, 16] int32, scale [N] float32)."""
+def pack_q8(w: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's layout of weights w * d per group of 32 (Q8_0): w [N, K] int8 (N a multiple of
+    16), d [N, K/32] (rounded to float16). Returns (w8 [N/16, K/32, 8, 16, 4] int8, wsum [N/16, K/32,
+    16] int32, d8 [N/16, K/32, 16] float16)."""
     N, K = w.shape
     T, G = N // TILE, K // GROUP
     tiles = w.view(T, TILE, G, 8, 4)
     w8 = tiles.permute(0, 2, 3, 1, 4).contiguous()  # [T, G, quad, lane, 4]
     wsum = tiles.to(torch.int32).sum((3, 4)).permute(0, 2, 1).to(torch.int32).contiguous()  # [T, G, lane] (sum widens)
-    return w8, wsum, scale.float().contiguous()
+    d8 = d.to(torch.float16).view(T, TILE, G).permute(0, 2, 1).contiguous()  # [T, G, lane]
+    return w8, wsum, d8
+
+
+def unpack_q8(w8: torch.Tensor, d8: torch.Tensor) -> torch.Tensor:
+    """The float weights [N, K] the packed 8-bit ones hold (for tests and checks)."""
+    T, G = w8.shape[:2]
+    w = w8.permute(0, 3, 1, 2, 4).reshape(T * TILE, G, GROUP).float()  # [N, G, 32]
+    return (w * d8.float().permute(0, 2, 1).reshape(T * TILE, G, 1)).view(T * TILE, G * GROUP)
 
 
 def _rows(x: torch.Tensor, K: int) -> torch.Tensor:
@@ -112,12 +122,12 @@ def q4_mm(kernel: Kernel, wq: torch.Tensor, dm: torch.Tensor, x: torch.Tensor) -
     return y
 
 
-def q8_mm(kernel: Kernel, w8: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float -> x (W * scale)^T [M, N] float32 through the 8-bit kernel."""
+def q8_mm(kernel: Kernel, w8: torch.Tensor, wsum: torch.Tensor, d8: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float -> x W^T [M, N] float32 through the 8-bit kernel (W = w8 * d8 per group)."""
     N, K = w8.shape[0] * TILE, w8.shape[1] * GROUP
     x = _rows(x, K)
     y, work = torch.empty(x.shape[0], N), _work(x.shape[0], K)  # (held while the kernel runs)
-    rc = kernel(w8.data_ptr(), wsum.data_ptr(), scale.data_ptr(), N, K, x.data_ptr(), x.stride(0), x.shape[0],
+    rc = kernel(w8.data_ptr(), wsum.data_ptr(), d8.data_ptr(), N, K, x.data_ptr(), x.stride(0), x.shape[0],
                 y.data_ptr(), work.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"int8 kernel refused the shapes (N {N}, K {K})")

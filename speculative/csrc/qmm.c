@@ -1,14 +1,19 @@
 /* Products of quantised weights with rows rounded to 8 bits, by integer dot products
-   (speculative/qmatmul.py packs the weights and calls them):
-     osd_q4_mm: W in 4-bit groups of 32 (a scale d and a minimum m per group, like llama.cpp's Q4_1)
-     osd_q8_mm: W in 8 bits, one scale per output (the head)
-   Each row of x is rounded to 8 bits per group of 32 (one scale xs per group, like Q8_1).
+   (speculative/qmatmul.py packs the weights and calls them), as llama.cpp computes them for the
+   GGUF's own types:
+     osd_q4_mm: W in 4-bit groups of 32 (a scale d and a minimum m per group: Q4_1)
+     osd_q8_mm: W in 8-bit groups of 32 (a scale d per group: Q8_0, the embedded GGUF's embeddings,
+                which the head shares)
+   Each row of x is rounded to 8 bits per group of 32, like llama.cpp's Q8_1: one scale xs per
+   group and xsum, the scale times the sum of the group's integers, both in float32 (llama.cpp
+   keeps them in float16: doing so too brought the outputs no closer to its and cost agreement
+   with the float model, docs/fast.md, "How close each runtime is").
 
    Each output y[r, n] is computed by the same code in the same order, whatever else shares the
    call: per group g an exact integer sum s_g = sum_i q[n, i] xq[r, i], then
        4 bits:  acc = fma((float)s_g, d[n, g] * xs[r, g], acc);  acc = fma(m[n, g], xsum[r, g], acc)
-       8 bits:  acc = fma((float)s_g, xs[r, g], acc)   (and y = acc * scale[n] at the end)
-   over g = 0, 1, ... in order, where xsum is xs times the sum of the row's rounded group. A row's
+       8 bits:  acc = fma((float)s_g, d[n, g] * xs[r, g], acc)
+   over g = 0, 1, ... in order. A row's
    result therefore does not depend on the rows beside it, on the threads (an output is never split
    between them) nor on the instruction set: the AVX-512 VNNI and AVX2 paths
    do the same float operations lane by lane on the same integers.
@@ -18,7 +23,8 @@
         q[n][k = 32 g + 4 (c + 4) + b] in its high nibble (q in 0..15)
      dm: [N/16][K/32][2][16] float16: d of the tile's 16 outputs, then m
    8 bits, w8: [N/16][K/32][8][64] int8: chunk c holds w[16 t + lane][32 g + 4 c + b] at 4 lane + b
-     wsum: [N/16][K/32][16] int32: each output's sum of the group's weights;  scale: [N] float32
+     wsum: [N/16][K/32][16] int32: each output's sum of the group's weights;
+     d8: [N/16][K/32][16] float16: each output's scale of the group
    x:   [M, K] float32 rows x_stride apart;  y: [M, N] float32 (N a multiple of 16, K of 32)
    work: M * K bytes + 8 * M * K / 32 bytes of scratch (the rows in 8 bits, their scales and sums) */
 #include <immintrin.h>
@@ -26,11 +32,11 @@
 #include <omp.h>
 #include <stdint.h>
 
-/* a row of x in 8 bits: xq[i] = round(x[i] / xs_g) with xs_g = max |x| / 127 over the group, and
-   xsum_g = xs_g * sum_i xq[i], the sum of the rounded row: the weights' minimum then multiplies the
-   same rounded values as their steps do (the product is that of W with the rounded row). Taking the
-   exact sum instead would leave the steps' rounding error uncentred (q is 0..15), which measurably
-   costs agreement with the float model (docs/fast.md, "The native matrix kernels"). */
+/* a row of x in 8 bits: xq[i] = round(x[i] * 127 / max |x|) over the group (ties to even), the
+   group's scale xs_g = max |x| / 127, and xsum_g = xs_g * sum_i xq[i], the sum of the rounded row:
+   the weights' minimum then multiplies the same rounded values as their steps do. Taking the exact
+   sum instead would leave the steps' rounding error uncentred (q is 0..15), which measurably costs
+   agreement with the float model (docs/fast.md, "The native matrix kernels"). */
 static void quantise_row(const float *x, int64_t K, int8_t *xq, float *xs, float *xsum) {
     for (int64_t g = 0; g < K / 32; g++) {
         const float *v = x + 32 * g;
@@ -82,7 +88,7 @@ static inline void tile_rows(const uint8_t *wt, const uint16_t *dmt, int64_t G, 
 }
 /* 8 bits: VNNI multiplies unsigned by signed bytes, so the row goes in as xq + 128 (its bytes with
    the top bit flipped) and 128 * wsum comes off the integer sum */
-static inline void tile_rows8(const int8_t *wt, const int32_t *wst, const float *sc, int64_t G, const int8_t *xq,
+static inline void tile_rows8(const int8_t *wt, const int32_t *wst, const uint16_t *dt, int64_t G, const int8_t *xq,
                               const float *xs, int64_t K, int64_t r0, int nr, float *y, int64_t N, int64_t n0) {
     __m512 acc[ROWS];
     for (int j = 0; j < ROWS; j++) acc[j] = _mm512_setzero_ps();
@@ -90,16 +96,17 @@ static inline void tile_rows8(const int8_t *wt, const int32_t *wst, const float 
         __m512i w[8];
         for (int c = 0; c < 8; c++) w[c] = _mm512_loadu_si512((const void *)(wt + g * 512 + c * 64));
         const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512((const void *)(wst + g * 16)), 7);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dt + g * 16)));
         for (int j = 0; j < nr; j++) {
             const int64_t r = r0 + j;
             const int32_t *xr = (const int32_t *)(xq + r * K + 32 * g);
             __m512i s = _mm512_setzero_si512();
             for (int c = 0; c < 8; c++) s = _mm512_dpbusd_epi32(s, _mm512_set1_epi32(xr[c] ^ (int32_t)0x80808080), w[c]);
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s, off)), _mm512_set1_ps(xs[r * G + g]), acc[j]);
+            const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(xs[r * G + g]));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s, off)), ds, acc[j]);
         }
     }
-    const __m512 scale = _mm512_loadu_ps(sc + n0);
-    for (int j = 0; j < nr; j++) _mm512_storeu_ps(y + (r0 + j) * N + n0, _mm512_mul_ps(acc[j], scale));
+    for (int j = 0; j < nr; j++) _mm512_storeu_ps(y + (r0 + j) * N + n0, acc[j]);
 }
 #else
 #define ROWS 4
@@ -135,7 +142,7 @@ static inline void tile_rows(const uint8_t *wt, const uint16_t *dmt, int64_t G, 
 }
 /* AVX2: |w| times x with w's sign (maddubs multiplies unsigned by signed bytes; pairs stay within
    16 bits since |x| <= 127) */
-static inline void tile_rows8(const int8_t *wt, const int32_t *wst, const float *sc, int64_t G, const int8_t *xq,
+static inline void tile_rows8(const int8_t *wt, const int32_t *wst, const uint16_t *dt, int64_t G, const int8_t *xq,
                               const float *xs, int64_t K, int64_t r0, int nr, float *y, int64_t N, int64_t n0) {
     const __m256i ones = _mm256_set1_epi16(1);
     (void)wst;
@@ -148,17 +155,17 @@ static inline void tile_rows8(const int8_t *wt, const int32_t *wst, const float 
                 w[c] = _mm256_loadu_si256((const __m256i *)(wt + g * 512 + c * 64 + 32 * h));
                 u[c] = _mm256_abs_epi8(w[c]);
             }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dt + g * 16 + 8 * h)));
             for (int j = 0; j < nr; j++) {
                 const int64_t r = r0 + j;
                 const int32_t *xr = (const int32_t *)(xq + r * K + 32 * g);
                 __m256i s = _mm256_setzero_si256();
                 for (int c = 0; c < 8; c++)
                     s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u[c], _mm256_sign_epi8(_mm256_set1_epi32(xr[c]), w[c])), ones));
-                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(xs[r * G + g]), acc[j]);
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(xs[r * G + g])), acc[j]);
             }
         }
-        const __m256 scale = _mm256_loadu_ps(sc + n0 + 8 * h);
-        for (int j = 0; j < nr; j++) _mm256_storeu_ps(y + (r0 + j) * N + n0 + 8 * h, _mm256_mul_ps(acc[j], scale));
+        for (int j = 0; j < nr; j++) _mm256_storeu_ps(y + (r0 + j) * N + n0 + 8 * h, acc[j]);
     }
 }
 #endif
@@ -186,7 +193,7 @@ int osd_q4_mm(const uint8_t *wq, const uint16_t *dm, int64_t N, int64_t K, const
     return 0;
 }
 
-int osd_q8_mm(const int8_t *w8, const int32_t *wsum, const float *scale, int64_t N, int64_t K, const float *x,
+int osd_q8_mm(const int8_t *w8, const int32_t *wsum, const uint16_t *d8, int64_t N, int64_t K, const float *x,
               int64_t x_stride, int64_t M, float *y, uint8_t *work, int threads) {
     if (N % 16 || K % 32 || M < 0) return -1;
     const int64_t G = K / 32;
@@ -194,7 +201,7 @@ int osd_q8_mm(const int8_t *w8, const int32_t *wsum, const float *scale, int64_t
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < N / 16; t++)
         for (int64_t r0 = 0; r0 < M; r0 += ROWS)
-            tile_rows8(w8 + t * G * 512, wsum + t * G * 16, scale, G, q.xq, q.xs, K, r0, M - r0 < ROWS ? (int)(M - r0) : ROWS,
+            tile_rows8(w8 + t * G * 512, wsum + t * G * 16, d8 + t * G * 16, G, q.xq, q.xs, K, r0, M - r0 < ROWS ? (int)(M - r0) : ROWS,
                        y, N, 16 * t);
     return 0;
 }

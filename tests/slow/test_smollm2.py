@@ -214,6 +214,23 @@ def test_int4_runtime_is_the_fast_path(int4_engines):
     assert runtime_of(spec.target) == "int4" and runtime_of(spec.learned_draft.runner) == "int4"
 
 
+def test_the_int4_target_holds_the_ggufs_weights_exactly():
+    """The GGUF's layers are Q4_1 and its embeddings (the head) Q8_0: the packed runtime holds every
+    weight as the file does (the float model is the GGUF dequantised), so the served model differs
+    from llama.cpp's only in how activations and attention are computed, not in its weights."""
+    from speculative.fast import FastRunner
+    from speculative.models import load_model
+    from speculative.qmatmul import unpack_q4, unpack_q8
+
+    model, _ = load_model(ModelConfig(quantize="none"))
+    runner = FastRunner(model, bits=4)
+    for packed, sources in runner._sources[:-1]:
+        w = torch.cat([src.weight.detach().float() for src in sources])
+        assert torch.equal(unpack_q4(packed.weight, packed.dm)[: w.shape[0]], w)
+    head = model.lm_head.weight.detach().float()
+    assert torch.equal(unpack_q8(runner.head.weight, runner.head.scale)[: head.shape[0]], head)
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_int4_greedy_speculative_equals_its_target_only(int4_engines, prompt):
     alone, spec = int4_engines

@@ -220,15 +220,22 @@ def test_choice_of_runtime_and_clear_refusals():
 
 
 def test_int8_holds_weights_on_its_grid_exactly():
-    """Symmetric int8, one scale per row = max |w| / 127: a row whose largest weight is 127 steps
-    of a power-of-two step (exact in bfloat16) is held without loss, the extremes +-127 included,
-    so the columns come back exactly (one-hot inputs, outputs of 8 significant bits)."""
+    """Symmetric int8, a scale = max |w| / 127 per group of 32 (native kernel, Q8_0) or per row
+    (torch's kernel): weights whose largest in each group is 127 steps of a power-of-two step
+    (exact in float16 and bfloat16) are held without loss, the extremes +-127 included, so the
+    columns come back exactly: one-hot inputs (of 127 / 128 for the native kernel, whose float16
+    activation scale 1 / 128 is then exact too; torch's kernel answers in bfloat16, 8 bits)."""
     g = torch.Generator().manual_seed(0)
     steps = torch.randint(-127, 128, (32, 64), generator=g).float()
-    steps[:, 0], steps[::2, 1] = 127, -127  # every row reaches the grid's extremes
+    steps[:, 0], steps[::2, 1], steps[:, 32] = 127, -127, -127  # every group reaches the grid's extremes
     lin = torch.nn.Linear(64, 32, bias=False)
     lin.weight.data = steps * 2.0**-7
-    assert torch.equal(Int8Linear(lin)(torch.eye(64)), lin.weight.data.t())
+    x = torch.eye(64) * (127 / 128)
+    assert torch.equal(Int8Linear(lin)(x), lin.weight.data.t() * (127 / 128))
+    assert torch.equal(Int8Linear(lin, native=False)(torch.eye(64)), lin.weight.data.t())
+    lin.weight.data[:, 32:] *= 0.5  # a group of a smaller scale: still exact per group, not per row
+    assert torch.equal(Int8Linear(lin)(x), lin.weight.data.t() * (127 / 128))
+    assert not torch.equal(Int8Linear(lin, native=False)(torch.eye(64)), lin.weight.data.t())
 
 
 def test_a_model_without_a_head_or_with_windowed_attention_is_refused():

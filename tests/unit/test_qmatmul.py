@@ -14,7 +14,8 @@ import torch
 
 from speculative import native, qmatmul
 from speculative.fast import FastRunner, Int4Linear, Int8Linear
-from speculative.qmatmul import load_q4, load_q8, load_rms, pack_q4, pack_q8, q4_mm, q8_mm, rms_norm, unpack_q4
+from speculative.qmatmul import (load_q4, load_q8, load_rms, pack_q4, pack_q8, q4_mm, q8_mm, rms_norm, unpack_q4,
+                                 unpack_q8)
 
 from conftest import tiny_llama
 
@@ -28,12 +29,36 @@ def _q4_weights(N: int, K: int, seed: int = 0):
     return q, scale, lo
 
 
-def _rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] rounded as the kernels round it: (integers [M, K/32, 32], group scales [M, K/32, 1])."""
+def _q8_weights(N: int, K: int, seed: int = 0):
+    """Q8_0 weights as the GGUF holds them: q [N, K] int8, each group's largest |q| 127, and the
+    group scales d [N, K/32] exact in float16."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-126, 127, (N, K // 32, 32), generator=g)
+    q[..., 5] = torch.where(torch.rand(N, K // 32, generator=g) < 0.5, -127, 127)
+    d = (torch.rand(N, K // 32, generator=g) * 0.02 + 0.001).half().float()
+    return q.view(N, K).to(torch.int8), d
+
+
+def _rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] rounded as the kernels round it, like llama.cpp's Q8_1: (integers [M, K/32, 32],
+    group scales [M, K/32] and scale times the integers' sum [M, K/32])."""
     g = x.view(x.shape[0], -1, 32)
     amax = g.abs().amax(-1, keepdim=True)
-    xs = amax / 127
-    return torch.where(amax > 0, torch.round(g * (127 / amax)), torch.zeros_like(g)), xs
+    ints = torch.where(amax > 0, torch.round(g * (127 / amax)), torch.zeros_like(g))
+    xs = (amax / 127)[..., 0]
+    return ints, xs, xs * ints.sum(-1)
+
+
+def _emulated(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernels' product in float64: per group, the exact integer dot product times d xs (plus
+    the minimum times xsum for 4 bits)."""
+    ints, xs, xsum = _rounded(x)
+    qg = q.double().view(q.shape[0], -1, 32)  # [N, G, 32]
+    dots = torch.einsum("mgi,ngi->mng", ints.double(), qg)  # [M, N, G], exact
+    y = (dots * d.double()[None] * xs.double()[:, None]).sum(-1)
+    if m is not None:
+        y = y + (m.double()[None] * xsum.double()[:, None]).sum(-1)
+    return y
 
 
 def test_packing_keeps_every_weight():
@@ -42,8 +67,10 @@ def test_packing_keeps_every_weight():
     assert wq.dtype == torch.uint8 and wq.numel() == 32 * 96 // 2  # two weights a byte
     want = (q.float().view(32, 3, 32) * scale[..., None] + lo[..., None]).view(32, 96)
     assert torch.equal(unpack_q4(wq, dm), want)
-    w8, wsum, _ = pack_q8(torch.randint(-127, 128, (16, 64), dtype=torch.int8), torch.ones(16))
-    assert wsum.dtype == torch.int32 and w8.dtype == torch.int8  # the kernel reads 32-bit sums
+    w, d = _q8_weights(16, 64)
+    w8, wsum, d8 = pack_q8(w, d)
+    assert wsum.dtype == torch.int32 and w8.dtype == torch.int8 and d8.dtype == torch.float16  # the kernel reads 32-bit sums
+    assert torch.equal(unpack_q8(w8, d8), (w.float().view(16, 2, 32) * d[..., None]).view(16, 64))
 
 
 @pytest.mark.parametrize("M", [1, 3, 4, 9])
@@ -52,11 +79,22 @@ def test_q4_equals_the_product_with_the_rounded_rows(M):
     q, scale, lo = _q4_weights(48, 160, seed=M)
     wq, dm = pack_q4(q, scale, lo)
     x = torch.randn(M, 160) * torch.rand(M, 160) ** 3 * 4  # heavy tails, as activations have
-    ints, xs = _rounded(x)
-    want = (ints * xs).view(M, 160).double() @ unpack_q4(wq, dm).double().t()
+    want = _emulated(x, q, scale, lo)
     got = q4_mm(load_q4(), wq, dm, x)
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
     assert ((got - x.double() @ unpack_q4(wq, dm).double().t()).abs().max() / want.abs().max()).item() > 1e-4  # it does round
+
+
+@pytest.mark.parametrize("M", [1, 5])
+def test_q8_equals_the_product_with_the_rounded_rows(M):
+    w, d = _q8_weights(48, 160, seed=M)
+    x = torch.randn(M, 160) * torch.rand(M, 160) ** 3 * 4
+    want = _emulated(x, w, d)
+    got = q8_mm(load_q8(), *pack_q8(w, d), x)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    # each group's own scale is used: one scale a row (the largest) gives other numbers
+    per_row = _emulated(x, w, d.amax(1, keepdim=True).expand_as(d))
+    assert ((got - per_row).abs().max() / want.abs().max()).item() > 1e-2
 
 
 def test_q8_is_exact_on_its_grid():
@@ -67,14 +105,28 @@ def test_q8_is_exact_on_its_grid():
     ints = torch.randint(-127, 128, (5, 2, 32), generator=g)
     ints[..., 0] = -127
     x = (ints.float() * 2**-6).view(5, 64)
-    got = q8_mm(load_q8(), *pack_q8(w, torch.full((32,), 0.5)), x)
+    got = q8_mm(load_q8(), *pack_q8(w, torch.full((32, 2), 0.5)), x)
     assert torch.equal(got, (x.double() @ w.double().t() * 0.5).float())
+
+
+def test_the_head_holds_the_ggufs_q8_0_weights_exactly():
+    """An 8-bit linear made from Q8_0 weights as transformers dequantises them (d q, float32) packs
+    back the same integers and scales: the served head is the GGUF's, not a rounding of it."""
+    w, d = _q8_weights(40, 96, seed=4)
+    lin = torch.nn.Linear(96, 40, bias=False)
+    lin.weight.data = (w.float().view(40, 3, 32) * d[..., None]).view(40, 96)
+    packed = Int8Linear(lin)
+    assert packed.kernel is not None
+    assert torch.equal(unpack_q8(packed.weight, packed.scale)[:40], lin.weight.data)
+    x = torch.randn(3, 96)
+    assert torch.equal(packed(x), q8_mm(load_q8(), *pack_q8(torch.cat([w, w.new_zeros(8, 96)]),
+                                                           torch.cat([d, d.new_ones(8, 3)])), x)[:, :40])
 
 
 def test_a_row_is_the_same_whatever_shares_the_call_and_on_any_thread_count():
     q, scale, lo = _q4_weights(64, 128, seed=3)
     wq, dm = pack_q4(q, scale, lo)
-    w8 = pack_q8(torch.randint(-127, 128, (64, 128), dtype=torch.int8), torch.rand(64) + 0.1)
+    w8 = pack_q8(*_q8_weights(64, 128, seed=3))
     x = torch.randn(13, 128)
     for f in (lambda x: q4_mm(load_q4(), wq, dm, x), lambda x: q8_mm(load_q8(), *w8, x)):
         whole = f(x)
@@ -102,7 +154,7 @@ def test_the_avx2_path_computes_the_same_numbers(tmp_path, monkeypatch):
     assert q4 is not None and q8 is not None
     q, scale, lo = _q4_weights(32, 256, seed=5)
     wq, dm = pack_q4(q, scale, lo)
-    w8 = pack_q8(torch.randint(-127, 128, (32, 256), dtype=torch.int8), torch.rand(32) + 0.1)
+    w8 = pack_q8(*_q8_weights(32, 256, seed=5))
     x = torch.randn(7, 256) * 3
     assert torch.equal(q4_mm(q4, wq, dm, x), q4_mm(load_q4(), wq, dm, x))
     assert torch.equal(q8_mm(q8, *w8, x), q8_mm(load_q8(), *w8, x))
@@ -130,7 +182,7 @@ def test_rows_of_the_wrong_width_are_refused():
     with pytest.raises(ValueError, match="64 inputs"):
         q4_mm(load_q4(), wq, dm, torch.randn(2, 32))
     with pytest.raises(ValueError, match="64 inputs"):
-        q8_mm(load_q8(), *pack_q8(torch.ones(16, 64, dtype=torch.int8), torch.ones(16)), torch.randn(2, 96))
+        q8_mm(load_q8(), *pack_q8(torch.ones(16, 64, dtype=torch.int8), torch.ones(16, 2)), torch.randn(2, 96))
 
 
 def test_copies_and_pickles_keep_the_one_loaded_kernel():
@@ -141,9 +193,13 @@ def test_copies_and_pickles_keep_the_one_loaded_kernel():
 
 
 def test_without_a_compiler_torchs_kernels_serve(monkeypatch, tmp_path, caplog):
+    from speculative.attend import load_kernel, load_rope
+    from speculative.fused import load_layers, load_silu
+
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("OSD_CACHE_DIR", str(tmp_path))
-    loaders = (load_q4, load_q8, load_rms)
+    # every loader the runner calls: one left holding None would leave later tests without its kernel
+    loaders = (load_q4, load_q8, load_rms, load_kernel, load_rope, load_layers, load_silu)
     for f in loaders:
         f.cache_clear()
     try:
