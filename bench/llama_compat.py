@@ -9,8 +9,10 @@ then ``/apply-template`` of a chat of each prompt, and ``GET /props``.
 Reported: the fields llama-server's answers carry that ours lack (results, streamed chunks, the
 last streamed event, ``/props``), how many templated chats are the same text, whether both streams are framed alike (``stop`` false then true, no
 ``[DONE]``), ``stop_type`` and ``stopping_word`` agreement on the stop-word requests, and how
-often the greedy texts agree (the two runtimes round differently: our int4 against its Q4_1 of
-the same model, so equality is not expected of every prompt).
+often the greedy texts agree (the same weights, computed differently: llama.cpp keeps activation
+scales and, in attention, queries in float16 where we do not, so a near-tie can flip and equality
+is not expected of every prompt; ``python -m bench.quality --reference llamacpp`` measures how
+often, and llama.cpp's own two attention paths differ as much).
 """
 
 from __future__ import annotations
