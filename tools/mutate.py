@@ -64,7 +64,8 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "speculative/runner.py": ("speculative.runner", None,
                               ["tests/unit/test_batching.py", "tests/unit/test_fast.py", "tests/unit/test_engine.py",
                                "tests/unit/test_feature.py"]),
-    "speculative/fast.py": ("speculative.fast", None, ["tests/unit/test_fast.py", "tests/unit/test_feature.py", "tests/unit/test_adapters.py"]),
+    "speculative/fast.py": ("speculative.fast", None, ["tests/unit/test_fast.py", "tests/unit/test_qmatmul.py",
+                                                       "tests/unit/test_feature.py", "tests/unit/test_adapters.py"]),
     # the GPU's lean forward (padded buckets, graphs), checked on the CPU; which runtime serves a model
     # the layers in one native call and the rotary write (their Python side: tables, checks, arguments)
     "speculative/fused.py": ("speculative.fused", None, ["tests/unit/test_fast.py"]),

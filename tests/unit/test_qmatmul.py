@@ -97,6 +97,22 @@ def test_q8_equals_the_product_with_the_rounded_rows(M):
     assert ((got - per_row).abs().max() / want.abs().max()).item() > 1e-2
 
 
+def test_a_group_too_small_for_float16s_steps_is_clamped_never_wrapped():
+    """A group whose scale amax / 127 is a float16 subnormal rounds that scale down (here 1.4 steps of
+    2^-24 to 1), so amax / scale passes 127: its weights are clamped to +-127 steps, never wrapped
+    around int8 (a 128 would come back as -128), and a group of zeros stays zeros."""
+    tiny = 127 * 1.4 * 2.0**-24
+    lin = torch.nn.Linear(64, 16, bias=False)
+    w = torch.zeros(16, 64)
+    w[:, :32] = torch.linspace(-tiny, tiny, 32)  # the second group all zeros
+    lin.weight.data = w
+    packed = Int8Linear(lin)
+    got = unpack_q8(packed.weight, packed.scale)
+    d = torch.tensor(2.0**-24)
+    assert torch.equal(got[:, :32], (w[:, :32] / d).round().clamp(-127, 127) * d)
+    assert got[0, 0] < 0 < got[0, 31] and torch.equal(got[:, 32:], torch.zeros(16, 32))
+
+
 def test_q8_is_exact_on_its_grid():
     """Rows already on the 8-bit grid (each group's largest 127 steps of a power of two) and integer
     weights: every product is exact."""
