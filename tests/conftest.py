@@ -246,12 +246,21 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (servers under test bind loopback only)."""
+    """A TCP port free on 127.0.0.1 now (servers under test bind loopback only), drawn from 20000-32767:
+    below the kernel's ephemeral range (32768 up, where Ray's gRPC servers and every outgoing
+    connection take theirs, so a port the kernel handed out could be taken again before the server
+    under test binds it) and above Ray's worker ports (10002-19999)."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for port in random.Random().sample(range(20000, 32768), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767 on 127.0.0.1")
 
 
 @pytest.fixture(scope="session")
