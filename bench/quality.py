@@ -68,6 +68,7 @@ def agreement(target_name: str, workload: str, n: int, max_tokens: int, threads:
     out: dict = {"reference": reference, "flash_attn": flash_attn, "prompts": len(seqs), "tokens": sum(len(o) for _, _, o in seqs),
                  "max_tokens": max_tokens, "agreement": {}, "sequences_equal": {}, "sequences_equal_domain": {},
                  "skipped": {}}
+
     def score(name: str, argmax_of) -> None:  # argmax_of(ids, o) -> argmax rows [len(o) + 1]
         hit = same = 0
         by_dom: dict[str, list[int]] = {}
