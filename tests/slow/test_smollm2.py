@@ -214,15 +214,15 @@ def test_int4_runtime_is_the_fast_path(int4_engines):
     assert runtime_of(spec.target) == "int4" and runtime_of(spec.learned_draft.runner) == "int4"
 
 
-def test_the_int4_target_holds_the_ggufs_weights_exactly():
+def test_the_int4_target_holds_the_ggufs_weights_exactly(engine):
     """The GGUF's layers are Q4_1 and its embeddings (the head) Q8_0: the packed runtime holds every
-    weight as the file does (the float model is the GGUF dequantised), so the served model differs
-    from llama.cpp's only in how activations and attention are computed, not in its weights."""
+    weight as the file does (the float reference runtime's model is the GGUF dequantised), so the
+    served model differs from llama.cpp's only in how activations and attention are computed, not
+    in its weights."""
     from speculative.fast import FastRunner
-    from speculative.models import load_model
     from speculative.qmatmul import unpack_q4, unpack_q8
 
-    model, _ = load_model(ModelConfig(quantize="none"))
+    model = engine.target.model
     runner = FastRunner(model, bits=4)
     for packed, sources in runner._sources[:-1]:
         w = torch.cat([src.weight.detach().float() for src in sources])
