@@ -5,9 +5,15 @@ differs in the answers.
 For each prompt of the workload (``--workload``, ``--domains``), four requests to each server: a
 greedy one whole (``n_probs``, ``return_tokens``), the same streamed, one with a stop word taken
 from llama-server's own greedy text, and one with llama-server's defaults (no sampling fields);
-then ``/apply-template`` of a chat of each prompt, and ``GET /props``.
+then the greedy pair again on the prompt as a templated chat (llama-server's ``/apply-template``)
+with four times the tokens, where answers end at the end of sequence, ``/apply-template`` of a chat of each prompt,
+and ``GET /props``.
 Reported: the fields llama-server's answers carry that ours lack (results, streamed chunks, the
-last streamed event, ``/props``), how many templated chats are the same text, whether both streams are framed alike (``stop`` false then true, no
+last streamed event, ``/props``), how many templated chats are the same text, where the greedy
+texts agree whether the counts do too (the predicted tokens with an end of sequence among them,
+``tokens_predicted``, ``tokens_cached``, ``stop_type``, the log-probability entries' ids and the
+ids streamed) and, whatever the text, whether each server's answers obey llama-server's counting
+rules (:func:`_count_rules`), whether both streams are framed alike (``stop`` false then true, no
 ``[DONE]``), ``stop_type`` and ``stopping_word`` agreement on the stop-word requests, and how
 often the greedy texts agree (the same weights, computed differently: llama.cpp keeps activation
 scales and, in attention, queries in float16 where we do not, so a near-tie can flip and equality
@@ -67,6 +73,45 @@ def _missing(theirs: dict, ours: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def _counts(whole: dict, events: list) -> dict:
+    """What a client counts in a greedy answer (whole, and its stream's events)."""
+    return {"tokens_evaluated": whole.get("tokens_evaluated"), "tokens": whole.get("tokens"),
+            "tokens_predicted": whole.get("tokens_predicted"),
+            "tokens_cached": whole.get("tokens_cached"), "stop_type": whole.get("stop_type"),
+            "probability_ids": [p["id"] for p in whole.get("completion_probabilities", [])],
+            "streamed_tokens": [t for e in events if isinstance(e, dict) for t in e.get("tokens", [])]}
+
+
+def _counts_differ(a: dict, sa: list, b: dict, sb: list) -> list[str] | None:
+    """The counts that differ where both greedy texts are the same (None: the texts differ); the
+    streamed ids only where the streamed texts are the same too (a server's stream may decode a
+    near-tie otherwise than its whole answer did: llama-server's reuse of its prompt cache
+    changes its arithmetic)."""
+    if a["content"] != b["content"]:
+        return None
+    ca, cb = _counts(a, sa), _counts(b, sb)
+    if _text(sa) != _text(sb):
+        del ca["streamed_tokens"], cb["streamed_tokens"]
+    return [k for k in ca if ca[k] != cb[k]]
+
+
+def _count_rules(whole: dict, events: list) -> bool:
+    """llama-server's counting, which holds whatever text was decoded: every predicted token (an
+    end of sequence among them, as an empty piece last) is in ``tokens`` and in the log-probability
+    entries, the cache holds all but the last, and a stream carries the same ids as the whole
+    answer where it decoded the same text."""
+    c, probs = _counts(whole, events), whole.get("completion_probabilities", [])
+    n = c["tokens_predicted"]
+    return (n == len(c["tokens"] or []) == len(probs) and c["probability_ids"] == c["tokens"]
+            and c["tokens_cached"] == c["tokens_evaluated"] + n - 1
+            and (c["stop_type"] != "eos" or (n > 0 and probs[-1]["token"] == ""))
+            and (_text(events) != whole.get("content") or c["streamed_tokens"] == c["tokens"]))
+
+
+def _text(events: list) -> str:
+    return "".join(e.get("content", "") for e in events if isinstance(e, dict))
+
+
 def _framed(events: list) -> bool:
     return (bool(events) and all(isinstance(e, dict) for e in events) and events[-1].get("stop") is True
             and not any(e.get("stop") for e in events[:-1]))
@@ -76,6 +121,8 @@ def compare(ours: str, llama: str, prompts: list[str], max_tokens: int, key: str
     missing: dict[str, set] = {"result": set(), "chunk": set(), "final": set(), "probability": set()}
     framed = {"ours": 0, "llama": 0}
     same_text = same_stop = defaults_ok = 0
+    counts = {"raw": [0, 0], "chat": [0, 0]}  # [counts equal, texts equal]
+    rules = {"ours": 0, "llama": 0}  # greedy answers (raw and chat) that count as llama-server does
     rows = []
     for prompt in prompts:
         greedy = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "n_probs": 2, "return_tokens": True}
@@ -95,6 +142,18 @@ def compare(ours: str, llama: str, prompts: list[str], max_tokens: int, key: str
         if isinstance(sa[-1], dict) and isinstance(sb[-1], dict):
             missing["final"] |= set(_missing(sb[-1], sa[-1]))
         same_text += a["content"] == b["content"]
+        templated = _post_json(llama, "/apply-template", {"messages": [{"role": "user", "content": prompt}]}, None)["prompt"]
+        chat = {**greedy, "prompt": templated, "n_predict": 4 * max_tokens}  # room for a chat's answer to end
+        (ac, _), (bc, _) = _post(ours, chat, key), _post(llama, chat, None)
+        (_, sac), (_, sbc) = _post(ours, {**chat, "stream": True}, key), _post(llama, {**chat, "stream": True}, None)
+        assert isinstance(ac, dict) and isinstance(bc, dict) and sac is not None and sbc is not None
+        differ = {"raw": _counts_differ(a, sa, b, sb), "chat": _counts_differ(ac, sac, bc, sbc)}
+        for side, pairs in (("ours", ((a, sa), (ac, sac))), ("llama", ((b, sb), (bc, sbc)))):
+            rules[side] += sum(_count_rules(w, ev) for w, ev in pairs)
+        for kind, d in differ.items():
+            if d is not None:
+                counts[kind][0] += not d
+                counts[kind][1] += 1
         words = b["content"].split()
         word = words[len(words) // 2] if len(words) > 2 else None
         stop_row = None
@@ -114,7 +173,8 @@ def compare(ours: str, llama: str, prompts: list[str], max_tokens: int, key: str
         defaults_ok += all(abs(float(a3["generation_settings"][k]) - float(b3["generation_settings"][k])) < 1e-6 for k in keys)
         rows.append({"prompt": prompt[:80], "same_text": a["content"] == b["content"], "ours": a["content"][:120],
                      "llama": b["content"][:120], "stop": stop_row,
-                     "tokens_predicted": [a["tokens_predicted"], b["tokens_predicted"]]})
+                     "tokens_predicted": [a["tokens_predicted"], b["tokens_predicted"]], "counts_differ": differ,
+                     "chat_stop_type": [ac["stop_type"], bc["stop_type"]], "chat_same_text": ac["content"] == bc["content"]})
     # GET /props, and POST /apply-template of a chat of each prompt
     props_missing = _missing(_get(llama, "/props", None), _get(ours, "/props", key))
     same_template = 0
@@ -126,6 +186,10 @@ def compare(ours: str, llama: str, prompts: list[str], max_tokens: int, key: str
     return {"prompts": n, "max_tokens": max_tokens, "props_missing_fields": props_missing, "apply_template_equal": same_template,
             "missing_fields": {k: sorted(v) for k, v in missing.items()},
             "streams_framed_alike": framed, "greedy_text_equal": same_text,
+            "counts_equal_where_text_equal": {k: {"equal": v[0], "of": v[1]} for k, v in counts.items()},
+            "count_rules_hold": {**rules, "of": 2 * n},
+            "chat_ended_at_eos": {"ours": sum(r["chat_stop_type"][0] == "eos" for r in rows),
+                                  "llama": sum(r["chat_stop_type"][1] == "eos" for r in rows)},
             "stop_word_requests": sum(r["stop"] is not None for r in rows), "stop_type_and_word_equal": same_stop,
             "default_sampling_equal": defaults_ok, "rows": rows}
 

@@ -429,6 +429,7 @@ class DraftPool:
         held_text: list[str] = []
         held_tokens: list[int] = []
         held_lps: list | None = [] if req.params.logprobs is not None else None
+        eos_lp = None  # the end of sequence's log-probability entry, when asked and it ended the request
         try:
             yield Accepted(first.prompt_tokens, prompt if scored is not None else None, scored)
             async for ev in events:
@@ -449,6 +450,7 @@ class DraftPool:
                 held_tokens += res.emitted
                 if held_lps is not None:
                     held_lps += res.logprobs or []
+                eos_lp = res.eos_logprob or eos_lp
                 now = time.perf_counter()
                 if res.finished or (now - sent_at >= interval and (interval == 0 or any(held_text))):
                     yield Chunk("".join(held_text), held_tokens, held_lps)
@@ -485,6 +487,8 @@ class DraftPool:
                     },
                 },
                 st.stop_reason,
+                st.eos_token,
+                eos_lp,
             )
         finally:
             self.running -= 1

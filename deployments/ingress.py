@@ -580,6 +580,10 @@ class Ingress:
         vocab = self._vocabulary()
         return vocab.decode([i for i in ids if 0 <= i < len(vocab)])
 
+    def _piece(self, ids: list[int]) -> str:
+        """Token ids as output text: special tokens as nothing (llama-server's pieces)."""
+        return self._vocabulary().decode(ids, skip_special_tokens=True)
+
     def _logprobs(self, tokens: list[int], lps: list, chat: bool, offset: int = 0) -> dict:
         return openai_api.logprobs(self._vocabulary().decode, tokens, lps, chat, offset)
 
@@ -662,7 +666,7 @@ class Ingress:
         settings = llama_api.generation_settings(params, self.cfg.ingress.model_name, False)
         results = [llama_api.final(o, texts[o.index // req.n][0], settings, timing.t0, req.return_tokens,
                                    self.cfg.ingress.model_name, False,
-                                   None if o.logprobs is None else llama_api.probabilities(self._decode, o.tokens, o.logprobs))
+                                   llama_api.result_probabilities(self._piece, o))
                    for o in done]
         return _Answer(results[0] if len(results) == 1 else results,
                        self._merged_usage(choices, [o.end.usage for o in done if o.end is not None]))
@@ -768,8 +772,13 @@ class Ingress:
                     self._observe(c.route, item.usage)
                     held = pending[c.index]
                     if held[0]:  # tokens without text of their own (held by the detokeniser) go before the end
-                        probs = llama_api.probabilities(self._decode, *held) if params.logprobs is not None else None
+                        probs = llama_api.probabilities(self._piece, *held) if params.logprobs is not None else None
                         yield event(llama_api.partial(o, "", held[0], req.return_tokens, probs))
+                    if item.eos_token is not None:  # as llama-server: the end of sequence's own chunk, without text
+                        lps = [item.eos_logprob] if item.eos_logprob is not None else []
+                        probs = None if params.logprobs is None else llama_api.probabilities(self._piece, [item.eos_token] * len(lps), lps)
+                        yield event(llama_api.partial(o, "", [item.eos_token], req.return_tokens, probs,
+                                                      len(llama_api.predicted(o))))
                     yield event(llama_api.final(o, texts[c.index // req.n][0], settings, timing.t0, req.return_tokens,
                                                 model, True))
                     continue
@@ -782,7 +791,7 @@ class Ingress:
                     continue
                 timing.chunk()
                 o.first = timing.last if o.first is None else o.first
-                probs = llama_api.probabilities(self._decode, *held) if params.logprobs is not None else None
+                probs = llama_api.probabilities(self._piece, *held) if params.logprobs is not None else None
                 yield event(llama_api.partial(o, item.text, held[0], req.return_tokens, probs))
                 pending[c.index] = [[], []]
             usage = self._merged_usage(choices, [outcomes[c.index].end.usage for c in choices])  # type: ignore[union-attr]

@@ -25,9 +25,27 @@ def stop_type(end: Done) -> tuple[str, str]:
     return "eos", ""
 
 
+def predicted(o: Outcome) -> list[int]:
+    """The tokens llama-server counts as predicted: the output's, and the end of sequence that
+    ended it (not output text, but sampled, scored and counted there)."""
+    assert o.end is not None
+    return o.tokens + ([o.end.eos_token] if o.end.eos_token is not None else [])
+
+
+def result_probabilities(decode, o: Outcome) -> list[dict] | None:
+    """A result's ``completion_probabilities``: its output tokens' and, when it ended there, the
+    end of sequence's (None: not asked)."""
+    assert o.end is not None
+    if o.logprobs is None:
+        return None
+    ended = [o.end.eos_logprob] if o.end.eos_logprob is not None else []
+    return probabilities(decode, o.tokens + [o.end.eos_token] * len(ended), o.logprobs + ended)
+
+
 def probabilities(decode, tokens: list[int], lps: list) -> list[dict]:
     """llama.cpp's ``completion_probabilities``: each output token with its log-probability and the
-    most likely tokens' (``decode``: token ids to text)."""
+    most likely tokens' (``decode``: token ids to text, special tokens as empty text, as
+    llama-server renders them unless started with ``--special``)."""
     def entry(t: int, lp: float) -> dict:
         text = decode([t])
         return {"id": t, "token": text, "bytes": list(text.encode("utf-8", "replace")), "logprob": finite(lp)}
@@ -38,10 +56,11 @@ def probabilities(decode, tokens: list[int], lps: list) -> list[dict]:
 def timings(o: Outcome, t0: float) -> dict:
     """llama.cpp's ``timings`` of one result, with its drafts' counts (``draft_n``, ``draft_n_accepted``)."""
     usage = o.end.usage if o.end is not None else {}
+    eos = o.end is not None and o.end.eos_token is not None
     end = o.finished if o.finished is not None else t0
     first = o.first if o.first is not None else end
     cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-    prompt_n, predicted_n = o.prompt_tokens - cached, usage.get("completion_tokens", len(o.tokens))
+    prompt_n, predicted_n = o.prompt_tokens - cached, usage.get("completion_tokens", len(o.tokens)) + eos
     prompt_ms, predicted_ms = 1e3 * (first - t0), 1e3 * (end - first)
     out = {"cache_n": cached, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
@@ -75,10 +94,13 @@ def generation_settings(params: SamplingParams, model: str, stream: bool) -> dic
             "grammar": params.grammar.source if params.grammar is not None else "", "samplers": SAMPLERS, **OFF_SAMPLERS}
 
 
-def partial(o: Outcome, content: str, tokens: list[int], return_tokens: bool, probs: list[dict] | None) -> dict:
-    """A streamed chunk: new text (and its token ids, when asked)."""
+def partial(o: Outcome, content: str, tokens: list[int], return_tokens: bool, probs: list[dict] | None,
+            predicted_n: int | None = None) -> dict:
+    """A streamed chunk: new text (and its token ids, when asked); ``predicted_n``: the tokens
+    predicted so far, when not the output's (the end of sequence's own chunk)."""
     out = {"index": o.index, "content": content, "tokens": tokens if return_tokens else [], "stop": False,
-           "id_slot": -1, "tokens_predicted": len(o.tokens), "tokens_evaluated": o.prompt_tokens}
+           "id_slot": -1, "tokens_predicted": len(o.tokens) if predicted_n is None else predicted_n,
+           "tokens_evaluated": o.prompt_tokens}
     if probs is not None:
         out["completion_probabilities"] = probs
     return out
@@ -86,14 +108,17 @@ def partial(o: Outcome, content: str, tokens: list[int], return_tokens: bool, pr
 
 def final(o: Outcome, prompt: str, settings: dict, t0: float, return_tokens: bool, model: str, stream: bool,
           probs: list[dict] | None = None) -> dict:
-    """The result (or a stream's last event, whose text and tokens the chunks before carried)."""
+    """The result (or a stream's last event, whose text and tokens the chunks before carried).
+    Its counts are llama-server's: the end of sequence that ended it is predicted, and the cache
+    holds every token but the last predicted (sampled, never fed)."""
     assert o.end is not None
     kind, word = stop_type(o.end)
+    tokens = predicted(o)
     out = {"index": o.index, "content": "" if stream else o.text,
-           "tokens": o.tokens if return_tokens and not stream else [], "id_slot": -1, "stop": True, "model": model,
-           "tokens_predicted": o.end.usage["completion_tokens"], "tokens_evaluated": o.prompt_tokens,
+           "tokens": tokens if return_tokens and not stream else [], "id_slot": -1, "stop": True, "model": model,
+           "tokens_predicted": len(tokens), "tokens_evaluated": o.prompt_tokens,
            "generation_settings": settings, "prompt": prompt, "has_new_line": "\n" in o.text, "truncated": False,
-           "stop_type": kind, "stopping_word": word, "tokens_cached": o.prompt_tokens + o.end.usage["completion_tokens"],
+           "stop_type": kind, "stopping_word": word, "tokens_cached": o.prompt_tokens + max(len(tokens) - 1, 0),
            "timings": timings(o, t0), "speculative": o.end.usage.get("speculative")}
     if probs is not None and not stream:
         out["completion_probabilities"] = probs

@@ -526,6 +526,10 @@ class Done:
     usage: dict
     #: what ended it at "stop": the stop string or stop token id matched; None at EOS
     stop_reason: str | int | None = None
+    #: the end-of-sequence token that ended it (not an output token: llama-server's shapes count
+    #: it, OpenAI's do not), and its log-probability entry as a chunk gives a token's when asked
+    eos_token: int | None = None
+    eos_logprob: tuple[float, list[tuple[int, float]]] | None = None
 
 
 @dataclass

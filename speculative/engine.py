@@ -99,6 +99,9 @@ class StepResult:
     #: when the request asks (``SamplingParams.logprobs``): for each emitted token, its
     #: log-probability under the target and the most likely tokens' there, [(id, logprob)]
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    #: when the request asks for log-probabilities and this step ended it at the end of sequence:
+    #: that token's entry, as ``logprobs`` gives an emitted token's (the token itself is not emitted)
+    eos_logprob: tuple[float, list[tuple[int, float]]] | None = None
 
     @property
     def proposed(self) -> int:
@@ -134,6 +137,8 @@ class RequestState:
     #: what ended it at "stop": the stop string or stop token id matched (vLLM's ``stop_reason``);
     #: None at EOS, at the end of a grammar, or not stopped
     stop_reason: str | int | None = None
+    #: the end-of-sequence token that ended it (not in ``tokens``); None otherwise
+    eos_token: int | None = None
     #: prompt positions the target took from its prefix cache instead of computing them
     cached_tokens: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
@@ -407,6 +412,10 @@ class SpeculativeEngine:
                 self.proposer.observe_features(pending.request_id, f_start, feats)
             self.proposer.feedback(pending.request_id, start + n)
         emitted = self._append(st, prop.tokens[:n] + [next_token])
+        scored = None  # the emitted tokens' log-probabilities, and the end of sequence's where it ended this step
+        if params.logprobs is not None:
+            ended = [st.eos_token] if st.eos_token is not None else []  # (accept runs on unfinished requests only)
+            scored = token_logprobs(rows.top_ids, rows.top_probs, rows.logits, emitted + ended, params.logprobs)
         cost = self.costs.relative_verify(k + 1) + k * self.costs.c(prop.source) if k else 1.0  # before this step's times
         self._observe(st, prop, n, len(emitted), len(pending.call.tokens), rows.seconds, rows.batch)
         return StepResult(
@@ -428,8 +437,8 @@ class SpeculativeEngine:
             features=feats,
             features_start=f_start,
             cost=cost,
-            logprobs=None if params.logprobs is None else token_logprobs(rows.top_ids, rows.top_probs, rows.logits, emitted,
-                                                                          params.logprobs),
+            logprobs=None if scored is None else scored[: len(emitted)],
+            eos_logprob=None if scored is None or len(scored) == len(emitted) else scored[-1],
         )
 
     def _append(self, st: RequestState, new: list[int]) -> list[int]:
@@ -437,7 +446,7 @@ class SpeculativeEngine:
         params, out = st.params, []
         for tok in new:
             if not params.ignore_eos and tok in self.eos_ids:
-                st.finished, st.finish_reason = True, "stop"
+                st.finished, st.finish_reason, st.eos_token = True, "stop", tok
                 break
             st.tokens.append(tok)
             out.append(tok)

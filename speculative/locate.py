@@ -85,8 +85,8 @@ class TextVocab:
     def __len__(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=False)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """As the transformers tokenizer's ``tokenizer(text)["input_ids"]`` (the raw prompt of a completion)."""

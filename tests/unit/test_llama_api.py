@@ -4,6 +4,9 @@ and streams have its shapes and say what the OpenAI endpoints say of the same re
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from deployments.llama_api import stop_type, timings
@@ -117,7 +120,7 @@ def test_a_greedy_completion_is_the_target_only_text_in_llama_servers_shape(app,
     assert body["content"] == tok.decode(ids) and body["tokens"] == ids and body["stop"] is True
     assert (body["tokens_predicted"], body["tokens_evaluated"], body["stop_type"], body["stopping_word"]) == (12, 11, "limit", "")
     assert body["prompt"] == "Hello world" and body["model"] == app.ingress.cfg.ingress.model_name and not body["truncated"]
-    assert body["id_slot"] == -1 and body["tokens_cached"] == 11 + 12
+    assert body["id_slot"] == -1 and body["tokens_cached"] == 11 + 12 - 1  # the last token predicted is never fed
     assert body["has_new_line"] == ("\n" in body["content"]) and "completion_probabilities" not in body
     t = body["timings"]
     assert t["predicted_n"] == 12 and t["prompt_n"] + t["cache_n"] == 11 and t["prompt_ms"] > 0 and t["predicted_ms"] >= 0
@@ -175,6 +178,60 @@ def test_n_probs_give_each_tokens_log_probability_and_the_most_likely(app):
     assert [p["logprob"] for p in streamed] == pytest.approx([p["logprob"] for p in probs], abs=1e-4)
 
 
+@pytest.fixture(scope="module")
+def ending(tmp_path_factory, make_llama, make_tokenizer, folder):
+    """The tiny model with an end of sequence its greedy output meets, as llama-server's EOS: its
+    folder, the output before that token, and the token."""
+    ids = greedy(folder, "Hello world", 12)
+    p = next(j for j in range(2, len(ids)) if ids[j] not in ids[:j])
+    assert 0 not in ids[: p + 1]  # the tokenizer's own end of sequence (id 0) comes later, if at all
+    path = save_tiny_model(tmp_path_factory.mktemp("tiny-ending"), make_llama, make_tokenizer)
+    gen = json.loads((Path(path) / "generation_config.json").read_text())
+    (Path(path) / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [0, ids[p]]}))
+    return path, ids[:p], ids[p]
+
+
+def test_the_end_of_sequence_is_predicted_scored_and_streamed_as_llama_server_does(ending, loop):
+    """llama-server counts the end of sequence as predicted, lists it in ``tokens`` and
+    ``completion_probabilities``, and streams it as a chunk of its own without text; the OpenAI
+    endpoints do none of that."""
+    path, before, eos = ending
+    app = App(app_config(path))
+    app.run = loop.run
+    tok = load_tokenizer(path)
+    ask = {"prompt": "Hello world", "n_predict": 12, "temperature": 0, "n_probs": 2, "return_tokens": True}
+    status, body, _ = post(app, ask)
+    assert status == 200 and body["content"] == tok.decode(before) and body["stop_type"] == "eos"
+    assert body["tokens"] == before + [eos]
+    assert body["tokens_predicted"] == body["timings"]["predicted_n"] == len(before) + 1
+    assert body["tokens_cached"] == 11 + len(before)
+    probs = body["completion_probabilities"]
+    assert [p["id"] for p in probs] == before + [eos] and probs[-1]["token"] == tok.decode([eos])
+    assert probs[-1]["top_logprobs"][0]["id"] == eos and probs[-1]["logprob"] == probs[-1]["top_logprobs"][0]["logprob"]
+
+    _, events, _ = post(app, {**ask, "stream": True})
+    *chunks, last, final = events
+    assert (last["content"], last["tokens"], last["tokens_predicted"]) == ("", [eos], len(before) + 1)
+    assert [p["id"] for p in last["completion_probabilities"]] == [eos]
+    assert last["completion_probabilities"][0]["logprob"] == pytest.approx(probs[-1]["logprob"], abs=1e-4)
+    assert [t for e in chunks for t in e["tokens"]] == before and "".join(e["content"] for e in chunks) == body["content"]
+    assert final["stop"] and final["tokens_predicted"] == final["timings"]["predicted_n"] == len(before) + 1
+
+    _, oai, _ = app.run(app.post({"prompt": "Hello world", "max_tokens": 12, "logprobs": 2}))
+    assert oai["usage"]["completion_tokens"] == len(oai["choices"][0]["logprobs"]["tokens"]) == len(before)
+
+
+def test_an_immediate_end_of_sequence_is_one_predicted_token_of_no_text(app):
+    """The model's own end of sequence (a special token) first: llama-server answers no text, one
+    predicted token, and its entry with an empty piece."""
+    status, body, _ = post(app, {"prompt": "Hello world", "n_predict": 8, "temperature": 0, "n_probs": 1,
+                                 "return_tokens": True, "logit_bias": [[0, 100]]})
+    assert status == 200 and body["content"] == "" and body["stop_type"] == "eos"
+    assert body["tokens"] == [0] and body["tokens_predicted"] == 1 and body["tokens_cached"] == 11
+    (entry,) = body["completion_probabilities"]
+    assert entry["id"] == 0 and entry["token"] == "" and entry["bytes"] == [] and entry["logprob"] <= 0
+
+
 def test_several_prompts_are_an_array_of_results_in_order(app, folder):
     tok = load_tokenizer(folder)
     status, body, _ = post(app, {"prompt": ["Hello world", "abc"], "n_predict": 5, "temperature": 0, "ignore_eos": True})
@@ -206,6 +263,28 @@ def test_the_side_by_side_check_names_missing_fields_and_stream_framing():
     assert _framed([{"stop": False}, {"stop": False}, {"stop": True}])
     assert not _framed([{"stop": False}, {"stop": True}, "[DONE]"]) and not _framed([{"stop": True}, {"stop": True}])
     assert not _framed([])
+
+
+def test_the_side_by_side_counting_rules_hold_for_llama_servers_own_answer():
+    """llama-server's answer to a chat that ends at its end of sequence (recorded from llama-server,
+    ids and counts only) obeys the rules; the same answer without the end of sequence's entry, or
+    with the cache counted to the last token, does not."""
+    from bench.llama_compat import _count_rules
+
+    def entry(i, piece):
+        return {"id": i, "token": piece}
+
+    whole = {"content": "Yes.", "tokens": [10539, 30, 2], "tokens_predicted": 3, "tokens_evaluated": 15,
+             "tokens_cached": 17, "stop_type": "eos", "completion_probabilities": [entry(10539, "Yes"), entry(30, "."), entry(2, "")]}
+    stream = [{"content": "Yes", "tokens": [10539]}, {"content": ".", "tokens": [30]}, {"content": "", "tokens": [2]},
+              {"content": "", "tokens": []}]
+    assert _count_rules(whole, stream)
+    dropped = {**whole, "tokens": [10539, 30], "tokens_predicted": 2, "tokens_cached": 17,
+               "completion_probabilities": whole["completion_probabilities"][:2]}
+    assert not _count_rules(dropped, stream[:2] + stream[3:])
+    assert not _count_rules({**whole, "tokens_cached": 18}, stream)
+    assert not _count_rules(whole, stream[:2] + stream[3:])  # the stream left the end of sequence out
+    assert _count_rules({**whole, "content": "Yes!"}, stream[:2] + stream[3:])  # another text: its ids not compared
 
 
 def test_a_templated_chat_sent_to_completion_is_answered_as_the_chat_is(app, folder):

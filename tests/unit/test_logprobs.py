@@ -51,6 +51,28 @@ def test_each_tokens_logprob_is_the_targets_own_and_the_same_whatever_drafted(pa
             assert top[0] == (ids[j], lp)  # greedy: the token is the most likely one
 
 
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=24, logprobs=2),
+                                    SamplingParams(max_tokens=24, logprobs=2, temperature=0.9, seed=5)])
+def test_the_end_of_sequence_that_ends_a_request_is_scored_but_not_emitted(params):
+    """The step that meets the end of sequence reports its log-probability beside the emitted
+    tokens' (llama-server's /completion lists it), and the request keeps which token ended it."""
+    _, _, engines = _engines()
+    gen, lps = _run(engines[0], "abcabcabcab", params.model_copy(update={"ignore_eos": True}))
+    ids = gen.token_ids
+    p = next(j for j in range(3, len(ids)) if ids[j] not in ids[:j])  # a token the output has not met before
+    for engine in engines:  # each with that token as an end of sequence (fresh engines: nothing else sees it)
+        engine.eos_ids = engine.eos_ids | {ids[p]}
+        steps = []
+        gen = engine.generate("abcabcabcab", params, on_step=steps.append)
+        assert gen.token_ids == ids[:p] and gen.finish_reason == "stop"
+        assert [lp for s in steps for lp in s.logprobs] == lps[:p]  # the emitted tokens' only
+        assert steps[-1].eos_logprob == lps[p] and all(s.eos_logprob is None for s in steps[:-1])
+        assert ids[p] not in steps[-1].emitted
+        quiet = []
+        engine.generate("abcabcabcab", params.model_copy(update={"logprobs": None}), on_step=quiet.append)
+        assert all(s.eos_logprob is None and s.logprobs is None for s in quiet)
+
+
 def test_no_logprobs_unless_asked():
     _, _, (alone, *_) = _engines()
     steps = []
