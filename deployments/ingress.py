@@ -20,7 +20,7 @@ from ray import serve
 
 from config import AppConfig, SamplingParams
 from router.route import Route
-from speculative.locate import light_vocab, model_card
+from speculative.locate import TextVocab, light_vocab, model_card, token_bytes
 
 from .loopback import bind_replica_grpc, replica_meter
 from . import llama_api, openai_api
@@ -202,6 +202,7 @@ class Ingress:
         self.meter = replica_meter("Ingress", cfg.metrics)
         self.running = 0
         self._vocab = None  # token-id prompts as text, for the router: loaded on the first such prompt
+        self._plain = None  # /tokenize's tokenizer that reads special tokens' text as text (parse_special false)
         if self.tenants.open:
             log.warning("no API keys configured: the server is open to every client that can reach it (HTTP host %s)",
                         http_host or "none")
@@ -516,8 +517,31 @@ class Ingress:
             return got
         if len(got.text) > self.cfg.ingress.max_prompt_chars:
             return _error(400, f"the text is longer than {self.cfg.ingress.max_prompt_chars} characters")
-        ids = list(self._vocabulary().encode(got.text, add_special_tokens=got.add_special_tokens))  # TextVocab's or transformers'
-        return {"tokens": ids, "count": len(ids)}
+        if got.parse_special:
+            ids = list(self._vocabulary().encode(got.text, add_special_tokens=got.adds_special))  # TextVocab's or transformers'
+        elif (plain := self._plain_tokenizer()) is not None:  # special tokens' text as text
+            ids = plain.encode(got.text, add_special_tokens=got.adds_special).ids
+        else:
+            return _error(400, "parse_special false needs the model's tokenizer.json", param="parse_special")
+        if not got.with_pieces:
+            return {"tokens": ids, "count": len(ids)}
+        backend = self._backend()
+        raw = token_bytes(backend, ids) if backend is not None else [self._vocabulary().decode([i]).encode() for i in ids]
+        return {"tokens": llama_api.pieces(ids, raw), "count": len(ids)}
+
+    def _backend(self):
+        """The model's ``tokenizers.Tokenizer``, if it has one (a slow tokenizer has not)."""
+        vocab = self._vocabulary()
+        return vocab.backend if isinstance(vocab, TextVocab) else getattr(vocab, "backend_tokenizer", None)
+
+    def _plain_tokenizer(self):
+        """A copy of the model's tokenizer that reads special tokens' text as text."""
+        if self._plain is None and (backend := self._backend()) is not None:
+            from tokenizers import Tokenizer
+
+            self._plain = Tokenizer.from_str(backend.to_str())
+            self._plain.encode_special_tokens = True
+        return self._plain
 
     async def detokenize(self, request: Request):
         """``POST /detokenize``: the text of token ids (``prompt`` for vLLM's clients, ``content``

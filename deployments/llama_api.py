@@ -53,6 +53,18 @@ def probabilities(decode, tokens: list[int], lps: list) -> list[dict]:
     return [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]} for t, (lp, top) in zip(tokens, lps)]
 
 
+def pieces(ids: list[int], raw: list[bytes]) -> list[dict]:
+    """``/tokenize``'s ``with_pieces``: each id with its piece, the text where its bytes are whole
+    UTF-8, else the bytes (a piece of a character)."""
+    def piece(b: bytes) -> str | list[int]:
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            return list(b)
+
+    return [{"id": i, "piece": piece(b)} for i, b in zip(ids, raw)]
+
+
 def timings(o: Outcome, t0: float) -> dict:
     """llama.cpp's ``timings`` of one result, with its drafts' counts (``draft_n``, ``draft_n_accepted``)."""
     usage = o.end.usage if o.end is not None else {}

@@ -416,13 +416,19 @@ class TemplateRequest(BaseModel):
 
 class TokenizeRequest(BaseModel):
     """``POST /tokenize``: vLLM's ``prompt`` or llama.cpp's ``content``, tokenized as
-    ``/v1/completions`` tokenizes a raw prompt."""
+    ``/v1/completions`` tokenizes a raw prompt. Each server's options under its own names and
+    defaults: special tokens added (``add_special_tokens``, vLLM's, default true; ``add_special``,
+    llama-server's, default false), special tokens' text read as those tokens (llama-server's
+    ``parse_special``, default true), and each id with its piece (llama-server's ``with_pieces``)."""
 
     model_config = ConfigDict(extra="ignore")
 
     prompt: str | None = None
     content: str | None = None
-    add_special_tokens: bool = Field(default=True, strict=True)
+    add_special_tokens: bool | None = Field(default=None, strict=True)
+    add_special: bool | None = Field(default=None, strict=True)
+    parse_special: bool = Field(default=True, strict=True)
+    with_pieces: bool = Field(default=False, strict=True)
 
     @model_validator(mode="after")
     def _one_text(self):
@@ -430,6 +436,15 @@ class TokenizeRequest(BaseModel):
             raise ValueError("send the text as prompt (or content), once")
         unicode_text(self.text, "the text")
         return self
+
+    @property
+    def adds_special(self) -> bool:
+        """Whether the model's special tokens (a BOS) are added: as asked, else as the server whose
+        name the text came under does (vLLM's ``prompt``: yes; llama-server's ``content``: no)."""
+        for asked in (self.add_special, self.add_special_tokens):
+            if asked is not None:
+                return asked
+        return self.content is None
 
     @property
     def text(self) -> str:

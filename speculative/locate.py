@@ -72,6 +72,38 @@ def locate(name: str) -> tuple[str, Path | None]:
     return str(gguf_cache_folder(gguf)), gguf
 
 
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins back to the bytes they stand for (GPT-2's map: printable
+    Latin-1 bytes stand for themselves, the others for 256 + their rank)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in keep]
+    return {chr(b): b for b in keep} | {chr(256 + n): b for n, b in enumerate(others)}
+
+
+def token_bytes(tok, ids: list[int]) -> list[bytes]:
+    """Each token's own bytes under a ``tokenizers.Tokenizer`` (a piece of a character is part of
+    its UTF-8): added tokens as their text, byte-level BPE tokens through the byte map, byte
+    fallback tokens (``<0xE2>``) as that byte, others as their text decoded alone."""
+    from tokenizers import decoders
+
+    added = tok.get_added_tokens_decoder()
+    byte_map = _byte_decoder() if isinstance(tok.decoder, decoders.ByteLevel) else None
+    out = []
+    for i in ids:
+        s = tok.id_to_token(i)
+        if s is None:
+            out.append(b"")
+        elif i in added:
+            out.append(s.encode())
+        elif byte_map is not None and all(c in byte_map for c in s):
+            out.append(bytes(byte_map[c] for c in s))
+        elif len(s) == 6 and s.startswith("<0x") and s.endswith(">"):
+            out.append(bytes([int(s[3:5], 16)]))
+        else:
+            out.append(tok.decode([i]).encode())
+    return out
+
+
 class TextVocab:
     """Token ids to text for a model, through the ``tokenizers`` library (no torch): what a
     process that only reads token ids needs. Decodes as the model's transformers tokenizer does,
@@ -81,6 +113,11 @@ class TextVocab:
         from tokenizers import Tokenizer
 
         self._tok = Tokenizer.from_file(str(tokenizer_json))
+
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` (as a transformers fast tokenizer's ``backend_tokenizer``)."""
+        return self._tok
 
     def __len__(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)

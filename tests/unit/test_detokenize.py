@@ -256,3 +256,27 @@ def test_a_stream_never_shows_the_start_of_a_stop_string_that_completes(name):
     for i, (text, stop) in enumerate(cases):
         ids = tok(text, add_special_tokens=False)["input_ids"]
         assert "".join(_stream(tok, ids, stop, seed=i)) == final_text(tok, ids, stop), (text, stop)
+
+
+def test_each_tokens_bytes_make_the_texts_bytes_and_a_split_character_is_bytes_not_text():
+    """/tokenize's pieces (llama-server's ``with_pieces``): a byte-level token holds the bytes it
+    stands for, part of a character where the BPE split one; a special token is its text."""
+    from deployments.llama_api import pieces
+    from speculative.locate import token_bytes
+
+    tok = TOKENIZERS["byte_level"]
+    split = 0
+    for text in TEXTS:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        raw = token_bytes(tok.backend_tokenizer, ids)
+        assert b"".join(raw) == text.encode("utf-8"), text
+        shown = pieces(ids, raw)
+        assert [p["id"] for p in shown] == ids
+        for p, b in zip(shown, raw):
+            assert p["piece"] == (list(b) if isinstance(p["piece"], list) else b.decode("utf-8"))
+        split += sum(isinstance(p["piece"], list) for p in shown)
+    assert split > 0  # the data has characters split over tokens
+    assert token_bytes(tok.backend_tokenizer, [tok.convert_tokens_to_ids("<eos>")]) == [b"<eos>"]
+    meta = TOKENIZERS["sentencepiece_like"]  # not byte-level: each token's text decoded alone
+    ids = meta("Zürich straße", add_special_tokens=False)["input_ids"]
+    assert b"".join(token_bytes(meta.backend_tokenizer, ids)).decode().replace(" ", "") == "Zürichstraße"

@@ -312,6 +312,34 @@ def test_a_templated_chat_sent_to_completion_is_answered_as_the_chat_is(app, fol
         assert status in (400, 413) and err["error"]["message"], bad
 
 
+def test_tokenize_takes_llama_servers_options(app, folder):
+    """llama-server's ``/tokenize`` options: ``with_pieces`` (each id with its text), ``add_special``
+    (default false for ``content``) and ``parse_special`` false (a special token's text as text)."""
+    from inprocess import answer, request
+
+    def tokenize(body):
+        return app.run(answer(app.run(app.ingress.tokenize(request(body, "sk-alice")))))
+
+    tok = load_tokenizer(folder)
+    status, body, _ = tokenize({"content": "ab<eos>", "with_pieces": True})
+    want = tok("ab<eos>", add_special_tokens=False)["input_ids"]
+    assert status == 200 and [t["id"] for t in body["tokens"]] == want and want[-1] == tok.eos_token_id
+    assert [t["piece"] for t in body["tokens"]] == ["a", "b", "<eos>"] and body["count"] == 3
+    status, body, _ = tokenize({"content": "ab<eos>", "parse_special": False})
+    assert status == 200 and body["tokens"] == tok("ab<", add_special_tokens=False)["input_ids"] + tok("eos>", add_special_tokens=False)["input_ids"]
+    assert tok.eos_token_id not in body["tokens"]
+    from tokenizers import processors
+
+    unk = tok.convert_tokens_to_ids("<unk>")  # a tokenizer that adds a token of its own, as a BOS
+    app.ingress._vocabulary().backend.post_processor = processors.TemplateProcessing(single="<unk> $A", special_tokens=[("<unk>", unk)])
+    ab = tok("ab", add_special_tokens=False)["input_ids"]
+    assert tokenize({"content": "ab"})[1]["tokens"] == ab  # llama-server's default: nothing added
+    assert tokenize({"content": "ab", "add_special": True})[1]["tokens"] == [unk, *ab]
+    assert tokenize({"prompt": "ab"})[1]["tokens"] == [unk, *ab]  # vLLM's default: added
+    assert tokenize({"prompt": "ab", "add_special_tokens": False})[1]["tokens"] == ab
+    assert tokenize({"content": "ab", "with_pieces": "yes"})[0] == 400
+
+
 def test_props_say_the_context_the_template_and_the_completion_defaults(app, folder):
     from transformers import AutoConfig
 
