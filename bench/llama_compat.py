@@ -7,7 +7,8 @@ greedy one whole (``n_probs``, ``return_tokens``), the same streamed, one with a
 from llama-server's own greedy text, and one with llama-server's defaults (no sampling fields);
 then the greedy pair again on the prompt as a templated chat (llama-server's ``/apply-template``)
 with four times the tokens, where answers end at the end of sequence, ``/apply-template`` of a chat of each prompt,
-and ``GET /props``.
+and ``GET /props``; last, the fields llama-server's OpenAI answers (chat and completions, whole
+and streamed) carry that ours lack.
 Reported: the fields llama-server's answers carry that ours lack (results, streamed chunks, the
 last streamed event, ``/props``), how many templated chats are the same text, where the greedy
 texts agree whether the counts do too (the predicted tokens with an end of sequence among them,
@@ -47,6 +48,47 @@ def _post(url: str, body: dict, key: str | None) -> tuple[object, list | None]:
             except ValueError:
                 events.append(payload)
     return None, events
+
+
+def _post_any(url: str, path: str, body: dict, key: str | None):
+    """An OpenAI endpoint's answer: the JSON, or a stream's JSON events (``[DONE]`` left out)."""
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers=headers)
+    with urllib.request.urlopen(req, timeout=300) as r:
+        text = r.read().decode()
+    if not body.get("stream"):
+        return json.loads(text)
+    return [json.loads(b[6:]) for b in text.split("\n\n") if b.startswith("data: ") and b[6:].strip() != "[DONE]"]
+
+
+def _paths(obj, prefix: str = "") -> set[str]:
+    """Every key path of a JSON object (``a.b``; a list's objects as ``a[].b``, from its first)."""
+    out: set[str] = set()
+    for k, v in obj.items():
+        out.add(prefix + k)
+        if isinstance(v, dict):
+            out |= _paths(v, f"{prefix}{k}.")
+        elif isinstance(v, list) and v and isinstance(v[0], dict):
+            out |= _paths(v[0], f"{prefix}{k}[].")
+    return out
+
+
+def openai_missing(ours: str, llama: str, prompt: str, key: str | None) -> dict:
+    """The key paths llama-server's OpenAI answers carry and ours lack: chat and completions, whole
+    and streamed (with usage), greedy with log-probabilities."""
+    asks = {"/v1/chat/completions": {"messages": [{"role": "user", "content": prompt}], "logprobs": True, "top_logprobs": 2},
+            "/v1/completions": {"prompt": prompt, "logprobs": 2}}
+    out = {}
+    for path, ask in asks.items():
+        for stream in (False, True):
+            body = {**ask, "max_tokens": 8, "temperature": 0, "stream": stream}
+            if stream:
+                body["stream_options"] = {"include_usage": True}
+            a, b = _post_any(ours, path, body, key), _post_any(llama, path, body, None)
+            pa = _paths(a) if not stream else set().union(*map(_paths, a))
+            pb = _paths(b) if not stream else set().union(*map(_paths, b))
+            out[f"{path} {'stream' if stream else 'whole'}"] = sorted(pb - pa)
+    return out
 
 
 def _get(url: str, path: str, key: str | None) -> dict:
@@ -209,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     by_domain = {d: [r["text"][:1500] for r in records if r.get("domain") == d] for d in a.domains}
     prompts = [t for group in zip(*by_domain.values()) for t in group][: a.n]
     out = compare(a.ours, a.llama, prompts, a.max_tokens, a.key)
+    out["openai_missing_fields"] = openai_missing(a.ours, a.llama, prompts[0], a.key)
     print(json.dumps({k: v for k, v in out.items() if k != "rows"}, indent=1))
     write_json(out, a.json)
     return 0

@@ -4,6 +4,7 @@ stream the draft replica's steps back in OpenAI's shapes, feed acceptance back t
 
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -677,8 +678,10 @@ class Ingress:
                 if c.prompt_top is not None:  # vLLM's: on each choice of a completion
                     out[-1]["prompt_logprobs"] = self._prompt_logprobs(c)
         body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
-                "model": self.cfg.ingress.model_name, "choices": out,
+                "model": self.cfg.ingress.model_name, "system_fingerprint": _fingerprint(), "choices": out,
                 "usage": self._merged_usage(choices, [o.end.usage for o in done if o.end is not None])}
+        if len(done) == 1:  # llama-server's timings, which its OpenAI answers carry too
+            body["timings"] = llama_api.timings(done[0], timing.t0)
         if chat and choices[0].prompt_top is not None:  # vLLM's: once, for the conversation all choices continue
             body["prompt_logprobs"] = self._prompt_logprobs(choices[0])
         return body
@@ -711,7 +714,7 @@ class Ingress:
         offset = dict.fromkeys(pending, 0)
 
         def chunk(index: int, delta: str | None, finish: str | None, role: bool = False, stop=None,
-                  prompt_lp: list | None = None) -> str:
+                  prompt_lp: list | None = None, timings: dict | None = None) -> str:
             lp, held = None, pending[index]
             if held and not role:
                 lp = self._logprobs([t for ts, _ in held for t in ts], [x for _, xs in held for x in xs], chat, offset[index])
@@ -725,15 +728,19 @@ class Ingress:
                 choice = {"index": index, "text": delta or "", "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
             if prompt_lp is not None and not chat:
                 choice["prompt_logprobs"] = prompt_lp
-            body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+            body = {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": _fingerprint(),
+                    "choices": [choice]}
             if prompt_lp is not None and chat:
                 body["prompt_logprobs"] = prompt_lp
             if include_usage:
                 body["usage"] = None
+            if timings is not None:
+                body["timings"] = timings
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         used, usage, status = 0, None, 500
         ends: dict[int, dict] = {}
+        timings = None  # llama-server's, of a single choice: on the usage chunk, or else on the last
         merged = _merged(choices)
         try:
             for c in choices:  # each choice's first chunk carries vLLM's prompt_logprobs, when asked
@@ -748,7 +755,11 @@ class Ingress:
             async for c, item in merged:
                 if isinstance(item, Done):
                     c.done = True
-                    yield chunk(c.index, None if chat else "", item.finish_reason, stop=item.stop_reason)
+                    if len(choices) == 1:
+                        timings = llama_api.timings(Outcome(c.index, c.prompt_tokens, end=item, first=timing.first,
+                                                            finished=time.perf_counter()), timing.t0)
+                    yield chunk(c.index, None if chat else "", item.finish_reason, stop=item.stop_reason,
+                                timings=None if include_usage else timings)
                     self._observe(c.route, item.usage)
                     ends[c.index] = item.usage
                 else:
@@ -760,7 +771,10 @@ class Ingress:
             usage = self._merged_usage(choices, [ends[c.index] for c in choices])
             used, status = usage["total_tokens"], 200
             if include_usage:
-                body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
+                body = {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": _fingerprint(),
+                        "choices": [], "usage": usage}
+                if timings is not None:
+                    body["timings"] = timings
                 yield f"data: {json.dumps(body)}\n\n"
         except (GeneratorExit, asyncio.CancelledError):  # the client went away mid-stream
             status = 499  # nginx's "client closed request", as the metrics' status
@@ -942,6 +956,12 @@ def _overloaded(running: int) -> JSONResponse:
     return JSONResponse(error_body(f"the server is at capacity ({running} requests in flight); retry later",
                                    "server_overloaded", code="server_overloaded"),
                         status_code=503, headers={"Retry-After": "1"})
+
+
+@functools.cache
+def _fingerprint() -> str:
+    """OpenAI's ``system_fingerprint``: the server's build."""
+    return f"osd-serve-{_version()}"
 
 
 def _version() -> str:

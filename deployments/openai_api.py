@@ -19,21 +19,23 @@ def logprobs(decode: Decode, tokens: list[int], lps: list, chat: bool, offset: i
     completions' legacy columns (``text_offset`` from ``offset``, the characters before). ``lps``:
     (logprob, [(id, logprob), ...]) per token; an echoed prompt's first token's is (None, None)."""
     text = [decode([t]) for t in tokens]
+
+    def entry(i: int, t: str, lp: float | None) -> dict:  # with llama-server's "id"
+        return {"id": i, "token": t, "logprob": None if lp is None else finite(lp), "bytes": list(t.encode("utf-8", "replace"))}
+
+    content = [{**entry(i, t, lp), "top_logprobs": [entry(j, decode([j]), v) for j, v in top or []]}
+               for i, t, (lp, top) in zip(tokens, text, lps)]
     if chat:
-        def entry(t: str, lp: float, top=None) -> dict:
-            e = {"token": t, "logprob": finite(lp), "bytes": list(t.encode("utf-8", "replace"))}
-            if top is not None:
-                e["top_logprobs"] = [entry(decode([i]), v) for i, v in top]
-            return e
-        return {"content": [entry(t, lp, top) for t, (lp, top) in zip(text, lps)], "refusal": None}
+        return {"content": content, "refusal": None}
     offsets = []
     for t in text:
         offsets.append(offset)
         offset += len(t)
-    # (an echoed prompt's first token has no log-probability: null, as OpenAI writes it)
+    # (an echoed prompt's first token has no log-probability: null, as OpenAI writes it); ``content``:
+    # the same in chat's form, which llama-server answers completions with
     return {"tokens": text, "token_logprobs": [None if lp is None else finite(lp) for lp, _ in lps],
             "top_logprobs": [None if top is None else {decode([i]): finite(v) for i, v in top} for _, top in lps],
-            "text_offset": offsets}
+            "text_offset": offsets, "content": content}
 
 
 def echo_scores(ids: list[int], scores: list, top_n: int) -> tuple[list[int], list]:

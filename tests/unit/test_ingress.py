@@ -97,6 +97,27 @@ def test_chat_whole_and_streamed_agree_and_streams_are_framed_as_openais(app, fo
     assert app.ingress.tenants.in_flight["alice"] == 0 and app.ingress.running == 0
 
 
+def test_openai_answers_carry_llama_servers_timings_and_a_fingerprint(app):
+    """As llama-server's OpenAI endpoints: ``timings`` of a single choice on the answer (streamed:
+    on the usage chunk, or else on the last), and ``system_fingerprint`` on every object."""
+    body = {"prompt": "Hello", "max_tokens": 6, "ignore_eos": True}
+    for chat in (False, True):
+        ask = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6, "ignore_eos": True} if chat else body
+        _, whole, _ = run(app.post(ask, chat=chat))
+        t, u = whole["timings"], whole["usage"]
+        assert whole["system_fingerprint"].startswith("osd-serve-")
+        assert t["predicted_n"] == u["completion_tokens"] == 6 and t["prompt_n"] + t["cache_n"] == u["prompt_tokens"]
+        assert t["prompt_ms"] > 0 and t["predicted_ms"] >= 0
+        for usage in (True, False):
+            _, events, _ = run(app.post({**ask, "stream": True, "stream_options": {"include_usage": usage}}, chat=chat))
+            events = [e for e in events if isinstance(e, dict)]
+            timed = [e for e in events if "timings" in e]
+            assert len(timed) == 1 and timed[0] is events[-1] and all(e["system_fingerprint"] == whole["system_fingerprint"] for e in events)
+            assert timed[0]["timings"]["predicted_n"] == 6 and (timed[0].get("usage") is not None) == usage
+    _, two, _ = run(app.post({**body, "n": 2}))
+    assert len(two["choices"]) == 2 and "timings" not in two  # llama-server's timings are one slot's
+
+
 def test_logprobs_whole_and_streamed_in_openais_shapes(app):
     """Chat's content list and the completions' columns; one entry a completion token, the top
     ones most likely first, greedy tokens the most likely; a stream's entries are the whole
@@ -107,7 +128,7 @@ def test_logprobs_whole_and_streamed_in_openais_shapes(app):
     content = whole["choices"][0]["logprobs"]["content"]
     assert len(content) == whole["usage"]["completion_tokens"] == 10
     for e in content:
-        assert set(e) == {"token", "logprob", "bytes", "top_logprobs"} and e["logprob"] <= 0.0
+        assert set(e) == {"id", "token", "logprob", "bytes", "top_logprobs"} and e["logprob"] <= 0.0
         assert e["bytes"] == list(e["token"].encode("utf-8", "replace")) and len(e["top_logprobs"]) == 3
         top = [t["logprob"] for t in e["top_logprobs"]]
         assert top == sorted(top, reverse=True) and e["top_logprobs"][0]["token"] == e["token"]

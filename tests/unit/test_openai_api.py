@@ -16,18 +16,24 @@ def decode(ids: list[int]) -> str:
 def test_the_legacy_columns_offset_each_token_by_the_characters_before():
     lps = [(-0.5, [(1, -0.5), (2, -1.0)]), (float("-inf"), [(2, -0.1)]), (-1.5, [])]
     out = logprobs(decode, [1, 2, 3], lps, chat=False, offset=10)
+    content = out.pop("content")  # llama-server's form of the same, beside OpenAI's columns
     assert out == {"tokens": ["a", "bc", "é"], "token_logprobs": [-0.5, -9999.0, -1.5],
                    "top_logprobs": [{"a": -0.5, "bc": -1.0}, {"bc": -0.1}, {}], "text_offset": [10, 11, 13]}
+    assert [(e["id"], e["token"], e["logprob"]) for e in content] == [(1, "a", -0.5), (2, "bc", -9999.0), (3, "é", -1.5)]
+    assert [[(t["id"], t["logprob"]) for t in e["top_logprobs"]] for e in content] == [[(1, -0.5), (2, -1.0)], [(2, -0.1)], []]
     echoed = logprobs(decode, *echo_scores([2, 1], [(-0.25, [(1, -0.25), (3, -2.0)], 1)], 1), chat=False)
+    content = echoed.pop("content")
     assert echoed == {"tokens": ["bc", "a"], "token_logprobs": [None, -0.25], "top_logprobs": [None, {"a": -0.25}],
                       "text_offset": [0, 2]}
+    assert [(e["id"], e["logprob"], len(e["top_logprobs"])) for e in content] == [(2, None, 0), (1, -0.25, 1)]
 
 
 def test_chat_entries_carry_bytes_and_their_most_likely_tokens():
     out = logprobs(decode, [3], [(-0.5, [(3, -0.5), (1, -3.0)])], chat=True)
     assert out == {"refusal": None, "content": [
-        {"token": "é", "logprob": -0.5, "bytes": [195, 169],
-         "top_logprobs": [{"token": "é", "logprob": -0.5, "bytes": [195, 169]}, {"token": "a", "logprob": -3.0, "bytes": [97]}]}]}
+        {"id": 3, "token": "é", "logprob": -0.5, "bytes": [195, 169],
+         "top_logprobs": [{"id": 3, "token": "é", "logprob": -0.5, "bytes": [195, 169]},
+                          {"id": 1, "token": "a", "logprob": -3.0, "bytes": [97]}]}]}
     assert finite(float("-inf")) == -9999.0 and finite(-12.5) == -12.5 and finite(-9999.5) == -9999.0
 
 
