@@ -276,7 +276,12 @@ class Ingress:
         return {"status": "ready"}, 200, None
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.cfg.ingress.model_name, "object": "model", "created": 0, "owned_by": "osd-serve"}]}
+        """``GET /v1/models``: the served name, with llama-server's ``meta`` (the model's vocabulary,
+        trained context and width: what its clients read to size prompts)."""
+        card = model_card(self.cfg.engine.model.name)
+        meta = {"n_vocab": card["n_vocab"], "n_ctx_train": card["n_ctx"], "n_embd": card["n_embd"]}
+        return {"object": "list", "data": [{"id": self.cfg.ingress.model_name, "object": "model", "created": 0,
+                                            "owned_by": "osd-serve", "meta": meta}]}
 
     async def learner_call(self, request: Request, method: str, *args):
         """Operator calls on the learner: stats, pause, resume, rollback."""

@@ -141,7 +141,7 @@ def light_vocab(name: str) -> TextVocab | None:
 
 def model_card(name: str) -> dict:
     """What a model's folder says of it without loading it (no torch): its context
-    (``max_position_embeddings``), chat template (``chat_template.jinja``, or the tokenizer
+    (``max_position_embeddings``), vocabulary and hidden sizes, chat template (``chat_template.jinja``, or the tokenizer
     config's) and BOS / EOS tokens; a key is None where the folder does not say (or is not written yet)."""
     import json
 
@@ -158,6 +158,6 @@ def model_card(name: str) -> dict:
 
     config, tok = read("config.json"), read("tokenizer_config.json")
     template = path / "chat_template.jinja"
-    return {"n_ctx": config.get("max_position_embeddings"),
+    return {"n_ctx": config.get("max_position_embeddings"), "n_vocab": config.get("vocab_size"), "n_embd": config.get("hidden_size"),
             "chat_template": template.read_text() if template.is_file() else tok.get("chat_template"),
             "bos_token": token(tok.get("bos_token")), "eos_token": token(tok.get("eos_token"))}

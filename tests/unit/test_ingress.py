@@ -715,9 +715,13 @@ async def answer_of(coro):
     return await answer(await coro)
 
 
-def test_models_lists_the_served_name(app):
-    assert app.ingress.models() == {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0,
-                                                                "owned_by": "osd-serve"}]}
+def test_models_lists_the_served_name_and_the_models_sizes(app, folder):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(folder)
+    assert app.ingress.models() == {"object": "list", "data": [{
+        "id": MODEL, "object": "model", "created": 0, "owned_by": "osd-serve",
+        "meta": {"n_vocab": cfg.vocab_size, "n_ctx_train": cfg.max_position_embeddings, "n_embd": cfg.hidden_size}}]}
 
 
 def test_operator_endpoints_need_the_admin_key(app):
