@@ -91,6 +91,13 @@ def timings(o: Outcome, t0: float) -> dict:
 OFF_SAMPLERS = {"typical_p": 1.0, "top_n_sigma": -1.0, "dynatemp_range": 0.0, "xtc_probability": 0.0, "mirostat": 0,
                 "dry_multiplier": 0.0, "n_keep": 0, "n_discard": 0, "min_keep": 0, "post_sampling_probs": False,
                 "timings_per_token": False}
+#: the settings of those samplers, and of llama-server's chat and reasoning options, as it reports
+#: them when they are off: they have no effect (llama-server's defaults)
+OFF_SETTINGS = {"dynatemp_exponent": 1.0, "mirostat_tau": 5.0, "mirostat_eta": 0.1, "xtc_threshold": 0.1, "dry_base": 1.75,
+                "dry_allowed_length": 2, "dry_penalty_last_n": 64, "dry_sequence_breakers": ["\n", ":", "\"", "*"],
+                "repeat_last_n": 64, "adaptive_target": -1.0, "adaptive_decay": 0.9, "backend_sampling": False,
+                "chat_format": "Content-only", "reasoning_format": "none", "reasoning_in_content": False,
+                "generation_prompt": "", "grammar_lazy": False, "grammar_triggers": [], "preserved_tokens": [], "lora": []}
 #: the order the served samplers apply in (vLLM's: the temperature before the cut-offs)
 SAMPLERS = ["penalties", "temperature", "min_p", "top_k", "top_p"]
 
@@ -103,7 +110,8 @@ def generation_settings(params: SamplingParams, model: str, stream: bool) -> dic
             "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
             "repeat_penalty": 1.0, "ignore_eos": params.ignore_eos, "n_probs": params.logprobs or 0,
             "logit_bias": [[t, b] for t, b in params.logit_bias.items()], "stream": stream,
-            "grammar": params.grammar.source if params.grammar is not None else "", "samplers": SAMPLERS, **OFF_SAMPLERS}
+            "grammar": params.grammar.source if params.grammar is not None else "", "samplers": SAMPLERS, **OFF_SAMPLERS,
+            **OFF_SETTINGS}
 
 
 def partial(o: Outcome, content: str, tokens: list[int], return_tokens: bool, probs: list[dict] | None,

@@ -75,9 +75,14 @@ def locate(name: str) -> tuple[str, Path | None]:
 def _byte_decoder() -> dict[str, int]:
     """Byte-level BPE's printable stand-ins back to the bytes they stand for (GPT-2's map: printable
     Latin-1 bytes stand for themselves, the others for 256 + their rank)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in keep]
-    return {chr(b): b for b in keep} | {chr(256 + n): b for n, b in enumerate(others)}
+    out, n = {}, 0
+    for b in range(256):
+        if 0x21 <= b <= 0x7E or 0xA1 <= b <= 0xAC or 0xAE <= b <= 0xFF:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + n)] = b
+            n += 1
+    return out
 
 
 def token_bytes(tok, ids: list[int]) -> list[bytes]:

@@ -152,8 +152,10 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "deployments/metrics.py": ("deployments.metrics", {"MetricsServer"}, ["tests/unit/test_servers.py"]),
     # loading models and tokenizers, prompts and chats as ids, EOS ids, devices, vocabularies (the
     # GGUF dequantisation is left out: it needs a GGUF file and 30 s a run)
-    "speculative/locate.py": ("speculative.locate", {"embedded_gguf_path", "gguf_cache_folder", "locate", "light_vocab"},
-                              ["tests/unit/test_models.py", "tests/unit/test_cache_keys.py"]),
+    "speculative/locate.py": ("speculative.locate", {"embedded_gguf_path", "gguf_cache_folder", "locate", "light_vocab",
+                                                     "token_bytes", "_byte_decoder"},
+                              ["tests/unit/test_models.py", "tests/unit/test_cache_keys.py", "tests/unit/test_detokenize.py",
+                               "tests/unit/test_llama_api.py"]),
     "speculative/models.py": ("speculative.models", {"resolve_model_folder",
                                                      "load_tokenizer", "_cannot_load", "load_weights", "load_model",
                                                      "check_device", "load_config", "encode_prompt", "encode_messages",

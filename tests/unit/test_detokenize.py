@@ -280,3 +280,26 @@ def test_each_tokens_bytes_make_the_texts_bytes_and_a_split_character_is_bytes_n
     meta = TOKENIZERS["sentencepiece_like"]  # not byte-level: each token's text decoded alone
     ids = meta("Zürich straße", add_special_tokens=False)["input_ids"]
     assert b"".join(token_bytes(meta.backend_tokenizer, ids)).decode().replace(" ", "") == "Zürichstraße"
+
+
+def test_byte_level_stand_ins_map_back_to_every_byte_once_as_gpt2s_map_does():
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from speculative.locate import _byte_decoder
+
+    assert _byte_decoder() == {c: b for b, c in bytes_to_unicode().items()}
+
+
+def test_byte_fallback_tokens_are_their_bytes():
+    """A SentencePiece-style vocabulary spells a character it lacks as byte tokens (``<0xF0>``):
+    each is its byte, so the pieces of a split character join to its UTF-8."""
+    from tokenizers import Tokenizer, decoders, models
+
+    from speculative.locate import token_bytes
+
+    vocab = {"<unk>": 0, "a": 1, "bc": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    ids = tok.encode("a🦙").ids
+    assert len(ids) == 5 and token_bytes(tok, ids) == [b"a", *(bytes([b]) for b in "🦙".encode())]
+    assert token_bytes(tok, [2, 3 + 0x41]) == [b"bc", b"A"]

@@ -88,6 +88,15 @@ def test_generation_settings_and_probabilities_in_llama_servers_names():
     assert (g["seed"], g["n_probs"], g["repeat_penalty"], g["stop"], g["logit_bias"], g["stream"]) == (-1, 0, 1.0, ["x"], [[7, -2.0]], True)
     assert g["samplers"] == ["penalties", "temperature", "min_p", "top_k", "top_p"] and g["grammar"] == ""
     assert (g["typical_p"], g["mirostat"], g["dry_multiplier"], g["xtc_probability"]) == (1.0, 0, 0.0, 0.0)  # refused otherwise
+    # every setting llama-server reports (its answer's generation_settings, recorded from the
+    # llama.cpp that tools/llama_server.sh builds) but the kinds of its own speculation
+    theirs = ("adaptive_decay adaptive_target backend_sampling chat_format dry_allowed_length dry_base dry_multiplier "
+              "dry_penalty_last_n dry_sequence_breakers dynatemp_exponent dynatemp_range frequency_penalty generation_prompt "
+              "grammar grammar_lazy grammar_triggers ignore_eos logit_bias lora max_tokens min_keep min_p mirostat mirostat_eta "
+              "mirostat_tau n_discard n_keep n_predict n_probs post_sampling_probs presence_penalty preserved_tokens "
+              "reasoning_format reasoning_in_content repeat_last_n repeat_penalty samplers seed stop stream temperature "
+              "timings_per_token top_k top_n_sigma top_p typical_p xtc_probability xtc_threshold").split()
+    assert set(theirs) <= set(g)
     grammar = Grammar(kind="gbnf", source='root ::= "a"')
     g = generation_settings(p.model_copy(update={"seed": 5, "logprobs": 3, "grammar": grammar}), "m", stream=False)
     assert (g["seed"], g["n_probs"], g["stream"], g["model"], g["grammar"]) == (5, 3, False, "m", 'root ::= "a"')
