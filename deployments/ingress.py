@@ -4,6 +4,7 @@ stream the draft replica's steps back in OpenAI's shapes, feed acceptance back t
 
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -454,7 +455,7 @@ class Ingress:
             if isinstance(req, LlamaCompletionRequest):
                 sse = self._llama_sse(choices, req, params, texts, timing, settle)
             else:
-                sse = self._sse(choices, rid, chat, req.include_usage, timing, settle)
+                sse = self._sse(choices, rid, chat, req.include_usage, timing, settle, req.timings_per_token)
             weakref.finalize(sse, _dropped, settle, choices)
             return StreamingResponse(sse, media_type="text/event-stream"), None
         if isinstance(req, LlamaCompletionRequest):
@@ -695,7 +696,7 @@ class Ingress:
                            texts: list, timing: Timing) -> "_Answer":
         """llama-server's answer: the result, or an array of results for several."""
         done = await self._collect(choices, timing)
-        settings = llama_api.generation_settings(params, self.cfg.ingress.model_name, False)
+        settings = llama_api.generation_settings(params, self.cfg.ingress.model_name, False, req.timings_per_token)
         results = [llama_api.final(o, texts[o.index // req.n][0], settings, timing.t0, req.return_tokens,
                                    self.cfg.ingress.model_name, False,
                                    llama_api.result_probabilities(self._piece, o))
@@ -709,7 +710,7 @@ class Ingress:
         timing.done(status, usage)
 
     async def _sse(self, choices: list["_Choice"], rid: str, chat: bool, include_usage: bool, timing: Timing,
-                   settle: Settle):
+                   settle: Settle, per_token: bool = False):
         created, model = now(), self.cfg.ingress.model_name
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -746,6 +747,7 @@ class Ingress:
         used, usage, status = 0, None, 500
         ends: dict[int, dict] = {}
         timings = None  # llama-server's, of a single choice: on the usage chunk, or else on the last
+        so_far = {c.index: Outcome(c.index, c.prompt_tokens) for c in choices}  # (timings_per_token)
         merged = _merged(choices)
         try:
             for c in choices:  # each choice's first chunk carries vLLM's prompt_logprobs, when asked
@@ -764,15 +766,20 @@ class Ingress:
                         timings = llama_api.timings(Outcome(c.index, c.prompt_tokens, end=item, first=timing.first,
                                                             finished=time.perf_counter()), timing.t0)
                     yield chunk(c.index, None if chat else "", item.finish_reason, stop=item.stop_reason,
-                                timings=None if include_usage else timings)
+                                timings=None if include_usage and not per_token else timings)
                     self._observe(c.route, item.usage)
                     ends[c.index] = item.usage
                 else:
                     if item.logprobs is not None:
                         pending[c.index].append((item.tokens, item.logprobs))
+                    so_far[c.index].tokens += item.tokens
                     if item.text:
                         timing.chunk()
-                        yield chunk(c.index, item.text, None)
+                        running = None
+                        if per_token and len(choices) == 1:  # llama-server's timings so far, on each chunk
+                            o = dataclasses.replace(so_far[c.index], first=timing.first, finished=time.perf_counter())
+                            running = llama_api.timings(o, timing.t0)
+                        yield chunk(c.index, item.text, None, timings=running)
             usage = self._merged_usage(choices, [ends[c.index] for c in choices])
             used, status = usage["total_tokens"], 200
             if include_usage:
@@ -798,12 +805,18 @@ class Ingress:
                          texts: list, timing: Timing, settle: Settle):
         """llama-server's stream: a partial result for each new text, then each choice's final one."""
         model = self.cfg.ingress.model_name
-        settings = llama_api.generation_settings(params, model, True)
+        settings = llama_api.generation_settings(params, model, True, req.timings_per_token)
         outcomes = {c.index: Outcome(c.index, c.prompt_tokens) for c in choices}
         pending: dict[int, list] = {c.index: [[], []] for c in choices}  # tokens and logprobs not sent yet
 
         def event(body: dict) -> str:
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        def partial(o: Outcome, *rest) -> str:
+            body = llama_api.partial(o, *rest)
+            if req.timings_per_token:  # llama-server's timings so far, on each chunk
+                body["timings"] = llama_api.timings(dataclasses.replace(o, finished=time.perf_counter()), timing.t0)
+            return event(body)
 
         used, usage, status = 0, None, 500
         merged = _merged(choices)
@@ -816,12 +829,11 @@ class Ingress:
                     held = pending[c.index]
                     if held[0]:  # tokens without text of their own (held by the detokeniser) go before the end
                         probs = llama_api.probabilities(self._piece, *held) if params.logprobs is not None else None
-                        yield event(llama_api.partial(o, "", held[0], req.return_tokens, probs))
+                        yield partial(o, "", held[0], req.return_tokens, probs)
                     if item.eos_token is not None:  # as llama-server: the end of sequence's own chunk, without text
                         lps = [item.eos_logprob] if item.eos_logprob is not None else []
                         probs = None if params.logprobs is None else llama_api.probabilities(self._piece, [item.eos_token] * len(lps), lps)
-                        yield event(llama_api.partial(o, "", [item.eos_token], req.return_tokens, probs,
-                                                      len(llama_api.predicted(o))))
+                        yield partial(o, "", [item.eos_token], req.return_tokens, probs, len(llama_api.predicted(o)))
                     yield event(llama_api.final(o, texts[c.index // req.n][0], settings, timing.t0, req.return_tokens,
                                                 model, True))
                     continue
@@ -835,7 +847,7 @@ class Ingress:
                 timing.chunk()
                 o.first = timing.last if o.first is None else o.first
                 probs = llama_api.probabilities(self._piece, *held) if params.logprobs is not None else None
-                yield event(llama_api.partial(o, item.text, held[0], req.return_tokens, probs))
+                yield partial(o, item.text, held[0], req.return_tokens, probs)
                 pending[c.index] = [[], []]
             usage = self._merged_usage(choices, [outcomes[c.index].end.usage for c in choices])  # type: ignore[union-attr]
             used, status = usage["total_tokens"], 200

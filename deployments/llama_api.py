@@ -66,7 +66,9 @@ def pieces(ids: list[int], raw: list[bytes]) -> list[dict]:
 
 
 def timings(o: Outcome, t0: float) -> dict:
-    """llama.cpp's ``timings`` of one result, with its drafts' counts (``draft_n``, ``draft_n_accepted``)."""
+    """llama.cpp's ``timings`` of one result, with its drafts' counts (``draft_n``, ``draft_n_accepted``).
+    Of a result still running (no end yet: ``timings_per_token``), the timings so far, up to
+    ``o.finished``; its prompt's cached positions are counted at its end."""
     usage = o.end.usage if o.end is not None else {}
     eos = o.end is not None and o.end.eos_token is not None
     end = o.finished if o.finished is not None else t0
@@ -89,8 +91,7 @@ def timings(o: Outcome, t0: float) -> dict:
 #: llama.cpp's samplers this server does not serve, as a request's settings show them: off (a
 #: request that turns one on is refused)
 OFF_SAMPLERS = {"typical_p": 1.0, "top_n_sigma": -1.0, "dynatemp_range": 0.0, "xtc_probability": 0.0, "mirostat": 0,
-                "dry_multiplier": 0.0, "n_keep": 0, "n_discard": 0, "min_keep": 0, "post_sampling_probs": False,
-                "timings_per_token": False}
+                "dry_multiplier": 0.0, "n_keep": 0, "n_discard": 0, "min_keep": 0, "post_sampling_probs": False}
 #: the settings of those samplers, and of llama-server's chat and reasoning options, as it reports
 #: them when they are off: they have no effect (llama-server's defaults)
 OFF_SETTINGS = {"dynatemp_exponent": 1.0, "mirostat_tau": 5.0, "mirostat_eta": 0.1, "xtc_threshold": 0.1, "dry_base": 1.75,
@@ -102,14 +103,14 @@ OFF_SETTINGS = {"dynatemp_exponent": 1.0, "mirostat_tau": 5.0, "mirostat_eta": 0
 SAMPLERS = ["penalties", "temperature", "min_p", "top_k", "top_p"]
 
 
-def generation_settings(params: SamplingParams, model: str, stream: bool) -> dict:
+def generation_settings(params: SamplingParams, model: str, stream: bool, timings_per_token: bool = False) -> dict:
     """What the result was generated with, under llama.cpp's names."""
     return {"model": model, "n_predict": params.max_tokens, "max_tokens": params.max_tokens,
             "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
             "seed": params.seed if params.seed is not None else -1, "stop": list(params.stop),
             "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
             "repeat_penalty": 1.0, "ignore_eos": params.ignore_eos, "n_probs": params.logprobs or 0,
-            "logit_bias": [[t, b] for t, b in params.logit_bias.items()], "stream": stream,
+            "logit_bias": [[t, b] for t, b in params.logit_bias.items()], "stream": stream, "timings_per_token": timings_per_token,
             "grammar": params.grammar.source if params.grammar is not None else "", "samplers": SAMPLERS, **OFF_SAMPLERS,
             **OFF_SETTINGS}
 

@@ -173,6 +173,8 @@ class _Request(BaseModel):
     n: int = Field(default=1, ge=1, le=MAX_N, strict=True)  # choices for each prompt
     stream: bool = Field(default=False, strict=True)
     stream_options: dict | None = Field(default=None, max_length=8)
+    #: llama-server's: each streamed chunk carries the timings so far
+    timings_per_token: bool = Field(default=False, strict=True)
     user: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
     ignore_eos: bool = Field(default=False, strict=True)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)  # vLLM's and llama.cpp's

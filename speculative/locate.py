@@ -77,7 +77,7 @@ def _byte_decoder() -> dict[str, int]:
     Latin-1 bytes stand for themselves, the others for 256 + their rank)."""
     out, n = {}, 0
     for b in range(256):
-        if 0x21 <= b <= 0x7E or 0xA1 <= b <= 0xAC or 0xAE <= b <= 0xFF:
+        if 0x21 <= b <= 0x7E or 0xA1 <= b <= 0xAC or b >= 0xAE:  # (b < 256)
             out[chr(b)] = b
         else:
             out[chr(256 + n)] = b

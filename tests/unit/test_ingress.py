@@ -114,6 +114,13 @@ def test_openai_answers_carry_llama_servers_timings_and_a_fingerprint(app):
             timed = [e for e in events if "timings" in e]
             assert len(timed) == 1 and timed[0] is events[-1] and all(e["system_fingerprint"] == whole["system_fingerprint"] for e in events)
             assert timed[0]["timings"]["predicted_n"] == 6 and (timed[0].get("usage") is not None) == usage
+        _, events, _ = run(app.post({**ask, "stream": True, "timings_per_token": True}, chat=chat))
+        texts = [e for e in events if isinstance(e, dict) and e["choices"] and (e["choices"][0].get("text") or
+                                                                              e["choices"][0].get("delta", {}).get("content"))]
+        assert texts and all("timings" in e for e in texts)  # each chunk of text: the timings so far
+        counts = [e["timings"]["predicted_n"] for e in texts]
+        assert counts == sorted(counts) and 0 < counts[-1] <= events[-2]["timings"]["predicted_n"] == 6
+        assert all(e["timings"]["prompt_n"] + e["timings"]["cache_n"] == u["prompt_tokens"] for e in texts)
     _, two, _ = run(app.post({**body, "n": 2}))
     assert len(two["choices"]) == 2 and "timings" not in two  # llama-server's timings are one slot's
 

@@ -155,7 +155,12 @@ def test_a_stream_is_partial_results_then_the_final_one_without_done(app, folder
     assert [e["tokens_predicted"] for e in events[:-1]] == sorted(e["tokens_predicted"] for e in events[:-1])
     final = events[-1]
     assert final["content"] == "" and final["tokens_predicted"] == 10 and final["stop_type"] == "limit"
-    assert final["timings"]["predicted_n"] == 10
+    assert final["timings"]["predicted_n"] == 10 and "timings" not in events[0]
+    assert final["generation_settings"]["timings_per_token"] is False
+    _, timed, _ = post(app, {"prompt": "Hello world", "n_predict": 10, "temperature": 0, "ignore_eos": True,
+                             "stream": True, "timings_per_token": True})
+    assert all(e["timings"]["predicted_n"] == e["tokens_predicted"] for e in timed)  # each chunk: the timings so far
+    assert timed[-1]["generation_settings"]["timings_per_token"] is True
     assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
 
 
