@@ -82,7 +82,8 @@ def test_greedy_completion_equals_target_only(client, reference):
         if spec["proposed"]:  # every drafted step kept all its tokens or rejected one: at most one per step
             ta = spec["token_acceptance"]
             assert spec["alpha"] <= ta <= 1 and ta * (spec["accepted"] + spec["steps"]) >= spec["accepted"]
-        assert spec["draft_id"] == "general" and spec["draft_version"] == 0
+        # the learner may publish meanwhile (a round every 8 records here): any version it served
+        assert spec["draft_id"] == "general" and isinstance(spec["draft_version"], int) and spec["draft_version"] >= 0
         assert spec["language"] and spec["domain"]
         assert r.usage.completion_tokens <= MAX_TOKENS and r.usage.prompt_tokens > 0
 
