@@ -612,8 +612,10 @@ class Ingress:
         return vocab.decode([i for i in ids if 0 <= i < len(vocab)])
 
     def _piece(self, ids: list[int]) -> str:
-        """Token ids as output text: special tokens as nothing (llama-server's pieces)."""
-        return self._vocabulary().decode(ids, skip_special_tokens=True)
+        """Token ids as output text: special tokens as nothing (llama-server's pieces); ids past the
+        tokenizer's vocabulary (a model's padded rows) as nothing too."""
+        vocab = self._vocabulary()
+        return vocab.decode([i for i in ids if 0 <= i < len(vocab)], skip_special_tokens=True)
 
     def _logprobs(self, tokens: list[int], lps: list, chat: bool, offset: int = 0) -> dict:
         return openai_api.logprobs(self._vocabulary().decode, tokens, lps, chat, offset)
