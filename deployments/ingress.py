@@ -749,7 +749,7 @@ class Ingress:
         used, usage, status = 0, None, 500
         ends: dict[int, dict] = {}
         timings = None  # llama-server's, of a single choice: on the usage chunk, or else on the last
-        so_far = {c.index: Outcome(c.index, c.prompt_tokens) for c in choices}  # (timings_per_token)
+        so_far = {c.index: Outcome(c.index, c.prompt_tokens) for c in choices}  # timings_per_token's tokens so far
         merged = _merged(choices)
         try:
             for c in choices:  # each choice's first chunk carries vLLM's prompt_logprobs, when asked
@@ -774,7 +774,8 @@ class Ingress:
                 else:
                     if item.logprobs is not None:
                         pending[c.index].append((item.tokens, item.logprobs))
-                    so_far[c.index].tokens += item.tokens
+                    if per_token:
+                        so_far[c.index].tokens += item.tokens
                     if item.text:
                         timing.chunk()
                         running = None

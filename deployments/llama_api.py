@@ -39,7 +39,7 @@ def result_probabilities(decode, o: Outcome) -> list[dict] | None:
     if o.logprobs is None:
         return None
     ended = [o.end.eos_logprob] if o.end.eos_logprob is not None else []
-    return probabilities(decode, o.tokens + [o.end.eos_token] * len(ended), o.logprobs + ended)
+    return probabilities(decode, predicted(o), o.logprobs + ended)  # (an end without its entry is left out)
 
 
 def probabilities(decode, tokens: list[int], lps: list) -> list[dict]:

@@ -74,7 +74,8 @@ def locate(name: str) -> tuple[str, Path | None]:
 
 def _byte_decoder() -> dict[str, int]:
     """Byte-level BPE's printable stand-ins back to the bytes they stand for (GPT-2's map: printable
-    Latin-1 bytes stand for themselves, the others for 256 + their rank)."""
+    Latin-1 bytes stand for themselves, the others for 256 + their rank). transformers has it too,
+    but this module stays clear of transformers (and torch) for the ingress."""
     out, n = {}, 0
     for b in range(256):
         if 0x21 <= b <= 0x7E or 0xA1 <= b <= 0xAC or b >= 0xAE:  # (b < 256)
