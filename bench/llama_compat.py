@@ -14,7 +14,9 @@ last streamed event, ``/props``), how many templated chats are the same text, wh
 texts agree whether the counts do too (the predicted tokens with an end of sequence among them,
 ``tokens_predicted``, ``tokens_cached``, ``stop_type``, the log-probability entries' ids and the
 ids streamed) and, whatever the text, whether each server's answers obey llama-server's counting
-rules (:func:`_count_rules`), whether both streams are framed alike (``stop`` false then true, no
+rules (:func:`_count_rules`), how many streamed chunks carry exactly one token id (llama-server
+sends a chunk a token; so do both servers' OpenAI streams, counted against the usage's tokens),
+whether both streams are framed alike (``stop`` false then true, no
 ``[DONE]``), ``stop_type`` and ``stopping_word`` agreement on the stop-word requests, and how
 often the greedy texts agree (the same weights, computed differently: llama.cpp keeps activation
 scales and, in attention, queries in float16 where we do not, so a near-tie can flip and equality
@@ -154,6 +156,27 @@ def _text(events: list) -> str:
     return "".join(e.get("content", "") for e in events if isinstance(e, dict))
 
 
+def _one_id_chunks(events: list) -> tuple[int, int]:
+    """(partial chunks that carry token ids, those that carry exactly one): llama-server sends a
+    chunk a token, so a client may count its chunks as tokens."""
+    ids = [len(e["tokens"]) for e in events[:-1] if isinstance(e, dict) and e.get("tokens")]
+    return len(ids), sum(n == 1 for n in ids)
+
+
+def openai_chunks(ours: str, llama: str, prompts: list[str], key: str | None, max_tokens: int = 24) -> dict:
+    """Per server, over greedy streamed ``/v1/completions`` of ``prompts``: chunks with text, and
+    the completion tokens the usage counts (equal where a chunk carries a token)."""
+    out = {"ours": [0, 0], "llama": [0, 0]}
+    for prompt in prompts:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        for side, url, k in (("ours", ours, key), ("llama", llama, None)):
+            events = _post_any(url, "/v1/completions", body, k)
+            out[side][0] += sum(bool(e["choices"] and e["choices"][0].get("text")) for e in events)
+            out[side][1] += next(e["usage"]["completion_tokens"] for e in events if e.get("usage"))
+    return {side: {"text_chunks": v[0], "completion_tokens": v[1]} for side, v in out.items()}
+
+
 def _framed(events: list) -> bool:
     return (bool(events) and all(isinstance(e, dict) for e in events) and events[-1].get("stop") is True
             and not any(e.get("stop") for e in events[:-1]))
@@ -165,6 +188,7 @@ def compare(ours: str, llama: str, prompts: list[str], max_tokens: int, key: str
     same_text = same_stop = defaults_ok = 0
     counts = {"raw": [0, 0], "chat": [0, 0]}  # [counts equal, texts equal]
     rules = {"ours": 0, "llama": 0}  # greedy answers (raw and chat) that count as llama-server does
+    one_id = {"ours": [0, 0], "llama": [0, 0]}  # streamed chunks with ids, and with one id
     rows = []
     for prompt in prompts:
         greedy = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "n_probs": 2, "return_tokens": True}
@@ -192,6 +216,10 @@ def compare(ours: str, llama: str, prompts: list[str], max_tokens: int, key: str
         differ = {"raw": _counts_differ(a, sa, b, sb), "chat": _counts_differ(ac, sac, bc, sbc)}
         for side, pairs in (("ours", ((a, sa), (ac, sac))), ("llama", ((b, sb), (bc, sbc)))):
             rules[side] += sum(_count_rules(w, ev) for w, ev in pairs)
+            for _, ev in pairs:
+                chunks, one = _one_id_chunks(ev)
+                one_id[side][0] += chunks
+                one_id[side][1] += one
         for kind, d in differ.items():
             if d is not None:
                 counts[kind][0] += not d
@@ -230,6 +258,7 @@ def compare(ours: str, llama: str, prompts: list[str], max_tokens: int, key: str
             "streams_framed_alike": framed, "greedy_text_equal": same_text,
             "counts_equal_where_text_equal": {k: {"equal": v[0], "of": v[1]} for k, v in counts.items()},
             "count_rules_hold": {**rules, "of": 2 * n},
+            "stream_chunks_with_one_id": {k: {"one": v[1], "of": v[0]} for k, v in one_id.items()},
             "chat_ended_at_eos": {"ours": sum(r["chat_stop_type"][0] == "eos" for r in rows),
                                   "llama": sum(r["chat_stop_type"][1] == "eos" for r in rows)},
             "stop_word_requests": sum(r["stop"] is not None for r in rows), "stop_type_and_word_equal": same_stop,
@@ -252,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [t for group in zip(*by_domain.values()) for t in group][: a.n]
     out = compare(a.ours, a.llama, prompts, a.max_tokens, a.key)
     out["openai_missing_fields"] = openai_missing(a.ours, a.llama, prompts[0], a.key)
+    out["openai_stream_chunks"] = openai_chunks(a.ours, a.llama, prompts, a.key, a.max_tokens)
     print(json.dumps({k: v for k, v in out.items() if k != "rows"}, indent=1))
     write_json(out, a.json)
     return 0

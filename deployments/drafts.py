@@ -44,7 +44,7 @@ from drafts.outputs import KeptOutputs, PublishedWeights
 from learner.replay import LEARNED_SOURCES, RecordBuilder
 from config.draft_ids import GENERAL, start_domain
 from speculative import RequestError, SpeculativeEngine, TargetRows, VerifyCall
-from speculative.detokenize import Detokenizer
+from speculative.detokenize import Detokenizer, TokenPieces
 from speculative.engine import check_context, time_verify
 from speculative.runtime import make_runner, resolve_quantize
 from speculative.kvcache import KVCacheFull, kv_bytes_per_token
@@ -414,10 +414,9 @@ class DraftPool:
             else:
                 yield Refused(str(first.error))
             return
-        detok = Detokenizer(self.tokenizer, req.params.stop)
         output = list(req.resume)  # the output so far (resumed: what was sent before is context)
-        if output:
-            detok.update(output)  # the text sent before (final text depends on the ids only)
+        # each token's own text (the text sent before, resumed: final text depends on the ids only)
+        split = TokenPieces(Detokenizer(self.tokenizer, req.params.stop), output)
         labels = {"tenant": req.tenant or "anonymous", "domain": req.domain, "language": req.lang, "draft": draft_id}
         self.running += 1
         record = RecordBuilder() if self.learner is not None and engine.learned_draft is not None else None
@@ -426,7 +425,7 @@ class DraftPool:
         # back (the detokeniser keeps the newest token until the next one shows it is final, so the
         # prefill's token alone has none) waits for text instead of starting the interval's clock
         interval, sent_at = self.cfg.drafts.stream_interval_s, -math.inf
-        held_text: list[str] = []
+        held_pieces: list[tuple[str, int]] = []
         held_tokens: list[int] = []
         held_lps: list | None = [] if req.params.logprobs is not None else None
         eos_lp = None  # the end of sequence's log-probability entry, when asked and it ended the request
@@ -437,8 +436,9 @@ class DraftPool:
                     raise ev.error
                 if isinstance(ev, Finished):
                     st = ev.state
-                    if held_tokens:  # cut short (a stop, a cancellation) while held
-                        yield Chunk("".join(held_text), held_tokens, held_lps)
+                    held_pieces += split.add(output, 0, finished=True)
+                    if held_tokens or held_pieces:  # cut short (a stop, a cancellation) while held
+                        yield _chunk(held_pieces, held_tokens, held_lps)
                     break
                 res, wait = ev.result, ev.waited
                 waited += wait
@@ -446,15 +446,15 @@ class DraftPool:
                 if record is not None:
                     record.add(res)
                 output += res.emitted
-                held_text.append(detok.finish(output) if res.finished else detok.update(output))
+                held_pieces += split.add(output, len(res.emitted), res.finished)
                 held_tokens += res.emitted
                 if held_lps is not None:
                     held_lps += res.logprobs or []
                 eos_lp = res.eos_logprob or eos_lp
                 now = time.perf_counter()
-                if res.finished or (now - sent_at >= interval and (interval == 0 or any(held_text))):
-                    yield Chunk("".join(held_text), held_tokens, held_lps)
-                    held_text, held_tokens, sent_at = [], [], now
+                if res.finished or (now - sent_at >= interval and (interval == 0 or any(t for t, _ in held_pieces))):
+                    yield _chunk(held_pieces, held_tokens, held_lps)
+                    held_pieces, held_tokens, sent_at = [], [], now
                     held_lps = [] if held_lps is not None else None
             s = st.stats
             if engine.learns_from_traffic and st.output:  # the other replicas' suffix trees learn it too
@@ -544,6 +544,11 @@ class DraftPool:
             yield Finished(st)
         finally:
             engine.release(rid)
+
+
+def _chunk(pieces: list[tuple[str, int]], tokens: list[int], logprobs: list | None) -> Chunk:
+    """What the steps held since the last chunk became: their text, each token's own piece, the ids."""
+    return Chunk("".join(t for t, _ in pieces), tokens, logprobs, tuple(pieces))
 
 
 @serve.deployment(name="DraftPool", max_ongoing_requests=16)

@@ -26,7 +26,7 @@ from speculative.locate import TextVocab, light_vocab, model_card, token_bytes
 
 from .loopback import bind_replica_grpc, replica_meter
 from . import llama_api, openai_api
-from .protocol import (Accepted, ChatRequest, CompletionRequest, DetokenizeRequest, Done, GenerateRequest, LlamaCompletionRequest,
+from .protocol import (Accepted, ChatRequest, Chunk, CompletionRequest, DetokenizeRequest, Done, GenerateRequest, LlamaCompletionRequest,
                        Outcome, Refused, TargetUnavailable, TemplateRequest, TokenizeRequest, error_body, new_id, now)
 from .resume import resuming
 from .tenants import Admission, Tenants, refuse_open
@@ -720,6 +720,7 @@ class Ingress:
         # next text), and the completions' text_offset (characters of the tokens sent before)
         pending: dict[int, list] = {c.index: [] for c in choices}
         offset = dict.fromkeys(pending, 0)
+        split = {c.index: _Pieces() for c in choices}  # a chunk a token, as each token's text comes
 
         def chunk(index: int, delta: str | None, finish: str | None, role: bool = False, stop=None,
                   prompt_lp: list | None = None, timings: dict | None = None) -> str:
@@ -764,6 +765,10 @@ class Ingress:
             async for c, item in merged:
                 if isinstance(item, Done):
                     c.done = True
+                    toks, lps = split[c.index].rest()  # tokens no piece covered go with the end
+                    if lps:
+                        pending[c.index].append((toks, lps))
+                    so_far[c.index].tokens += toks
                     if len(choices) == 1:
                         timings = llama_api.timings(Outcome(c.index, c.prompt_tokens, end=item, first=timing.first,
                                                             finished=time.perf_counter()), timing.t0)
@@ -772,17 +777,20 @@ class Ingress:
                     self._observe(c.route, item.usage)
                     ends[c.index] = item.usage
                 else:
-                    if item.logprobs is not None:
-                        pending[c.index].append((item.tokens, item.logprobs))
-                    if per_token:
-                        so_far[c.index].tokens += item.tokens
-                    if item.text:
-                        timing.chunk()
-                        running = None
-                        if per_token and len(choices) == 1:  # llama-server's timings so far, on each chunk
-                            o = dataclasses.replace(so_far[c.index], first=timing.first, finished=time.perf_counter())
-                            running = llama_api.timings(o, timing.t0)
-                        yield chunk(c.index, item.text, None, timings=running)
+                    events = []
+                    for text, toks, lps in split[c.index].take(item):
+                        if item.logprobs is not None:
+                            pending[c.index].append((toks, lps))
+                        so_far[c.index].tokens += toks
+                        if text:
+                            timing.chunk()  # each text chunk is a gap the client sees (0 within a step)
+                            running = None
+                            if per_token and len(choices) == 1:  # llama-server's timings so far, on each chunk
+                                o = dataclasses.replace(so_far[c.index], first=timing.first, finished=time.perf_counter())
+                                running = llama_api.timings(o, timing.t0)
+                            events.append(chunk(c.index, text, None, timings=running))
+                    if events:  # one write: the proxy carries a step's tokens in one message
+                        yield "".join(events)
             usage = self._merged_usage(choices, [ends[c.index] for c in choices])
             used, status = usage["total_tokens"], 200
             if include_usage:
@@ -811,6 +819,7 @@ class Ingress:
         settings = llama_api.generation_settings(params, model, True, req.timings_per_token)
         outcomes = {c.index: Outcome(c.index, c.prompt_tokens) for c in choices}
         pending: dict[int, list] = {c.index: [[], []] for c in choices}  # tokens and logprobs not sent yet
+        split = {c.index: _Pieces() for c in choices}  # a chunk a token, as each token's text comes
 
         def event(body: dict) -> str:
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
@@ -830,6 +839,10 @@ class Ingress:
                     c.done, o.end, o.finished = True, item, time.perf_counter()
                     self._observe(c.route, item.usage)
                     held = pending[c.index]
+                    toks, lps = split[c.index].rest()  # tokens no piece covered go with the end
+                    o.tokens += toks
+                    held[0] += toks
+                    held[1] += lps
                     if held[0]:  # tokens without text of their own (held by the detokeniser) go before the end
                         probs = llama_api.probabilities(self._piece, *held) if params.logprobs is not None else None
                         yield partial(o, "", held[0], req.return_tokens, probs)
@@ -840,18 +853,21 @@ class Ingress:
                     yield event(llama_api.final(o, texts[c.index // req.n][0], settings, timing.t0, req.return_tokens,
                                                 model, True))
                     continue
-                o.tokens += item.tokens
-                held = pending[c.index]
-                held[0] += item.tokens
-                if item.logprobs is not None:
-                    held[1] += item.logprobs
-                if not item.text:
-                    continue
-                timing.chunk()
-                o.first = timing.last if o.first is None else o.first
-                probs = llama_api.probabilities(self._piece, *held) if params.logprobs is not None else None
-                yield partial(o, item.text, held[0], req.return_tokens, probs)
-                pending[c.index] = [[], []]
+                events = []
+                for text, toks, lps in split[c.index].take(item):  # llama-server's: a chunk a token
+                    o.tokens += toks
+                    held = pending[c.index]
+                    held[0] += toks
+                    held[1] += lps
+                    if not text:
+                        continue
+                    timing.chunk()  # each text chunk is a gap the client sees (0 within a step)
+                    o.first = timing.last if o.first is None else o.first
+                    probs = llama_api.probabilities(self._piece, *held) if params.logprobs is not None else None
+                    events.append(partial(o, text, held[0], req.return_tokens, probs))
+                    pending[c.index] = [[], []]
+                if events:  # one write: the proxy carries a step's tokens in one message
+                    yield "".join(events)
             usage = self._merged_usage(choices, [outcomes[c.index].end.usage for c in choices])  # type: ignore[union-attr]
             used, status = usage["total_tokens"], 200
         except (GeneratorExit, asyncio.CancelledError):  # the client went away mid-stream
@@ -864,6 +880,34 @@ class Ingress:
             settle(used, status, usage)
             await merged.aclose()
             _cancel(choices)
+
+
+class _Pieces:
+    """One choice's tokens (and log-probabilities, when asked) that no text has covered yet: each
+    chunk's pieces (:class:`Chunk`) take theirs from the front, so a stream can send a token a chunk
+    with that token's own text."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.logprobs: list = []
+
+    def take(self, item: Chunk) -> list[tuple[str, list[int], list]]:
+        """``(text, tokens, logprobs)`` for each piece of ``item``, oldest first (a chunk without
+        pieces: its whole text, with every token not yet covered)."""
+        self.tokens += item.tokens
+        self.logprobs += item.logprobs or []
+        pieces = item.pieces or (((item.text, len(self.tokens)),) if item.text else ())
+        out = []
+        for text, n in pieces:
+            out.append((text, self.tokens[:n], self.logprobs[:n]))
+            del self.tokens[:n], self.logprobs[:n]
+        return out
+
+    def rest(self) -> tuple[list[int], list]:
+        """The tokens (and log-probabilities) still uncovered, taken."""
+        rest = self.tokens, self.logprobs
+        self.tokens, self.logprobs = [], []
+        return rest
 
 
 class _Answer(JSONResponse):

@@ -528,11 +528,18 @@ class Accepted:
 @dataclass(frozen=True)
 class Chunk:
     """New output: its text and token ids (one step's, or several held up to the stream interval),
-    and each token's log-probability and the most likely tokens' when the request asked for them."""
+    and each token's log-probability and the most likely tokens' when the request asked for them.
+
+    ``pieces`` splits the text by token, for streams that send a token a chunk: ``(text, n)``, the
+    text of the next ``n`` tokens of the request not yet covered, oldest first. A token's text is
+    final only once the next one comes, so a chunk's pieces can cover tokens of the chunk before
+    it, and its last tokens can wait for the next chunk's pieces (all are covered by the request's
+    last chunk). Empty: the whole text goes with the chunk's tokens and those before it."""
 
     text: str
     tokens: list[int]
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    pieces: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -159,6 +159,44 @@ class Detokenizer:
         return delta
 
 
+class TokenPieces:
+    """Each output token's own text, for streams that send a token a chunk (llama-server's and
+    OpenAI's do): the text a token adds is final only once the next token shows it, so each token's
+    piece comes out when its successor arrives (or when the request ends).
+
+    :meth:`add` feeds the newest tokens one at a time through a :class:`Detokenizer` and returns
+    ``(text, n)`` pairs: the text released and how many of the tokens not yet given a piece it
+    covers, oldest first. A token whose text is held back (the first bytes of a character, or the
+    start of what may become a stop string) goes with the next piece, so ``n`` can exceed 1. The
+    texts joined are the detokeniser's stream; the counts add up to the tokens fed, once the
+    request has ended."""
+
+    def __init__(self, detok: Detokenizer, sent: list[int] | None = None):
+        self.detok = detok
+        self.waiting = 0  # tokens fed that no piece covers yet
+        if sent:  # output sent before (a resumed request): the same pieces again, to know what waits
+            self.add(list(sent), len(sent), finished=False)
+
+    def add(self, output: list[int], new: int, finished: bool) -> list[tuple[str, int]]:
+        """The pieces that the newest ``new`` tokens of ``output`` (the whole output so far) release;
+        ``finished``: the request ended with them (or, with ``new`` 0, was cut short), and every
+        token gets its piece."""
+        pieces: list[tuple[str, int]] = []
+        for end in range(len(output) - new + 1, len(output) + 1):
+            text = self.detok.update(output[:end])  # text of the tokens before the newest
+            if text:
+                pieces.append((text, self.waiting))
+                self.waiting = 1
+            else:
+                self.waiting += 1
+        if finished:  # the rest: the newest token's text, and any held back
+            text = self.detok.finish(output)
+            if text or self.waiting:
+                pieces.append((text, self.waiting))
+            self.waiting = 0
+        return pieces
+
+
 def _common_prefix_text(a: str, b: str) -> str:
     return a[: _common_prefix(a, b)]
 

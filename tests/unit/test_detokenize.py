@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from speculative.detokenize import REPLACEMENT, Detokenizer, cut_at_stop, final_text
+from speculative.detokenize import REPLACEMENT, Detokenizer, TokenPieces, cut_at_stop, final_text
 
 TEXTS = [
     "用一句话介绍一下长城。长城是中国古代的军事防御工程。",
@@ -303,3 +303,79 @@ def test_byte_fallback_tokens_are_their_bytes():
     ids = tok.encode("a🦙").ids
     assert len(ids) == 5 and token_bytes(tok, ids) == [b"a", *(bytes([b]) for b in "🦙".encode())]
     assert token_bytes(tok, [2, 3 + 0x41]) == [b"bc", b"A"]
+
+
+# -- each token's own text (streams that send a token a chunk) ------------------------------------
+
+def _pieces(tok, ids, stop=(), steps=None, sent=0) -> list[tuple[str, int]]:
+    """``TokenPieces`` fed ``ids`` in the given step sizes (one token a step by default), the last
+    step finishing the request; ``sent``: a resumed request, the first ``sent`` tokens sent before."""
+    split = TokenPieces(Detokenizer(tok, stop), ids[:sent])
+    out, n, steps = [], sent, list(steps or [])
+    while n < len(ids):
+        step = min(len(ids) - n, steps.pop(0) if steps else 1)
+        n += step
+        out += split.add(ids[:n], step, finished=n == len(ids))
+    return out
+
+
+def test_each_whole_token_is_a_piece_of_its_own_text():
+    tok = TOKENIZERS["byte_level"]
+    ids = tok("the quick brown fox", add_special_tokens=False)["input_ids"]
+    assert len(ids) >= 4
+    assert _pieces(tok, ids) == [(tok.decode([i]), 1) for i in ids]
+    assert _pieces(tok, ids, steps=[3, 1, 2]) == [(tok.decode([i]), 1) for i in ids]  # steps of several
+
+
+def test_a_split_character_is_one_piece_of_all_its_tokens():
+    tok = TOKENIZERS["byte_level"]
+    brick = tok("🧱", add_special_tokens=False)["input_ids"]
+    ids = tok("a", add_special_tokens=False)["input_ids"] + brick + tok("b", add_special_tokens=False)["input_ids"]
+    assert len(brick) >= 2 and len(ids) == len(brick) + 2
+    assert _pieces(tok, ids) == [("a", 1), ("🧱", len(brick)), ("b", 1)]
+
+
+def test_the_start_of_a_stop_string_waits_with_its_tokens_and_the_stop_is_never_a_piece():
+    tok = TOKENIZERS["byte_level"]
+    ids = tok("ab ab ab . , !", add_special_tokens=False)["input_ids"]
+    pieces = _pieces(tok, ids, stop=[" . ,"])
+    assert "".join(t for t, _ in pieces) == "ab ab ab" and sum(n for _, n in pieces) == len(ids)
+    assert pieces[-1][0] == ""  # the tokens of the stop end the request with no text of their own
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_pieces_join_to_the_final_text_cover_every_token_once_and_do_not_depend_on_the_steps(name):
+    tok = TOKENIZERS[name]
+    rng = random.Random(3)
+    for text in TEXTS:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        for stop in ((), ("长城是",), ("\n\n", "return"), ("🏯", "long")):
+            one = _pieces(tok, ids, stop)
+            assert "".join(t for t, _ in one) == final_text(tok, ids, stop), (text, stop)
+            assert sum(n for _, n in one) == len(ids) and all(n >= 1 for _, n in one)
+            assert not any(REPLACEMENT in t for t, _ in one)
+            steps = [rng.randint(1, 5) for _ in ids]  # as speculative steps (and stream intervals) group them
+            assert _pieces(tok, ids, stop, steps) == one, (text, stop, steps)
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_a_resumed_request_goes_on_with_the_pieces_the_first_replica_would_have_sent(name):
+    tok = TOKENIZERS[name]
+    for text in TEXTS[:4]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        whole = _pieces(tok, ids)
+        for sent in (1, len(ids) // 2, len(ids) - 1):
+            before = TokenPieces(Detokenizer(tok))
+            covered = [p for n in range(1, sent + 1) for p in before.add(ids[:n], 1, finished=False)]
+            assert covered == whole[: len(covered)]
+            assert _pieces(tok, ids, sent=sent) == whole[len(covered):], (text, sent)
+
+
+def test_a_request_cut_short_between_steps_gives_the_waiting_tokens_their_text():
+    tok = TOKENIZERS["byte_level"]
+    ids = tok("the fox", add_special_tokens=False)["input_ids"]
+    split = TokenPieces(Detokenizer(tok))
+    first = split.add(ids, len(ids), finished=False)
+    rest = split.add(ids, 0, finished=True)
+    assert sum(n for _, n in first) == len(ids) - 1 and rest == [(tok.decode(ids[-1:]), 1)]
+    assert split.add(ids, 0, finished=True) == []  # nothing waits any more

@@ -156,6 +156,9 @@ def test_logprobs_whole_and_streamed_in_openais_shapes(app):
     parts = [c["choices"][0]["logprobs"] for c in events[:-1] if c["choices"][0]["logprobs"]]
     assert [t for p in parts for t in p["tokens"]] == lp["tokens"] and [o for p in parts for o in p["text_offset"]] == lp["text_offset"]
     assert [v for p in parts for v in p["token_logprobs"]] == lp["token_logprobs"]
+    # a chunk a token, its text that token's (the steps of k = 3 emit up to four at once)
+    texts = [c["choices"][0]["text"] for c in events[:-1] if c["choices"][0]["logprobs"]]
+    assert all(p["tokens"] == [t] for p, t in zip(parts, texts, strict=True))
 
 
 def test_a_completion_stream_without_usage_ends_with_an_empty_text_and_done(app):
@@ -590,6 +593,30 @@ def test_a_replica_dying_mid_stream_is_resumed_on_another_and_the_text_is_unchan
     assert body["usage"]["speculative"]["resumed_after"] == len(second.resume)
     assert counter(a.ingress.meter, "osd_requests_resumed_total", tenant="alice") == 1
     assert a.ingress.running == 0 and a.ingress.tenants.in_flight["alice"] == 0
+
+
+def _llama_chunks(app) -> list:
+    """llama-server's stream of a greedy request: each chunk's text, ids and log-probability ids."""
+    body = {"prompt": "Hello world", "n_predict": 14, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_tokens": True, "n_probs": 1}
+    _, events, _ = run(app.post(body, llama=True))
+    return [(e["content"], e["tokens"], [p["id"] for p in e["completion_probabilities"]]) for e in events[:-1]]
+
+
+def test_a_resumed_stream_sends_the_chunks_an_unbroken_one_does_a_token_each(folder):
+    """llama-server's stream (a chunk a token, with its ids): the replica dies after three steps and
+    another goes on; the client sees the same chunks as from a replica that never died."""
+    cfg = app_config(folder)
+    a = App(cfg, pools=[LocalPool(cfg, fail_after=3), LocalPool(cfg)])
+    whole, resumed = _llama_chunks(App(cfg)), _llama_chunks(a)
+    assert len(a.pools[1].requests) == 1 and len(a.pools[1].requests[0][1].resume) >= 3  # it did resume
+    assert resumed == whole and len(whole) == 14
+    assert all(len(toks) == 1 and ids == toks for _, toks, ids in whole)
+
+
+def test_steps_sent_together_a_stream_interval_still_reach_the_client_a_token_a_chunk(folder):
+    cfg = app_config(folder, drafts={"stream_interval_s": 0.05})
+    assert _llama_chunks(App(cfg)) == _llama_chunks(App(app_config(folder)))
 
 
 def test_the_target_gone_is_a_retryable_503_whole_or_streamed(folder):

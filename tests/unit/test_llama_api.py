@@ -152,6 +152,8 @@ def test_a_stream_is_partial_results_then_the_final_one_without_done(app, folder
     assert all(e["id_slot"] == -1 and e["tokens_evaluated"] == 11 for e in events)
     assert "".join(e["content"] for e in events) == tok.decode(ids)
     assert [t for e in events[:-1] for t in e["tokens"]] == ids and events[-1]["tokens"] == []
+    # as llama-server: a chunk a token, with that token's own text (a speculative step emits several)
+    assert all(len(e["tokens"]) == 1 and e["content"] == tok.decode(e["tokens"]) for e in events[:-1])
     assert [e["tokens_predicted"] for e in events[:-1]] == sorted(e["tokens_predicted"] for e in events[:-1])
     final = events[-1]
     assert final["content"] == "" and final["tokens_predicted"] == 10 and final["stop_type"] == "limit"
@@ -277,6 +279,10 @@ def test_the_side_by_side_check_names_missing_fields_and_stream_framing():
     assert _framed([{"stop": False}, {"stop": False}, {"stop": True}])
     assert not _framed([{"stop": False}, {"stop": True}, "[DONE]"]) and not _framed([{"stop": True}, {"stop": True}])
     assert not _framed([])
+    from bench.llama_compat import _one_id_chunks
+
+    stream = [{"tokens": [5]}, {"tokens": []}, {"tokens": [6, 7]}, "odd", {"tokens": [8]}, {"tokens": [9], "stop": True}]
+    assert _one_id_chunks(stream) == (3, 2)  # the final result is not a chunk of text
 
 
 def test_the_side_by_side_counting_rules_hold_for_llama_servers_own_answer():

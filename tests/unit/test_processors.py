@@ -38,6 +38,26 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_p
     assert got[1].tolist() == [1.0, -2.0, 0.5, 0.5]  # and then the draft's 3
 
 
+def test_llama_cpps_penalties_count_the_last_n_tokens_of_prompt_and_output_as_each_row_stands():
+    """llama.cpp's penalties (``penalty_last_n``): every penalty counts a token's occurrences in the
+    last n tokens, the prompt's among them; each row's window slides over the draft's tokens."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]] * 3)  # [k+1 = 3, V = 4]
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, penalty_last_n=3)
+    # prompt [3, 1], output so far [0, 1]; the draft proposes [1, 2]
+    got = process_rows(logits, params, [3, 1, 0, 1], 2, [1, 2], set())
+    # row 0: window [1, 0, 1] -> 1 twice, 0 once (the prompt's 3 has left it)
+    assert got[0].tolist() == [2.0 / 2 - 0.5 - 0.25, -1.0 * 2 - 2 * 0.5 - 0.25, 0.5, 1.0]
+    # row 1: window [0, 1, 1] (d_1 = 1 in, the prompt's 1 out)
+    assert got[1].tolist() == [2.0 / 2 - 0.5 - 0.25, -1.0 * 2 - 2 * 0.5 - 0.25, 0.5, 1.0]
+    # row 2: window [1, 1, 2] (d_2 = 2 in, 0 out)
+    assert got[2].tolist() == [2.0, -1.0 * 2 - 2 * 0.5 - 0.25, 0.5 / 2 - 0.5 - 0.25, 1.0]
+    every = process_rows(logits[:1], params.model_copy(update={"penalty_last_n": -1}), [3, 1, 0, 1], 2, [], set())
+    assert every[0].tolist() == [2.0 / 2 - 0.5 - 0.25, -1.0 * 2 - 2 * 0.5 - 0.25, 0.5, 1.0 / 2 - 0.5 - 0.25]  # -1: all
+    off = params.model_copy(update={"penalty_last_n": 0})
+    assert not off.processes_logits and process_rows(logits, off, [3, 1, 0, 1], 2, [1, 2], set()).equal(logits)
+    assert params.processes_logits
+
+
 def test_logit_bias_is_added_and_min_tokens_bans_the_stops_only_while_the_output_is_short():
     logits = torch.zeros(3, 5)
     params = SamplingParams(logit_bias={1: 3.0, 4: -100.0}, min_tokens=3, max_tokens=8)
@@ -79,10 +99,17 @@ def _plain_greedy(target, prompt_ids, params, eos, n):
                 z[t] = -math.inf
         for t, b in params.logit_bias.items():
             z[t] += b
-        for t in set(seq):
-            z[t] = z[t] / params.repetition_penalty if z[t] > 0 else z[t] * params.repetition_penalty
-        for t in set(out):
-            z[t] -= params.frequency_penalty * out.count(t) + params.presence_penalty
+        n = params.penalty_last_n
+        if n is None:  # vLLM's: repetition over prompt and output, frequency and presence over the output
+            for t in set(seq):
+                z[t] = z[t] / params.repetition_penalty if z[t] > 0 else z[t] * params.repetition_penalty
+            for t in set(out):
+                z[t] -= params.frequency_penalty * out.count(t) + params.presence_penalty
+        elif n:  # llama.cpp's: every penalty over the last n tokens (-1: all), the prompt's too
+            window = seq if n < 0 else seq[-n:]
+            for t in set(window):
+                z[t] = z[t] / params.repetition_penalty if z[t] > 0 else z[t] * params.repetition_penalty
+                z[t] -= params.frequency_penalty * window.count(t) + params.presence_penalty
         nxt = int(z.argmax())
         seq.append(nxt)
         if nxt in params.stop_token_ids:
@@ -93,7 +120,9 @@ def _plain_greedy(target, prompt_ids, params, eos, n):
 @pytest.mark.parametrize("params", [
     SamplingParams(max_tokens=24, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5),
     SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.8, logit_bias={98: 2.0, 99: -100.0}),
-    SamplingParams(max_tokens=24, ignore_eos=True, frequency_penalty=-1.0, logit_bias={97: 0.7})])
+    SamplingParams(max_tokens=24, ignore_eos=True, frequency_penalty=-1.0, logit_bias={97: 0.7}),
+    SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.8, frequency_penalty=0.4, penalty_last_n=5),
+    SamplingParams(max_tokens=24, ignore_eos=True, presence_penalty=1.5, penalty_last_n=-1)])
 def test_greedy_with_penalties_is_the_plain_loops_output_whatever_drafted(params):
     target, tok, engines = _engines()
     prompt = "abcabcabcab"
