@@ -5,7 +5,8 @@ differs in the answers.
 For each prompt of the workload (``--workload``, ``--domains``), four requests to each server: a
 greedy one whole (``n_probs``, ``return_tokens``), the same streamed, one with a stop word taken
 from llama-server's own greedy text, and one with llama-server's defaults (no sampling fields);
-then the greedy pair again on the prompt as a templated chat (llama-server's ``/apply-template``)
+then the greedy one again with llama.cpp's penalties (``repeat_penalty``, ``repeat_last_n``,
+``frequency_penalty``), then the greedy pair again on the prompt as a templated chat (llama-server's ``/apply-template``)
 with four times the tokens, where answers end at the end of sequence, ``/apply-template`` of a chat of each prompt,
 and ``GET /props``; last, the fields llama-server's OpenAI answers (chat and completions, whole
 and streamed) carry that ours lack.
@@ -185,7 +186,7 @@ def _framed(events: list) -> bool:
 def compare(ours: str, llama: str, prompts: list[str], max_tokens: int, key: str | None) -> dict:
     missing: dict[str, set] = {"result": set(), "chunk": set(), "final": set(), "probability": set()}
     framed = {"ours": 0, "llama": 0}
-    same_text = same_stop = defaults_ok = 0
+    same_text = same_stop = defaults_ok = same_penalised = penalised_changed = 0
     counts = {"raw": [0, 0], "chat": [0, 0]}  # [counts equal, texts equal]
     rules = {"ours": 0, "llama": 0}  # greedy answers (raw and chat) that count as llama-server does
     one_id = {"ours": [0, 0], "llama": [0, 0]}  # streamed chunks with ids, and with one id
@@ -235,6 +236,13 @@ def compare(ours: str, llama: str, prompts: list[str], max_tokens: int, key: str
             stop_row = {"word": word, "ours": [a2["stop_type"], a2["stopping_word"]], "llama": [b2["stop_type"], b2["stopping_word"]]}
             # the same word where both texts hold it; else each stops as its own text says
             same_stop += (a2["stop_type"], a2["stopping_word"]) == (b2["stop_type"], b2["stopping_word"])
+        # llama.cpp's penalties (over the last repeat_last_n tokens, the prompt's among them), greedy
+        penalised = {**greedy, "repeat_penalty": 1.3, "repeat_last_n": 16, "frequency_penalty": 0.2}
+        ap, _ = _post(ours, penalised, key)
+        bp, _ = _post(llama, penalised, None)
+        assert isinstance(ap, dict) and isinstance(bp, dict)
+        same_penalised += ap["content"] == bp["content"]
+        penalised_changed += bp["content"] != b["content"]
         a3, _ = _post(ours, {"prompt": prompt, "n_predict": 8}, key)
         b3, _ = _post(llama, {"prompt": prompt, "n_predict": 8}, None)
         assert isinstance(a3, dict) and isinstance(b3, dict)
@@ -256,6 +264,7 @@ def compare(ours: str, llama: str, prompts: list[str], max_tokens: int, key: str
     return {"prompts": n, "max_tokens": max_tokens, "props_missing_fields": props_missing, "apply_template_equal": same_template,
             "missing_fields": {k: sorted(v) for k, v in missing.items()},
             "streams_framed_alike": framed, "greedy_text_equal": same_text,
+            "penalised_greedy_text_equal": same_penalised, "penalties_changed_llama_servers_text": penalised_changed,
             "counts_equal_where_text_equal": {k: {"equal": v[0], "of": v[1]} for k, v in counts.items()},
             "count_rules_hold": {**rules, "of": 2 * n},
             "stream_chunks_with_one_id": {k: {"one": v[1], "of": v[0]} for k, v in one_id.items()},

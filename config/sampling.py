@@ -66,6 +66,10 @@ class SamplingParams(_Strict):
     #: positive logit is divided by it, a negative one multiplied; 1 disables it (0.01 to 10: a logit
     #: divided by a smaller one overflows)
     repetition_penalty: float = Field(default=1.0, ge=0.01, le=10.0, allow_inf_nan=False)
+    #: None: the three penalties count as above (vLLM's and OpenAI's). n: llama.cpp's counting,
+    #: every penalty over the last n tokens of prompt and output alike (its ``repeat_last_n``); -1:
+    #: all of them; 0: no penalties at all
+    penalty_last_n: int | None = Field(default=None, ge=-1, strict=True)
     #: token id -> a value added to its logit (OpenAI's -100..100; -100 bans it, 100 forces it)
     logit_bias: dict[int, float] = Field(default_factory=dict)
     #: the end-of-sequence tokens and ``stop_token_ids`` cannot be generated before this many
@@ -108,8 +112,13 @@ class SamplingParams(_Strict):
     def processes_logits(self) -> bool:
         """Whether the target's logits are changed before a token is chosen (penalties, biases,
         min_tokens, a grammar): verification then needs the target's whole rows, greedy or not."""
-        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens or self.grammar is not None)
+        return bool(self.penalised or self.logit_bias or self.min_tokens or self.grammar is not None)
+
+    @property
+    def penalised(self) -> bool:
+        """Whether a penalty changes the logits (llama.cpp's ``repeat_last_n`` 0 turns them all off)."""
+        return (bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+                and self.penalty_last_n != 0)
 
     def token_ids(self) -> list[int]:
         """The token ids the request names (checked against the vocabulary when it is queued)."""

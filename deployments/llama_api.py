@@ -96,7 +96,7 @@ OFF_SAMPLERS = {"typical_p": 1.0, "top_n_sigma": -1.0, "dynatemp_range": 0.0, "x
 #: them when they are off: they have no effect (llama-server's defaults)
 OFF_SETTINGS = {"dynatemp_exponent": 1.0, "mirostat_tau": 5.0, "mirostat_eta": 0.1, "xtc_threshold": 0.1, "dry_base": 1.75,
                 "dry_allowed_length": 2, "dry_penalty_last_n": 64, "dry_sequence_breakers": ["\n", ":", "\"", "*"],
-                "repeat_last_n": 64, "adaptive_target": -1.0, "adaptive_decay": 0.9, "backend_sampling": False,
+                "adaptive_target": -1.0, "adaptive_decay": 0.9, "backend_sampling": False,
                 "chat_format": "Content-only", "reasoning_format": "none", "reasoning_in_content": False,
                 "generation_prompt": "", "grammar_lazy": False, "grammar_triggers": [], "preserved_tokens": [], "lora": []}
 #: the order the served samplers apply in (vLLM's: the temperature before the cut-offs)
@@ -109,7 +109,8 @@ def generation_settings(params: SamplingParams, model: str, stream: bool, timing
             "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
             "seed": params.seed if params.seed is not None else -1, "stop": list(params.stop),
             "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
-            "repeat_penalty": 1.0, "ignore_eos": params.ignore_eos, "n_probs": params.logprobs or 0,
+            "repeat_penalty": params.repetition_penalty,
+            "repeat_last_n": 64 if params.penalty_last_n is None else params.penalty_last_n, "ignore_eos": params.ignore_eos, "n_probs": params.logprobs or 0,
             "logit_bias": [[t, b] for t, b in params.logit_bias.items()], "stream": stream, "timings_per_token": timings_per_token,
             "grammar": params.grammar.source if params.grammar is not None else "", "samplers": SAMPLERS, **OFF_SAMPLERS,
             **OFF_SETTINGS}

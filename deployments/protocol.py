@@ -62,9 +62,7 @@ UNSERVED = {
     "guided_grammar": lambda v: not v,  # vLLM's: its dialect depends on the backend
     "guided_decoding_backend": lambda v: not v,
     "structural_tag": lambda v: not v,
-    # llama.cpp's samplers beyond OpenAI's (its repeat_penalty counts a window of the prompt too:
-    # send OpenAI's frequency / presence penalties or vLLM's repetition_penalty instead)
-    "repeat_penalty": lambda v: v is None or v == 1,
+    # llama.cpp's samplers beyond OpenAI's
     "typical_p": lambda v: v is None or v == 1,
     "tfs_z": lambda v: v is None or v == 1,
     "mirostat": lambda v: not v,
@@ -181,6 +179,11 @@ class _Request(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=10.0, allow_inf_nan=False)  # vLLM's
+    #: llama.cpp's penalties: its repeat penalty, and the last n tokens (prompt's and output's; -1:
+    #: all, 0: no penalties) that it and the frequency and presence penalties count. Sent (or on
+    #: llama-server's own endpoint, always), all three penalties count as llama.cpp's do
+    repeat_penalty: float | None = Field(default=None, ge=0.01, le=10.0, allow_inf_nan=False)
+    repeat_last_n: int | None = Field(default=None, ge=-1, le=1 << 20, strict=True)
     logit_bias: dict | list | None = None
     min_tokens: int | None = Field(default=None, ge=0, strict=True)  # vLLM's
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM's
@@ -217,6 +220,25 @@ class _Request(BaseModel):
     #: more of :data:`UNSERVED`, for one endpoint; and the names of it an endpoint serves
     also_unserved: ClassVar[dict] = {}
     served_here: ClassVar[frozenset] = frozenset()
+    #: the endpoint's penalties count as llama.cpp's, whatever the request names
+    llama_penalties: ClassVar[bool] = False
+
+    @model_validator(mode="after")
+    def _one_repetition_penalty(self):
+        if None not in (self.repeat_penalty, self.repetition_penalty) and self.repeat_penalty != self.repetition_penalty:
+            raise ValueError("send one of repeat_penalty (llama.cpp's, over the last repeat_last_n tokens) "
+                             "and repetition_penalty (vLLM's, over prompt and output)")
+        return self
+
+    def penalties(self) -> dict:
+        """The penalty fields of :class:`SamplingParams`: vLLM's and OpenAI's counting, or
+        llama.cpp's where the endpoint or the request's names say so (``repeat_last_n`` 64 unless
+        sent, as llama-server's default)."""
+        llama = self.llama_penalties or self.repeat_penalty is not None or self.repeat_last_n is not None
+        repetition = self.repeat_penalty if self.repeat_penalty is not None else self.repetition_penalty
+        return {"frequency_penalty": self.frequency_penalty or 0.0, "presence_penalty": self.presence_penalty or 0.0,
+                "repetition_penalty": 1.0 if repetition is None else repetition,
+                "penalty_last_n": (64 if self.repeat_last_n is None else self.repeat_last_n) if llama else None}
 
     @model_validator(mode="before")
     @classmethod
@@ -250,9 +272,7 @@ class _Request(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=self.top_logprob_count(),
             min_p=self.min_p or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            presence_penalty=self.presence_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            **self.penalties(),
             logit_bias=self.logit_bias or {},
             min_tokens=self.min_tokens or 0,
             stop_token_ids=self.stop_token_ids or [],
@@ -323,6 +343,7 @@ class LlamaCompletionRequest(CompletionRequest):
     also_unserved: ClassVar[dict] = {"post_sampling_probs": lambda v: not v, "echo": lambda v: not v,
                                      "prompt_logprobs": lambda v: v is None}
     served_here: ClassVar[frozenset] = frozenset({"n_probs"})
+    llama_penalties: ClassVar[bool] = True
     #: each response (and streamed chunk) carries its output token ids (llama.cpp's ``tokens``)
     return_tokens: bool = Field(default=False, strict=True)
 

@@ -8,7 +8,9 @@ the processed target's, whatever the draft proposed (drafts are not processed: t
 acceptance, never change an output).
 
 Order, as in vLLM: a grammar's mask, min_tokens, logit bias, repetition penalty, frequency and
-presence penalties;
+presence penalties. The penalties count as vLLM's (repetition over prompt and output, frequency and
+presence over the output) or, with ``penalty_last_n``, as llama.cpp's (all three over the last n
+tokens of prompt and output);
 temperature, min-p, top-k and top-p follow in :func:`speculative.sampling.warp_logits`.
 """
 
@@ -34,11 +36,17 @@ def process_rows(logits: torch.Tensor, params: SamplingParams, tokens: list[int]
     if allowed is not None:  # structured output first: what the grammar forbids has no mass at all
         out.masked_fill_(~allowed, float("-inf"))
     generated = len(tokens) - prompt_len
-    output_ids = torch.tensor(tokens[prompt_len:], dtype=torch.long)
-    counts = torch.bincount(output_ids, minlength=vocab).float()[:vocab]  # [V] output tokens so far
-    seen = torch.zeros(vocab, dtype=torch.bool)  # [V] in the prompt or the output
-    if params.repetition_penalty != 1.0:
-        seen[torch.tensor(tokens, dtype=torch.long)] = True
+    window = params.penalty_last_n if params.penalised else None
+    size = max(vocab, max(tokens, default=-1) + 1, max(draft, default=-1) + 1)  # ids past the rows' width count too
+    if window is None:  # vLLM's: frequency and presence over the output, repetition over everything
+        counts = _counts(tokens[prompt_len:], size)  # [V+] output tokens so far
+        seen = torch.zeros(size, dtype=torch.bool)  # [V+] in the prompt or the output
+        if params.repetition_penalty != 1.0:
+            seen[torch.tensor(tokens, dtype=torch.long)] = True
+    else:  # llama.cpp's: each penalty counts the last ``window`` tokens (-1: all), the prompt's too
+        history = tokens + draft[: rows - 1]
+        lo = 0 if window < 0 else max(0, len(tokens) - window)
+        counts = _counts(tokens[lo:], size)
     if params.logit_bias:
         bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
         bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
@@ -48,16 +56,28 @@ def process_rows(logits: torch.Tensor, params: SamplingParams, tokens: list[int]
         if j:  # the history of row j holds d_1..d_j
             d = draft[j - 1]
             counts[d] += 1
-            seen[d] = True
+            if window is None:
+                seen[d] = True
+            elif window > 0 and len(tokens) + j > window:  # the oldest token leaves the window
+                counts[history[len(tokens) + j - 1 - window]] -= 1
         if generated + j < params.min_tokens:
             row[banned] = float("-inf")
         if params.logit_bias:
             row.index_add_(0, bias_ids, bias)
+        if not params.penalised:
+            continue
+        if window is not None:
+            seen = counts > 0
         if params.repetition_penalty != 1.0:
             r = params.repetition_penalty
-            row.copy_(torch.where(seen, torch.where(row > 0, row / r, row * r), row))
+            row.copy_(torch.where(seen[:vocab], torch.where(row > 0, row / r, row * r), row))
         if params.frequency_penalty:
-            row.sub_(params.frequency_penalty * counts)
+            row.sub_(params.frequency_penalty * counts[:vocab])
         if params.presence_penalty:
-            row.sub_(params.presence_penalty * (counts > 0).float())
+            row.sub_(params.presence_penalty * (counts[:vocab] > 0).float())
     return out
+
+
+def _counts(ids: list[int], size: int) -> torch.Tensor:
+    """[size] float: each id's count in ``ids`` (all below ``size``)."""
+    return torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=size).float()

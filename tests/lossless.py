@@ -157,7 +157,13 @@ def reference_process(logits: np.ndarray, prompt: list[int], outputs: np.ndarray
             z[s, [v for v in range(z.shape[1]) if not lo <= v < lo + 4]] = -np.inf
         for tok, b in process.get("logit_bias", {}).items():
             z[s, tok] += b
-        r = process.get("repetition_penalty", 1.0)
+        r, n = process.get("repetition_penalty", 1.0), process.get("penalty_last_n")
+        if n is not None:  # llama.cpp's: all three over the last n tokens of prompt and output (-1: all)
+            window = (list(prompt) + out)[-n:] if n > 0 else (list(prompt) + out if n < 0 else [])
+            for tok in set(window):
+                z[s, tok] = z[s, tok] / r if z[s, tok] > 0 else z[s, tok] * r
+                z[s, tok] -= process.get("frequency_penalty", 0.0) * window.count(tok) + process.get("presence_penalty", 0.0)
+            continue
         for tok in set(prompt) | set(out):
             z[s, tok] = z[s, tok] / r if z[s, tok] > 0 else z[s, tok] * r
         for tok in set(out):
@@ -394,6 +400,9 @@ PROCESSED_CASES = [
     Case(1.0, 1.0, 3, 4, True, "controller", process=PROCESS),
     Case(1.0, 0.8, 0, 3, False, "far", model="llama-int4", batch=16, process=PROCESS),
     Case(0.7, 1.0, 0, 4, False, "close", seeded=True, process=PROCESS),
+    # llama.cpp's penalties: a window of the last 3 tokens, the prompt's first, sliding over the draft's
+    Case(0.8, 1.0, 0, 4, False, "close", process=(("repetition_penalty", 1.6), ("frequency_penalty", 0.6),
+                                                 ("presence_penalty", 0.3), ("penalty_last_n", 3))),
     # structured output: each row masked by the grammar after the draft's tokens before it
     Case(1.0, 1.0, 0, 4, False, "close", process=(("grammar", ALTERNATING),)),
     Case(0.7, 0.8, 0, 3, True, "controller", process=(("grammar", ALTERNATING), ("frequency_penalty", 0.5))),

@@ -298,8 +298,8 @@ def test_chat_prompts_count_every_messages_characters(app):
 
 
 def test_a_parameter_not_served_is_a_400_naming_it_and_a_lone_surrogate_too(app):
-    got, err, _ = run(app.post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "repeat_penalty": 1.1}, chat=True))
-    assert got == 400 and err["error"]["param"] == "repeat_penalty" and err["error"]["message"].startswith("repeat_penalty is not supported")
+    got, err, _ = run(app.post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "typical_p": 0.9}, chat=True))
+    assert got == 400 and err["error"]["param"] == "typical_p" and err["error"]["message"].startswith("typical_p is not supported")
     got, err, _ = run(app.post({"prompt": "hi", "max_tokens": 2, "logit_bias": {"10000000": 5}}))
     assert got == 400 and "out of range" in err["error"]["message"]  # the replica checks ids against its vocabulary
     got, err, _ = run(app.post({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}))

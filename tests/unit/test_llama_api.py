@@ -52,9 +52,15 @@ def test_llama_names_and_conventions_become_the_completion_request_they_mean():
     assert (p.max_tokens, p.top_k, p.temperature, p.top_p, p.min_p, p.seed) == (99, 0, 0.0, 1.0, 0.0, None)
     assert LlamaCompletionRequest.model_validate({"prompt": "x", "seed": 5, "n_probs": 0}).sampling(9).seed == 5
     assert LlamaCompletionRequest.model_validate({"prompt": "x", "n_probs": 0}).logprobs is None
-    for refused in ({"repeat_penalty": 1.1}, {"post_sampling_probs": True}, {"n_predict": 0}, {"echo": True}):
+    for refused in ({"mirostat": 2}, {"post_sampling_probs": True}, {"n_predict": 0}, {"echo": True},
+                    {"repeat_penalty": 1.1, "repetition_penalty": 1.2}):
         with pytest.raises(ValueError):
             LlamaCompletionRequest.model_validate({"prompt": "x", **refused})
+    # llama.cpp's penalties: all three over the last repeat_last_n tokens (64 by default), prompt included
+    p = LlamaCompletionRequest.model_validate({"prompt": "x", "repeat_penalty": 1.1, "frequency_penalty": 0.5}).sampling(9)
+    assert (p.repetition_penalty, p.frequency_penalty, p.penalty_last_n, p.penalised) == (1.1, 0.5, 64, True)
+    p = LlamaCompletionRequest.model_validate({"prompt": "x", "presence_penalty": 1.0, "repeat_last_n": 0}).sampling(9)
+    assert p.penalty_last_n == 0 and not p.penalised and not p.processes_logits  # 0: no penalties, as llama.cpp
 
 
 def test_stop_types_and_timings_follow_what_ended_the_request():
@@ -248,6 +254,22 @@ def test_an_immediate_end_of_sequence_is_one_predicted_token_of_no_text(app):
     assert entry["id"] == 0 and entry["token"] == "" and entry["bytes"] == [] and entry["logprob"] <= 0
 
 
+def test_llama_cpps_penalties_reach_the_engine_and_are_reported(app, folder):
+    """``repeat_penalty`` over the last ``repeat_last_n`` tokens: the text is the engine's own
+    under llama.cpp's counting (whatever drafted; tests/unit/test_processors.py), not the plain one."""
+    ask = {"prompt": "Hello world", "n_predict": 16, "temperature": 0, "ignore_eos": True}
+    _, plain, _ = post(app, ask)
+    _, got, _ = post(app, {**ask, "repeat_penalty": 3.0, "repeat_last_n": 6, "frequency_penalty": 0.5})
+    engine = SpeculativeEngine(ModelRunner(load_weights(app_config(folder).engine.model), name="t"),
+                               load_tokenizer(folder), None, EngineConfig(chat_template=False))
+    want = engine.generate("Hello world", SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=3.0,
+                                                         frequency_penalty=0.5, penalty_last_n=6)).text
+    assert got["content"] == want != plain["content"]
+    g = got["generation_settings"]
+    assert (g["repeat_penalty"], g["repeat_last_n"], g["frequency_penalty"]) == (3.0, 6, 0.5)
+    assert (plain["generation_settings"]["repeat_penalty"], plain["generation_settings"]["repeat_last_n"]) == (1.0, 64)
+
+
 def test_several_prompts_are_an_array_of_results_in_order(app, folder):
     tok = load_tokenizer(folder)
     status, body, _ = post(app, {"prompt": ["Hello world", "abc"], "n_predict": 5, "temperature": 0, "ignore_eos": True})
@@ -263,7 +285,7 @@ def test_several_prompts_are_an_array_of_results_in_order(app, folder):
 
 
 def test_refusals_are_400s_in_the_servers_error_shape(app):
-    for bad in ({"prompt": "x", "repeat_penalty": 1.3}, {"prompt": "", "n_predict": 2}, {"n_predict": 2},
+    for bad in ({"prompt": "x", "typical_p": 0.5}, {"prompt": "", "n_predict": 2}, {"n_predict": 2},
                 {"prompt": "x", "n_predict": 10**6}):
         status, body, _ = post(app, bad)
         assert status == 400 and body["error"]["message"], bad

@@ -169,7 +169,7 @@ def test_text_that_is_not_unicode_is_refused_at_the_edge():
 @pytest.mark.parametrize("field,value", [
     ("best_of", 3), ("suffix", "x"), ("tools", [{"type": "function"}]),
     ("functions", [{"name": "f"}]), ("tool_choice", "required"), ("guided_grammar", "root ::= x"),
-    ("repeat_penalty", 1.1), ("typical_p", 0.9), ("mirostat", 2), ("dry_multiplier", 0.8), ("xtc_probability", 0.5),
+    ("tfs_z", 0.9), ("typical_p", 0.9), ("mirostat", 2), ("dry_multiplier", 0.8), ("xtc_probability", 0.5),
     ("top_n_sigma", 1.0), ("n_probs", 3), ("use_beam_search", True), ("bad_words", ["x"]), ("allowed_token_ids", [1]),
     ("include_stop_str_in_output", True), ("skip_special_tokens", False)])
 def test_what_changes_the_output_and_is_not_served_is_refused_not_ignored(field, value):
@@ -178,6 +178,19 @@ def test_what_changes_the_output_and_is_not_served_is_refused_not_ignored(field,
             make(**{field: value})
         err = e.value.errors()[0]
         assert err["msg"].startswith(f"{field} is not supported") and err["ctx"]["param"] == field
+
+
+def test_penalties_count_as_openais_unless_llama_cpps_names_are_sent():
+    p = completion(prompt="Hi", frequency_penalty=1.0, repetition_penalty=1.2).sampling(8)
+    assert (p.penalty_last_n, p.repetition_penalty, p.frequency_penalty) == (None, 1.2, 1.0)  # vLLM's and OpenAI's
+    p = completion(prompt="Hi", frequency_penalty=1.0, repeat_penalty=1.2).sampling(8)
+    assert (p.penalty_last_n, p.repetition_penalty, p.frequency_penalty) == (64, 1.2, 1.0)  # llama.cpp's window
+    p = ChatRequest(messages=[{"role": "user", "content": "Hi"}], presence_penalty=0.5, repeat_last_n=-1).sampling(8)
+    assert (p.penalty_last_n, p.repetition_penalty, p.presence_penalty) == (-1, 1.0, 0.5)
+    assert completion(prompt="Hi", repeat_penalty=1.2, repetition_penalty=1.2).sampling(8).repetition_penalty == 1.2
+    for bad in ({"repeat_penalty": 1.2, "repetition_penalty": 1.3}, {"repeat_last_n": -2}, {"repeat_penalty": 0}):
+        with pytest.raises(ValidationError):
+            completion(prompt="Hi", **bad)
 
 
 def test_the_defaults_of_what_is_not_served_are_accepted():
