@@ -134,7 +134,7 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     "deployments/ingress.py": ("deployments.ingress", {"_error", "_refused", "Timing", "Settle", "_json_body", "_target_gone",
                                                        "_unavailable_body", "_unavailable", "_validation_message",
                                                        "Ingress", "_body_schema", "_nth_seed", "_all", "_merged", "_dropped",
-                                                       "_overloaded"}, ["tests/unit/test_ingress.py"]),
+                                                       "_overloaded", "_Pieces"}, ["tests/unit/test_ingress.py"]),
     # a draft replica (the loop of a request, its metrics and records, weights by version, outputs
     # shared between replicas, the wait for a restarted target), the learner's and the router's and
     # the metrics replica's servers: the undecorated classes, in one process
