@@ -58,6 +58,17 @@ def test_llama_cpps_penalties_count_the_last_n_tokens_of_prompt_and_output_as_ea
     assert params.processes_logits
 
 
+@pytest.mark.parametrize("window", [None, 2])
+def test_ids_past_the_rows_width_count_without_touching_a_row(window):
+    """A tokenizer's added tokens can lie past the logits' width: counted, never an index error."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]] * 2)  # V = 4
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, penalty_last_n=window)
+    got = process_rows(logits, params, [9, 0, 5], 1, [7], set())  # the prompt's 9, the output's 5, d_1 = 7
+    assert got[0].tolist() == [1.0 - 0.5, -1.0, 0.5, 1.0]
+    # row 1: vLLM's counts the output's 0 still; llama.cpp's window of 2 holds only 5 and 7 then
+    assert got[1].tolist() == ([1.0 - 0.5, -1.0, 0.5, 1.0] if window is None else [2.0, -1.0, 0.5, 1.0])
+
+
 def test_logit_bias_is_added_and_min_tokens_bans_the_stops_only_while_the_output_is_short():
     logits = torch.zeros(3, 5)
     params = SamplingParams(logit_bias={1: 3.0, 4: -100.0}, min_tokens=3, max_tokens=8)
