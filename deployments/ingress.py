@@ -768,7 +768,6 @@ class Ingress:
                     toks, lps = split[c.index].rest()  # tokens no piece covered go with the end
                     if lps:
                         pending[c.index].append((toks, lps))
-                    so_far[c.index].tokens += toks
                     if len(choices) == 1:
                         timings = llama_api.timings(Outcome(c.index, c.prompt_tokens, end=item, first=timing.first,
                                                             finished=time.perf_counter()), timing.t0)
@@ -781,7 +780,8 @@ class Ingress:
                     for text, toks, lps in split[c.index].take(item):
                         if item.logprobs is not None:
                             pending[c.index].append((toks, lps))
-                        so_far[c.index].tokens += toks
+                        if per_token:  # timings_per_token's tokens so far
+                            so_far[c.index].tokens += toks
                         if text:
                             timing.chunk()  # each text chunk is a gap the client sees (0 within a step)
                             running = None
