@@ -425,12 +425,17 @@ def test_published_update_reaches_every_replica(server, client, reference):
     state = {k: v.numpy() + rng.normal(0, 1e-3, v.shape).astype(np.float32) for k, v in draft.state_dict().items()}
     ref = ray.put(state)
     pool = serve.get_deployment_handle("DraftPool", "osd")
-    v = 10_000  # above anything the learner published in this module
-    versions = pool.broadcast("load_weights", "general", [ref], v).results()
-    assert versions == [v, v]  # two replicas, both installed it
+    v = 10_000  # above anything the learner published in this package
+    # every draft a prompt may be served by: the general one, and those the router gave to busy
+    # clusters of the package's traffic (their own forks, at the learner's versions), loaded or not
+    drafts = ({"general"} | {d for loaded in pool.broadcast("versions").results() for d in loaded}
+              | set(_call(server + "/v1/stats", key=ADMIN_KEY)[1].get("drafts", {})))
+    for d in sorted(drafts):
+        assert pool.broadcast("load_weights", d, [ref], v).results() == [v, v]  # two replicas, both installed it
     for prompt in PROMPTS[:3]:
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
-        assert r.usage.model_extra["speculative"]["draft_version"] == v
+        spec = r.usage.model_extra["speculative"]
+        assert spec["draft_id"] in drafts and spec["draft_version"] == v, (spec, drafts)
         assert r.choices[0].text == _target_only(reference, prompt)
     assert pool.broadcast("load_weights", "general", [ref], 3).results() == [v, v]  # an older version is ignored
 

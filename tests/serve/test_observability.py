@@ -231,27 +231,31 @@ def test_dashboard_draws_one_line_per_domain_with_traffic(server, tmp_path):
     assert drawn == len(domains)
 
 
-def test_osd_top_shows_the_figures_under_tmux(server):
+def test_osd_top_shows_the_figures_under_tmux(server, tmp_path):
     tmux = shutil.which("tmux")
     assert tmux, "tmux is needed (make test installs it)"
     mixed_traffic(server, n=2)
     session = f"osdtop{os.getpid()}"
-    cmd = f"{sys.executable} -m telemetry.top --url {server} --key {ADMIN_KEY} --interval 1 --iterations 60"
+    err = tmp_path / "top.err"  # what the command said (a traceback), for the failure's message
+    cmd = f"{sys.executable} -m telemetry.top --url {server} --key {ADMIN_KEY} --interval 1 --iterations 120 2> {err}"
     subprocess.run([tmux, "new-session", "-d", "-s", session, "-x", "160", "-y", "50", cmd], check=True,
                    cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         # the figures reach /v1/stats one sample period after the traffic (the metrics deployment
         # pulls them): look until a frame shows what /v1/stats says just after it was drawn
-        deadline, screen, problems = time.time() + 45, "", ["no frame"]
+        deadline, screen, problems, stats = time.time() + 90, "", ["no frame"], {}
         while time.time() < deadline and problems:
             time.sleep(1)
             screen = subprocess.run([tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
             if "acceptance per domain" in screen:
-                problems = _top_problems(screen, _call(server + "/v1/stats", key=ADMIN_KEY)[1])
+                stats = _call(server + "/v1/stats", key=ADMIN_KEY)[1]
+                problems = _top_problems(screen, stats)
     finally:
         subprocess.run([tmux, "kill-session", "-t", session], capture_output=True)
-    assert "acceptance per domain" in screen, screen
-    assert not problems, (problems, screen)
+    said = err.read_text() if err.exists() else "(no stderr file)"
+    assert "acceptance per domain" in screen, f"{screen}\nstderr: {said}"
+    seen = json.dumps({k: stats.get(k) for k in ("t", "totals", "acceptance")})
+    assert not problems, f"{problems}\n{screen}\n{seen}\nstderr: {said}"
 
 
 def _top_problems(screen: str, stats: dict) -> list:
