@@ -227,12 +227,25 @@ def _pearson(name: str, exact: dict, observed: dict, n: int) -> ViewResult:
     return ViewResult(name, len(e), stat, pvalue, impossible)
 
 
+_LAW_CACHE: dict = {}  # the last law _marginal saw: its arrays and marginals (8^m sequences: 262,144 at m = 6)
+
+
 def _marginal(law: dict[tuple, float], positions: tuple[int, ...]) -> dict[tuple, float]:
-    out: dict[tuple, float] = {}
-    for seq, q in law.items():
-        key = tuple(seq[i] for i in positions)
-        out[key] = out.get(key, 0.0) + q
-    return out
+    """The law of the tokens at ``positions``: {their values: summed probability}."""
+    if _LAW_CACHE.get("law") is not law:
+        seqs = np.asarray(list(law), dtype=np.int64)  # [S, m]
+        _LAW_CACHE.update(law=law, seqs=seqs, probs=np.fromiter(law.values(), float, len(law)), marginals={})
+    seqs, probs, done = _LAW_CACHE["seqs"], _LAW_CACHE["probs"], _LAW_CACHE["marginals"]
+    positions = tuple(positions)
+    if positions == tuple(range(seqs.shape[1])):
+        return law  # the joint: every sequence is a cell of its own
+    if positions not in done:
+        shape = (int(seqs.max()) + 1,) * len(positions)
+        cell = np.ravel_multi_index(tuple(seqs[:, list(positions)].T), shape)  # [S]
+        sums = np.bincount(cell, weights=probs, minlength=int(np.prod(shape)))
+        seen = np.flatnonzero(np.bincount(cell, minlength=len(sums)))
+        done[positions] = {k: float(q) for k, q in zip(zip(*(c.tolist() for c in np.unravel_index(seen, shape))), sums[seen])}
+    return done[positions]
 
 
 def view_positions(m: int) -> list[tuple[int, ...]]:

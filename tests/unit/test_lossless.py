@@ -69,6 +69,15 @@ def test_exact_law_sums_to_one_and_matches_the_model(markov):
     assert law[(4, 5, 6)] == pytest.approx(float(p[0, 4] * p[1, 5] * p[2, 6]), rel=1e-5)
 
 
+def test_marginals_add_up_the_sequences_that_share_the_positions():
+    law = {(0, 1, 2): 0.1, (0, 1, 3): 0.2, (1, 1, 2): 0.3, (2, 0, 2): 0.4}
+    assert L._marginal(law, (0, 1)) == pytest.approx({(0, 1): 0.3, (1, 1): 0.3, (2, 0): 0.4})
+    assert L._marginal(law, (1, 2)) == pytest.approx({(1, 2): 0.4, (1, 3): 0.2, (0, 2): 0.4})
+    assert L._marginal(law, (0, 1, 2)) == law
+    other = {(5, 5): 1.0}  # a second law is not answered from the first one's arrays
+    assert L._marginal(other, (1,)) == {(5,): 1.0} and L._marginal(law, (2,)) == pytest.approx({(2,): 0.8, (3,): 0.2})
+
+
 def test_power_calculation():
     n = L.required_n(10, 1e-4)
     assert L.power(n, 10, 1e-4) >= L.POWER > L.power(n - 20, 10, 1e-4)
