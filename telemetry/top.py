@@ -31,8 +31,9 @@ def _f(x, fmt: str = "{:.2f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
-def render(s: dict, url: str):
-    """One frame (a rich renderable) from a ``/v1/stats`` answer."""
+def render(s: dict, url: str, max_rows: int | None = None):
+    """One frame (a rich renderable) from a ``/v1/stats`` answer: the domains busiest first (most
+    draft tokens), at most ``max_rows`` rows of them, the last saying how many more there are."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -55,11 +56,20 @@ def render(s: dict, url: str):
         else:
             domains.add_column(col, justify="right")
     per = s.get("domains", {})
-    for d, a in s["acceptance"].items():
+    busiest = sorted(s["acceptance"].items(), key=lambda da: (-da[1]["drafted"], da[0]))
+    if max_rows is not None and len(busiest) > max_rows:
+        shown, rest = busiest[: max(0, max_rows - 1)], busiest[max(0, max_rows - 1):]
+    else:
+        shown, rest = busiest, []
+    for d, a in shown:
         domains.add_row(f"{d}  {a['name']}" if a.get("name") else d, _f(a["alpha"], "{:.3f}"),
                         _f(_last(series["acceptance"].get(d, [])), "{:.3f}"),
                         _f(a["drafted"], "{:.0f}"), _f(a["accepted"], "{:.0f}"),
                         _f(per.get(d, {}).get("tokens_per_step"), "{:.2f}"), _f(per.get(d, {}).get("speedup"), "{:.2f}x"))
+    if rest:
+        drafted, accepted = sum(a["drafted"] for _, a in rest), sum(a["accepted"] for _, a in rest)
+        domains.add_row(f"+{len(rest)} more domains", _f(accepted / drafted if drafted else None, "{:.3f}"), "",
+                        _f(drafted, "{:.0f}"), _f(accepted, "{:.0f}"), "", "")
     # the learner's lines above the table, whose length grows with the domains: a terminal too
     # short for the frame loses its last lines (the oldest events), not the learner's state
     parts = [head, overview]
@@ -79,6 +89,17 @@ def render(s: dict, url: str):
     return Group(*parts)
 
 
+def fit(s: dict, url: str, console):
+    """The frame of ``s`` cut to the console's height: as many domain rows as leave room for the
+    rest (the others counted on one row), so that redrawing in place never loses a line."""
+    frame = render(s, url)
+    # one line to spare: a frame as tall as the terminal scrolls it when the cursor moves past its end
+    excess = len(console.render_lines(frame, pad=False)) - (console.size.height - 1)
+    if excess <= 0:
+        return frame
+    return render(s, url, max_rows=max(1, len(s["acceptance"]) - excess))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="osd top", description="live figures of a running osd-serve")
     p.add_argument("--url", default="http://127.0.0.1:8000")
@@ -94,9 +115,10 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console()
 
-    def frame():
+    def frame(live: bool = True):  # redrawn in place: cut to the terminal; printed once: whole
         try:
-            return render(fetch(args.url, args.key), args.url)
+            s = fetch(args.url, args.key)
+            return fit(s, args.url, console) if live else render(s, args.url)
         except urllib.error.HTTPError as e:
             body = e.read().decode(errors="replace")
             try:
@@ -108,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             return f"{args.url}: not reachable ({e})"
 
     if args.once:
-        console.print(frame())
+        console.print(frame(live=False))
         return 0
     n = 0
     try:

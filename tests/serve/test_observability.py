@@ -263,7 +263,13 @@ def _top_problems(screen: str, stats: dict) -> list:
     problems = []
     if f"{stats['totals']['requests']:.0f}" not in screen:
         problems.append(("requests", stats["totals"]["requests"]))
-    for d, a in stats["acceptance"].items():
+    # the busiest domains that fit the terminal, one row counting the others
+    busiest = sorted(stats["acceptance"].items(), key=lambda da: (-da[1]["drafted"], da[0]))
+    more = re.search(r"\+(\d+) more domains", screen)
+    hidden = int(more[1]) if more else 0
+    if hidden >= len(busiest):
+        problems.append(("more domains than there are", hidden, len(busiest)))
+    for d, a in busiest[: len(busiest) - hidden]:
         row = next((line for line in screen.splitlines() if line.strip().startswith(d + " ")), None)
         if row is None or (f"{a['alpha']:.3f}" not in row if a["alpha"] is not None else "-" not in row):
             problems.append((d, a["alpha"], row))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -292,28 +293,40 @@ def test_top_renders_the_stats_figures():
     assert "learner" not in tenant_view.file.getvalue()
 
 
-def test_top_keeps_the_learner_line_on_a_terminal_shorter_than_the_domain_table():
-    """``osd top`` redraws in place, and a frame taller than the terminal loses its last lines:
-    with more domains than lines, the learner's state still shows (above the table)."""
+def test_top_fits_a_terminal_shorter_than_the_domain_table_with_the_busiest_domains():
+    """``osd top`` redraws in place, and a frame taller than the terminal would lose its last lines:
+    with more domains than lines, it shows the busiest domains that fit, one row counting the others,
+    and the learner's state; printed once (``--once``), the frame is whole."""
     from rich.console import Console
-    from rich.live import Live
 
-    from telemetry.top import render
+    from telemetry.top import fit, render
 
     cfg = MetricsConfig(sample_s=1.0)
     m, lm, hub = Meter("DraftPool", cfg, replica="a"), Meter("Learner", cfg, replica="l"), Hub(cfg)
-    for j in range(60):
-        m.inc("osd_spec_decode_num_draft_tokens_total", 4, **{**SPEC, "domain": f"c{j}"})
+    for j in range(20):  # c19 the busiest; the names' order is not the traffic's
+        m.inc("osd_spec_decode_num_draft_tokens_total", 4 + j, **{**SPEC, "domain": f"c{j}"})
+        m.inc("osd_spec_decode_num_accepted_tokens_total", j % 3, **{**SPEC, "domain": f"c{j}"})
     lm.set("osd_draft_version", 4, draft="general")
     for meter in (m, lm):
         hub.merge(meter.snapshot())
     hub.sample(now=11.0)
-    console = Console(file=io.StringIO(), width=150, height=30, force_terminal=True)
-    with Live(render(hub.stats(), "u"), console=console, screen=False, auto_refresh=False) as live:
-        live.refresh()
-        screen = console.file.getvalue()  # what shows while it runs (the last frame is printed whole on exit)
-    assert "c0 " in screen and "c59 " not in screen  # the table was cut to the terminal
+    console = Console(file=io.StringIO(), width=150, height=16, force_terminal=True)
+    frame = fit(hub.stats(), "u", console)
+    assert len(console.render_lines(frame, pad=False)) == 15  # a line spare: drawing it never scrolls
+    shown = Console(file=io.StringIO(), width=150)
+    shown.print(frame)
+    screen = shown.file.getvalue()
+    rows = [line.split()[0] for line in screen.splitlines() if re.match(r"\s*c\d+ ", line)]
+    more = re.search(r"\+(\d+) more domains\s+(\S+)\s+(\d+)\s+(\d+)", screen)
+    assert rows and more, screen
+    assert rows == [f"c{j}" for j in range(19, 19 - len(rows), -1)]  # busiest first
+    rest = range(20 - len(rows))  # the others: c0 .. on the one row, their tokens added up
+    assert int(more[1]) == len(rest) and int(more[3]) == sum(4 + j for j in rest) and int(more[4]) == sum(j % 3 for j in rest)
+    assert float(more[2]) == pytest.approx(int(more[4]) / int(more[3]), abs=5e-4)
     assert "general v4" in screen
+    whole = Console(file=io.StringIO(), width=150, height=16)
+    whole.print(render(hub.stats(), "u"))
+    assert "c0 " in whole.file.getvalue() and "more domains" not in whole.file.getvalue()
 
 
 def test_a_counter_at_zero_is_exported_so_that_ratios_have_both_sides():
