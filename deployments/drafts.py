@@ -429,6 +429,8 @@ class DraftPool:
         held_tokens: list[int] = []
         held_lps: list | None = [] if req.params.logprobs is not None else None
         eos_lp = None  # the end of sequence's log-probability entry, when asked and it ended the request
+        cached: int | None = None  # the prompt's cached positions, said once: on the first chunk
+        sent_cached = False
         try:
             yield Accepted(first.prompt_tokens, prompt if scored is not None else None, scored)
             async for ev in events:
@@ -438,9 +440,12 @@ class DraftPool:
                     st = ev.state
                     held_pieces += split.add(output, 0, finished=True)
                     if held_tokens or held_pieces:  # cut short (a stop, a cancellation) while held
-                        yield _chunk(held_pieces, held_tokens, held_lps)
+                        yield _chunk(held_pieces, held_tokens, held_lps, None if sent_cached else st.cached_tokens)
                     break
                 res, wait = ev.result, ev.waited
+                if cached is None:  # the prompt is computed: from the cache, or by this first step
+                    now_st = engine.requests.get(res.request_id)
+                    cached = now_st.cached_tokens if now_st is not None else 0
                 waited += wait
                 self._count_step(res, labels, wait)
                 if record is not None:
@@ -453,8 +458,8 @@ class DraftPool:
                 eos_lp = res.eos_logprob or eos_lp
                 now = time.perf_counter()
                 if res.finished or (now - sent_at >= interval and (interval == 0 or any(t for t, _ in held_pieces))):
-                    yield _chunk(held_pieces, held_tokens, held_lps)
-                    held_pieces, held_tokens, sent_at = [], [], now
+                    yield _chunk(held_pieces, held_tokens, held_lps, None if sent_cached else cached)
+                    held_pieces, held_tokens, sent_at, sent_cached = [], [], now, True
                     held_lps = [] if held_lps is not None else None
             s = st.stats
             if engine.learns_from_traffic and st.output:  # the other replicas' suffix trees learn it too
@@ -546,9 +551,10 @@ class DraftPool:
             engine.release(rid)
 
 
-def _chunk(pieces: list[tuple[str, int]], tokens: list[int], logprobs: list | None) -> Chunk:
-    """What the steps held since the last chunk became: their text, each token's own piece, the ids."""
-    return Chunk("".join(t for t, _ in pieces), tokens, logprobs, tuple(pieces))
+def _chunk(pieces: list[tuple[str, int]], tokens: list[int], logprobs: list | None, cached: int | None = None) -> Chunk:
+    """What the steps held since the last chunk became: their text, each token's own piece, the ids
+    (and on the first, the prompt's cached positions)."""
+    return Chunk("".join(t for t, _ in pieces), tokens, logprobs, tuple(pieces), cached)
 
 
 @serve.deployment(name="DraftPool", max_ongoing_requests=16)

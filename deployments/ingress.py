@@ -777,6 +777,8 @@ class Ingress:
                     ends[c.index] = item.usage
                 else:
                     events = []
+                    if per_token and item.cached_tokens is not None:
+                        so_far[c.index].cached = item.cached_tokens
                     for text, toks, lps in split[c.index].take(item):
                         if item.logprobs is not None:
                             pending[c.index].append((toks, lps))
@@ -854,6 +856,8 @@ class Ingress:
                                                 model, True))
                     continue
                 events = []
+                if item.cached_tokens is not None:  # the first chunk's: its timings' cache_n from now on
+                    o.cached = item.cached_tokens
                 for text, toks, lps in split[c.index].take(item):  # llama-server's: a chunk a token
                     o.tokens += toks
                     held = pending[c.index]

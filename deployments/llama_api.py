@@ -68,12 +68,12 @@ def pieces(ids: list[int], raw: list[bytes]) -> list[dict]:
 def timings(o: Outcome, t0: float) -> dict:
     """llama.cpp's ``timings`` of one result, with its drafts' counts (``draft_n``, ``draft_n_accepted``).
     Of a result still running (no end yet: ``timings_per_token``), the timings so far, up to
-    ``o.finished``; its prompt's cached positions are counted at its end."""
+    ``o.finished``, with its prompt's cached positions as its first chunk said them."""
     usage = o.end.usage if o.end is not None else {}
     eos = o.end is not None and o.end.eos_token is not None
     end = o.finished if o.finished is not None else t0
     first = o.first if o.first is not None else end
-    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0) if o.end is not None else o.cached
     prompt_n, predicted_n = o.prompt_tokens - cached, usage.get("completion_tokens", len(o.tokens)) + eos
     prompt_ms, predicted_ms = 1e3 * (first - t0), 1e3 * (end - first)
     out = {"cache_n": cached, "prompt_n": prompt_n, "prompt_ms": prompt_ms,

@@ -555,12 +555,16 @@ class Chunk:
     text of the next ``n`` tokens of the request not yet covered, oldest first. A token's text is
     final only once the next one comes, so a chunk's pieces can cover tokens of the chunk before
     it, and its last tokens can wait for the next chunk's pieces (all are covered by the request's
-    last chunk). Empty: the whole text goes with the chunk's tokens and those before it."""
+    last chunk). Empty: the whole text goes with the chunk's tokens and those before it.
+
+    ``cached_tokens``, on a request's first chunk (its prompt computed by then): how many of its
+    prompt's positions came from the target's prefix cache (llama-server's ``cache_n``)."""
 
     text: str
     tokens: list[int]
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     pieces: tuple[tuple[str, int], ...] = ()
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -589,3 +593,4 @@ class Outcome:
     end: Done | None = None
     first: float | None = None  # perf_counter of the first output text
     finished: float | None = None
+    cached: int = 0  # the prompt's positions from the prefix cache, as the first chunk said (the end's usage counts)

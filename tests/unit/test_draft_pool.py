@@ -116,6 +116,8 @@ def test_a_tenants_requests_share_a_cached_prefix_and_the_replica_counts_it(fold
         sum((s.tokens for s in again[1:-1]), []) == sum((s.tokens for s in first[1:-1]), []))
     # each response's usage says how many of its prompt's positions came from the cache (OpenAI's field)
     assert [r[-1].usage["prompt_tokens_details"]["cached_tokens"] for r in (first, again)] == [0, hit]
+    for r, n in ((first, 0), (again, hit)):  # said on the first chunk too (llama-server's per-chunk cache_n)
+        assert r[1].cached_tokens == n and all(c.cached_tokens is None for c in r[2:-1]), r
     other = loop.run(pool.serve(prompt=opening + "sales rose.", n=8, tenant="bob"))
     assert other[-1].usage["prompt_tokens_details"]["cached_tokens"] == 0
     pool.telemetry()

@@ -83,6 +83,9 @@ def test_stop_types_and_timings_follow_what_ended_the_request():
     assert t["prompt_per_second"] == pytest.approx(20_000) and t["predicted_per_second"] == pytest.approx(8_000)
     assert "draft_n" not in timings(Outcome(0, 10, end=Done("stop", {**usage, "speculative": {"proposed": 0}}),
                                             first=1.5, finished=2.5), t0=1.0)
+    # still running (timings_per_token): the cached positions its first chunk said
+    t = timings(Outcome(0, 10, tokens=[5, 6], first=1.5, finished=1.75, cached=6), t0=1.0)
+    assert (t["cache_n"], t["prompt_n"], t["predicted_n"]) == (6, 4, 2)
 
 
 def test_generation_settings_and_probabilities_in_llama_servers_names():
@@ -170,6 +173,29 @@ def test_a_stream_is_partial_results_then_the_final_one_without_done(app, folder
     assert all(e["timings"]["predicted_n"] == e["tokens_predicted"] for e in timed)  # each chunk: the timings so far
     assert timed[-1]["generation_settings"]["timings_per_token"] is True
     assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
+
+
+def test_each_chunks_timings_count_the_prompts_cached_positions_from_the_first(folder, loop):
+    """``timings_per_token``: a prompt whose opening the target has cached says so on its first
+    chunk (``cache_n``, and ``prompt_n`` the rest), as its end does; a prompt seen first, 0."""
+    cfg = app_config(folder)
+    model = {**cfg.engine.model.model_dump(), "quantize": "int4"}  # the pooled KV cache (Hugging Face eager has none)
+    app = App(app_config(folder, engine={**cfg.engine.model_dump(), "model": model}))
+    app.run = loop.run
+    body = {"prompt": "Summarise the following report in two short sentences for a busy reader: sales rose.",
+            "n_predict": 6, "temperature": 0, "ignore_eos": True, "stream": True, "timings_per_token": True}
+    for again in (False, True):
+        _, events, _ = post(app, body)
+        final = events[-1]["timings"]
+        assert (final["cache_n"] > 0) == again, final
+        assert len(events) > 2 and all(e["timings"]["cache_n"] == final["cache_n"] for e in events), events
+        assert all(e["timings"]["prompt_n"] == final["prompt_n"] for e in events)
+    # the OpenAI stream's timings too (llama-server's extension to it)
+    ask = {"prompt": body["prompt"], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True,
+           "timings_per_token": True}
+    _, events, _ = app.run(app.post(ask))
+    timed = [e["timings"] for e in events if isinstance(e, dict) and "timings" in e]
+    assert len(timed) > 2 and timed[-1]["cache_n"] > 0 and all(t["cache_n"] == timed[-1]["cache_n"] for t in timed), timed
 
 
 def test_a_stop_word_is_named_and_cut(app, folder):
