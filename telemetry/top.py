@@ -70,8 +70,8 @@ def render(s: dict, url: str, max_rows: int | None = None):
         drafted, accepted = sum(a["drafted"] for _, a in rest), sum(a["accepted"] for _, a in rest)
         domains.add_row(f"+{len(rest)} more domains", _f(accepted / drafted if drafted else None, "{:.3f}"), "",
                         _f(drafted, "{:.0f}"), _f(accepted, "{:.0f}"), "", "")
-    # the learner's lines above the table, whose length grows with the domains: a terminal too
-    # short for the frame loses its last lines (the oldest events), not the learner's state
+    # the learner's lines above the table, whose length grows with the domains: a terminal too short
+    # even for one domain row (see fit) loses the frame's last lines (the oldest events), not them
     parts = [head, overview]
     if "learner" in s:
         r, lr = s["running"], s["learner"]
