@@ -57,8 +57,8 @@ def render(s: dict, url: str, max_rows: int | None = None):
             domains.add_column(col, justify="right")
     per = s.get("domains", {})
     busiest = sorted(s["acceptance"].items(), key=lambda da: (-da[1]["drafted"], da[0]))
-    if max_rows is not None and len(busiest) > max_rows:
-        shown, rest = busiest[: max(0, max_rows - 1)], busiest[max(0, max_rows - 1):]
+    if max_rows is not None and len(busiest) > max_rows:  # (max_rows >= 1) the last row counts the rest
+        shown, rest = busiest[: max_rows - 1], busiest[max_rows - 1 :]
     else:
         shown, rest = busiest, []
     for d, a in shown:
@@ -94,10 +94,8 @@ def fit(s: dict, url: str, console):
     rest (the others counted on one row), so that redrawing in place never loses a line."""
     frame = render(s, url)
     # one line to spare: a frame as tall as the terminal scrolls it when the cursor moves past its end
-    excess = len(console.render_lines(frame, pad=False)) - (console.size.height - 1)
-    if excess <= 0:
-        return frame
-    return render(s, url, max_rows=max(1, len(s["acceptance"]) - excess))
+    excess = len(console.render_lines(frame)) - (console.size.height - 1)
+    return frame if excess <= 0 else render(s, url, max_rows=max(1, len(s["acceptance"]) - excess))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -329,6 +329,41 @@ def test_top_fits_a_terminal_shorter_than_the_domain_table_with_the_busiest_doma
     assert "c0 " in whole.file.getvalue() and "more domains" not in whole.file.getvalue()
 
 
+def test_top_cuts_a_frame_one_line_too_tall_and_keeps_one_that_fits():
+    """The frame is cut exactly when it would reach the terminal's last line; a terminal too short for
+    any domain row shows the row counting them all; domains of equal traffic come in name order."""
+    from rich.console import Console
+
+    from telemetry.top import fit, render
+
+    cfg = MetricsConfig(sample_s=1.0)
+    m, hub = Meter("DraftPool", cfg, replica="a"), Hub(cfg)
+    for d, accepted in (("b", 1), ("a", 0), ("c", 2)):  # equal traffic, different acceptance
+        m.inc("osd_spec_decode_num_draft_tokens_total", 4, **{**SPEC, "domain": d})
+        m.inc("osd_spec_decode_num_accepted_tokens_total", accepted, **{**SPEC, "domain": d})
+    hub.merge(m.snapshot())
+    hub.sample(now=11.0)
+    stats = hub.stats()
+
+    def lines(height: int) -> list[str]:
+        console = Console(file=io.StringIO(), width=150, height=height)
+        shown = Console(file=io.StringIO(), width=150)
+        shown.print(fit(stats, "u", console))
+        return shown.file.getvalue().splitlines()
+
+    tall = len(Console(file=io.StringIO(), width=150).render_lines(render(stats, "u")))
+    rows = [line.split()[0] for line in lines(tall + 1) if re.match(r"\s*[abc] ", line)]
+    assert rows == ["a", "b", "c"]  # it fits with a line to spare: whole, ties by name
+    cut = lines(tall)
+    assert len(cut) == tall - 1 and [line.split()[0] for line in cut if re.match(r"\s*[abc] ", line)] == ["a"]
+    assert any("+2 more domains" in line for line in cut)
+    tiny = lines(3)  # not even one domain row fits: the count of them all
+    assert not any(re.match(r"\s*[abc] ", line) for line in tiny) and any("+3 more domains" in line for line in tiny)
+    every = Console(file=io.StringIO(), width=150)
+    every.print(render(stats, "u", max_rows=3))  # as many rows as domains: no count row
+    assert "more domains" not in every.file.getvalue()
+
+
 def test_a_counter_at_zero_is_exported_so_that_ratios_have_both_sides():
     m, hub = Meter("DraftPool", replica="a"), Hub()
     m.inc("osd_spec_decode_num_draft_tokens_total", 4, **SPEC)
