@@ -256,6 +256,7 @@ def test_the_scrape_config_targets_the_metrics_path():
 
 
 def test_top_renders_the_stats_figures():
+    from rich.cells import cell_len
     from rich.console import Console
 
     from telemetry.top import render
@@ -287,6 +288,10 @@ def test_top_renders_the_stats_figures():
     assert "2.50" in row and "2.00x" in row  # tokens a step, the estimated speed-up
     named = [line for line in screen.splitlines() if line.strip().startswith("c2/zh ")]
     assert len(named) == 1 and "你好" in named[0] and "0.000" in named[0]  # found by its id, its name cut to one line
+    lines = screen.splitlines()
+    after = lines[lines.index(named[0]) + 1]
+    assert "天气" not in after and "你好" not in after  # not wrapped onto the next line
+    assert cell_len(named[0].strip()[: named[0].strip().index("…") + 1]) == 44  # the column's width: 44 cells
     assert "general v4" in screen and "publish general v4" in screen
     tenant_view = Console(file=io.StringIO(), width=150)
     tenant_view.print(render(hub.stats("t1", admin=False), "u"))
