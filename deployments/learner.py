@@ -199,7 +199,9 @@ class LearnerServer:
         """Operators' view (JSON-safe: a round on bad data reports its NaN loss as null)."""
         s = self.background.stats().to_dict()
         s["drafts"] = {d: {"version": t.version, "versions": t.versions(), "held_back": len(t.holdout),
-                           "traffic": self.learner.traffic(d), "forked_from": self.book.forks.get(d)}
+                           "traffic": self.learner.traffic(d), "forked_from": self.book.forks.get(d),
+                           "rounds": t.rounds, "rejected": t.rejected,
+                           "last_round": t.history[-1].to_dict() if t.history else None}
                        for d, t in list(self.learner.trainers.items())}
         s["settings"] = {k: getattr(self.trainer_cfg, k) for k in self.TUNABLE}
         s["parked"] = sorted(self.book.parked())

@@ -87,6 +87,10 @@ def test_records_become_published_versions_counted_and_shown(served):
     assert math.isfinite(snap["gauges"][("osd_learner_loss", (GENERAL,))])
     stats = server.stats()
     assert stats["drafts"][GENERAL]["version"] == version and stats["drafts"][GENERAL]["versions"][-1] == version
+    trainer = server.learner.trainers[GENERAL]  # per draft: its rounds, rejections and last report
+    assert stats["drafts"][GENERAL]["rounds"] == trainer.rounds >= 2 and stats["drafts"][GENERAL]["rejected"] == trainer.rejected
+    assert stats["drafts"][GENERAL]["last_round"] == trainer.history[-1].to_dict()
+    assert stats["drafts"][GENERAL]["last_round"]["draft_id"] == GENERAL
     assert stats["settings"] == {k: getattr(server.trainer_cfg, k) for k in LearnerServer.TUNABLE}
     state, v = server.latest(GENERAL)
     assert v == version and set(state) == set(published.got[-1][2])

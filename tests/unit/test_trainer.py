@@ -239,7 +239,16 @@ def test_gate_rejects_regression_and_restores(setup):
     rep = tr.train_round(recs[:12])
     assert rep.steps > 0 and not rep.accepted, rep
     assert _same(_weights(tr.model), w0)
-    assert tr.version == 0 and (tr.rounds, tr.rejected) == (1, 1) and tr.history == [rep]
+    assert tr.version == 0 and (tr.rounds, tr.rejected) == (1, 1) and list(tr.history) == [rep]
+
+
+def test_round_history_keeps_only_the_latest_reports(setup, monkeypatch):
+    """A learner that runs for months keeps the last HISTORY round reports, not every one."""
+    draft, recs = setup
+    monkeypatch.setattr(DraftTrainer, "HISTORY", 2)
+    tr = DraftTrainer("d", draft, _cfg(steps_per_round=1))
+    reps = [tr.train_round(recs[:4]) for _ in range(3)]
+    assert tr.rounds == 3 and list(tr.history) == reps[1:]
 
 
 def test_checkpoints_latest_and_rollback(setup, tmp_path):
