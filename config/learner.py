@@ -189,6 +189,12 @@ class LearnerServeConfig(_Strict):
     shard_max_bytes: int = Field(default=64 << 20, gt=0)
     max_drafts: int = Field(default=12, ge=1)
     max_parked: int = Field(default=48, ge=0)
+    #: a publish waits this long for the draft replicas to answer that they loaded it; a replica
+    #: slower than that still loads it (the call stays in flight), but the learner thread goes on
+    broadcast_timeout_s: float = Field(default=30.0, gt=0.0)
+    #: an operator's call that needs the learner thread between two holds (a rollback, new
+    #: settings) waits this long, then answers 503 with what the thread is doing
+    operator_wait_s: float = Field(default=60.0, gt=0.0)
 
     def root(self) -> Path:
         return Path(self.state_dir) if self.state_dir else cache_dir() / "serve"

@@ -297,6 +297,9 @@ class Ingress:
             cause = getattr(e, "cause", e)
             if isinstance(cause, ValueError):
                 return _error(400, str(cause))
+            if isinstance(cause, TimeoutError):  # the learner thread did not let go in time (LearnerBusy)
+                return JSONResponse(error_body(str(cause), "server_error", code="learner_busy"), status_code=503,
+                                    headers={"Retry-After": "10"})
             raise
 
     async def delete_tenant(self, request: Request, tenant: str):

@@ -160,7 +160,7 @@ class LearnerServer:
             new = LearnerConfig.model_validate({**self.trainer_cfg.model_dump(), **changes})
         except ValidationError as e:
             raise ValueError("; ".join(f"{'.'.join(str(p) for p in er['loc'])}: {er['msg']}" for er in e.errors())) from None
-        with self.background.interrupt():  # between two rounds (one in flight ends at its next step)
+        with self.background.interrupt(self.cfg.learner.operator_wait_s):  # between two rounds (one in flight ends at its next step)
             self.trainer_cfg = self.learner.cfg = self.book.trainer_cfg = new
             for t in self.learner.trainers.values():
                 t.cfg = new
@@ -172,7 +172,7 @@ class LearnerServer:
     def rollback(self, draft_id: str, version: int) -> dict:
         """Serve the weights of checkpoint ``version`` again, published under a new version."""
         t = self.book.trainer(draft_id) if self.book.checkpointed(draft_id) else None  # a parked draft comes back
-        with self.background.interrupt():  # not in the middle of a round on these weights
+        with self.background.interrupt(self.cfg.learner.operator_wait_s):  # not in the middle of a round on these weights
             if t is None or version not in t.versions():  # checked here: a round may just have pruned it
                 raise ValueError(f"draft {draft_id!r} has no checkpoint v{version}")
             new, state = t.rollback(version)
@@ -215,6 +215,7 @@ class Learner(LearnerServer, NodeInfo):
     def __init__(self, cfg: AppConfig, pool_name: str = "DraftPool"):
         bind_replica_grpc(cfg.replica_grpc_host)
         self.pool_name = pool_name
+        self._pool = None  # the draft pool's handle, made at the first publish
         super().__init__(cfg, publish=self._broadcast)
         if self.announce:  # a restart: the pool may hold older weights than the checkpoints
             threading.Thread(target=self._announce, name="osd-learner-announce", daemon=True).start()
@@ -230,16 +231,21 @@ class Learner(LearnerServer, NodeInfo):
         return await asyncio.to_thread(LearnerServer.record, self, record)
 
     def _broadcast(self, draft_id: str, state: dict, version: int) -> None:
-        """From the learner thread: one object-store copy, every draft replica loads it."""
+        """From the learner thread (which holds ``exclusive`` meanwhile): one object-store copy, every
+        draft replica loads it; waited on at most ``learner.broadcast_timeout_s``."""
         import ray
 
         t0 = time.perf_counter()
         try:
             ref = ray.put(state)
-            app = serve.get_replica_context().app_name
-            pool = serve.get_deployment_handle(self.pool_name, app)
-            got = pool.broadcast("load_weights", draft_id, [ref], version).results()
+            if self._pool is None:  # one handle for the replica's life (a new one starts a router each time)
+                self._pool = serve.get_deployment_handle(self.pool_name, serve.get_replica_context().app_name)
+            got = self._pool.broadcast("load_weights", draft_id, [ref], version).results(
+                timeout_s=self.cfg.learner.broadcast_timeout_s)
             self.meter.observe("osd_learner_broadcast_seconds", time.perf_counter() - t0)
             log.info("draft %r v%d reached %d replicas (versions now %s)", draft_id, version, len(got), got)
+        except TimeoutError:
+            log.warning("draft %r v%d: not every draft replica answered within %g s; the learner goes on (a slow "
+                        "replica still loads it)", draft_id, version, self.cfg.learner.broadcast_timeout_s)
         except Exception:  # noqa: BLE001 - the pool is down or shutting down: replicas pull it when they load
             log.exception("draft %r v%d: broadcast failed; replicas will load it from the learner", draft_id, version)

@@ -98,6 +98,11 @@ class ShareBudget:
         return busy and not self._against
 
 
+class LearnerBusy(TimeoutError):
+    """An operator's call waited its bound for the learner thread to let go of ``exclusive``; the
+    message says what the thread was doing and for how long. Retryable."""
+
+
 class BackgroundLearner:
     """Runs ``learner`` in a daemon thread; see the module docstring."""
 
@@ -132,6 +137,7 @@ class BackgroundLearner:
         #: operator's rollback) takes it, so a round never sees its weights change under it
         self.exclusive = threading.RLock()
         self._interrupts = 0  # callers waiting for, or holding, exclusive through interrupt()
+        self._holding: tuple[str, float] | None = None  # what the learner thread holds exclusive for, since when
         self._interrupts_lock = threading.Lock()
         self.error: BaseException | None = None
         #: asked only from the learner thread (its CPU clock is that thread's)
@@ -198,18 +204,35 @@ class BackgroundLearner:
         self._paused.clear()
 
     @contextlib.contextmanager
-    def interrupt(self) -> Iterator[None]:
+    def interrupt(self, timeout_s: float | None = None) -> Iterator[None]:
         """Hold ``exclusive`` without waiting out a long round: the round in flight ends at its next
         step (or while it waits for traffic to pass), goes to the gate as any round stopped early, and
-        no round starts while a caller waits for the lock or holds it. For an operator's calls."""
+        no round starts while a caller waits for the lock or holds it. For an operator's calls: after
+        ``timeout_s`` (None: no bound) without the lock, :class:`LearnerBusy` names what holds it."""
         with self._interrupts_lock:
             self._interrupts += 1
         try:
-            with self.exclusive:
+            if not self.exclusive.acquire(timeout=-1 if timeout_s is None else timeout_s):
+                what, since = self._holding or ("between two holds", time.monotonic())
+                raise LearnerBusy(f"the learner thread has been busy for {time.monotonic() - since:.0f} s ({what}); "
+                                  f"waited {timeout_s:g} s, retry later")
+            try:
                 yield
+            finally:
+                self.exclusive.release()
         finally:
             with self._interrupts_lock:
                 self._interrupts -= 1
+
+    @contextlib.contextmanager
+    def _held(self, what: str) -> Iterator[None]:
+        """``exclusive`` from the learner thread, saying what for (an operator who waits too long is told)."""
+        with self.exclusive:
+            self._holding = (what, time.monotonic())
+            try:
+                yield
+            finally:
+                self._holding = None
 
     def stats(self) -> LearnerStats:
         with self._lock:
@@ -258,7 +281,7 @@ class BackgroundLearner:
 
     def _housekeeping(self) -> None:
         if self.between_rounds is not None:
-            with self.exclusive:
+            with self._held("housekeeping between rounds"):
                 self.between_rounds()
 
     def _run(self) -> None:
@@ -272,13 +295,13 @@ class BackgroundLearner:
             try:
                 self._drain()
                 if self.learner.live.watching():  # a version serving worse than the one before goes back
-                    with self.exclusive:
+                    with self._held("checking a new version's live acceptance"):
                         self.learner.check_live(self.subscribers)
                 if self._should_yield() or self._busy():  # paused or serving: no round, housekeeping still
                     self._housekeeping()
                     time.sleep(self.cfg.poll_s)
                     continue
-                with self.exclusive:
+                with self._held("a round, its gate and its publish"):
                     rep = self.learner.maybe_train(self.subscribers)
                 self._housekeeping()
                 if rep is None:

@@ -167,8 +167,6 @@ class DraftTrainer:
     as ``v<version>``, with ``origin`` (where the initial weights came from) in its meta.
     """
 
-    HISTORY = 64  #: round reports kept (the latest; a long-running learner must not grow)
-
     def __init__(
         self,
         draft_id: str,
@@ -208,7 +206,7 @@ class DraftTrainer:
         self.holdout: deque[ReplayRecord] = deque(maxlen=cfg.holdout_max)
         self.rounds = 0
         self.rejected = 0
-        self.history: deque[RoundReport] = deque(maxlen=self.HISTORY)  # the latest rounds
+        self.history: deque[RoundReport] = deque(maxlen=cfg.keep_reports)  # this draft's newest rounds'
         self.skipped: list[int] = []  # checkpoint versions that did not load (moved aside)
         root = self.ckpt_root
         self.ckpts = DraftCheckpoints(root, draft_id, cfg.keep_versions) if root is not None else None

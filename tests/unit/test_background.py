@@ -11,7 +11,7 @@ import torch
 
 from config import SamplingParams
 from drafts.build import truncated_draft
-from learner.background import BackgroundConfig, BackgroundLearner, ShareBudget
+from learner.background import BackgroundConfig, BackgroundLearner, LearnerBusy, ShareBudget
 from learner.replay import RecordBuilder
 from learner.trainer import DraftTrainer, LearnerConfig, OnlineLearner
 
@@ -238,6 +238,35 @@ def test_an_operators_call_interrupts_a_long_round_instead_of_waiting_it_out(tar
         first = bg.learner.reports[0]
         assert first.stopped_early and first.steps < 400 and waited < 15
         assert _wait(lambda: bg.stats().training == "d"), bg.stats()  # the next round, on the new records
+
+
+def test_an_operators_call_waits_a_bounded_time_for_a_round_stuck_in_its_publish(target, records):
+    """A publish that does not return (a draft replica that never answers) keeps the round lock. An
+    operator's call with a bound gets LearnerBusy after it, naming what the thread is doing, instead
+    of hanging; learning is not left yielding to the caller that gave up; once the publish returns,
+    the next call gets the lock."""
+    release, entered = threading.Event(), threading.Event()
+
+    def stuck(state, version):
+        entered.set()
+        release.wait(60)
+
+    with BackgroundLearner(_learner(target, gate_margin=1.0), subscribers=[stuck]) as bg:
+        for r in records[:4]:
+            bg.submit(r)
+        assert entered.wait(60)
+        t0 = time.monotonic()
+        with pytest.raises(LearnerBusy, match=r"busy for \d+ s \(a round, its gate and its publish\); waited 0.3 s"):
+            with bg.interrupt(0.3):
+                pass
+        assert 0.3 <= time.monotonic() - t0 < 5
+        release.set()
+        with bg.interrupt(30):
+            assert bg.learner.training is None
+        assert _wait(lambda: bg.stats().published == 1), bg.stats()
+        for r in records[4:8]:  # the caller that gave up no longer holds rounds back
+            bg.submit(r)
+        assert _wait(lambda: bg.stats().published == 2), bg.stats()
 
 
 def test_paused_learner_observes_but_does_not_train(target, records):

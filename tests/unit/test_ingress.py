@@ -910,6 +910,43 @@ def test_learner_operator_calls_check_their_bodies(learning):
     assert got == 200 and body["tenant"] == "alice"
 
 
+def test_an_operators_call_the_learner_cannot_take_in_time_is_a_503_that_says_why(folder, tmp_path):
+    """A round whose publish does not return holds the learner thread: a rollback waits
+    ``learner.operator_wait_s``, then answers 503 (retryable, with Retry-After) saying what the thread
+    is doing; once the publish returns, the rollback goes through."""
+    import threading
+    import time
+
+    from deployments.learner import LearnerServer
+
+    cfg = app_config(folder, learner={"enabled": True, "state_dir": str(tmp_path / "learner"), "operator_wait_s": 0.5,
+                                      "trainer": {"train_every": 2, "batch_records": 2, "steps_per_round": 1,
+                                                  "gate_margin": 1.0, "holdout_fraction": 0.0},
+                                      "background": {"nice": 0, "threads": 1}})
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck(draft_id, state, version):
+        entered.set()
+        release.wait(60)
+
+    server = LearnerServer(cfg, publish=stuck)
+    a = App(cfg, pools=[LocalPool(cfg, learner=Handle(server))], learner=server)
+    try:
+        for i in range(2):
+            run(a.post({"prompt": f"Hello {i}", "max_tokens": 8, "ignore_eos": True}))
+        assert entered.wait(60)
+        t0 = time.monotonic()
+        got, err, headers = run(answer_of(a.ingress.rollback(request({"version": 0}, key=ADMIN), GENERAL)))
+        assert got == 503 and err["error"]["code"] == "learner_busy" and headers["retry-after"] == "10"
+        assert "a round, its gate and its publish" in err["error"]["message"] and 0.5 <= time.monotonic() - t0 < 10
+        release.set()
+        got, body, _ = run(answer_of(a.ingress.rollback(request({"version": 0}, key=ADMIN), GENERAL)))
+        assert got == 200 and body["weights_of"] == 0, body
+    finally:
+        release.set()
+        server.background.stop()
+
+
 def test_an_unexpected_learner_error_is_not_turned_into_a_400(learning):
     def broken():
         raise KeyError("x")

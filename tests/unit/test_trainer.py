@@ -242,15 +242,6 @@ def test_gate_rejects_regression_and_restores(setup):
     assert tr.version == 0 and (tr.rounds, tr.rejected) == (1, 1) and list(tr.history) == [rep]
 
 
-def test_round_history_keeps_only_the_latest_reports(setup, monkeypatch):
-    """A learner that runs for months keeps the last HISTORY round reports, not every one."""
-    draft, recs = setup
-    monkeypatch.setattr(DraftTrainer, "HISTORY", 2)
-    tr = DraftTrainer("d", draft, _cfg(steps_per_round=1))
-    reps = [tr.train_round(recs[:4]) for _ in range(3)]
-    assert tr.rounds == 3 and list(tr.history) == reps[1:]
-
-
 def test_checkpoints_latest_and_rollback(setup, tmp_path):
     draft, recs = setup
     cfg = _cfg(tmp_path)
@@ -395,6 +386,7 @@ def test_pick_draft_prefers_lost_acceptance(setup):
 
 
 def test_the_learner_keeps_only_its_newest_round_reports(setup):
+    """The learner's and each draft's: a learner running for weeks does not keep one per round."""
     draft, recs = setup
     cfg = _cfg(train_every=4, steps_per_round=1, keep_reports=2)
     ol = OnlineLearner(cfg, ShardConfig(), [DraftTrainer("d", draft, cfg)])
@@ -404,7 +396,7 @@ def test_the_learner_keeps_only_its_newest_round_reports(setup):
         rep = ol.maybe_train([])
         if rep is not None:
             reports.append(rep)
-    assert len(reports) == 4 and list(ol.reports) == reports[-2:]
+    assert len(reports) == 4 and list(ol.reports) == reports[-2:] and list(ol.trainers["d"].history) == reports[-2:]
 
 
 def test_online_learner_end_to_end(setup, target, make_engine, draft_proposer):
