@@ -21,8 +21,10 @@ import contextlib
 import logging
 import os
 import queue
+import sys
 import threading
 import time
+import traceback
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterator, Sequence
 
@@ -214,6 +216,8 @@ class BackgroundLearner:
         try:
             if not self.exclusive.acquire(timeout=-1 if timeout_s is None else timeout_s):
                 what, since = self._holding or ("between two holds", time.monotonic())
+                log.warning("an operator's call gave up after %g s; the learner thread (%s) is at:\n%s", timeout_s, what,
+                            self._stack())
                 raise LearnerBusy(f"the learner thread has been busy for {time.monotonic() - since:.0f} s ({what}); "
                                   f"waited {timeout_s:g} s, retry later")
             try:
@@ -223,6 +227,11 @@ class BackgroundLearner:
         finally:
             with self._interrupts_lock:
                 self._interrupts -= 1
+
+    def _stack(self) -> str:
+        """Where the learner thread is now (for the log of a call that waited too long for it)."""
+        frame = sys._current_frames().get(self._thread.ident) if self._thread is not None and self._thread.ident else None
+        return "".join(traceback.format_stack(frame)) if frame is not None else "(not running)"
 
     @contextlib.contextmanager
     def _held(self, what: str) -> Iterator[None]:

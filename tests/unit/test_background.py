@@ -240,7 +240,7 @@ def test_an_operators_call_interrupts_a_long_round_instead_of_waiting_it_out(tar
         assert _wait(lambda: bg.stats().training == "d"), bg.stats()  # the next round, on the new records
 
 
-def test_an_operators_call_waits_a_bounded_time_for_a_round_stuck_in_its_publish(target, records):
+def test_an_operators_call_waits_a_bounded_time_for_a_round_stuck_in_its_publish(target, records, caplog):
     """A publish that does not return (a draft replica that never answers) keeps the round lock. An
     operator's call with a bound gets LearnerBusy after it, naming what the thread is doing, instead
     of hanging; learning is not left yielding to the caller that gave up; once the publish returns,
@@ -260,6 +260,8 @@ def test_an_operators_call_waits_a_bounded_time_for_a_round_stuck_in_its_publish
             with bg.interrupt(0.3):
                 pass
         assert 0.3 <= time.monotonic() - t0 < 5
+        # the log says where the thread is stuck: in the publish, inside the round
+        assert "in stuck" in caplog.text and "in maybe_train" in caplog.text, caplog.text
         release.set()
         with bg.interrupt(30):
             assert bg.learner.training is None
