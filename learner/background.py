@@ -139,6 +139,7 @@ class BackgroundLearner:
         #: operator's rollback) takes it, so a round never sees its weights change under it
         self.exclusive = threading.RLock()
         self._interrupts = 0  # callers waiting for, or holding, exclusive through interrupt()
+        self._native_id: int | None = None  # the learner thread's id for the OS (its niceness)
         self._holding: tuple[str, float] | None = None  # what the learner thread holds exclusive for, since when
         self._interrupts_lock = threading.Lock()
         self.error: BaseException | None = None
@@ -213,6 +214,8 @@ class BackgroundLearner:
         ``timeout_s`` (None: no bound) without the lock, :class:`LearnerBusy` names what holds it."""
         with self._interrupts_lock:
             self._interrupts += 1
+            if self._interrupts == 1:
+                self._renice(0)  # a nice-19 thread on a busy machine would take minutes to reach its next step
         try:
             if not self.exclusive.acquire(timeout=-1 if timeout_s is None else timeout_s):
                 what, since = self._holding or ("between two holds", time.monotonic())
@@ -227,6 +230,19 @@ class BackgroundLearner:
         finally:
             with self._interrupts_lock:
                 self._interrupts -= 1
+                if self._interrupts == 0:
+                    self._renice(self.cfg.nice)
+
+    def _renice(self, nice: int) -> None:
+        """The learner thread's niceness, from another thread (Linux: a thread id is a process id to
+        setpriority). Lowering it needs CAP_SYS_NICE: without, the caller just waits longer."""
+        tid = self._native_id
+        if tid is None or not self.cfg.nice:
+            return
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except (AttributeError, OSError) as e:  # not Linux, not allowed, or the thread has ended
+            log.debug("learner thread: could not set nice %d (%s)", nice, e)
 
     def _stack(self) -> str:
         """Where the learner thread is now (for the log of a call that waited too long for it)."""
@@ -295,8 +311,9 @@ class BackgroundLearner:
 
     def _run(self) -> None:
         try:
+            self._native_id = threading.get_native_id()
             if self.cfg.nice:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.cfg.nice)
+                os.setpriority(os.PRIO_PROCESS, self._native_id, self.cfg.nice)
         except (AttributeError, OSError) as e:  # not Linux, or not allowed: run at normal priority
             log.warning("learner thread: could not set nice %d (%s)", self.cfg.nice, e)
         torch.set_num_threads(self.cfg.threads)  # per calling thread (OpenMP); serving keeps its own

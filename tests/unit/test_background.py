@@ -3,6 +3,7 @@ one arrives, hands weights over between steps, and never blocks the serving side
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -269,6 +270,45 @@ def test_an_operators_call_waits_a_bounded_time_for_a_round_stuck_in_its_publish
         for r in records[4:8]:  # the caller that gave up no longer holds rounds back
             bg.submit(r)
         assert _wait(lambda: bg.stats().published == 2), bg.stats()
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority") or os.geteuid() != 0, reason="lowering a niceness needs CAP_SYS_NICE")
+def test_while_an_operator_waits_the_learner_thread_runs_at_normal_priority(target, records):
+    """A learner thread at nice 19 on a busy machine gets almost no CPU, so its step in hand could
+    outlast any operator's wait: while an operator's call waits for it, it runs at nice 0; the
+    configured niceness comes back once no call waits, whether the call got the lock or gave up."""
+    release, entered = threading.Event(), threading.Event()
+
+    def stuck(state, version):
+        entered.set()
+        release.wait(60)
+
+    bg = BackgroundLearner(_learner(target, gate_margin=1.0), subscribers=[stuck], cfg=BackgroundConfig(nice=19))
+    with bg:
+        for r in records[:4]:
+            bg.submit(r)
+        assert entered.wait(60)
+        tid = bg._thread.native_id
+        assert os.getpriority(os.PRIO_PROCESS, tid) == 19
+        gave_up = threading.Event()
+
+        def operator():
+            try:
+                with bg.interrupt(1.0):
+                    pass
+            except LearnerBusy:
+                gave_up.set()
+
+        waiter = threading.Thread(target=operator)
+        waiter.start()
+        time.sleep(0.3)
+        during = os.getpriority(os.PRIO_PROCESS, tid)
+        waiter.join()
+        assert gave_up.is_set() and during == 0 and os.getpriority(os.PRIO_PROCESS, tid) == 19  # gave up: back to 19
+        release.set()
+        with bg.interrupt(30):
+            assert os.getpriority(os.PRIO_PROCESS, tid) == 0
+        assert os.getpriority(os.PRIO_PROCESS, tid) == 19  # got the lock, let go: back to 19
 
 
 def test_paused_learner_observes_but_does_not_train(target, records):
