@@ -225,12 +225,13 @@ def domain_engine(folder: str, checkpoints: dict) -> dict:
             "draft": {"kind": "truncated", "num_layers": 2, "domain_checkpoints": checkpoints}}
 
 
-def app_config(folder: str, **over) -> AppConfig:
+def app_config(folder: str, quantize: str = "none", **over) -> AppConfig:
     """The co-located application on the tiny model: a truncated draft at k = 3, clusters routing,
-    no learner, small limits, four tenants' keys; ``over`` merges into the top-level sections."""
+    no learner, small limits, four tenants' keys; ``over`` merges into the top-level sections.
+    ``quantize="int4"``: the lean runtime, with its pooled KV cache (Hugging Face eager has none)."""
     doc = {
         "placement": "colocated",
-        "engine": {"model": {"name": folder, "quantize": "none"}, "draft": {"kind": "truncated", "num_layers": 2},
+        "engine": {"model": {"name": folder, "quantize": quantize}, "draft": {"kind": "truncated", "num_layers": 2},
                    "k": {"fixed_k": 3}, "chat_template": False},
         "router": {"mode": "clusters"},
         "learner": {"enabled": False},

@@ -102,9 +102,7 @@ def test_a_tenants_requests_share_a_cached_prefix_and_the_replica_counts_it(fold
     it (the same output as the first's run from scratch), another tenant's does not, the
     replica's metrics count the positions looked up and found, and deleting the tenant's records
     drops its cached prompts."""
-    cfg = app_config(folder)
-    model = {**cfg.engine.model.model_dump(), "quantize": "int4"}  # the pooled KV cache (Hugging Face eager has none)
-    pool = LocalPool(app_config(folder, engine={**cfg.engine.model_dump(), "model": model}))
+    pool = LocalPool(app_config(folder, quantize="int4"))
     opening = "Summarise the following report in two short sentences for a busy reader: "
     first = loop.run(pool.serve(prompt=opening + "sales rose.", n=8, tenant="alice"))
     pool.telemetry()

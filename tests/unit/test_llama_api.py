@@ -178,9 +178,7 @@ def test_a_stream_is_partial_results_then_the_final_one_without_done(app, folder
 def test_each_chunks_timings_count_the_prompts_cached_positions_from_the_first(folder, loop):
     """``timings_per_token``: a prompt whose opening the target has cached says so on its first
     chunk (``cache_n``, and ``prompt_n`` the rest), as its end does; a prompt seen first, 0."""
-    cfg = app_config(folder)
-    model = {**cfg.engine.model.model_dump(), "quantize": "int4"}  # the pooled KV cache (Hugging Face eager has none)
-    app = App(app_config(folder, engine={**cfg.engine.model_dump(), "model": model}))
+    app = App(app_config(folder, quantize="int4"))
     app.run = loop.run
     body = {"prompt": "Summarise the following report in two short sentences for a busy reader: sales rose.",
             "n_predict": 6, "temperature": 0, "ignore_eos": True, "stream": True, "timings_per_token": True}

@@ -20,9 +20,7 @@ def folder(tmp_path_factory, make_llama, make_tokenizer):
 
 
 def test_a_level_reports_its_forwards_and_concurrency_changes_no_output(folder, loop):
-    cfg = app_config(folder)
-    model = {**cfg.engine.model.model_dump(), "quantize": "int4"}  # the engine loop over the pooled fast path
-    pool = LocalPool(app_config(folder, engine={**cfg.engine.model_dump(), "model": model}))
+    pool = LocalPool(app_config(folder, quantize="int4"))  # the engine loop over the pooled fast path
     try:
         engine = loop.run(pool.engine_for(GENERAL))
         one = loop.run(_level(pool, engine, TEXTS, 1, 8))
