@@ -49,6 +49,9 @@ def server(tmp_path_factory):
     # tested here is the path (records -> rounds -> object store -> every replica), not the gate
     app["args"]["learner"]["trainer"].update(train_every=8, steps_per_round=2, gate_margin=1.0, holdout_fraction=0.2)
     app["args"]["learner"]["background"]["quiet_s"] = 0  # rounds as records come, not in gaps of traffic
+    # at nice 19 the learner thread waits whenever the other core's tests keep it busy: the rounds these
+    # tests wait for could take minutes (its niceness is tested in tests/unit/test_background.py)
+    app["args"]["learner"]["background"]["nice"] = 0
     app["args"]["router_save_s"] = 5.0
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # the other core runs the in-process tests meanwhile: two OpenMP threads would stall
