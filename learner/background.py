@@ -237,7 +237,7 @@ class BackgroundLearner:
         """The learner thread's niceness, from another thread (Linux: a thread id is a process id to
         setpriority). Lowering it needs CAP_SYS_NICE: without, the caller just waits longer."""
         tid = self._native_id
-        if tid is None or not self.cfg.nice:
+        if tid is None:  # not started yet
             return
         try:
             os.setpriority(os.PRIO_PROCESS, tid, nice)

@@ -272,6 +272,32 @@ def test_an_operators_call_waits_a_bounded_time_for_a_round_stuck_in_its_publish
         assert _wait(lambda: bg.stats().published == 2), bg.stats()
 
 
+def test_an_operators_call_on_a_learner_not_started_yet_waits_its_bound_too(target, caplog):
+    """Before the learner thread starts (a replica still setting up), an operator's call that finds
+    the lock taken gives up after its bound as well, and the log says there is no thread to show."""
+    bg = BackgroundLearner(_learner(target), cfg=BackgroundConfig(nice=19))
+    held, done = threading.Event(), threading.Event()
+
+    def other():
+        with bg.exclusive:
+            held.set()
+            done.wait(30)
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        assert held.wait(10)
+        with pytest.raises(LearnerBusy, match="waited 0.2 s"):
+            with bg.interrupt(0.2):
+                pass
+        assert "(not running)" in caplog.text
+    finally:
+        done.set()
+        t.join()
+    with bg.interrupt(5):  # free again
+        pass
+
+
 @pytest.mark.skipif(not hasattr(os, "setpriority") or os.geteuid() != 0, reason="lowering a niceness needs CAP_SYS_NICE")
 def test_while_an_operator_waits_the_learner_thread_runs_at_normal_priority(target, records):
     """A learner thread at nice 19 on a busy machine gets almost no CPU, so its step in hand could
