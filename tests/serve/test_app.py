@@ -72,7 +72,8 @@ def test_llama_servers_own_completion_api_answers_what_openais_does(server, clie
     assert status == 200 and props["default_generation_settings"]["n_ctx"] == 8192 and props["eos_token"] == "<|im_end|>"
 
 
-def test_greedy_completion_equals_target_only(client, reference):
+def test_greedy_completion_equals_target_only(server, client, reference):
+    served = set()
     for prompt in PROMPTS[:4]:
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         assert r.choices[0].text == _target_only(reference, prompt), prompt
@@ -83,9 +84,13 @@ def test_greedy_completion_equals_target_only(client, reference):
             ta = spec["token_acceptance"]
             assert spec["alpha"] <= ta <= 1 and ta * (spec["accepted"] + spec["steps"]) >= spec["accepted"]
         # the learner may publish meanwhile (a round every 8 records here): any version it served
-        assert spec["draft_id"] == "general" and isinstance(spec["draft_version"], int) and spec["draft_version"] >= 0
+        assert isinstance(spec["draft_version"], int) and spec["draft_version"] >= 0
         assert spec["language"] and spec["domain"]
         assert r.usage.completion_tokens <= MAX_TOKENS and r.usage.prompt_tokens > 0
+        served.add(spec["draft_id"])
+    # the general draft, or a cluster's own once earlier traffic made one: a draft the router has
+    known = set(_call(server + "/admin/drafts", key=ADMIN_KEY)[1]["drafts"])
+    assert served and served <= known | {"general"}, (served, known)
 
 
 def test_chat_stream_equals_whole_response(client):
