@@ -58,6 +58,10 @@ class LearnerStats:
     running: bool = False
     paused: bool = False
     training: str | None = None  # the draft whose round is running now
+    #: what the learner thread holds its lock for now (a round, a live check, housekeeping) and
+    #: for how many seconds so far: what an operator's rollback or new settings wait for
+    holding: str | None = None
+    holding_s: float | None = None
     last_round: dict | None = None
     versions: dict[str, int] = field(default_factory=dict)
 
@@ -267,6 +271,9 @@ class BackgroundLearner:
         s.running = self._thread is not None and self._thread.is_alive()
         s.paused = self._paused.is_set()
         s.training = self.learner.training
+        held = self._holding
+        if held is not None:
+            s.holding, s.holding_s = held[0], round(time.monotonic() - held[1], 3)
         s.versions = {d: t.version for d, t in self.learner.trainers.items()}
         return s
 

@@ -256,6 +256,9 @@ def test_an_operators_call_waits_a_bounded_time_for_a_round_stuck_in_its_publish
         for r in records[:4]:
             bg.submit(r)
         assert entered.wait(60)
+        time.sleep(0.05)
+        stuck_for = bg.stats()  # what operators see in /admin/learner
+        assert stuck_for.holding == "a round, its gate and its publish" and stuck_for.holding_s >= 0.05
         t0 = time.monotonic()
         with pytest.raises(LearnerBusy, match=r"busy for \d+ s \(a round, its gate and its publish\); waited 0.3 s"):
             with bg.interrupt(0.3):
@@ -265,7 +268,7 @@ def test_an_operators_call_waits_a_bounded_time_for_a_round_stuck_in_its_publish
         assert "in stuck" in caplog.text and "in maybe_train" in caplog.text, caplog.text
         release.set()
         with bg.interrupt(30):
-            assert bg.learner.training is None
+            assert bg.learner.training is None and bg.stats().holding is None and bg.stats().holding_s is None
         assert _wait(lambda: bg.stats().published == 1), bg.stats()
         for r in records[4:8]:  # the caller that gave up no longer holds rounds back
             bg.submit(r)
