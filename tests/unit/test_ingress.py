@@ -915,7 +915,6 @@ def test_an_operators_call_the_learner_cannot_take_in_time_is_a_503_that_says_wh
     ``learner.operator_wait_s``, then answers 503 (retryable, with Retry-After) saying what the thread
     is doing; once the publish returns, the rollback goes through."""
     import threading
-    import time
 
     from deployments.learner import LearnerServer
 
