@@ -24,6 +24,16 @@ MAX_LOGIT_BIAS = 1024
 MAX_STOP_TOKEN_IDS = 64
 
 
+#: the stages of the warp after the logits processors, by llama.cpp's names (its ``samplers``)
+SAMPLER_STAGES = ("temperature", "min_p", "top_k", "top_p", "top_n_sigma", "typ_p", "xtc")
+#: the order the OpenAI-compatible endpoints apply them in: vLLM's for its four (the temperature
+#: before the cut-offs), then llama.cpp's extra samplers
+DEFAULT_ORDER = ("temperature", "min_p", "top_k", "top_p", "top_n_sigma", "typ_p", "xtc")
+#: llama-server's default order (its own ``/completion``): the cut-offs on the model's own
+#: distribution, the temperature last
+LLAMA_ORDER = ("top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+
+
 #: the longest grammar a request may send (a JSON schema as text, a regular expression, a Lark or
 #: GBNF grammar): it compiles when the request is queued
 MAX_GRAMMAR_CHARS = 65_536
@@ -79,6 +89,24 @@ class SamplingParams(_Strict):
     stop_token_ids: list[int] = Field(default_factory=list)
     #: structured output: only text the grammar accepts, ending where it is complete
     grammar: Grammar | None = None
+    #: llama.cpp's samplers beyond OpenAI's (each off at its default). Locally typical sampling:
+    #: keep the tokens whose surprise is closest to the distribution's entropy, up to this mass
+    typical_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    #: keep the logits within n standard deviations of the largest (<= 0: off)
+    top_n_sigma: float = Field(default=-1.0, le=100.0, allow_inf_nan=False)
+    #: exclude top choices: with this probability, every token at least ``xtc_threshold`` likely but
+    #: the least likely of them is dropped (a threshold above 0.5 turns it off, as in llama.cpp)
+    xtc_probability: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    xtc_threshold: float = Field(default=0.1, ge=0.0, le=1.0, allow_inf_nan=False)
+    #: dynamic temperature: the temperature moves within +- this range with the normalised entropy
+    #: of the distribution (raised to ``dynatemp_exponent``)
+    dynatemp_range: float = Field(default=0.0, ge=0.0, le=10.0, allow_inf_nan=False)
+    dynatemp_exponent: float = Field(default=1.0, ge=0.0, le=100.0, allow_inf_nan=False)
+    #: the fewest tokens top-p, min-p, typical-p and XTC keep (0: no floor)
+    min_keep: int = Field(default=0, ge=0, le=1 << 20, strict=True)
+    #: the warp's stages in the order they apply (llama.cpp's ``samplers``; a stage left out is not
+    #: applied); None: :data:`DEFAULT_ORDER`
+    samplers: tuple[Literal["temperature", "min_p", "top_k", "top_p", "top_n_sigma", "typ_p", "xtc"], ...] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -106,7 +134,29 @@ class SamplingParams(_Strict):
             raise ValueError(f"min_tokens ({self.min_tokens}) is more than max_tokens ({self.max_tokens})")
         if self.grammar is not None and (self.ignore_eos or self.min_tokens):
             raise ValueError("structured output ends where its grammar is complete: it takes no ignore_eos or min_tokens")
+        if self.samplers is not None and len(set(self.samplers)) != len(self.samplers):
+            raise ValueError(f"samplers names each stage at most once, got {list(self.samplers)}")
+        if self.greedy and self.xtc_on:
+            raise ValueError("xtc_probability draws at random: it needs a temperature above 0")
         return self
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The warp's stages in the order they apply."""
+        return DEFAULT_ORDER if self.samplers is None else self.samplers
+
+    @property
+    def xtc_on(self) -> bool:
+        """Whether XTC can change the law (llama.cpp's: a probability, a threshold up to 0.5)."""
+        return self.xtc_probability > 0.0 and self.xtc_threshold <= 0.5 and "xtc" in self.order
+
+    @property
+    def greedy_rows(self) -> bool:
+        """Whether greedy decoding needs the target's whole rows: a cut-off before the temperature
+        that can drop the most likely token (typical-p; the others always keep it)."""
+        order = self.order
+        return (self.greedy and self.typical_p < 1.0 and "typ_p" in order
+                and ("temperature" not in order or order.index("typ_p") < order.index("temperature")))
 
     @property
     def processes_logits(self) -> bool:
@@ -137,4 +187,6 @@ class SamplingParams(_Strict):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
+        """The most likely token each time: a temperature below :data:`GREEDY_BELOW`, fixed (no
+        dynamic range) and applied (in :attr:`order`)."""
+        return self.temperature < GREEDY_BELOW and not self.dynatemp_range and "temperature" in self.order

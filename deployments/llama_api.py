@@ -90,17 +90,14 @@ def timings(o: Outcome, t0: float) -> dict:
 
 #: llama.cpp's samplers this server does not serve, as a request's settings show them: off (a
 #: request that turns one on is refused)
-OFF_SAMPLERS = {"typical_p": 1.0, "top_n_sigma": -1.0, "dynatemp_range": 0.0, "xtc_probability": 0.0, "mirostat": 0,
-                "dry_multiplier": 0.0, "n_keep": 0, "n_discard": 0, "min_keep": 0, "post_sampling_probs": False}
+OFF_SAMPLERS = {"mirostat": 0, "dry_multiplier": 0.0, "n_keep": 0, "n_discard": 0, "post_sampling_probs": False}
 #: the settings of those samplers, and of llama-server's chat and reasoning options, as it reports
 #: them when they are off: they have no effect (llama-server's defaults)
-OFF_SETTINGS = {"dynatemp_exponent": 1.0, "mirostat_tau": 5.0, "mirostat_eta": 0.1, "xtc_threshold": 0.1, "dry_base": 1.75,
+OFF_SETTINGS = {"mirostat_tau": 5.0, "mirostat_eta": 0.1, "dry_base": 1.75,
                 "dry_allowed_length": 2, "dry_penalty_last_n": 64, "dry_sequence_breakers": ["\n", ":", "\"", "*"],
                 "adaptive_target": -1.0, "adaptive_decay": 0.9, "backend_sampling": False,
                 "chat_format": "Content-only", "reasoning_format": "none", "reasoning_in_content": False,
                 "generation_prompt": "", "grammar_lazy": False, "grammar_triggers": [], "preserved_tokens": [], "lora": []}
-#: the order the served samplers apply in (vLLM's: the temperature before the cut-offs)
-SAMPLERS = ["penalties", "temperature", "min_p", "top_k", "top_p"]
 
 
 def generation_settings(params: SamplingParams, model: str, stream: bool, timings_per_token: bool = False) -> dict:
@@ -112,8 +109,12 @@ def generation_settings(params: SamplingParams, model: str, stream: bool, timing
             "repeat_penalty": params.repetition_penalty,
             "repeat_last_n": 64 if params.penalty_last_n is None else params.penalty_last_n, "ignore_eos": params.ignore_eos, "n_probs": params.logprobs or 0,
             "logit_bias": [[t, b] for t, b in params.logit_bias.items()], "stream": stream, "timings_per_token": timings_per_token,
-            "grammar": params.grammar.source if params.grammar is not None else "", "samplers": SAMPLERS, **OFF_SAMPLERS,
-            **OFF_SETTINGS}
+            "grammar": params.grammar.source if params.grammar is not None else "",
+            "typical_p": params.typical_p, "top_n_sigma": params.top_n_sigma, "xtc_probability": params.xtc_probability,
+            "xtc_threshold": params.xtc_threshold, "dynatemp_range": params.dynatemp_range,
+            "dynatemp_exponent": params.dynatemp_exponent, "min_keep": params.min_keep,
+            # the order they apply in: the penalties, then the warp's stages (llama.cpp's names)
+            "samplers": ["penalties", *params.order], **OFF_SAMPLERS, **OFF_SETTINGS}
 
 
 def partial(o: Outcome, content: str, tokens: list[int], return_tokens: bool, probs: list[dict] | None,

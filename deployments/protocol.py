@@ -62,14 +62,10 @@ UNSERVED = {
     "guided_grammar": lambda v: not v,  # vLLM's: its dialect depends on the backend
     "guided_decoding_backend": lambda v: not v,
     "structural_tag": lambda v: not v,
-    # llama.cpp's samplers beyond OpenAI's
-    "typical_p": lambda v: v is None or v == 1,
+    # llama.cpp's samplers beyond those served (:data:`SAMPLER_NAMES`)
     "tfs_z": lambda v: v is None or v == 1,
     "mirostat": lambda v: not v,
     "dry_multiplier": lambda v: not v,
-    "xtc_probability": lambda v: not v,
-    "top_n_sigma": lambda v: v is None or v <= 0,
-    "dynatemp_range": lambda v: not v,
     "n_probs": lambda v: not v,
     # vLLM's
     "use_beam_search": lambda v: not v,
@@ -81,6 +77,43 @@ UNSERVED = {
     "spaces_between_special_tokens": lambda v: v is None or v is True,
     "truncate_prompt_tokens": lambda v: v is None,
 }
+
+
+#: llama.cpp's sampler names (and its aliases: kebab-case, no dash, ``nucleus``, ``temp``, ``typ``)
+#: -> the warp's stage (``config.SAMPLER_STAGES``); "penalties" and "dry" are no stage of the warp
+#: (the penalties apply before it; DRY is not served, and a list may name it while it is off)
+SAMPLER_NAMES = {"temperature": "temperature", "temp": "temperature", "min_p": "min_p", "min-p": "min_p",
+                 "minp": "min_p", "top_k": "top_k", "top-k": "top_k", "topk": "top_k", "top_p": "top_p",
+                 "top-p": "top_p", "topp": "top_p", "nucleus": "top_p", "top_n_sigma": "top_n_sigma",
+                 "top-n-sigma": "top_n_sigma", "topnsigma": "top_n_sigma", "typ_p": "typ_p", "typ-p": "typ_p",
+                 "typp": "typ_p", "typ": "typ_p", "xtc": "xtc", "penalties": "penalties", "dry": "dry"}
+#: llama.cpp's one-letter names (its ``--sampling-seq``)
+SAMPLER_CHARS = {"t": "temperature", "m": "min_p", "k": "top_k", "p": "top_p", "s": "top_n_sigma", "y": "typ_p",
+                 "x": "xtc", "e": "penalties", "d": "dry"}
+#: llama.cpp's sampler settings, as ``config.SamplingParams`` names them too
+LLAMA_SAMPLER_FIELDS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
+                        "dynatemp_exponent", "min_keep")
+#: llama-server's default ``samplers``, by its names
+LLAMA_SAMPLERS = ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
+
+
+def sampler_list(v) -> list[str]:
+    """llama.cpp's ``samplers`` (a list of names, or a string of its one-letter names) as the
+    canonical names: an unknown name, or one this server does not serve (``infill``,
+    ``adaptive_p``), is refused rather than skipped as llama.cpp skips it."""
+    if isinstance(v, str):
+        names = [SAMPLER_CHARS.get(c, c) for c in v]
+    elif isinstance(v, list) and all(isinstance(n, str) for n in v):
+        names = [SAMPLER_NAMES.get(n.lower(), n) for n in v]
+    else:
+        raise ValueError("samplers is a list of sampler names or a string of their letters")
+    unknown = [n for n in names if n not in SAMPLER_CHARS.values()]
+    if unknown:
+        raise ValueError(f"samplers: {unknown[0]!r} is not a sampler this server serves "
+                         f"(it serves {', '.join(sorted(set(SAMPLER_CHARS.values())))})")
+    if len(set(names)) != len(names):
+        raise ValueError("samplers names each sampler at most once")
+    return names
 
 
 def _schema_text(schema, where: str) -> str:
@@ -185,6 +218,15 @@ class _Request(BaseModel):
     repeat_penalty: float | None = Field(default=None, ge=0.01, le=10.0, allow_inf_nan=False)
     repeat_last_n: int | None = Field(default=None, ge=-1, le=1 << 20, strict=True)
     logit_bias: dict | list | None = None
+    #: llama.cpp's samplers (``config.SamplingParams`` says what each does), and their order
+    typical_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_n_sigma: float | None = Field(default=None, le=100.0, allow_inf_nan=False)
+    xtc_probability: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
+    xtc_threshold: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
+    dynatemp_range: float | None = Field(default=None, ge=0.0, le=10.0, allow_inf_nan=False)
+    dynatemp_exponent: float | None = Field(default=None, ge=0.0, le=100.0, allow_inf_nan=False)
+    min_keep: int | None = Field(default=None, ge=0, le=1 << 20, strict=True)
+    samplers: list[str] | str | None = Field(default=None, max_length=64)
     min_tokens: int | None = Field(default=None, ge=0, strict=True)  # vLLM's
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM's
     #: vLLM's: the prompt's own log-probabilities, each with its rank and this many most likely tokens'
@@ -222,6 +264,30 @@ class _Request(BaseModel):
     served_here: ClassVar[frozenset] = frozenset()
     #: the endpoint's penalties count as llama.cpp's, whatever the request names
     llama_penalties: ClassVar[bool] = False
+    #: the endpoint's ``samplers`` when a request sends none (None: ``config.DEFAULT_ORDER``)
+    default_samplers: ClassVar[list[str] | None] = None
+
+    @field_validator("samplers")
+    @classmethod
+    def _samplers(cls, v):
+        return None if v is None else sampler_list(v)
+
+    def warp_order(self) -> tuple[str, ...] | None:
+        """The warp's stages in the order ``samplers`` names them (None: the endpoint's default)."""
+        names = self.samplers if self.samplers is not None else self.default_samplers
+        return None if names is None else tuple(n for n in names if n not in ("penalties", "dry"))
+
+    def check_samplers(self, params: SamplingParams) -> None:
+        """The penalties apply before the warp here: while a penalty is on, a ``samplers`` that
+        names them after a stage of it, or leaves them out, would be served otherwise than asked."""
+        names = self.samplers if self.samplers is not None else self.default_samplers
+        if names is None or not params.penalised:
+            return
+        if "penalties" not in names:
+            raise ValueError("samplers leaves out 'penalties' while a penalty is on")
+        stages = [i for i, n in enumerate(names) if n not in ("penalties", "dry")]
+        if stages and names.index("penalties") > stages[0]:
+            raise ValueError("samplers: 'penalties' apply before the other samplers here (name it first)")
 
     @model_validator(mode="after")
     def _one_repetition_penalty(self):
@@ -277,8 +343,12 @@ class _Request(BaseModel):
             min_tokens=self.min_tokens or 0,
             stop_token_ids=self.stop_token_ids or [],
             grammar=self.grammar,
+            samplers=self.warp_order(),
+            **{name: v for name in LLAMA_SAMPLER_FIELDS if (v := getattr(self, name)) is not None},
         )
-        return SamplingParams(**fields)
+        params = SamplingParams(**fields)
+        self.check_samplers(params)
+        return params
 
     def top_logprob_count(self) -> int | None:
         """None: no log-probabilities asked; n: with the n most likely tokens at each position."""
@@ -344,6 +414,7 @@ class LlamaCompletionRequest(CompletionRequest):
                                      "prompt_logprobs": lambda v: v is None}
     served_here: ClassVar[frozenset] = frozenset({"n_probs"})
     llama_penalties: ClassVar[bool] = True
+    default_samplers: ClassVar[list[str] | None] = LLAMA_SAMPLERS
     #: each response (and streamed chunk) carries its output token ids (llama.cpp's ``tokens``)
     return_tokens: bool = Field(default=False, strict=True)
 

@@ -31,7 +31,7 @@ from .proposers import (EMPTY, DraftForward, DraftModelProposer, DraftOutput, Le
 from .runner import ModelRunner, TargetRows, VerifyCall
 from .grammar import Constraint, GrammarError, ll_tokenizer
 from .processors import process_rows
-from .sampling import greedy_accept, race_noise, race_sample, rejection_accept, warp_logits
+from .sampling import greedy_accept, greedy_pick, race_noise, race_sample, rejection_accept, warp_logits
 from .stats import SpecStats
 from .summary import token_logprobs
 
@@ -370,7 +370,7 @@ class SpeculativeEngine:
             prop = yield from self.proposer.propose_steps(request_id, st.tokens, StepChoice(st.policy, budget), st.params,
                                                           st.generator)
         feed = st.tokens[st.target_len :] + prop.tokens  # the uncached suffix + d_1..d_k
-        full = not st.params.greedy or st.params.processes_logits  # choosing needs the whole rows
+        full = not st.params.greedy or st.params.processes_logits or st.params.greedy_rows  # choosing needs the whole rows
         call = VerifyCall(request_id, st.target_len, feed, prop.k + 1, full, self.cfg.record_top_k,
                           features=self.wants_features, feature_layers=self.feature_layers)
         return PendingStep(request_id, len(st.tokens), prop, call)
@@ -389,7 +389,7 @@ class SpeculativeEngine:
             allowed = None if st.constraint is None else st.constraint.masks(prop.tokens)  # [k+1, V]
             logits = process_rows(logits, params, st.tokens, st.prompt_len, prop.tokens, self._min_tokens_ids(params), allowed)
         if params.greedy:
-            n, next_token = greedy_accept(draft, rows.argmax if logits is None else logits.argmax(-1))
+            n, next_token = greedy_accept(draft, rows.argmax if logits is None else greedy_pick(logits, params))
         elif params.seed is not None:  # seeded: the target's race winners, noise fixed by (seed, position)
             assert logits is not None, "a sampled request's verify call asks for full rows"
             p = warp_logits(logits, params)  # [k+1, V] target

@@ -11,7 +11,8 @@ Order, as in vLLM: a grammar's mask, min_tokens, logit bias, repetition penalty,
 presence penalties. The penalties count as vLLM's (repetition over prompt and output, frequency and
 presence over the output) or, with ``penalty_last_n``, as llama.cpp's (all three over the last n
 tokens of prompt and output);
-temperature, min-p, top-k and top-p follow in :func:`speculative.sampling.warp_logits`.
+the warp (temperature, min-p, top-k, top-p and llama.cpp's samplers, in the request's order) follows in
+:func:`speculative.sampling.warp_logits`.
 """
 
 from __future__ import annotations

@@ -25,35 +25,159 @@ from __future__ import annotations
 
 import torch
 
-from config import SamplingParams
+from config import GREEDY_BELOW, SamplingParams
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, min-p, top-k and top-p (nucleus) filtering, then softmax (vLLM's order).
+    """The request's law of the next token: its warp's stages in ``params.order``, then softmax.
 
-    logits: [T, V] -> probs [T, V]. Must be applied identically to target and draft logits.
-    Greedy (temperature 0) gives a one-hot at the argmax.
+    logits: [T, V] (processed, :mod:`speculative.processors`) -> probs [T, V]. Must be applied
+    identically to target and draft logits. Greedy (temperature 0) gives a one-hot at the
+    argmax (:func:`greedy_pick`). Each stage drops tokens (to -inf) or rescales the row, as
+    llama.cpp's samplers of the same names do to its candidates; a dropped token is no
+    candidate of a later stage. XTC is the one random stage: the law is the mixture of the rest
+    of the chain with it and without it, weighted by its probability, which is exactly the law of
+    a sampler that tosses its coin.
     """
-    logits = logits.float()
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
-    if params.min_p > 0.0:  # keep v while p(v) >= min_p * max p: logit(v) >= max logit + log(min_p)
-        floor = logits.max(-1, keepdim=True).values + torch.log(torch.tensor(params.min_p))  # [T, 1]
-        logits = logits.masked_fill(logits < floor, float("-inf"))
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [T, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [T, V]
-        sorted_probs = sorted_logits.softmax(-1)
-        # keep a token while the mass strictly before it is < top_p (always keeps the first)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        keep_sorted = mass_before < params.top_p
-        keep_sorted[..., 0] = True  # rounding can leave the first's "mass before" above a tiny top_p
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        logits = logits.masked_fill(~keep, float("-inf"))
-    return logits.softmax(-1)
+        return torch.nn.functional.one_hot(greedy_pick(logits, params), logits.shape[-1]).float()
+    return _chain(logits.float(), params.order, params)
+
+
+def greedy_pick(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[T, V] -> [T] long: greedy decoding's token. The argmax, after the stages before the
+    temperature that can drop it (typical-p, where the order puts it first: llama.cpp's)."""
+    if not params.greedy_rows:
+        return logits.argmax(-1)
+    order = params.order
+    before = order[: order.index("temperature")] if "temperature" in order else order
+    z = logits.float()
+    for stage in before:
+        z = _STAGES[stage](z, params) if stage != "xtc" else z  # (greedy takes no XTC: refused)
+    return z.argmax(-1)
+
+
+def _chain(z: torch.Tensor, order: tuple[str, ...], params: SamplingParams) -> torch.Tensor:
+    """The stages of ``order`` on logits z [T, V], then softmax; XTC splits the law in two."""
+    for i, stage in enumerate(order):
+        if stage == "xtc" and params.xtc_on:
+            cut = _xtc_cut(z, params)  # [T, V]: the tokens XTC drops when it fires
+            if not bool(cut.any()):
+                continue
+            rest = order[i + 1 :]
+            fired = _chain(z.masked_fill(cut, float("-inf")), rest, params)
+            return (1.0 - params.xtc_probability) * _chain(z, rest, params) + params.xtc_probability * fired
+        if stage != "xtc":
+            z = _STAGES[stage](z, params)
+    return z.softmax(-1)
+
+
+def _temperature(z: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Divide by the temperature; with a dynamic range, a row's own temperature from its
+    normalised entropy (llama.cpp's ``temp_ext``); a row at temperature 0 keeps its argmax only."""
+    t = torch.full((z.shape[0], 1), params.temperature)  # [T, 1]
+    if params.dynatemp_range > 0:
+        live = torch.isfinite(z)
+        n = live.sum(-1, keepdim=True)  # [T, 1] candidates
+        p = z.softmax(-1)
+        entropy = -(p * torch.log(p.clamp_min(1e-38))).masked_fill(~live | (p == 0), 0.0).sum(-1, keepdim=True)
+        norm = entropy / torch.log(n.clamp_min(2).float())
+        lo, hi = max(0.0, params.temperature - params.dynatemp_range), params.temperature + params.dynatemp_range
+        dyn = lo + (hi - lo) * norm.clamp_min(0.0).pow(params.dynatemp_exponent)
+        t = torch.where(n > 1, dyn, torch.ones_like(dyn))  # one candidate: left as it is
+    cold = t < GREEDY_BELOW  # [T, 1]
+    if bool(cold.any()):
+        top = torch.nn.functional.one_hot(z.argmax(-1), z.shape[-1]).bool()
+        z = torch.where(cold & ~top, torch.full_like(z, float("-inf")), z)
+    return z / torch.where(cold, torch.ones_like(t), t)
+
+
+def _floor(keep: torch.Tensor, z: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``keep`` [T, V] with at least ``params.min_keep`` of each row's most likely tokens."""
+    if params.min_keep <= 1:
+        return keep | torch.nn.functional.one_hot(z.argmax(-1), z.shape[-1]).bool() if params.min_keep else keep
+    top = torch.topk(z, min(params.min_keep, z.shape[-1]), dim=-1)
+    floor = torch.zeros_like(keep).scatter(-1, top.indices, torch.isfinite(top.values))
+    return keep | floor
+
+
+def _min_p(z: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Keep v while p(v) >= min_p * max p, that is logit(v) >= max logit + log(min_p)."""
+    if params.min_p <= 0.0:
+        return z
+    floor = z.max(-1, keepdim=True).values + torch.log(torch.tensor(params.min_p))  # [T, 1]
+    return z.masked_fill(~_floor(z >= floor, z, params), float("-inf"))
+
+
+def _top_k(z: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Keep the top_k largest logits and every logit tied with the k-th (0: all)."""
+    if not params.top_k or params.top_k >= z.shape[-1]:
+        return z
+    kth = torch.topk(z, params.top_k, dim=-1).values[..., -1:]  # [T, 1]
+    return z.masked_fill(z < kth, float("-inf"))
+
+
+def _top_p(z: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Keep a token while the mass strictly before it (most likely first) is below top_p."""
+    if params.top_p >= 1.0:
+        return z
+    sorted_logits, order = torch.sort(z, dim=-1, descending=True)  # [T, V]
+    sorted_probs = sorted_logits.softmax(-1)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    keep_sorted = mass_before < params.top_p
+    keep_sorted[..., 0] = True  # rounding can leave the first's "mass before" above a tiny top_p
+    keep_sorted[..., : params.min_keep] = True
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    return z.masked_fill(~(keep & torch.isfinite(z)), float("-inf"))
+
+
+def _top_n_sigma(z: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Keep the logits at least max - n * std (population std over the candidates)."""
+    if params.top_n_sigma <= 0.0:
+        return z
+    live = torch.isfinite(z)
+    n = live.sum(-1, keepdim=True)  # [T, 1]
+    zl = z.masked_fill(~live, 0.0)
+    mean = zl.sum(-1, keepdim=True) / n.clamp_min(1)
+    std = (((zl - mean) ** 2).masked_fill(~live, 0.0).sum(-1, keepdim=True) / n.clamp_min(1)).sqrt()
+    floor = z.max(-1, keepdim=True).values - params.top_n_sigma * std
+    return torch.where((n > 1) & (z < floor), torch.full_like(z, float("-inf")), z)
+
+
+def _typical(z: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Locally typical sampling: order the candidates by |surprise - entropy| and keep them up to
+    the first that takes their mass past typical_p (and at least min_keep)."""
+    if params.typical_p >= 1.0:
+        return z
+    p = z.softmax(-1)  # [T, V]
+    logp = torch.log_softmax(z, -1)
+    live = p > 0
+    entropy = -(p * logp).masked_fill(~live, 0.0).sum(-1, keepdim=True)  # [T, 1]
+    score = (-logp - entropy).abs().masked_fill(~live, float("inf"))
+    ranked, order = torch.sort(score, dim=-1, stable=True)  # [T, V] most typical first
+    mass = torch.gather(p, -1, order).cumsum(-1)
+    passed = (mass > params.typical_p) & (torch.arange(z.shape[-1]) >= params.min_keep - 1)  # [T, V]
+    first = torch.where(passed.any(-1, keepdim=True), passed.float().argmax(-1, keepdim=True),
+                        torch.full_like(mass[..., :1], z.shape[-1] - 1).long())  # [T, 1] the last one kept
+    keep_sorted = (torch.arange(z.shape[-1]) <= first) & torch.isfinite(ranked)
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    return z.masked_fill(~keep, float("-inf"))
+
+
+def _xtc_cut(z: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[T, V] bool: the tokens XTC drops when it fires: every candidate at least xtc_threshold
+    likely but the least likely of them, where there are two such and the rest keep min_keep."""
+    p = z.softmax(-1)
+    above = p >= params.xtc_threshold  # [T, V]
+    count = above.sum(-1, keepdim=True)  # [T, 1]
+    least = torch.where(above, p, torch.full_like(p, 2.0)).argmin(-1, keepdim=True)  # [T, 1]
+    cut = above & ~torch.zeros_like(above).scatter(-1, least, True)
+    left = torch.isfinite(z).sum(-1, keepdim=True) - (count - 1)
+    return cut & (count >= 2) & (left >= params.min_keep)
+
+
+_STAGES = {"temperature": _temperature, "min_p": _min_p, "top_k": _top_k, "top_p": _top_p,
+           "top_n_sigma": _top_n_sigma, "typ_p": _typical}
 
 
 def greedy_accept(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> tuple[int, int]:

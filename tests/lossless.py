@@ -171,6 +171,94 @@ def reference_process(logits: np.ndarray, prompt: list[int], outputs: np.ndarray
     return z
 
 
+#: the keys of a case's ``process`` that make its warp llama.cpp's sampler chain (:func:`reference_chain`)
+CHAIN_KEYS = ("samplers", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
+              "dynatemp_exponent", "min_keep")
+#: the serving order when a request names none (``config.DEFAULT_ORDER``), written out here
+CHAIN_DEFAULT = ("temperature", "min_p", "top_k", "top_p", "top_n_sigma", "typ_p", "xtc")
+
+
+def reference_chain(z: np.ndarray, temperature: float, top_p: float, top_k: int, process: dict) -> np.ndarray:
+    """llama.cpp's samplers (``src/llama-sampler.cpp``) transcribed as it runs them: a list of
+    candidates (id, logit) that each sampler of the order shrinks or rescales, then the law of the
+    final draw; XTC tosses its coin, so the law sums both outcomes. top_k keeps the logits tied
+    with the k-th (this server's top-k). z [V] -> probs [V], float64."""
+    order = tuple(process.get("samplers", CHAIN_DEFAULT))
+    min_keep = process.get("min_keep", 0)
+
+    def probs_of(c):  # softmax over the candidates, most likely first
+        c = sorted(c, key=lambda t: -t[1])
+        w = np.exp(np.array([l for _, l in c]) - c[0][1])
+        return c, w / w.sum()
+
+    def run(c, stages) -> dict:
+        for i, stage in enumerate(stages):
+            if stage == "temperature":
+                t = temperature
+                r = process.get("dynatemp_range", 0.0)
+                if r > 0:
+                    if len(c) <= 1:
+                        continue
+                    _, p = probs_of(c)
+                    h = -sum(x * np.log(x) for x in p if x > 0)
+                    lo, hi = max(0.0, t - r), t + r
+                    t = lo + (hi - lo) * (h / np.log(len(c))) ** process.get("dynatemp_exponent", 1.0)
+                if t <= 0:
+                    c = [max(c, key=lambda x: x[1])]
+                else:
+                    c = [(v, l / t) for v, l in c]
+            elif stage == "min_p" and process.get("min_p", 0.0) > 0:
+                c = sorted(c, key=lambda t: -t[1])
+                floor = c[0][1] + np.log(process["min_p"])
+                c = [x for j, x in enumerate(c) if x[1] >= floor or j < min_keep]
+            elif stage == "top_k" and top_k:
+                kth = sorted((l for _, l in c), reverse=True)[min(top_k, len(c)) - 1]
+                c = [x for x in c if x[1] >= kth]
+            elif stage == "top_p" and top_p < 1.0:
+                c, p = probs_of(c)
+                cum, last = 0.0, len(c)
+                for j, x in enumerate(p):
+                    cum += x
+                    if cum >= top_p and j + 1 >= min_keep:
+                        last = j + 1
+                        break
+                c = c[:last]
+            elif stage == "top_n_sigma" and process.get("top_n_sigma", -1.0) > 0 and len(c) > 1:
+                ls = np.array([l for _, l in c])
+                floor = ls.max() - process["top_n_sigma"] * ls.std()
+                c = [x for x in c if x[1] >= floor]
+            elif stage == "typ_p" and process.get("typical_p", 1.0) < 1.0:
+                c, p = probs_of(c)
+                h = -sum(x * np.log(x) for x in p)
+                ranked = sorted(range(len(c)), key=lambda j: abs(-np.log(p[j]) - h))
+                cum, last = 0.0, len(ranked)
+                for n, j in enumerate(ranked):
+                    cum += p[j]
+                    if cum > process["typical_p"] and (min_keep == 0 or n >= min_keep - 1):
+                        last = n + 1
+                        break
+                c = [c[j] for j in ranked[:last]]
+            elif stage == "xtc" and process.get("xtc_probability", 0.0) > 0 and process.get("xtc_threshold", 0.1) <= 0.5 and len(c) >= 2:
+                c, p = probs_of(c)
+                last = 0
+                for j, x in enumerate(p):
+                    if x < process.get("xtc_threshold", 0.1):
+                        break
+                    last = j
+                if len(c) - last >= min_keep and last > 0:
+                    pr, rest = process["xtc_probability"], stages[i + 1:]
+                    kept, fired = run(c, rest), run(c[last:], rest)
+                    return {v: (1 - pr) * kept.get(v, 0.0) + pr * fired.get(v, 0.0) for v in kept.keys() | fired.keys()}
+        c, p = probs_of(c)
+        return {v: float(x) for (v, _), x in zip(c, p)}
+
+    law = run([(v, float(l)) for v, l in enumerate(z) if np.isfinite(l)], order)
+    out = np.zeros(len(z))
+    for v, x in law.items():
+        out[v] = x
+    return out
+
+
 def exact_law(model, prompt: list[int], m: int, temperature: float, top_p: float, top_k: int,
               process: dict | None = None) -> dict[tuple, float]:
     """The exact joint law of the first m tokens of target-only sampling: {sequence: probability},
@@ -183,6 +271,12 @@ def exact_law(model, prompt: list[int], m: int, temperature: float, top_p: float
     for _ in range(m):
         ctx = np.concatenate([np.tile(np.asarray(prompt)[None], (len(seqs), 1)), seqs], 1)
         z = reference_process(next_logits(model, ctx), prompt, seqs, process) if process else next_logits(model, ctx)
+        if any(key in process for key in CHAIN_KEYS):  # llama.cpp's samplers: their chain, row by row
+            p = np.stack([reference_chain(row, temperature, top_p, top_k, process) for row in z])
+            parent, tok = np.nonzero(p)
+            probs = probs[parent] * p[parent, tok]
+            seqs = np.concatenate([seqs[parent], tok[:, None]], 1)
+            continue
         if process.get("min_p"):  # after the temperature: keep p(v) >= min_p * max p
             t = z / temperature
             z = np.where(t - t.max(1, keepdims=True) >= np.log(process["min_p"]), z, -np.inf)
@@ -590,8 +684,26 @@ def run_case(case: Case, models: Models | None = None, seed: int = 0, n: int | N
     return CaseResult(case, n, chi_square_views(law, samples), time.perf_counter() - t0, ks, full, rejected)
 
 
+#: llama-server's order (its own endpoint's default): the cut-offs first, the temperature last
+LLAMA_CHAIN = ("top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+#: llama.cpp's samplers, in its order and in the default one: typical-p, top-n-sigma, XTC (a coin
+#: each row: the law is the mixture), dynamic temperature, min_keep; drafts near and far, seeded,
+#: the controller, and with penalties before them
+CHAIN_CASES = [
+    Case(0.8, 0.9, 0, 4, False, "close", process=(("samplers", LLAMA_CHAIN), ("typical_p", 0.7), ("top_n_sigma", 1.5),
+                                                  ("min_p", 0.05))),
+    Case(1.0, 1.0, 0, 3, False, "far", process=(("samplers", LLAMA_CHAIN), ("xtc_probability", 0.5),
+                                                ("xtc_threshold", 0.12), ("dynatemp_range", 0.5))),
+    Case(0.9, 1.0, 0, 4, False, "close", seeded=True, process=(("xtc_probability", 0.6), ("xtc_threshold", 0.1),
+                                                               ("typical_p", 0.8), ("min_keep", 2))),
+    Case(1.0, 1.0, 2, 4, True, "controller", process=(("samplers", LLAMA_CHAIN), ("typical_p", 0.75),
+                                                      ("dynatemp_range", 0.6), ("dynatemp_exponent", 2.0),
+                                                      ("frequency_penalty", 0.5), ("penalty_last_n", 3))),
+]
+
+
 def all_cases() -> list[Case]:
-    return pairwise_cases() + PROPOSER_CASES + LLAMA_CASES + TARGET_ONLY_CASES + SEEDED_CASES + PROCESSED_CASES
+    return pairwise_cases() + PROPOSER_CASES + LLAMA_CASES + TARGET_ONLY_CASES + SEEDED_CASES + PROCESSED_CASES + CHAIN_CASES
 
 
 def main() -> int:

@@ -95,8 +95,10 @@ def test_generation_settings_and_probabilities_in_llama_servers_names():
     g = generation_settings(p, "m", stream=True)
     assert (g["n_predict"], g["max_tokens"], g["temperature"], g["top_k"], g["top_p"], g["min_p"]) == (9, 9, 0.5, 3, 0.9, 0.1)
     assert (g["seed"], g["n_probs"], g["repeat_penalty"], g["stop"], g["logit_bias"], g["stream"]) == (-1, 0, 1.0, ["x"], [[7, -2.0]], True)
-    assert g["samplers"] == ["penalties", "temperature", "min_p", "top_k", "top_p"] and g["grammar"] == ""
-    assert (g["typical_p"], g["mirostat"], g["dry_multiplier"], g["xtc_probability"]) == (1.0, 0, 0.0, 0.0)  # refused otherwise
+    assert g["samplers"] == ["penalties", "temperature", "min_p", "top_k", "top_p", "top_n_sigma", "typ_p", "xtc"]
+    assert g["grammar"] == ""
+    assert (g["typical_p"], g["top_n_sigma"], g["xtc_probability"], g["min_keep"]) == (1.0, -1.0, 0.0, 0)  # off
+    assert (g["mirostat"], g["dry_multiplier"]) == (0, 0.0)  # refused otherwise
     # every setting llama-server reports (its answer's generation_settings, recorded from the
     # llama.cpp that tools/llama_server.sh builds) but the kinds of its own speculation
     theirs = ("adaptive_decay adaptive_target backend_sampling chat_format dry_allowed_length dry_base dry_multiplier "
@@ -309,7 +311,8 @@ def test_several_prompts_are_an_array_of_results_in_order(app, folder):
 
 
 def test_refusals_are_400s_in_the_servers_error_shape(app):
-    for bad in ({"prompt": "x", "typical_p": 0.5}, {"prompt": "", "n_predict": 2}, {"n_predict": 2},
+    for bad in ({"prompt": "x", "mirostat": 2}, {"prompt": "x", "samplers": ["top_k", "adaptive_p"]},
+                {"prompt": "x", "xtc_probability": 0.5, "temperature": 0}, {"prompt": "", "n_predict": 2}, {"n_predict": 2},
                 {"prompt": "x", "n_predict": 10**6}):
         status, body, _ = post(app, bad)
         assert status == 400 and body["error"]["message"], bad
@@ -420,3 +423,19 @@ def test_props_say_the_context_the_template_and_the_completion_defaults(app, fol
     assert props["chat_template"] == tok.chat_template and "messages" in props["chat_template"]
     assert props["eos_token"] == tok.eos_token
     assert props["build_info"].startswith("osd-serve ")
+
+
+def test_llama_cpps_samplers_reach_the_engine_in_the_order_sent_and_the_answer_says_them(app):
+    status, body, _ = post(app, {"prompt": "Hello world", "n_predict": 3, "typical_p": 0.7, "xtc_probability": 0.3,
+                                 "xtc_threshold": 0.2, "top_n_sigma": 1.5, "dynatemp_range": 0.2, "min_keep": 2,
+                                 "samplers": "kyxt"})
+    assert status == 200, body
+    p = app.pool.calls[-1][2][0].params
+    assert p.order == ("top_k", "typ_p", "xtc", "temperature") and (p.typical_p, p.xtc_probability, p.min_keep) == (0.7, 0.3, 2)
+    g = body["generation_settings"]
+    assert g["samplers"] == ["penalties", "top_k", "typ_p", "xtc", "temperature"]
+    assert (g["typical_p"], g["xtc_probability"], g["xtc_threshold"], g["top_n_sigma"], g["dynatemp_range"], g["min_keep"]) == (
+        0.7, 0.3, 0.2, 1.5, 0.2, 2)
+    status, body, _ = post(app, {"prompt": "Hello world", "n_predict": 3})  # none sent: llama-server's order
+    assert body["generation_settings"]["samplers"] == ["penalties", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p",
+                                                       "xtc", "temperature"]

@@ -241,3 +241,15 @@ def test_seeded_cases_are_deterministic(markov):
     b = L.sample(engine, case, 50, seed=3)[0]
     c = L.sample(engine, case, 50, seed=4)[0]
     assert a == b and a != c
+
+
+@pytest.mark.parametrize("case", L.CHAIN_CASES, ids=lambda c: c.name)
+def test_llama_cpps_samplers_are_the_target_law_in_the_order_asked(case, markov):
+    """Each case's samplers change the law materially (else the check would pass on a server that
+    ignored them), and speculative decoding samples exactly that law."""
+    process = L.case_process(case)
+    plain = {k: v for k, v in process.items() if k not in L.CHAIN_KEYS}
+    chained = L.exact_law(markov.target, L.PROMPT, case.m, case.temperature, case.top_p, case.top_k, process)
+    without = L.exact_law(markov.target, L.PROMPT, case.m, case.temperature, case.top_p, case.top_k, plain)
+    assert 0.5 * sum(abs(chained.get(s, 0.0) - without.get(s, 0.0)) for s in chained.keys() | without.keys()) > 0.05
+    _check(L.run_case(case, markov))

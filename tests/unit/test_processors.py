@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
 from config import EngineConfig, KPolicyConfig, SamplingParams, SuffixConfig
+import lossless as L
 from conftest import int4_engines
 from speculative import RequestError, SpeculativeEngine
 from speculative.processors import process_rows
@@ -175,3 +178,91 @@ def test_token_ids_a_request_names_must_be_in_the_vocabulary():
             alone.add_request("abc", params)
     assert not alone.requests
     alone.add_request("abc", SamplingParams(logit_bias={vocab - 1: 1.0}, stop_token_ids=[vocab - 1]))  # the last id is in
+
+
+# -- llama.cpp's samplers ---------------------------------------------------------------------------------------
+LLAMA = ("top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+
+
+def _row(*probs):
+    return torch.log(torch.tensor([probs], dtype=torch.float64)).float()  # [1, V]
+
+
+def test_typical_p_keeps_the_tokens_nearest_the_entropy_and_can_drop_the_most_likely():
+    # entropy 1.2206; |surprise - entropy|: 0.527, 0.389, 0.389, 1.082: tokens 1 and 2 first (0.4 > 0.3)
+    z = _row(0.5, 0.2, 0.2, 0.1)
+    p = warp_logits(z, SamplingParams(temperature=1.0, typical_p=0.3))
+    assert torch.allclose(p, torch.tensor([[0.0, 0.5, 0.5, 0.0]]))
+    p = warp_logits(z, SamplingParams(temperature=1.0, typical_p=0.5))  # then token 0: 0.9 > 0.5
+    assert torch.allclose(p, torch.tensor([[5 / 9, 2 / 9, 2 / 9, 0.0]]))
+    p = warp_logits(z, SamplingParams(temperature=1.0, typical_p=0.3, min_keep=3))  # at least three kept
+    assert torch.allclose(p, torch.tensor([[5 / 9, 2 / 9, 2 / 9, 0.0]]))
+    # greedy in llama.cpp's order: the cut comes before the temperature, so the argmax is gone
+    greedy = SamplingParams(temperature=0.0, typical_p=0.3, samplers=LLAMA)
+    assert greedy.greedy_rows and warp_logits(z, greedy).argmax().item() in (1, 2)
+    assert not SamplingParams(temperature=0.0, typical_p=0.3).greedy_rows  # the default: the temperature first
+    assert warp_logits(z, SamplingParams(temperature=0.0, typical_p=0.3)).argmax().item() == 0
+
+
+def test_xtc_is_the_mixture_of_its_coins_two_outcomes():
+    z = _row(0.5, 0.3, 0.15, 0.05)  # above 0.1: tokens 0-2; when it fires, all but the least of them (2) go
+    p = warp_logits(z, SamplingParams(temperature=1.0, xtc_probability=0.4, xtc_threshold=0.1))
+    assert torch.allclose(p, 0.6 * torch.tensor([[0.5, 0.3, 0.15, 0.05]]) + 0.4 * torch.tensor([[0.0, 0.0, 0.75, 0.25]]))
+    for off in (dict(xtc_threshold=0.6), dict(xtc_threshold=0.4), dict(min_keep=3), dict(samplers=("temperature",))):
+        # a threshold above 0.5 (off); one token above it (nothing to exclude); fewer than min_keep left; not in the order
+        p = warp_logits(z, SamplingParams(temperature=1.0, xtc_probability=0.4, **{"xtc_threshold": 0.1, **off}))
+        assert torch.allclose(p, torch.tensor([[0.5, 0.3, 0.15, 0.05]]), atol=1e-6), off
+    with pytest.raises(ValueError, match="temperature above 0"):
+        SamplingParams(temperature=0.0, xtc_probability=0.4)
+
+
+def test_top_n_sigma_and_the_dynamic_temperature_by_hand():
+    z = torch.tensor([[4.0, 2.0, 0.0, -2.0]])  # mean 1, std sqrt(5) = 2.236: max - 1 std = 1.76
+    p = warp_logits(z, SamplingParams(temperature=1.0, top_n_sigma=1.0))
+    assert (p > 0).tolist() == [[True, True, False, False]]
+    flat = torch.zeros(1, 4)  # normalised entropy 1: the temperature at the top of its range
+    sharp = torch.tensor([[30.0, 0.0, 0.0, 0.0]])  # entropy ~0: at the bottom (0: the argmax alone)
+    params = SamplingParams(temperature=1.0, dynatemp_range=1.0)
+    assert torch.allclose(warp_logits(flat, params), torch.full((1, 4), 0.25))
+    assert warp_logits(sharp, params).tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    mid = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    q = mid.softmax(-1)
+    t = 0.5 + 1.0 * float(-(q * q.log()).sum() / math.log(4))  # range 0.5..1.5 at temperature 1, range 0.5
+    assert torch.allclose(warp_logits(mid, SamplingParams(temperature=1.0, dynatemp_range=0.5)), (mid / t).softmax(-1), atol=1e-6)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(samplers=LLAMA, typical_p=0.6, top_n_sigma=1.0, top_k=20, top_p=0.9, min_p=0.05, temperature=0.7),
+    dict(samplers=LLAMA, xtc_probability=0.3, xtc_threshold=0.05, dynatemp_range=0.4, dynatemp_exponent=1.5, temperature=1.1),
+    dict(typical_p=0.8, min_keep=4, xtc_probability=0.5, xtc_threshold=0.08, temperature=0.9, top_p=0.95),
+    dict(samplers=("typ_p", "temperature", "top_n_sigma", "min_p"), typical_p=0.5, top_n_sigma=2.0, min_p=0.1, min_keep=2,
+         temperature=1.3),
+])
+def test_the_warp_is_llama_cpps_chain_as_transcribed(settings):
+    """Against ``tests/lossless.py``'s transcription of llama.cpp's samplers (candidate lists, one
+    sampler after another, XTC's two outcomes summed) on rows of a real model's spread."""
+    params = SamplingParams(**settings)
+    process = {k: v for k, v in settings.items() if k not in ("temperature", "top_p", "top_k")}
+    z = torch.randn(64, 40, generator=torch.Generator().manual_seed(5)) * 2.5  # [64, 40]
+    got = warp_logits(z, params).double().numpy()
+    want = np.stack([L.reference_chain(row, params.temperature, params.top_p, params.top_k, process)
+                     for row in z.double().numpy()])
+    assert np.abs(got - want).max() < 1e-5
+    plain = (z / params.temperature).softmax(-1).double().numpy()
+    assert np.median(np.abs(want - plain).sum(-1)) > 0.1  # the samplers change the rows' law
+
+
+def test_greedy_with_typical_p_in_llama_cpps_order_is_the_plain_loops_output_whatever_drafted():
+    target, tok, engines = _engines()
+    prompt = "abcabcabcab"
+    params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0, typical_p=0.5, samplers=LLAMA)
+    seq = list(tok(prompt)["input_ids"])
+    for _ in range(16):  # the plain loop: llama.cpp's typical cut on each whole row, then its argmax
+        z = target.forward_batch([ForwardCall("ref", 0, seq, 1)])[0][0].double().numpy()
+        target.release("ref")
+        kept = L.reference_chain(z, 1.0, 1.0, 0, {"typical_p": 0.5, "samplers": ("typ_p",)}) > 0
+        seq.append(int(np.where(kept, z, -np.inf).argmax()))
+    want = seq[len(tok(prompt)["input_ids"]):]
+    assert want != engines[0].generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True)).token_ids
+    for engine in engines:
+        assert engine.generate(prompt, params).token_ids == want, type(engine.proposer).__name__

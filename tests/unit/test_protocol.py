@@ -169,8 +169,7 @@ def test_text_that_is_not_unicode_is_refused_at_the_edge():
 @pytest.mark.parametrize("field,value", [
     ("best_of", 3), ("suffix", "x"), ("tools", [{"type": "function"}]),
     ("functions", [{"name": "f"}]), ("tool_choice", "required"), ("guided_grammar", "root ::= x"),
-    ("tfs_z", 0.9), ("typical_p", 0.9), ("mirostat", 2), ("dry_multiplier", 0.8), ("xtc_probability", 0.5),
-    ("top_n_sigma", 1.0), ("n_probs", 3), ("use_beam_search", True), ("bad_words", ["x"]), ("allowed_token_ids", [1]),
+    ("tfs_z", 0.9), ("mirostat", 2), ("dry_multiplier", 0.8), ("n_probs", 3), ("use_beam_search", True), ("bad_words", ["x"]), ("allowed_token_ids", [1]),
     ("include_stop_str_in_output", True), ("skip_special_tokens", False)])
 def test_what_changes_the_output_and_is_not_served_is_refused_not_ignored(field, value):
     for make in (lambda **kw: completion(prompt="Hi", **kw), lambda **kw: ChatRequest(messages=[{"role": "user", "content": "Hi"}], **kw)):
@@ -305,3 +304,38 @@ def test_echo_is_a_completions_field_with_or_without_logprobs():
         ChatRequest(messages=[{"role": "user", "content": "Hi"}], echo=True)
     assert e.value.errors()[0]["ctx"]["param"] == "echo"
     assert ChatRequest(messages=[{"role": "user", "content": "Hi"}], echo=False).n == 1  # its default passes
+
+
+def test_llama_cpps_samplers_by_name_alias_or_letter_in_the_order_sent():
+    from config.sampling import DEFAULT_ORDER, LLAMA_ORDER
+    from deployments.protocol import LlamaCompletionRequest
+
+    p = completion(samplers=["penalties", "dry", "Top-K", "typ", "nucleus", "min_p", "xtc", "temp"], typical_p=0.6,
+                   top_n_sigma=1.5, xtc_probability=0.2, xtc_threshold=0.2, dynatemp_range=0.3, dynatemp_exponent=2.0,
+                   min_keep=2, temperature=0.7).sampling(8)
+    assert p.order == ("top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+    assert (p.typical_p, p.top_n_sigma, p.xtc_probability, p.xtc_threshold, p.dynatemp_range, p.dynatemp_exponent,
+            p.min_keep) == (0.6, 1.5, 0.2, 0.2, 0.3, 2.0, 2)
+    assert completion(samplers="ekyt").sampling(8).order == ("top_k", "typ_p", "temperature")  # llama.cpp's letters
+    assert completion().sampling(8).order == DEFAULT_ORDER  # the OpenAI endpoints: vLLM's order, then llama.cpp's extras
+    assert LlamaCompletionRequest(prompt="Hi").sampling(8).order == LLAMA_ORDER  # llama-server's own: its order
+    chat = ChatRequest(messages=[{"role": "user", "content": "Hi"}], typical_p=0.5, temperature=0.5).sampling(8)
+    assert chat.typical_p == 0.5 and chat.order == DEFAULT_ORDER
+
+
+@pytest.mark.parametrize("body,says", [
+    ({"samplers": ["top_k", "mirostat"]}, "not a sampler this server serves"),
+    ({"samplers": ["top_k", "adaptive_p"]}, "not a sampler this server serves"),
+    ({"samplers": "kq"}, "not a sampler this server serves"),
+    ({"samplers": ["top_k", "topk"]}, "at most once"),
+    ({"samplers": [1, 2]}, "samplers"),
+    ({"samplers": ["top_k", "penalties"], "frequency_penalty": 0.5}, "name it first"),
+    ({"samplers": ["top_k", "temperature"], "presence_penalty": 0.5}, "leaves out 'penalties'"),
+    ({"xtc_probability": 0.5, "temperature": 0}, "temperature above 0"),
+    ({"typical_p": 0}, "greater than 0"),
+])
+def test_samplers_that_would_be_served_otherwise_than_asked_are_refused(body, says):
+    with pytest.raises(ValueError, match=says):
+        completion(**body).sampling(8)
+    ok = completion(samplers=["top_k", "penalties"]).sampling(8)  # no penalty on: where the list names them is moot
+    assert ok.order == ("top_k",)
