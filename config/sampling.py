@@ -104,9 +104,11 @@ class SamplingParams(_Strict):
     dynatemp_exponent: float = Field(default=1.0, ge=0.0, le=100.0, allow_inf_nan=False)
     #: the fewest tokens top-p, min-p, typical-p and XTC keep (0: no floor)
     min_keep: int = Field(default=0, ge=0, le=1 << 20, strict=True)
-    #: the warp's stages in the order they apply (llama.cpp's ``samplers``; a stage left out is not
-    #: applied); None: :data:`DEFAULT_ORDER`
-    samplers: tuple[Literal["temperature", "min_p", "top_k", "top_p", "top_n_sigma", "typ_p", "xtc"], ...] | None = None
+    #: the samplers in the order they apply (llama.cpp's ``samplers``; a stage left out is not
+    #: applied); None: :data:`DEFAULT_ORDER`. "penalties" (applied before the warp, by the
+    #: processors) and "dry" (never on here) may be named and are no stage of the warp
+    samplers: tuple[Literal["temperature", "min_p", "top_k", "top_p", "top_n_sigma", "typ_p", "xtc", "penalties",
+                            "dry"], ...] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -143,7 +145,12 @@ class SamplingParams(_Strict):
     @property
     def order(self) -> tuple[str, ...]:
         """The warp's stages in the order they apply."""
-        return DEFAULT_ORDER if self.samplers is None else self.samplers
+        return DEFAULT_ORDER if self.samplers is None else tuple(n for n in self.samplers if n in SAMPLER_STAGES)
+
+    @property
+    def chain(self) -> tuple[str, ...]:
+        """Every sampler in its order, as llama.cpp names them (what a request's settings report)."""
+        return ("penalties", *DEFAULT_ORDER) if self.samplers is None else self.samplers
 
     @property
     def xtc_on(self) -> bool:

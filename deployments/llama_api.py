@@ -113,8 +113,7 @@ def generation_settings(params: SamplingParams, model: str, stream: bool, timing
             "typical_p": params.typical_p, "top_n_sigma": params.top_n_sigma, "xtc_probability": params.xtc_probability,
             "xtc_threshold": params.xtc_threshold, "dynatemp_range": params.dynatemp_range,
             "dynatemp_exponent": params.dynatemp_exponent, "min_keep": params.min_keep,
-            # the order they apply in: the penalties, then the warp's stages (llama.cpp's names)
-            "samplers": ["penalties", *params.order], **OFF_SAMPLERS, **OFF_SETTINGS}
+            "samplers": list(params.chain), **OFF_SAMPLERS, **OFF_SETTINGS}  # their order, llama.cpp's names
 
 
 def partial(o: Outcome, content: str, tokens: list[int], return_tokens: bool, probs: list[dict] | None,

@@ -273,9 +273,9 @@ class _Request(BaseModel):
         return None if v is None else sampler_list(v)
 
     def warp_order(self) -> tuple[str, ...] | None:
-        """The warp's stages in the order ``samplers`` names them (None: the endpoint's default)."""
+        """The samplers in the order ``samplers`` names them (None: the endpoint's default)."""
         names = self.samplers if self.samplers is not None else self.default_samplers
-        return None if names is None else tuple(n for n in names if n not in ("penalties", "dry"))
+        return None if names is None else tuple(names)
 
     def check_samplers(self, params: SamplingParams) -> None:
         """The penalties apply before the warp here: while a penalty is on, a ``samplers`` that

@@ -433,9 +433,9 @@ def test_llama_cpps_samplers_reach_the_engine_in_the_order_sent_and_the_answer_s
     p = app.pool.calls[-1][2][0].params
     assert p.order == ("top_k", "typ_p", "xtc", "temperature") and (p.typical_p, p.xtc_probability, p.min_keep) == (0.7, 0.3, 2)
     g = body["generation_settings"]
-    assert g["samplers"] == ["penalties", "top_k", "typ_p", "xtc", "temperature"]
+    assert g["samplers"] == ["top_k", "typ_p", "xtc", "temperature"]  # as sent (no penalty is on)
     assert (g["typical_p"], g["xtc_probability"], g["xtc_threshold"], g["top_n_sigma"], g["dynatemp_range"], g["min_keep"]) == (
         0.7, 0.3, 0.2, 1.5, 0.2, 2)
     status, body, _ = post(app, {"prompt": "Hello world", "n_predict": 3})  # none sent: llama-server's order
-    assert body["generation_settings"]["samplers"] == ["penalties", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p",
-                                                       "xtc", "temperature"]
+    assert body["generation_settings"]["samplers"] == ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p",
+                                                       "min_p", "xtc", "temperature"]

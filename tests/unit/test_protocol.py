@@ -338,4 +338,4 @@ def test_samplers_that_would_be_served_otherwise_than_asked_are_refused(body, sa
     with pytest.raises(ValueError, match=says):
         completion(**body).sampling(8)
     ok = completion(samplers=["top_k", "penalties"]).sampling(8)  # no penalty on: where the list names them is moot
-    assert ok.order == ("top_k",)
+    assert ok.order == ("top_k",) and ok.chain == ("top_k", "penalties")
