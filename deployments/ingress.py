@@ -25,7 +25,7 @@ from router.route import Route
 from speculative.locate import TextVocab, light_vocab, model_card, token_bytes
 
 from .loopback import bind_replica_grpc, replica_meter
-from . import llama_api, openai_api
+from . import anthropic_api, llama_api, openai_api
 from .protocol import (Accepted, ChatRequest, Chunk, CompletionRequest, DetokenizeRequest, Done, GenerateRequest, LlamaCompletionRequest,
                        Outcome, Refused, TargetUnavailable, TemplateRequest, TokenizeRequest, error_body, new_id, now)
 from .resume import resuming
@@ -175,6 +175,17 @@ def _stream_failure(e: Exception, rid: str) -> tuple[int, dict]:
 
 def _unavailable(e: BaseException) -> JSONResponse:
     return JSONResponse(_unavailable_body(e), status_code=503, headers={"Retry-After": str(TargetUnavailable.retry_after_s)})
+
+
+def _anthropic(response: Response) -> JSONResponse:
+    """An error response in Anthropic's shape (its status and headers kept)."""
+    try:
+        message = json.loads(bytes(response.body))["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = "the request failed"
+    headers = {k: v for k, v in response.headers.items() if k.lower() == "retry-after"}
+    return JSONResponse(anthropic_api.error(response.status_code, message), status_code=response.status_code,
+                        headers=headers)
 
 
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
@@ -338,9 +349,10 @@ class Ingress:
         return await self.learner_call(request, "configure", body)
 
     # -- generation --------------------------------------------------------------------------
-    async def completion(self, request: Request, chat: bool, llama: bool = False):
+    async def completion(self, request: Request, chat: bool, llama: bool = False, body: dict | None = None):
         """``/v1/chat/completions`` (``chat``), ``/v1/completions``, or llama-server's own
-        ``/completion`` (``llama``: its names, defaults and shapes)."""
+        ``/completion`` (``llama``: its names, defaults and shapes); ``body``: the request's, already
+        read (Anthropic's messages, as a chat)."""
         if self.running >= self.cfg.ingress.max_in_flight:  # over capacity: shed, before any work
             Timing(self.meter, self.tenants.identify(request.headers.get("authorization")).tenant or "unauthenticated").done(503)
             return _overloaded(self.running)
@@ -353,7 +365,7 @@ class Ingress:
         self.running += 1
         try:
             try:
-                response, used = await self._completion(request, chat, adm, timing, slots, llama)
+                response, used = await self._completion(request, chat, adm, timing, slots, llama, body)
             except Exception as e:  # noqa: BLE001 - the target's absence is a 503; anything else a 500 in OpenAI's shape
                 if _target_gone(e):
                     response, used = _unavailable(e), 0
@@ -370,11 +382,12 @@ class Ingress:
                 self._settle(adm.tenant, timing, used or 0, status, usage, slots[0])
 
     async def _completion(self, request: Request, chat: bool, adm: Admission, timing: Timing, slots: list[int],
-                          llama: bool = False):
+                          llama: bool = False, body: dict | None = None):
         """(response, tokens to charge now; None when the streaming response charges them itself).
         ``slots[0]``: the sequences the request holds in flight, raised here for several choices."""
         tenant = adm.tenant
-        body = await _json_body(request, self.cfg.ingress.max_body_bytes)
+        if body is None:
+            body = await _json_body(request, self.cfg.ingress.max_body_bytes)
         if isinstance(body, JSONResponse):
             return body, 0
         if not isinstance(body, dict):
@@ -580,6 +593,43 @@ class Ingress:
         except ValidationError as e:
             message, param = _validation_message(e)
             return _error(400, message, param=param)
+
+    async def messages(self, request: Request, count_only: bool = False):
+        """``POST /v1/messages`` (Anthropic's): the request served as a chat (admission, limits,
+        routing and accounting as any chat's), answered as a message or its events; errors in
+        Anthropic's shape. ``count_only``: ``/v1/messages/count_tokens``, the prompt's tokens."""
+        body = await _json_body(request, self.cfg.ingress.max_body_bytes)
+        if isinstance(body, JSONResponse):
+            return _anthropic(body)
+        if count_only and isinstance(body, dict):
+            body = {"max_tokens": 1, **body}  # counting needs no output length
+        try:
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+            req, chat = anthropic_api.chat_body(body)
+            messages = ChatRequest.model_validate({"messages": chat["messages"]}).chat() if count_only or req.stream else None
+        except ValidationError as e:
+            return _anthropic(_error(400, _validation_message(e)[0]))
+        except ValueError as e:
+            return _anthropic(_error(400, str(e)))
+        input_tokens = 0
+        if messages is not None:
+            adm = self.tenants.identify(request.headers.get("authorization"))
+            if adm.status != 200:
+                return _anthropic(_refused(adm))
+            text = await self.pool.apply_template.remote(messages)
+            input_tokens = len(self._vocabulary().encode(text, add_special_tokens=False))
+        if count_only:
+            return {"input_tokens": input_tokens}
+        response = await self.completion(request, chat=True, body=chat)
+        model = self.cfg.ingress.model_name
+        if isinstance(response, StreamingResponse):
+            msg_id = new_id("msg")
+            return StreamingResponse(anthropic_api.events(response.body_iterator, msg_id, model, input_tokens),
+                                     media_type="text/event-stream")
+        if isinstance(response, dict):
+            return anthropic_api.message(response, model)
+        return _anthropic(response)
 
     async def apply_template(self, request: Request):
         """``POST /apply-template`` (llama-server's): a chat's text in the target's template, as a
@@ -1167,6 +1217,15 @@ class IngressDeployment(Ingress):
     @api.post("/completions", include_in_schema=False)
     async def llama_completion(self, request: Request):
         return await self.completion(request, chat=False, llama=True)
+
+    # Anthropic's Messages API (llama-server's too), served as a chat
+    @api.post("/v1/messages", openapi_extra=_body_schema(anthropic_api.MessagesRequest))
+    async def messages_route(self, request: Request):
+        return await self.messages(request)
+
+    @api.post("/v1/messages/count_tokens", openapi_extra=_body_schema(anthropic_api.MessagesRequest))
+    async def count_tokens_route(self, request: Request):
+        return await self.messages(request, count_only=True)
 
     @api.post("/v1/chat/completions", openapi_extra=_body_schema(ChatRequest))
     @api.post("/chat/completions", include_in_schema=False)

@@ -1,0 +1,141 @@
+"""Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``) on the real
+ingress in one process (the app of tests/inprocess.py on a tiny Llama): a message says what the
+same chat says on the chat endpoint, its stream is Anthropic's events of the same text, and
+its errors have Anthropic's shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from inprocess import ADMIN, App, answer, app_config, request, save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, make_llama, make_tokenizer):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"), make_llama, make_tokenizer)
+
+
+@pytest.fixture
+def app(folder, loop):
+    a = App(app_config(folder))
+    a.run = loop.run
+    return a
+
+
+def call(app, body, count: bool = False, key: str | None = "sk-alice", raw: bytes | None = None):
+    """(status, body or the list of (event, data) of a stream, headers)."""
+    from starlette.responses import StreamingResponse
+
+    async def go():
+        response = await app.ingress.messages(request(body, key, raw=raw), count_only=count)
+        if isinstance(response, dict):
+            return 200, response, {}
+        if isinstance(response, StreamingResponse):
+            text = "".join([p if isinstance(p, str) else p.decode() async for p in response.body_iterator])
+            events = []
+            for block in filter(None, text.split("\n\n")):
+                name, data = block.split("\n")
+                assert name.startswith("event: ") and data.startswith("data: "), block
+                events.append((name[len("event: "):], json.loads(data[len("data: "):])))
+            return response.status_code, events, dict(response.headers)
+        return response.status_code, json.loads(response.body), dict(response.headers)
+    return app.run(go())
+
+
+def chat(app, body):
+    async def go():
+        return await answer(await app.ingress.completion(request(body, "sk-alice"), chat=True))
+    return app.run(go())
+
+
+MESSAGES = [{"role": "user", "content": "Hello world"}, {"role": "assistant", "content": "Hi"},
+            {"role": "user", "content": [{"type": "text", "text": "abc"}, {"type": "text", "text": "abc"}]}]
+
+
+@pytest.mark.parametrize("system", [None, "Be brief.", [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]])
+def test_a_message_is_the_same_chats_answer_in_anthropics_shape(app, system):
+    body = {"model": None, "max_tokens": 12, "temperature": 0, "messages": MESSAGES}
+    if system is not None:
+        body["system"] = system
+    status, msg, _ = call(app, body)
+    assert status == 200, msg
+    turns = ([{"role": "system", "content": "Be brief."}] if system else []) + [
+        {"role": m["role"], "content": m["content"]} for m in MESSAGES]
+    status, want, _ = chat(app, {"messages": turns, "max_tokens": 12, "temperature": 0})
+    assert status == 200
+    assert msg["type"] == "message" and msg["role"] == "assistant" and msg["id"].startswith("msg_")
+    assert msg["content"] == [{"type": "text", "text": want["choices"][0]["message"]["content"]}]
+    assert msg["usage"]["input_tokens"] == want["usage"]["prompt_tokens"]
+    assert msg["usage"]["output_tokens"] == want["usage"]["completion_tokens"]
+    assert (msg["stop_reason"], msg["stop_sequence"]) == (
+        {"length": "max_tokens", "stop": "end_turn"}[want["choices"][0]["finish_reason"]], None)
+
+
+def test_the_stream_is_anthropics_events_of_the_same_text_and_counts(app):
+    body = {"max_tokens": 12, "temperature": 0, "messages": MESSAGES}
+    _, whole, _ = call(app, body)
+    status, events, headers = call(app, {**body, "stream": True})
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    names = [n for n, _ in events]
+    assert names[:2] == ["message_start", "content_block_start"] and names[-3:] == [
+        "content_block_stop", "message_delta", "message_stop"]
+    assert set(names[2:-3]) <= {"content_block_delta"}
+    text = "".join(d["delta"]["text"] for n, d in events if n == "content_block_delta")
+    assert text == whole["content"][0]["text"]
+    start, delta = events[0][1], events[-2][1]
+    assert start["message"]["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
+    assert delta["usage"]["output_tokens"] == whole["usage"]["output_tokens"]
+    assert delta["delta"]["stop_reason"] == whole["stop_reason"]
+    assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0  # settled
+
+
+def test_a_stop_sequence_is_named_as_the_reason(app):
+    _, whole, _ = call(app, {"max_tokens": 12, "temperature": 0, "messages": MESSAGES})
+    text = whole["content"][0]["text"]
+    stop = text[3:5]  # a piece of what it would say: it ends there
+    status, msg, _ = call(app, {"max_tokens": 12, "temperature": 0, "messages": MESSAGES, "stop_sequences": [stop]})
+    assert status == 200 and (msg["stop_reason"], msg["stop_sequence"]) == ("stop_sequence", stop)
+    assert msg["content"][0]["text"] == text[: text.index(stop)]
+    _, events, _ = call(app, {"max_tokens": 12, "temperature": 0, "messages": MESSAGES, "stop_sequences": [stop],
+                             "stream": True})
+    assert events[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": stop}
+
+
+def test_count_tokens_is_the_messages_prompt_tokens(app):
+    _, whole, _ = call(app, {"max_tokens": 4, "temperature": 0, "messages": MESSAGES, "system": "Be brief."})
+    status, counted, _ = call(app, {"messages": MESSAGES, "system": "Be brief."}, count=True)
+    assert status == 200 and counted == {"input_tokens": whole["usage"]["input_tokens"]}
+    status, err, _ = call(app, {"messages": MESSAGES}, count=True, key=None)
+    assert status == 401 and err["error"]["type"] == "authentication_error"
+
+
+@pytest.mark.parametrize("body,status,kind", [
+    ({"messages": MESSAGES}, 400, "invalid_request_error"),  # max_tokens is required
+    ({"max_tokens": 4, "messages": MESSAGES, "tools": [{"name": "f", "input_schema": {}}]}, 400, "invalid_request_error"),
+    ({"max_tokens": 4, "messages": MESSAGES, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400,
+     "invalid_request_error"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
+     "invalid_request_error"),
+    ({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, 400, "invalid_request_error"),
+    ({"max_tokens": 4, "messages": MESSAGES, "temperature": 1.5}, 400, "invalid_request_error"),
+    ({"max_tokens": 4, "messages": MESSAGES, "model": "claude-sonnet"}, 404, "not_found_error"),
+    ({"max_tokens": 10**6, "messages": MESSAGES}, 400, "invalid_request_error"),  # past the server's limit
+])
+def test_refusals_are_in_anthropics_error_shape(app, body, status, kind):
+    got, err, _ = call(app, body)
+    assert (got, err["type"], err["error"]["type"]) == (status, "error", kind), err
+    assert err["error"]["message"]
+    assert app.ingress.running == 0
+
+
+def test_keys_and_bodies_are_checked_as_on_the_other_endpoints(app):
+    status, err, _ = call(app, {"max_tokens": 4, "messages": MESSAGES}, key=None)
+    assert status == 401 and err["error"]["type"] == "authentication_error"
+    status, err, _ = call(app, None, raw=b"{not json")
+    assert status == 400 and err["error"]["type"] == "invalid_request_error"
+    status, err, _ = call(app, None, raw=b"x" * 4096)  # past the body limit (2,048 bytes here)
+    assert status == 413 and err["error"]["type"] == "request_too_large"
+    status, msg, _ = call(app, {"max_tokens": 4, "messages": MESSAGES}, key=ADMIN)  # any valid key
+    assert status == 200 and msg["usage"]["output_tokens"] <= 4
