@@ -619,3 +619,29 @@ def test_split_placement_greedy_concurrent_equals_target_only(server, reference)
         assert r.choices[0].text == _target_only(reference, p), p
         assert r.usage.model_extra["speculative"]["steps"] >= 1
     assert sum(r.usage.model_extra["speculative"]["proposed"] for r in got) > 0
+
+
+def test_anthropics_messages_over_http_say_what_the_chat_says(server, client):
+    """Anthropic's Messages API over HTTP, whole and streamed as its events, against the same chat
+    on the OpenAI endpoint (greedy)."""
+    messages = [{"role": "user", "content": "Name three colours."}]
+    want = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    body = {"model": MODEL, "max_tokens": 12, "temperature": 0, "messages": messages}
+
+    def post(b):
+        req = urllib.request.Request(f"{server}/v1/messages", data=json.dumps(b).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.headers["content-type"], r.read().decode()
+
+    kind, text = post(body)
+    msg = json.loads(text)
+    assert kind.startswith("application/json") and msg["type"] == "message"
+    assert msg["content"][0]["text"] == want.choices[0].message.content
+    assert msg["usage"] == {"input_tokens": want.usage.prompt_tokens, "output_tokens": want.usage.completion_tokens,
+                            "cache_read_input_tokens": msg["usage"]["cache_read_input_tokens"]}
+    kind, text = post({**body, "stream": True})
+    events = [(b.split("\n")[0][7:], json.loads(b.split("\n")[1][6:])) for b in text.split("\n\n") if b]
+    assert kind.startswith("text/event-stream") and events[0][0] == "message_start" and events[-1][0] == "message_stop"
+    assert "".join(d["delta"]["text"] for n, d in events if n == "content_block_delta") == msg["content"][0]["text"]
+    assert events[-2][1]["delta"]["stop_reason"] == msg["stop_reason"]
