@@ -214,6 +214,7 @@ class Ingress:
         self.recent = Recent(1.0)  # /ready and /v1/stats: one fan-out a second at most
         self.meter = replica_meter("Ingress", cfg.metrics)
         self.running = 0
+        self.slots: dict[int, _Slot] = {}  # the sequences streaming now, by slot id (llama-server's /slots)
         self._vocab = None  # token-id prompts as text, for the router: loaded on the first such prompt
         self._plain = None  # /tokenize's tokenizer that reads special tokens' text as text (parse_special false)
         if self.tenants.open:
@@ -505,8 +506,40 @@ class Ingress:
             if c.counts_prompt:  # a prompt's first choice: its scores, if asked, serve the prompt's other choices too
                 scores = (first.prompt_ids, first.prompt_logprobs) if first.prompt_logprobs is not None else None
             c.prompt_tokens, c.prompt_scores = first.prompt_tokens, scores
-            c.stream = self._resuming(c, tenant)
+            c.stream = self._in_slot(c, tenant, self._resuming(c, tenant))
         return None
+
+    async def _in_slot(self, c: "_Choice", tenant: str, stream):
+        """A choice's items, its sequence shown in a slot of ``/slots`` while they are read (the
+        lowest free id; its output tokens counted as they come)."""
+        slot = _Slot(min(set(range(len(self.slots) + 1)) - set(self.slots)), c, tenant)
+        self.slots[slot.id] = slot
+        try:
+            async for item in stream:
+                if isinstance(item, Chunk):
+                    slot.decoded += len(item.tokens)
+                    slot.cached = item.cached_tokens if item.cached_tokens is not None else slot.cached
+                yield item
+        finally:
+            del self.slots[slot.id]
+            await stream.aclose()
+
+    async def slot_states(self, request: Request):
+        """``GET /slots`` (llama-server's): a slot per sequence the server admits at once
+        (``ingress.max_in_flight``), each busy one with its request, prompt and output counts and
+        settings, never its text (the admin key, or anyone on a server without keys; this replica's
+        sequences). ``?fail_on_no_slot=1``: a 503 while none is free, for load balancers."""
+        adm = self._operator(request)
+        if adm.status != 200:
+            return _refused(adm)
+        total = self.cfg.ingress.max_in_flight
+        if request.query_params.get("fail_on_no_slot") and self.running >= total:
+            return _error(503, "no slot available", "unavailable_error")
+        n_ctx = model_card(self.cfg.engine.model.name)["n_ctx"]
+        name = self.cfg.ingress.model_name
+        return [self.slots[i].state(n_ctx, name) if i in self.slots else
+                {"id": i, "n_ctx": n_ctx, "speculative": True, "is_processing": False}
+                for i in range(max(total, max(self.slots, default=-1) + 1))]
 
     def _resuming(self, c: "_Choice", tenant: str):
         """The draft pool's items for one choice, resumed on another replica if its own dies (the
@@ -656,7 +689,7 @@ class Ingress:
                 "total_slots": ingress.max_in_flight, "model_alias": name, "model_path": name,
                 "modalities": {"vision": False, "video": False, "audio": False}, "chat_template": card["chat_template"],
                 "bos_token": card["bos_token"], "eos_token": card["eos_token"], "build_info": f"osd-serve {_version()}",
-                "endpoint_slots": False, "endpoint_props": False, "endpoint_metrics": True, "is_sleeping": False}
+                "endpoint_slots": True, "endpoint_props": False, "endpoint_metrics": True, "is_sleeping": False}
 
     def _decode(self, ids: list[int]) -> str:
         """A token-id prompt as text, for the router (ids outside the vocabulary are left out
@@ -994,6 +1027,30 @@ class _Choice:
     done: bool = False  # its Done came
 
 
+@dataclass
+class _Slot:
+    """A sequence streaming now, as ``/slots`` shows it."""
+
+    id: int
+    choice: _Choice
+    tenant: str
+    decoded: int = 0  # its output tokens so far
+    cached: int = 0  # its prompt's tokens from the prefix cache
+
+    #: settings that hold a request's own text (stop strings, a grammar, biased ids): not shown
+    PRIVATE = ("stop", "grammar", "logit_bias")
+
+    def state(self, n_ctx: int, model: str) -> dict:
+        params = self.choice.gen.params
+        settings = llama_api.generation_settings(params, model, False)
+        return {"id": self.id, "id_task": self.choice.gen.request_id, "n_ctx": n_ctx, "speculative": True,
+                "is_processing": True, "tenant": self.tenant, "draft": self.choice.draft_id,
+                "n_prompt_tokens": self.choice.prompt_tokens, "n_prompt_tokens_cache": self.cached,
+                "params": {k: v for k, v in settings.items() if k not in self.PRIVATE},
+                "next_token": [{"has_next_token": True, "n_remain": params.max_tokens - self.decoded,
+                                "n_decoded": self.decoded}]}
+
+
 def _cancel(choices: list[_Choice]) -> None:
     """Cancel the sequences of the choices not done (a request that ends early: the client left,
     a choice failed or was refused), wherever their streams are: read or not, started or not."""
@@ -1163,6 +1220,10 @@ class IngressDeployment(Ingress):
     def props_route(self, request: Request):
         adm = self.tenants.identify(request.headers.get("authorization"))
         return self.props() if adm.status == 200 else _refused(adm)
+
+    @api.get("/slots")
+    async def slots_route(self, request: Request):
+        return await self.slot_states(request)
 
     @api.get("/metrics")
     async def metrics_route(self, request: Request):

@@ -167,12 +167,12 @@ def request(body=None, key: str | None = None, query: str = "", raw: bytes | Non
 
 
 async def answer(response) -> tuple[int, object, dict]:
-    """(status, body, headers) of what an ingress method returned: a dict (200 JSON), a
+    """(status, body, headers) of what an ingress method returned: a dict or list (200 JSON), a
     JSONResponse, a plain Response, or a StreamingResponse (its body: the list of SSE events, the
     `data: ` prefix cut, JSON decoded but for `[DONE]`)."""
     from starlette.responses import StreamingResponse
 
-    if isinstance(response, dict):
+    if isinstance(response, (dict, list)):
         return 200, response, {}
     headers = dict(response.headers)
     if isinstance(response, StreamingResponse):

@@ -298,8 +298,8 @@ def test_chat_prompts_count_every_messages_characters(app):
 
 
 def test_a_parameter_not_served_is_a_400_naming_it_and_a_lone_surrogate_too(app):
-    got, err, _ = run(app.post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "typical_p": 0.9}, chat=True))
-    assert got == 400 and err["error"]["param"] == "typical_p" and err["error"]["message"].startswith("typical_p is not supported")
+    got, err, _ = run(app.post({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "mirostat": 2}, chat=True))
+    assert got == 400 and err["error"]["param"] == "mirostat" and err["error"]["message"].startswith("mirostat is not supported")
     got, err, _ = run(app.post({"prompt": "hi", "max_tokens": 2, "logit_bias": {"10000000": 5}}))
     assert got == 400 and "out of range" in err["error"]["message"]  # the replica checks ids against its vocabulary
     got, err, _ = run(app.post({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}))
@@ -1228,3 +1228,49 @@ def test_a_choice_the_replica_refuses_ends_the_others_too(folder):
         time.sleep(0.01)
     assert pool.loop.reserved == 0 and all(not e.requests for e in pool.held.values())
     assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0
+
+
+def test_slots_show_each_streaming_sequence_its_counts_and_never_its_text(app):
+    """llama-server's /slots: a slot per sequence the server admits at once; a busy one says its
+    request, tenant, prompt and output counts and settings (no stop strings, grammar or biases:
+    they hold the request's text), an idle one that it is idle; the admin key only."""
+    total = app.cfg.ingress.max_in_flight
+    got, idle, _ = run(answer_of(app.ingress.slot_states(request(key=ADMIN))))
+    assert got == 200 and len(idle) == total and not any(s["is_processing"] for s in idle)
+    assert [s["id"] for s in idle] == list(range(total))
+    got, err, _ = run(answer_of(app.ingress.slot_states(request(key=KEY))))
+    assert got == 403
+
+    async def during():
+        body = {"prompt": "Hello world", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stop": ["zzz secret"]}
+        response = await app.ingress.completion(request(body, KEY), chat=False)
+        parts = response.body_iterator
+        seen = []
+        async for part in parts:  # the first chunks: the sequence streams, its slot is busy
+            seen.append(part)
+            if len(seen) == 3:
+                break
+        _, mid, _ = await answer(await app.ingress.slot_states(request(key=ADMIN)))
+        async for part in parts:
+            seen.append(part)
+        _, after, _ = await answer(await app.ingress.slot_states(request(key=ADMIN)))
+        return mid, after, "".join(p if isinstance(p, str) else p.decode() for p in seen)
+
+    mid, after, text = run(during())
+    busy = [s for s in mid if s["is_processing"]]
+    assert len(busy) == 1 and busy[0]["id"] == 0 and busy[0]["tenant"] == "alice"
+    assert busy[0]["n_prompt_tokens"] == len("Hello world") and 0 < busy[0]["next_token"][0]["n_decoded"] < 12
+    assert busy[0]["next_token"][0]["n_remain"] == 12 - busy[0]["next_token"][0]["n_decoded"]
+    assert busy[0]["params"]["n_predict"] == 12 and "stop" not in busy[0]["params"] and "zzz" not in json.dumps(mid)
+    assert "[DONE]" in text and not any(s["is_processing"] for s in after) and app.ingress.slots == {}
+
+
+def test_slots_fail_on_no_slot_for_load_balancers(app):
+    got, _, _ = run(answer_of(app.ingress.slot_states(request(key=ADMIN, query="fail_on_no_slot=1"))))
+    assert got == 200
+    app.ingress.running = app.cfg.ingress.max_in_flight  # every sequence the server admits is in flight
+    got, err, _ = run(answer_of(app.ingress.slot_states(request(key=ADMIN, query="fail_on_no_slot=1"))))
+    assert got == 503 and err["error"]["message"] == "no slot available"
+    got, _, _ = run(answer_of(app.ingress.slot_states(request(key=ADMIN))))
+    assert got == 200  # without the flag: the slots, busy or not
