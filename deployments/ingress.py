@@ -25,7 +25,7 @@ from router.route import Route
 from speculative.locate import TextVocab, light_vocab, model_card, token_bytes
 
 from .loopback import bind_replica_grpc, replica_meter
-from . import anthropic_api, llama_api, openai_api
+from . import anthropic_api, llama_api, openai_api, responses_api
 from .protocol import (Accepted, ChatRequest, Chunk, CompletionRequest, DetokenizeRequest, Done, GenerateRequest, LlamaCompletionRequest,
                        Outcome, Refused, TargetUnavailable, TemplateRequest, TokenizeRequest, error_body, new_id, now)
 from .resume import resuming
@@ -664,6 +664,31 @@ class Ingress:
             return anthropic_api.message(response, model)
         return _anthropic(response)
 
+    async def responses(self, request: Request):
+        """``POST /v1/responses`` (OpenAI's Responses API): the request served as a chat (admission,
+        limits, routing and accounting as any chat's), answered as a response object or its events."""
+        body = await _json_body(request, self.cfg.ingress.max_body_bytes)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+            req, chat = responses_api.chat_body(body)
+        except ValidationError as e:
+            message, param = _validation_message(e)
+            return _error(400, message, param=param)
+        except ValueError as e:
+            return _error(400, str(e))
+        response = await self.completion(request, chat=True, body=chat)
+        model = self.cfg.ingress.model_name
+        if isinstance(response, StreamingResponse):
+            key = new_id("resp").split("-", 1)[-1]
+            return StreamingResponse(responses_api.events(response.body_iterator, req, model, key),
+                                     media_type="text/event-stream")
+        if isinstance(response, dict):
+            return responses_api.response(response, req, model)
+        return response
+
     async def apply_template(self, request: Request):
         """``POST /apply-template`` (llama-server's): a chat's text in the target's template, as a
         chat request's prompt is made (``{"prompt": text}``, for ``/completion``); any valid key."""
@@ -1287,6 +1312,12 @@ class IngressDeployment(Ingress):
     @api.post("/v1/messages/count_tokens", openapi_extra=_body_schema(anthropic_api.MessagesRequest))
     async def count_tokens_route(self, request: Request):
         return await self.messages(request, count_only=True)
+
+    # OpenAI's Responses API (llama-server's too), served as a chat
+    @api.post("/v1/responses", openapi_extra=_body_schema(responses_api.ResponsesRequest))
+    @api.post("/responses", include_in_schema=False)
+    async def responses_route(self, request: Request):
+        return await self.responses(request)
 
     @api.post("/v1/chat/completions", openapi_extra=_body_schema(ChatRequest))
     @api.post("/chat/completions", include_in_schema=False)

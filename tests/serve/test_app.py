@@ -645,3 +645,16 @@ def test_anthropics_messages_over_http_say_what_the_chat_says(server, client):
     assert kind.startswith("text/event-stream") and events[0][0] == "message_start" and events[-1][0] == "message_stop"
     assert "".join(d["delta"]["text"] for n, d in events if n == "content_block_delta") == msg["content"][0]["text"]
     assert events[-2][1]["delta"]["stop_reason"] == msg["stop_reason"]
+
+
+def test_openais_responses_api_over_http_with_its_own_sdk(client):
+    """The OpenAI SDK's ``responses.create``, whole and streamed, against the same chat (greedy)."""
+    messages = [{"role": "user", "content": "Name three colours."}]
+    want = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    r = client.responses.create(model=MODEL, input="Name three colours.", max_output_tokens=12, temperature=0)
+    assert r.output_text == want.choices[0].message.content
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (want.usage.prompt_tokens, want.usage.completion_tokens)
+    events = list(client.responses.create(model=MODEL, input="Name three colours.", max_output_tokens=12, temperature=0,
+                                          stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].type in ("response.completed", "response.incomplete") and events[-1].response.output_text == r.output_text
