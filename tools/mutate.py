@@ -117,6 +117,7 @@ TARGETS: dict[str, tuple[str, set[str] | None, list[str]]] = {
     # llama-server's own completion API: its answers' shapes, stop types and timings
     "deployments/llama_api.py": ("deployments.llama_api", None, ["tests/unit/test_llama_api.py"]),
     "deployments/anthropic_api.py": ("deployments.anthropic_api", None, ["tests/unit/test_anthropic_api.py"]),
+    "deployments/responses_api.py": ("deployments.responses_api", None, ["tests/unit/test_responses_api.py"]),
     "deployments/openai_api.py": ("deployments.openai_api", None, ["tests/unit/test_openai_api.py", "tests/unit/test_ingress.py"]),
     "deployments/resume.py": ("deployments.resume", None, ["tests/unit/test_resume.py"]),
     "telemetry/hub.py": ("telemetry.hub", None, ["tests/unit/test_telemetry.py"]),
