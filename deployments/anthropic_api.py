@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .openai_api import chunks_of
+
 #: an error's status -> Anthropic's error type
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -132,32 +134,23 @@ async def events(chunks: AsyncIterator, msg_id: str, model: str, input_tokens: i
                                          "content_block": {"type": "text", "text": ""}})
     reason = sequence = None
     output = 0
-    buffer = ""
+    parsed = chunks_of(chunks)
     try:
-        async for part in chunks:
-            buffer += part.decode() if isinstance(part, bytes) else part
-            while "\n\n" in buffer:
-                line, buffer = buffer.split("\n\n", 1)
-                data = line.removeprefix("data: ").strip()
-                if not data or data == "[DONE]":
-                    continue
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    yield _event("error", error(500, chunk["error"].get("message", "the stream failed")))
-                    return
-                if chunk.get("usage"):
-                    output = chunk["usage"]["completion_tokens"]
-                for choice in chunk.get("choices", []):
-                    text = (choice.get("delta") or {}).get("content")
-                    if text:
-                        yield _event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                             "delta": {"type": "text_delta", "text": text}})
-                    if choice.get("finish_reason") is not None:
-                        reason, sequence = stop_reason(choice["finish_reason"], choice.get("stop_reason"))
-    finally:  # a client that leaves ends the chat stream at once: it settles and cancels its sequence
-        aclose = getattr(chunks, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        async for chunk in parsed:
+            if "error" in chunk:
+                yield _event("error", error(500, chunk["error"].get("message", "the stream failed")))
+                return
+            if chunk.get("usage"):
+                output = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", []):
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    yield _event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                         "delta": {"type": "text_delta", "text": text}})
+                if choice.get("finish_reason") is not None:
+                    reason, sequence = stop_reason(choice["finish_reason"], choice.get("stop_reason"))
+    finally:
+        await parsed.aclose()
     yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
     yield _event("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                    "usage": {"input_tokens": input_tokens, "output_tokens": output}})

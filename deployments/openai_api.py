@@ -4,9 +4,30 @@ of what the ingress collected (``decode``: token ids to text); the ingress frame
 
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncIterator
 from typing import Callable
 
 Decode = Callable[[list[int]], str]
+
+
+async def chunks_of(stream: AsyncIterator) -> AsyncIterator[dict]:
+    """The chunks of a chat stream's server-sent events (``data: {chunk}`` ... ``data: [DONE]``),
+    for the APIs served over it. Closed early (its reader's client left), it closes the stream at
+    once, which settles the request and cancels its sequence."""
+    buffer = ""
+    try:
+        async for raw in stream:
+            buffer += raw.decode() if isinstance(raw, bytes) else raw
+            while "\n\n" in buffer:
+                line, buffer = buffer.split("\n\n", 1)
+                data = line.removeprefix("data: ").strip()
+                if data and data != "[DONE]":
+                    yield json.loads(data)
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 def finite(lp: float) -> float:

@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .openai_api import chunks_of
+
 ROLES = ("user", "assistant", "system", "developer")
 
 
@@ -168,37 +170,28 @@ async def events(chunks: AsyncIterator, req: ResponsesRequest, model: str, key: 
                   "part": part})
     texts: list[str] = []
     finish, usage = None, None
-    buffer = ""
+    parsed = chunks_of(chunks)
     try:
-        async for raw in chunks:
-            buffer += raw.decode() if isinstance(raw, bytes) else raw
-            while "\n\n" in buffer:
-                line, buffer = buffer.split("\n\n", 1)
-                data = line.removeprefix("data: ").strip()
-                if not data or data == "[DONE]":
-                    continue
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    message = chunk["error"].get("message", "the stream failed")
-                    yield _event({"type": "error", "sequence_number": next(seq), "code": "server_error",
-                                  "message": message, "param": None})
-                    failed = {**shell, "status": "failed", "error": {"code": "server_error", "message": message}}
-                    yield _event({"type": "response.failed", "sequence_number": next(seq), "response": failed})
-                    return
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                for choice in chunk.get("choices", []):
-                    text = (choice.get("delta") or {}).get("content")
-                    if text:
-                        texts.append(text)
-                        yield _event({"type": "response.output_text.delta", "sequence_number": next(seq), **where,
-                                      "content_index": 0, "delta": text, "logprobs": []})
-                    if choice.get("finish_reason") is not None:
-                        finish = choice["finish_reason"]
-    finally:  # a client that leaves ends the chat stream at once: it settles and cancels its sequence
-        aclose = getattr(chunks, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        async for chunk in parsed:
+            if "error" in chunk:
+                message = chunk["error"].get("message", "the stream failed")
+                yield _event({"type": "error", "sequence_number": next(seq), "code": "server_error",
+                              "message": message, "param": None})
+                failed = {**shell, "status": "failed", "error": {"code": "server_error", "message": message}}
+                yield _event({"type": "response.failed", "sequence_number": next(seq), "response": failed})
+                return
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    texts.append(text)
+                    yield _event({"type": "response.output_text.delta", "sequence_number": next(seq), **where,
+                                  "content_index": 0, "delta": text, "logprobs": []})
+                if choice.get("finish_reason") is not None:
+                    finish = choice["finish_reason"]
+    finally:
+        await parsed.aclose()
     text = "".join(texts)
     yield _event({"type": "response.output_text.done", "sequence_number": next(seq), **where, "content_index": 0,
                   "text": text, "logprobs": []})

@@ -139,3 +139,17 @@ def test_keys_and_bodies_are_checked_as_on_the_other_endpoints(app):
     assert status == 413 and err["error"]["type"] == "request_too_large"
     status, msg, _ = call(app, {"max_tokens": 4, "messages": MESSAGES}, key=ADMIN)  # any valid key
     assert status == 200 and msg["usage"]["output_tokens"] <= 4
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot(app):
+    async def go():
+        response = await app.ingress.messages(request({"max_tokens": 40, "temperature": 0, "messages": MESSAGES,
+                                                       "stream": True}, "sk-alice"))
+        events = response.body_iterator
+        first = [await events.__anext__() for _ in range(3)]  # message_start, the block's start, a delta
+        busy = app.ingress.running, app.ingress.tenants.in_flight["alice"]
+        await events.aclose()  # the client went away
+        return first, busy
+    first, busy = app.run(go())
+    assert first[2].startswith("event: content_block_delta") and busy == (1, 1)
+    assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0 and app.ingress.slots == {}

@@ -123,3 +123,17 @@ def test_refusals_are_400s_in_openais_shape(app, body, says):
 def test_the_key_is_checked_as_on_the_chat_endpoint(app):
     got, err = call(app, {"input": "x", "max_output_tokens": 4}, key=None)
     assert got == 401 and err["error"]["message"]
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot(app):
+    async def go():
+        response = await app.ingress.responses(request({"input": "Hello world", "max_output_tokens": 40,
+                                                        "temperature": 0, "stream": True}, "sk-alice"))
+        events = response.body_iterator
+        first = [await events.__anext__() for _ in range(5)]  # created ... the first delta
+        busy = app.ingress.running
+        await events.aclose()  # the client went away
+        return first, busy
+    first, busy = app.run(go())
+    assert first[4].startswith("event: response.output_text.delta") and busy == 1
+    assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0 and app.ingress.slots == {}
