@@ -198,8 +198,9 @@ def test_typical_p_keeps_the_tokens_nearest_the_entropy_and_can_drop_the_most_li
     p = warp_logits(z, SamplingParams(temperature=1.0, typical_p=0.3, min_keep=3))  # at least three kept
     assert torch.allclose(p, torch.tensor([[5 / 9, 2 / 9, 2 / 9, 0.0]]))
     # greedy in llama.cpp's order: the cut comes before the temperature, so the argmax is gone
-    greedy = SamplingParams(temperature=0.0, typical_p=0.3, samplers=LLAMA)
-    assert greedy.greedy_rows and warp_logits(z, greedy).argmax().item() in (1, 2)
+    for order in (LLAMA, ("typ_p", "temperature")):
+        greedy = SamplingParams(temperature=0.0, typical_p=0.3, samplers=order)
+        assert greedy.greedy_rows and warp_logits(z, greedy).argmax().item() in (1, 2), order
     assert not SamplingParams(temperature=0.0, typical_p=0.3).greedy_rows  # the default: the temperature first
     assert warp_logits(z, SamplingParams(temperature=0.0, typical_p=0.3)).argmax().item() == 0
 
