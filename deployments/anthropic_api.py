@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .openai_api import chunks_of
+from .openai_api import chunks_of, no_tools
 
 #: an error's status -> Anthropic's error type
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -42,12 +42,7 @@ class MessagesRequest(BaseModel):
     tool_choice: dict | None = None
     thinking: dict | None = None
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tools are not supported by this server (send none)")
-        return v
+    _no_tools = field_validator("tools")(no_tools)
 
     @field_validator("thinking")
     @classmethod

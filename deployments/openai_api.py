@@ -11,6 +11,13 @@ from typing import Callable
 Decode = Callable[[list[int]], str]
 
 
+def no_tools(cls, v):
+    """A request's ``tools`` (a pydantic validator): this server serves none."""
+    if v:
+        raise ValueError("tools are not supported by this server (send none)")
+    return v
+
+
 async def chunks_of(stream: AsyncIterator) -> AsyncIterator[dict]:
     """The chunks of a chat stream's server-sent events (``data: {chunk}`` ... ``data: [DONE]``),
     for the APIs served over it. Closed early (its reader's client left), it closes the stream at

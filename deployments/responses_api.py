@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .openai_api import chunks_of
+from .openai_api import chunks_of, no_tools
 
 ROLES = ("user", "assistant", "system", "developer")
 
@@ -37,12 +37,7 @@ class ResponsesRequest(BaseModel):
     reasoning: dict | None = None
     previous_response_id: str | None = None
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tools are not supported by this server (send none)")
-        return v
+    _no_tools = field_validator("tools")(no_tools)
 
     @field_validator("reasoning")
     @classmethod

@@ -245,6 +245,25 @@ def pytest_xdist_make_scheduler(config, log):
     return Groups(config, log)
 
 
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, make_llama, make_tokenizer):
+    """The tiny Llama and its tokenizer saved as a model folder (``tests/inprocess.py``)."""
+    from inprocess import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"), make_llama, make_tokenizer)
+
+
+@pytest.fixture
+def tiny_app(tiny_folder, loop):
+    """The composed application in this process on the tiny model (``inprocess.App``), run on the
+    test's loop (``app.run``)."""
+    from inprocess import App, app_config
+
+    a = App(app_config(tiny_folder))
+    a.run = loop.run
+    return a
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (servers under test bind loopback only), drawn from 20000-32767:
     below the kernel's ephemeral range (32768 up, where Ray's gRPC servers and every outgoing

@@ -9,19 +9,12 @@ import json
 
 import pytest
 
-from inprocess import ADMIN, App, answer, app_config, request, save_tiny_model
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory, make_llama, make_tokenizer):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"), make_llama, make_tokenizer)
+from inprocess import ADMIN, answer, request
 
 
 @pytest.fixture
-def app(folder, loop):
-    a = App(app_config(folder))
-    a.run = loop.run
-    return a
+def app(tiny_app):
+    return tiny_app
 
 
 def call(app, body, count: bool = False, key: str | None = "sk-alice", raw: bytes | None = None):

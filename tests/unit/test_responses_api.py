@@ -10,19 +10,12 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from inprocess import App, answer, app_config, request, save_tiny_model
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory, make_llama, make_tokenizer):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"), make_llama, make_tokenizer)
+from inprocess import answer, request
 
 
 @pytest.fixture
-def app(folder, loop):
-    a = App(app_config(folder))
-    a.run = loop.run
-    return a
+def app(tiny_app):
+    return tiny_app
 
 
 def call(app, body, key: str | None = "sk-alice"):
