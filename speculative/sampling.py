@@ -49,10 +49,9 @@ def greedy_pick(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     temperature that can drop it (typical-p, where the order puts it first: llama.cpp's)."""
     if not params.greedy_rows:
         return logits.argmax(-1)
-    order = params.order
-    before = order[: order.index("temperature")] if "temperature" in order else order
+    order = params.order  # greedy: the temperature is in it
     z = logits.float()
-    for stage in before:
+    for stage in order[: order.index("temperature")]:
         z = _STAGES[stage](z, params) if stage != "xtc" else z  # (greedy takes no XTC: refused)
     return z.argmax(-1)
 
