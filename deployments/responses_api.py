@@ -76,6 +76,8 @@ class ResponsesRequest(BaseModel):
     def response_format(self) -> dict | None:
         """``text.format`` as the chat's ``response_format`` (None: plain text)."""
         fmt = (self.text or {}).get("format")
+        if fmt is not None and not isinstance(fmt, dict):
+            raise ValueError("text.format is an object with a type")
         if not fmt or fmt.get("type") == "text":
             return None
         if fmt.get("type") == "json_object":

@@ -105,6 +105,9 @@ def test_structured_output_through_text_format(app):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "text content"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "messages with a role"),
     ({"input": "x", "text": {"format": {"type": "grammar"}}}, "not supported"),
+    ({"input": "x", "text": {"format": "json"}}, "an object with a type"),
+    ({"input": "x", "text": "json"}, "valid dictionary"),
+    ({"input": [{"role": "user"}]}, "a text or a list of text parts"),
     ({"input": "x", "max_output_tokens": 10**6}, "limit"),
 ])
 def test_refusals_are_400s_in_openais_shape(app, body, says):
