@@ -67,7 +67,7 @@ class MessagesRequest(BaseModel):
         return "".join(b["text"] for b in self.system)
 
 
-def chat_body(body: dict, stream_usage: bool = True) -> tuple[MessagesRequest, dict]:
+def chat_body(body: dict) -> tuple[MessagesRequest, dict]:
     """The request, and the chat completions request that serves it (ValueError or pydantic's
     ValidationError: a 400). Anthropic's temperature defaults to 1, as the chat endpoint's."""
     req = MessagesRequest.model_validate(body)
@@ -82,7 +82,7 @@ def chat_body(body: dict, stream_usage: bool = True) -> tuple[MessagesRequest, d
     user = (req.metadata or {}).get("user_id")
     if isinstance(user, str):
         chat["user"] = user
-    if req.stream and stream_usage:
+    if req.stream:  # the output's tokens, for the last event
         chat["stream_options"] = {"include_usage": True}
     return req, chat
 
@@ -133,7 +133,8 @@ async def events(chunks: AsyncIterator, msg_id: str, model: str, input_tokens: i
     try:
         async for chunk in parsed:
             if "error" in chunk:
-                yield _event("error", error(500, chunk["error"].get("message", "the stream failed")))
+                message_text = chunk["error"].get("message", "the stream failed")
+                yield _event("error", {"type": "error", "error": {"type": "api_error", "message": message_text}})
                 return
             if chunk.get("usage"):
                 output = chunk["usage"]["completion_tokens"]

@@ -92,9 +92,10 @@ def _temperature(z: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def _floor(keep: torch.Tensor, z: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """``keep`` [T, V] with at least ``params.min_keep`` of each row's most likely tokens."""
+    """``keep`` [T, V] with at least ``params.min_keep`` of each row's most likely tokens (min-p
+    keeps the most likely one anyway: a floor of one changes nothing)."""
     if params.min_keep <= 1:
-        return keep | torch.nn.functional.one_hot(z.argmax(-1), z.shape[-1]).bool() if params.min_keep else keep
+        return keep
     top = torch.topk(z, min(params.min_keep, z.shape[-1]), dim=-1)
     floor = torch.zeros_like(keep).scatter(-1, top.indices, torch.isfinite(top.values))
     return keep | floor

@@ -146,3 +146,89 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(app):
     first, busy = app.run(go())
     assert first[2].startswith("event: content_block_delta") and busy == (1, 1)
     assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0 and app.ingress.slots == {}
+
+
+# -- the translation by hand -------------------------------------------------------------------------------------
+def test_stop_reasons_by_hand():
+    from deployments.anthropic_api import stop_reason
+
+    assert stop_reason("stop", "x y") == ("stop_sequence", "x y")  # a stop string met
+    assert stop_reason("stop", None) == ("end_turn", None)  # the end of sequence
+    assert stop_reason("stop", 7) == ("end_turn", None)  # a stop token id
+    assert stop_reason("length", None) == ("max_tokens", None)
+    assert stop_reason("length", "x") == ("max_tokens", None)
+    assert stop_reason(None, None) == (None, None)
+
+
+def test_a_message_from_a_chat_answer_by_hand():
+    from deployments.anthropic_api import message
+
+    answer = {"id": "chatcmpl-ab-cd", "choices": [{"message": {"content": "hi"}, "finish_reason": "stop", "stop_reason": None}],
+              "usage": {"prompt_tokens": 5, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 3}}}
+    assert message(answer, "m") == {
+        "id": "msg_ab-cd", "type": "message", "role": "assistant", "model": "m", "content": [{"type": "text", "text": "hi"}],
+        "stop_reason": "end_turn", "stop_sequence": None,
+        "usage": {"input_tokens": 5, "output_tokens": 2, "cache_read_input_tokens": 3}}
+    answer["usage"].pop("prompt_tokens_details")
+    answer["choices"][0]["message"]["content"] = None
+    out = message(answer, "m")
+    assert out["usage"]["cache_read_input_tokens"] == 0 and out["content"] == [{"type": "text", "text": ""}]
+
+
+def test_the_events_of_a_chat_stream_by_hand(loop):
+    from deployments.anthropic_api import events
+
+    async def chat_stream(parts):
+        for p in parts:
+            yield p
+
+    def run(parts):
+        async def go():
+            return [e async for e in events(chat_stream(parts), "msg_1", "m", 9)]
+        out = []
+        for block in loop.run(go()):
+            name, data = block.strip().split("\n")
+            out.append((name[len("event: "):], json.loads(data[len("data: "):])))
+        return out
+
+    chunks = [{"choices": [{"delta": {"role": "assistant"}, "finish_reason": None}]},
+              {"choices": [{"delta": {"content": "a"}, "finish_reason": None}]},
+              {"choices": [{"delta": {"content": "b"}, "finish_reason": "stop", "stop_reason": "b!"}], "usage": None},
+              {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}}]
+    sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    got = run([sse[:17].encode(), sse[17:60], sse[60:]])  # split anywhere, bytes or text
+    assert got == [
+        ("message_start", {"type": "message_start", "message": {
+            "id": "msg_1", "type": "message", "role": "assistant", "model": "m", "content": [], "stop_reason": None,
+            "stop_sequence": None, "usage": {"input_tokens": 9, "output_tokens": 0}}}),
+        ("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+        ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "a"}}),
+        ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "b"}}),
+        ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "stop_sequence", "stop_sequence": "b!"},
+                           "usage": {"input_tokens": 9, "output_tokens": 4}}),
+        ("message_stop", {"type": "message_stop"})]
+    failed = run([f"data: {json.dumps(chunks[1])}\n\n", 'data: {"error": {"message": "boom"}}\n\n'])
+    assert failed[-1] == ("error", {"type": "error", "error": {"type": "api_error", "message": "boom"}})
+    assert [n for n, _ in failed] == ["message_start", "content_block_start", "content_block_delta", "error"]
+    no_usage = run([f"data: {json.dumps(chunks[1])}\n\n"])
+    assert no_usage[-2][1]["usage"]["output_tokens"] == 0 and no_usage[-2][1]["delta"]["stop_reason"] is None
+
+
+def test_requests_by_hand():
+    from pydantic import ValidationError
+
+    from deployments.anthropic_api import chat_body
+
+    req, chat = chat_body({"max_tokens": 5, "messages": MESSAGES[:1], "system": [{"type": "text", "text": "S"}],
+                           "thinking": None, "metadata": {"user_id": "u1"}, "stop_sequences": ["x"], "top_k": 3})
+    assert chat == {"messages": [{"role": "system", "content": "S"}, MESSAGES[0]], "max_tokens": 5, "stream": False,
+                    "top_k": 3, "stop": ["x"], "user": "u1"}
+    _, chat = chat_body({"max_tokens": 5, "messages": MESSAGES[:1], "stream": True, "thinking": {"type": "disabled"},
+                         "metadata": {"user_id": 5}})
+    assert chat["stream_options"] == {"include_usage": True} and "user" not in chat
+    for bad in ([{"type": "image"}], [{"type": "text"}], [{"type": "text", "text": 5}]):
+        with pytest.raises(ValueError, match="text blocks"):
+            chat_body({"max_tokens": 5, "messages": MESSAGES[:1], "system": bad})
+    with pytest.raises(ValidationError):
+        chat_body({"max_tokens": 5, "messages": ["hi"]})

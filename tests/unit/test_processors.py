@@ -205,6 +205,16 @@ def test_typical_p_keeps_the_tokens_nearest_the_entropy_and_can_drop_the_most_li
     assert warp_logits(z, SamplingParams(temperature=0.0, typical_p=0.3)).argmax().item() == 0
 
 
+def test_min_keep_is_a_floor_under_min_p_and_top_p():
+    z = _row(0.6, 0.25, 0.1, 0.05)
+    for keep, kept in ((0, 1), (1, 1), (3, 3), (9, 4)):
+        p = warp_logits(z, SamplingParams(temperature=1.0, min_p=0.9, min_keep=keep))
+        assert int((p > 0).sum()) == kept and p[0, 0] > p[0, kept - 1] if kept > 1 else p[0, 0] == 1.0, keep
+    p = warp_logits(z, SamplingParams(temperature=1.0, top_p=0.5, min_keep=2))
+    assert (p > 0).tolist() == [[True, True, False, False]]
+    assert (warp_logits(z, SamplingParams(temperature=1.0, top_p=0.5)) > 0).tolist() == [[True, False, False, False]]
+
+
 def test_xtc_is_the_mixture_of_its_coins_two_outcomes():
     z = _row(0.5, 0.3, 0.15, 0.05)  # above 0.1: tokens 0-2; when it fires, all but the least of them (2) go
     p = warp_logits(z, SamplingParams(temperature=1.0, xtc_probability=0.4, xtc_threshold=0.1))
