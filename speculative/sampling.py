@@ -137,9 +137,9 @@ def _top_n_sigma(z: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         return z
     live = torch.isfinite(z)
     n = live.sum(-1, keepdim=True)  # [T, 1]
-    zl = z.masked_fill(~live, 0.0)
-    mean = zl.sum(-1, keepdim=True) / n.clamp_min(1)
-    std = (((zl - mean) ** 2).masked_fill(~live, 0.0).sum(-1, keepdim=True) / n.clamp_min(1)).sqrt()
+    zl = z.masked_fill(~live, 0.0)  # (a row keeps its most likely token: n >= 1)
+    mean = zl.sum(-1, keepdim=True) / n
+    std = (((zl - mean) ** 2).masked_fill(~live, 0.0).sum(-1, keepdim=True) / n).sqrt()
     floor = z.max(-1, keepdim=True).values - params.top_n_sigma * std
     return torch.where((n > 1) & (z < floor), torch.full_like(z, float("-inf")), z)
 

@@ -231,6 +231,8 @@ def test_top_n_sigma_and_the_dynamic_temperature_by_hand():
     z = torch.tensor([[4.0, 2.0, 0.0, -2.0]])  # mean 1, std sqrt(5) = 2.236: max - 1 std = 1.76
     p = warp_logits(z, SamplingParams(temperature=1.0, top_n_sigma=1.0))
     assert (p > 0).tolist() == [[True, True, False, False]]
+    for off in (0.0, -1.0):  # n <= 0 is off (0 would keep the most likely alone)
+        assert torch.allclose(warp_logits(z, SamplingParams(temperature=1.0, top_n_sigma=off)), z.softmax(-1))
     flat = torch.zeros(1, 4)  # normalised entropy 1: the temperature at the top of its range
     sharp = torch.tensor([[30.0, 0.0, 0.0, 0.0]])  # entropy ~0: at the bottom (0: the argmax alone)
     params = SamplingParams(temperature=1.0, dynatemp_range=1.0)

@@ -108,6 +108,7 @@ def test_structured_output_through_text_format(app):
     ({"input": "x", "text": {"format": "json"}}, "an object with a type"),
     ({"input": "x", "text": "json"}, "valid dictionary"),
     ({"input": [{"role": "user"}]}, "a text or a list of text parts"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "messages with a role"),
     ({"input": "x", "max_output_tokens": 10**6}, "limit"),
 ])
 def test_refusals_are_400s_in_openais_shape(app, body, says):
@@ -133,3 +134,9 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(app):
     first, busy = app.run(go())
     assert first[4].startswith("event: response.output_text.delta") and busy == 1
     assert app.ingress.running == 0 and app.ingress.tenants.in_flight["alice"] == 0 and app.ingress.slots == {}
+
+
+@pytest.mark.parametrize("reasoning", [None, {}, {"effort": None, "summary": None}])
+def test_reasoning_left_unset_is_served(app, reasoning):
+    got, body = call(app, {"input": "x", "max_output_tokens": 2, "reasoning": reasoning})
+    assert got == 200, body
