@@ -140,3 +140,88 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(app):
 def test_reasoning_left_unset_is_served(app, reasoning):
     got, body = call(app, {"input": "x", "max_output_tokens": 2, "reasoning": reasoning})
     assert got == 200, body
+
+
+# -- the translation by hand -------------------------------------------------------------------------------------
+ANSWER = {"id": "chatcmpl-ab", "created": 7, "choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}],
+          "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 3}}}
+
+
+def _expected(status: str, text: str, usage: dict | None, **over) -> dict:
+    done = status != "in_progress"
+    item = {"type": "message", "id": "msg_ab", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}] if done else []}
+    return {"id": "resp_ab", "object": "response", "created_at": 7, "status": status, "model": "m", "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": "Be brief.", "metadata": {"k": "v"}, "max_output_tokens": 9, "parallel_tool_calls": False,
+            "previous_response_id": None, "temperature": 1.0, "top_p": 1.0, "tool_choice": "none", "tools": [],
+            "store": False, "text": {"format": {"type": "text"}}, "truncation": "disabled", "user": None,
+            "output": [item] if done else [], "usage": usage, **over}
+
+
+USAGE = {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 3, "cache_write_tokens": 0}, "output_tokens": 2,
+         "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 7}
+
+
+def test_a_response_from_a_chat_answer_by_hand():
+    from deployments.responses_api import ResponsesRequest, response
+
+    req = ResponsesRequest(input="x", instructions="Be brief.", metadata={"k": "v"}, max_output_tokens=9)
+    assert response(ANSWER, req, "m") == _expected("completed", "hi", USAGE)
+    cut = {**ANSWER, "choices": [{"message": {"content": None}, "finish_reason": "length"}],
+           "usage": {**ANSWER["usage"], "prompt_tokens_details": None}}
+    assert response(cut, req, "m") == _expected("incomplete", "", {**USAGE, "input_tokens_details": {
+        "cached_tokens": 0, "cache_write_tokens": 0}})
+    bare = response(ANSWER, ResponsesRequest(input="x", temperature=0.5, top_p=0.9), "m")
+    assert (bare["metadata"], bare["temperature"], bare["top_p"], bare["instructions"]) == ({}, 0.5, 0.9, None)
+
+
+def test_the_events_of_a_chat_stream_by_hand(loop, monkeypatch):
+    from deployments import responses_api
+    from deployments.responses_api import ResponsesRequest, events
+
+    monkeypatch.setattr(responses_api.time, "time", lambda: 7)
+    req = ResponsesRequest(input="x", instructions="Be brief.", metadata={"k": "v"}, max_output_tokens=9)
+
+    async def chat_stream(parts):
+        for p in parts:
+            yield p
+
+    def run(chunks):
+        sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        async def go():
+            return [e async for e in events(chat_stream([sse[:10].encode(), sse[10:]]), req, "m", "ab")]
+        out = []
+        for block in loop.run(go()):
+            name, data = block.strip().split("\n")
+            event = json.loads(data[len("data: "):])
+            assert name == f"event: {event['type']}"
+            out.append(event)
+        assert [e["sequence_number"] for e in out] == list(range(len(out)))
+        return out
+
+    got = run([{"choices": [{"delta": {"content": "h"}, "finish_reason": None}]},
+               {"choices": [{"delta": {"content": "i"}, "finish_reason": "stop"}]},
+               {"choices": [], "usage": ANSWER["usage"]}])
+    where = {"item_id": "msg_ab", "output_index": 0}
+    part = {"type": "output_text", "text": "", "annotations": []}
+    shell = _expected("in_progress", "", None)
+    assert [{k: v for k, v in e.items() if k != "sequence_number"} for e in got] == [
+        {"type": "response.created", "response": shell},
+        {"type": "response.in_progress", "response": shell},
+        {"type": "response.output_item.added", "output_index": 0, "item": {
+            "type": "message", "id": "msg_ab", "status": "in_progress", "role": "assistant", "content": []}},
+        {"type": "response.content_part.added", **where, "content_index": 0, "part": part},
+        {"type": "response.output_text.delta", **where, "content_index": 0, "delta": "h", "logprobs": []},
+        {"type": "response.output_text.delta", **where, "content_index": 0, "delta": "i", "logprobs": []},
+        {"type": "response.output_text.done", **where, "content_index": 0, "text": "hi", "logprobs": []},
+        {"type": "response.content_part.done", **where, "content_index": 0, "part": {**part, "text": "hi"}},
+        {"type": "response.output_item.done", "output_index": 0, "item": _expected("completed", "hi", USAGE)["output"][0]},
+        {"type": "response.completed", "response": _expected("completed", "hi", USAGE)}]
+    failed = run([{"choices": [{"delta": {"content": "h"}, "finish_reason": None}]}, {"error": {"message": "boom"}}])
+    assert failed[-2] == {"type": "error", "sequence_number": 5, "code": "server_error", "message": "boom", "param": None}
+    assert failed[-1]["type"] == "response.failed" and failed[-1]["response"]["status"] == "failed"
+    assert failed[-1]["response"]["error"] == {"code": "server_error", "message": "boom"}
+    cut = run([{"choices": [{"delta": {"content": "h"}, "finish_reason": "length"}]}])
+    assert cut[-1]["type"] == "response.incomplete" and cut[-1]["response"]["usage"] is None
+    assert cut[-2]["item"]["status"] == "incomplete"
