@@ -140,8 +140,8 @@ def _top_n_sigma(z: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     zl = z.masked_fill(~live, 0.0)  # (a row keeps its most likely token: n >= 1)
     mean = zl.sum(-1, keepdim=True) / n
     std = (((zl - mean) ** 2).masked_fill(~live, 0.0).sum(-1, keepdim=True) / n).sqrt()
-    floor = z.max(-1, keepdim=True).values - params.top_n_sigma * std
-    return torch.where((n > 1) & (z < floor), torch.full_like(z, float("-inf")), z)
+    floor = z.max(-1, keepdim=True).values - params.top_n_sigma * std  # one candidate: std 0, it stays
+    return z.masked_fill(z < floor, float("-inf"))
 
 
 def _typical(z: torch.Tensor, params: SamplingParams) -> torch.Tensor:
