@@ -161,9 +161,8 @@ class SamplingParams(_Strict):
     def greedy_rows(self) -> bool:
         """Whether greedy decoding needs the target's whole rows: a cut-off before the temperature
         that can drop the most likely token (typical-p; the others always keep it)."""
-        order = self.order
-        return (self.greedy and self.typical_p < 1.0 and "typ_p" in order
-                and ("temperature" not in order or order.index("typ_p") < order.index("temperature")))
+        order = self.order  # greedy: the temperature is in it
+        return self.greedy and self.typical_p < 1.0 and "typ_p" in order and order.index("typ_p") < order.index("temperature")
 
     @property
     def processes_logits(self) -> bool:
