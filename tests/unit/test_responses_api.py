@@ -172,6 +172,8 @@ def test_a_response_from_a_chat_answer_by_hand():
            "usage": {**ANSWER["usage"], "prompt_tokens_details": None}}
     assert response(cut, req, "m") == _expected("incomplete", "", {**USAGE, "input_tokens_details": {
         "cached_tokens": 0, "cache_write_tokens": 0}})
+    dashed = response({**ANSWER, "id": "chatcmpl-x-y"}, req, "m")  # the chat id's part after its prefix
+    assert (dashed["id"], dashed["output"][0]["id"]) == ("resp_x-y", "msg_x-y")
     bare = response(ANSWER, ResponsesRequest(input="x", temperature=0.5, top_p=0.9), "m")
     assert (bare["metadata"], bare["temperature"], bare["top_p"], bare["instructions"]) == ({}, 0.5, 0.9, None)
 
