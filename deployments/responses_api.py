@@ -10,6 +10,7 @@ reasoning settings, which would change the output.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -154,7 +155,7 @@ async def events(chunks: AsyncIterator, req: ResponsesRequest, model: str, key: 
     message added, its text part added, a delta for each piece of text, the text, part and
     message done, then completed (or incomplete at the output's limit) with the usage. An error
     of the chat stream ends it with ``error`` and ``response.failed``."""
-    seq = iter(range(1 << 62))
+    seq = itertools.count()
     rid, msg_id, created = "resp_" + key, "msg_" + key, int(time.time())
     shell = _shell(req, rid, model, created, "in_progress")
     yield _event({"type": "response.created", "sequence_number": next(seq), "response": shell})
