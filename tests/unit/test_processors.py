@@ -227,6 +227,9 @@ def test_xtc_is_the_mixture_of_its_coins_two_outcomes():
         assert torch.allclose(p, torch.tensor([[0.5, 0.3, 0.15, 0.05]]), atol=1e-6), off
     with pytest.raises(ValueError, match="temperature above 0"):
         SamplingParams(temperature=0.0, xtc_probability=0.4)
+    even = torch.zeros(1, 4)  # each exactly 0.25: at the threshold counts as above it (llama.cpp's >=)
+    p = warp_logits(even, SamplingParams(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.25))
+    assert int((p > 0).sum()) == 1 and float(p.max()) == 1.0
 
 
 def test_top_n_sigma_and_the_dynamic_temperature_by_hand():
