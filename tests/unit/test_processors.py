@@ -199,6 +199,8 @@ def test_typical_p_keeps_the_tokens_nearest_the_entropy_and_can_drop_the_most_li
     assert torch.allclose(p, torch.tensor([[5 / 9, 2 / 9, 2 / 9, 0.0]]))
     p = warp_logits(z, SamplingParams(temperature=1.0, typical_p=0.3, min_keep=9))  # more than there are: all
     assert torch.allclose(p, torch.tensor([[0.5, 0.2, 0.2, 0.1]]))
+    even = torch.zeros(1, 4)  # 0.25 each: the mass reaches 0.5 at the second, passes it at the third (llama.cpp's >)
+    assert int((warp_logits(even, SamplingParams(temperature=1.0, typical_p=0.5)) > 0).sum()) == 3
     # greedy in llama.cpp's order: the cut comes before the temperature, so the argmax is gone
     for order in (LLAMA, ("typ_p", "temperature")):
         greedy = SamplingParams(temperature=0.0, typical_p=0.3, samplers=order)
