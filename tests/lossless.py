@@ -674,9 +674,13 @@ def engine_process(case: Case) -> dict:
     return kw
 
 
-def run_case(case: Case, models: Models | None = None, seed: int = 0, n: int | None = None) -> CaseResult:
+def run_case(case: Case, models: Models | None = None, seed: int = 0, n: int | None = None,
+             law: dict[tuple, float] | None = None) -> CaseResult:
+    """Sample the case through the engine and test it against ``law`` (its exact law, computed
+    here unless given)."""
     models = models or build_models(case.model)
-    law = exact_law(models.target, PROMPT, case.m, case.temperature, case.top_p, case.top_k, case_process(case))
+    if law is None:
+        law = exact_law(models.target, PROMPT, case.m, case.temperature, case.top_p, case.top_k, case_process(case))
     n = n or choose_n(law, case.m)[0]
     engine = build_engine(case, models)
     t0 = time.perf_counter()

@@ -252,4 +252,4 @@ def test_llama_cpps_samplers_are_the_target_law_in_the_order_asked(case, markov)
     chained = L.exact_law(markov.target, L.PROMPT, case.m, case.temperature, case.top_p, case.top_k, process)
     without = L.exact_law(markov.target, L.PROMPT, case.m, case.temperature, case.top_p, case.top_k, plain)
     assert 0.5 * sum(abs(chained.get(s, 0.0) - without.get(s, 0.0)) for s in chained.keys() | without.keys()) > 0.05
-    _check(L.run_case(case, markov))
+    _check(L.run_case(case, markov, law=chained))
