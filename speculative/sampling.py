@@ -173,7 +173,7 @@ def _xtc_cut(z: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     least = torch.where(above, p, torch.full_like(p, 2.0)).argmin(-1, keepdim=True)  # [T, 1]
     cut = above & ~torch.zeros_like(above).scatter(-1, least, True)
     left = torch.isfinite(z).sum(-1, keepdim=True) - (count - 1)
-    return cut & (count >= 2) & (left >= params.min_keep)
+    return cut & (left >= params.min_keep)  # (one token above the threshold: it is the least, nothing is cut)
 
 
 _STAGES = {"temperature": _temperature, "min_p": _min_p, "top_k": _top_k, "top_p": _top_p,
