@@ -28,7 +28,7 @@ MAX_STOP_TOKEN_IDS = 64
 SAMPLER_STAGES = ("temperature", "min_p", "top_k", "top_p", "top_n_sigma", "typ_p", "xtc")
 #: the order the OpenAI-compatible endpoints apply them in: vLLM's for its four (the temperature
 #: before the cut-offs), then llama.cpp's extra samplers
-DEFAULT_ORDER = ("temperature", "min_p", "top_k", "top_p", "top_n_sigma", "typ_p", "xtc")
+DEFAULT_ORDER = SAMPLER_STAGES
 #: llama-server's default order (its own ``/completion``): the cut-offs on the model's own
 #: distribution, the temperature last
 LLAMA_ORDER = ("top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")

@@ -273,14 +273,15 @@ class _Request(BaseModel):
         return None if v is None else sampler_list(v)
 
     def warp_order(self) -> tuple[str, ...] | None:
-        """The samplers in the order ``samplers`` names them (None: the endpoint's default)."""
+        """The samplers in the order ``samplers`` names them, else the endpoint's default (None:
+        ``config.DEFAULT_ORDER``)."""
         names = self.samplers if self.samplers is not None else self.default_samplers
         return None if names is None else tuple(names)
 
     def check_samplers(self, params: SamplingParams) -> None:
         """The penalties apply before the warp here: while a penalty is on, a ``samplers`` that
         names them after a stage of it, or leaves them out, would be served otherwise than asked."""
-        names = self.samplers if self.samplers is not None else self.default_samplers
+        names = self.warp_order()
         if names is None or not params.penalised:
             return
         if "penalties" not in names:
