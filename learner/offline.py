@@ -32,7 +32,7 @@ import time
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Sequence
+from typing import Annotated, Any, Callable, Literal, Sequence
 
 import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -48,6 +48,7 @@ __all__ = [
     "DistillConfig",
     "Sample",
     "collect_teacher_data",
+    "served_greedy",
     "samples_for",
     "to_student_space",
     "student_logits_for",
@@ -83,8 +84,15 @@ class DistillConfig(BaseModel):
     warmup_steps: int = Field(default=10, ge=0)
     #: target greedy generation length per prompt
     max_tokens: int = Field(default=64, gt=0)
-    #: prompts per target ``generate`` call while collecting (left-padded when > 1)
+    #: prompts per target ``generate`` call while collecting (left-padded when > 1), or per batch of
+    #: the served runtime's loop
     gen_batch_size: int = Field(default=8, ge=1)
+    #: who writes the greedy outputs the draft learns from: ``hf``, the float model's ``generate``;
+    #: ``served``, the runtime the server serves (``ModelConfig.quantize``: int4 on a CPU), its
+    #: requests batched in one loop as a co-located replica runs them (several times faster on a
+    #: CPU, and the outputs are the served target's). The distributions come from the float
+    #: model's one forward either way.
+    teacher_outputs: Literal["hf", "served"] = "hf"
     #: output positions per optimiser step (whole sequences are packed until this is reached)
     batch_positions: int = Field(default=512, ge=1)
     #: wall-clock budget of the training loop (evaluation not included)
@@ -184,6 +192,35 @@ def _greedy_outputs(model: PreTrainedModel, prompts: list[list[int]], max_tokens
 
 
 @torch.inference_mode()
+def served_greedy(engine: Any, batch_size: int = 8) -> Callable[[list[list[int]], int], list[list[int]]]:
+    """Greedy outputs written by ``engine`` (a :class:`speculative.engine.SpeculativeEngine`; its
+    runtime, its proposer if any: the output is target-only's either way), ``batch_size`` requests
+    stepped together: ``f(prompts, max_tokens) -> outputs``, each up to and including its first
+    EOS, as :func:`_greedy_outputs` gives them."""
+    from speculative.sampling import SamplingParams
+
+    def outputs(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        done: list[list[int]] = []
+        for b in range(0, len(prompts), batch_size):
+            rids = [engine.add_request(list(p), params) for p in prompts[b : b + batch_size]]
+            try:
+                live = list(rids)
+                while live:
+                    engine.step_many(live)
+                    live = [r for r in live if not engine.requests[r].finished]
+                for r in rids:
+                    st = engine.requests[r]
+                    done.append(list(st.output) + ([st.eos_token] if st.eos_token is not None else []))
+            finally:
+                for r in rids:
+                    engine.release(r)
+        return done
+
+    return outputs
+
+
+@torch.inference_mode()
 def _teacher_rows(model: PreTrainedModel, tokens: list[int], prompt_len: int, top_k: int,
                   features: bool = False, feature_layers: Sequence[int] = ()) -> tuple[SparseDist, torch.Tensor | None]:
     """One teacher-forced forward over ``tokens[:-1]``: the sparse top-k at the T output positions
@@ -240,9 +277,12 @@ def collect_teacher_data(
     log: Callable[[str], None] | None = None,
     features: bool = False,
     feature_layers: Sequence[int] = (),
+    greedy: Callable[[list[list[int]], int], list[list[int]]] | None = None,
 ) -> list[Sample]:
     """One target greedy generation per prompt, then its sparse top-``top_k`` distribution at each output position
     (and, with ``features``, the target's features at every input position: what a feature draft trains on).
+    ``greedy(prompts, max_tokens)`` writes the outputs (e.g. :func:`served_greedy`); default: the
+    model's ``generate``, ``batch_size`` prompts a call.
 
     ``prompts`` are texts (encoded with ``tokenizer``, chat template applied when asked and
     available) or lists of token ids (used as given). ``engine_or_target_model`` is a
@@ -273,7 +313,10 @@ def collect_teacher_data(
     try:
         for b in range(0, len(encoded), batch_size):
             chunk = encoded[b : b + batch_size]
-            outs = _greedy_outputs(model, [ids for _, ids in chunk], max_tokens, eos, pad_id)
+            if greedy is not None:
+                outs = greedy([ids for _, ids in chunk], max_tokens)
+            else:
+                outs = _greedy_outputs(model, [ids for _, ids in chunk], max_tokens, eos, pad_id)
             for (text, ids), out in zip(chunk, outs):
                 if not out:
                     continue
@@ -660,6 +703,19 @@ def distill(
 # ---------------------------------------------------------------------------------------------
 
 
+def _outputs_by(cfg: DistillConfig, target: PreTrainedModel, tok: PreTrainedTokenizerBase, model_cfg: Any):
+    """The writer of the teacher's greedy outputs ``cfg.teacher_outputs`` names (None: ``generate``)."""
+    if cfg.teacher_outputs == "hf":
+        return None
+    from config import DraftConfig, EngineConfig
+    from speculative.engine import SpeculativeEngine
+    from speculative.runtime import make_runner
+
+    engine = SpeculativeEngine(make_runner(target, model_cfg.quantize, name="target"), tok, None,
+                               EngineConfig(model=model_cfg, draft=DraftConfig(proposers=[])))
+    return served_greedy(engine, cfg.gen_batch_size)
+
+
 def _split(records: list, holdout: float, seed: int) -> tuple[list, list]:
     order = list(records)
     random.Random(seed).shuffle(order)
@@ -752,7 +808,7 @@ def train_draft(
     else:
         everything = collect_teacher_data(
             target, tok, train_prompts + held_prompts, cfg.max_tokens, cfg.top_k, batch_size=cfg.gen_batch_size, log=say,
-            features=features, feature_layers=draft_cfg.feature_layers,
+            features=features, feature_layers=draft_cfg.feature_layers, greedy=_outputs_by(cfg, target, tok, model_cfg),
         )
         if len(everything) != len(train_prompts) + len(held_prompts):
             raise RuntimeError("some prompts produced no output")  # keeps the train/held-out boundary simple
@@ -847,6 +903,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-k", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--teacher-outputs", choices=["hf", "served"], default="hf",
+                    help="served: the greedy outputs written by the served runtime (int4 on a CPU), batched; "
+                         "hf: by the float model's generate")
     ap.add_argument("--batch-positions", type=int, default=512)
     ap.add_argument("--seconds", type=float, default=300.0)
     ap.add_argument("--epochs", type=int, default=1000, help="upper bound; --seconds usually decides")
@@ -886,7 +945,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         DraftConfig(kind=a.kind, num_layers=a.num_layers, head_vocab=a.head_vocab, feature_layers=a.feature_layers),
         DistillConfig(
             loss=a.loss, top_k=a.top_k, lr=a.lr, max_tokens=a.max_tokens, batch_positions=a.batch_positions,
-            seconds=a.seconds, epochs=a.epochs, seed=a.seed,
+            seconds=a.seconds, epochs=a.epochs, seed=a.seed, teacher_outputs=a.teacher_outputs,
             train_embeddings=not a.freeze_embeddings, train_head=not a.freeze_head, prompt_positions=a.prompt_positions,
             feature_loss=a.feature_loss, adapter_rank=a.adapter_rank,
         ),

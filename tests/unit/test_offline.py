@@ -109,6 +109,50 @@ def test_collect_text_prompts_use_chat_template_and_unwraps_engine():
     assert s.ids.shape == (s.n_out, 8)
 
 
+def _engine(target, quantize: str):
+    from config import DraftConfig, EngineConfig, ModelConfig
+    from speculative.engine import SpeculativeEngine
+    from speculative.runtime import make_runner
+
+    tok = SimpleNamespace(eos_token_id=EOS, pad_token_id=0)
+    cfg = EngineConfig(model=ModelConfig(quantize=quantize), draft=DraftConfig(proposers=[]), chat_template=False)
+    return SpeculativeEngine(make_runner(target, quantize, name="target"), tok, None, cfg)
+
+
+def test_served_outputs_are_the_served_runtimes_greedy_tokens_with_their_eos():
+    """The outputs the served runtime writes, batched: on the float runtime Hugging Face's
+    ``generate`` outputs (EOS kept as the last token); on int4, that runtime's own one-at-a-time
+    greedy outputs; and the distributions are still the float model's."""
+    from learner.offline import _greedy_outputs, served_greedy
+    from speculative.sampling import SamplingParams
+
+    target = tiny_target()
+    prompts = random_prompts(24, seed=1)  # one of them ends at EOS
+    float_out = served_greedy(_engine(target, "none"), batch_size=5)(prompts, MAX_TOKENS)
+    assert float_out == _greedy_outputs(target, prompts, MAX_TOKENS, {EOS}, 0)
+    assert any(o[-1] == EOS and len(o) < MAX_TOKENS for o in float_out)  # an EOS met and kept
+
+    int4 = _engine(target, "int4")
+    alone = []
+    for p in prompts:
+        rid = int4.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+        while not int4.requests[rid].finished:
+            int4.step(rid)
+        st = int4.requests[rid]
+        alone.append(list(st.output) + ([st.eos_token] if st.eos_token is not None else []))
+        int4.release(rid)
+    assert served_greedy(int4, batch_size=4)(prompts, MAX_TOKENS) == alone
+    assert not int4.requests  # every request released
+
+    samples = collect_teacher_data(target, None, prompts, max_tokens=MAX_TOKENS, top_k=TOP_K, greedy=served_greedy(int4, 4))
+    assert [s.output for s in samples] == alone
+    s = samples[0]
+    with torch.no_grad():
+        logits = target(input_ids=s.tokens[None]).logits[0]
+    probs = torch.softmax(logits[s.prompt_len - 1 : -1].float(), dim=-1)
+    assert torch.allclose(probs.gather(1, s.ids.long()), s.probs, atol=1e-5)
+
+
 def test_samples_round_trip(tmp_path, data):
     _, train, _ = data
     save_samples(train[:3], tmp_path / "t.pt")
