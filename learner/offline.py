@@ -191,6 +191,25 @@ def _greedy_outputs(model: PreTrainedModel, prompts: list[list[int]], max_tokens
     return outputs
 
 
+def _trim_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere
+    nothing). Teacher data collected with the served runtime's loop interleaved with the float
+    model's forwards grew by about 15 MB a prompt without it (23 GB after 1,472 prompts, though
+    the samples held 0.3 MB each): glibc raises its mmap threshold after the first large frees,
+    and the freed blocks stay in the heap."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        return
+    if trim is not None:
+        trim(0)
+
+
 @torch.inference_mode()
 def served_greedy(engine: Any, batch_size: int = 8) -> Callable[[list[list[int]], int], list[list[int]]]:
     """Greedy outputs written by ``engine`` (a :class:`speculative.engine.SpeculativeEngine`; its
@@ -333,6 +352,7 @@ def collect_teacher_data(
                         features=feats,
                     )
                 )
+            _trim_heap()
             if log is not None:
                 done = min(b + batch_size, len(encoded))
                 log(f"teacher data: {done}/{len(encoded)} prompts, {time.perf_counter() - t0:.1f}s")
