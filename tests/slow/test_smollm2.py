@@ -110,6 +110,28 @@ def test_train_draft_lists_its_training_prompts_and_streams_skip_them(tmp_path):
     assert trained_prompts(tmp_path / "c") == {prompt_digest(p) for p in PROMPTS[::2]} and rep["excluded_sources"] == ["s1"]
 
 
+def test_the_teachers_outputs_taken_from_the_served_runtime_are_its_greedy_outputs(tmp_path):
+    """``teacher_outputs="served"``: the outputs distilled on are what the served int4 target
+    writes greedily, one request at a time, not the float model's."""
+    import json
+
+    from config import DraftConfig, EngineConfig
+    from drafts.build import build_engine
+    from learner.offline import DistillConfig, load_samples, train_draft
+    from speculative.sampling import SamplingParams
+
+    wl = tmp_path / "w.jsonl"
+    wl.write_text("".join(json.dumps({"text": p, "domain": "chat"}) + "\n" for p in PROMPTS))
+    cfg = DistillConfig(max_tokens=12, top_k=8, max_steps=1, warmup_steps=0, seconds=30, teacher_outputs="served")
+    train_draft(wl, None, tmp_path / "d", cfg=cfg, n_prompts=4, holdout=0.0, log=None, teacher_cache=tmp_path / "t.pt")
+    samples = load_samples(tmp_path / "t.pt")
+    engine = build_engine(EngineConfig(draft=DraftConfig(proposers=[])), calibrate=False)
+    assert len(samples) == 4
+    for s in samples:
+        out = engine.generate(s.prompt, SamplingParams(max_tokens=12, temperature=0.0)).token_ids
+        assert s.output[: len(out)] == out and len(s.output) - len(out) in (0, 1)
+
+
 def test_one_fused_teacher_cache_serves_every_draft_of_equal_data(tmp_path):
     """A teacher cache collected for a draft fusing layers 2 and 15 holds [L - 1, 3 H] features
     whose last H columns are the final feature: a final-feature draft and a token draft distil
