@@ -89,8 +89,8 @@ class DistillConfig(BaseModel):
     gen_batch_size: int = Field(default=8, ge=1)
     #: who writes the greedy outputs the draft learns from: ``hf``, the float model's ``generate``;
     #: ``served``, the runtime the server serves (``ModelConfig.quantize``: int4 on a CPU), its
-    #: requests batched in one loop as a co-located replica runs them (several times faster on a
-    #: CPU, and the outputs are the served target's). The distributions come from the float
+    #: requests batched in one loop as a co-located replica runs them (1.8x the output tokens/s of
+    #: ``hf`` on a 2-core CPU, and the outputs are the served target's). The distributions come from the float
     #: model's one forward either way.
     teacher_outputs: Literal["hf", "served"] = "hf"
     #: output positions per optimiser step (whole sequences are packed until this is reached)
@@ -210,7 +210,6 @@ def _trim_heap() -> None:
         trim(0)
 
 
-@torch.inference_mode()
 def served_greedy(engine: Any, batch_size: int = 8) -> Callable[[list[list[int]], int], list[list[int]]]:
     """Greedy outputs written by ``engine`` (a :class:`speculative.engine.SpeculativeEngine`; its
     runtime, its proposer if any: the output is target-only's either way), ``batch_size`` requests
@@ -218,6 +217,7 @@ def served_greedy(engine: Any, batch_size: int = 8) -> Callable[[list[list[int]]
     EOS, as :func:`_greedy_outputs` gives them."""
     from speculative.sampling import SamplingParams
 
+    @torch.inference_mode()
     def outputs(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         done: list[list[int]] = []
