@@ -220,8 +220,8 @@ def run_bench(
             equal = toks == (hf_ref if m.startswith("hf_") else ref)
             row[m] = {"tokens": len(toks), "s": dt, "equal": equal}
             if stats is not None:
-                row[m].update(proposed=stats.proposed, accepted=stats.accepted, steps=stats.steps, first_token_s=first,
-                              draft_s=stats.draft_s, target_s=stats.target_s)
+                row[m].update(proposed=stats.proposed, accepted=stats.accepted, rejected=stats.rejected, steps=stats.steps,
+                              first_token_s=first, draft_s=stats.draft_s, target_s=stats.target_s)
             for dom in (rec.domain, "overall"):
                 t = tallies[(m, dom)]
                 t.add(len(toks), dt, equal, first)

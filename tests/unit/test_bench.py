@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from bench.bench import format_table, run_bench, select
+from bench.experiments import token_acceptance
 from workloads import WorkloadRecord, without_prompts_of
 from drafts.build import truncated_draft
 
@@ -50,6 +51,9 @@ def test_run_bench_all_methods(bench_engine):
     spec = overall["spec"]
     assert spec["alpha"] == pytest.approx(spec["accepted"] / spec["proposed"], abs=1e-4)
     assert spec["mean_k"] == pytest.approx(spec["proposed"] / spec["steps"], abs=1e-3)
+    # rows carry rejections too, so any subset of prompts gives its per-token acceptance
+    assert sum(r["spec"]["rejected"] for r in rows) > 0
+    assert token_acceptance([r["spec"] for r in rows]) == pytest.approx(spec["token_acceptance"], abs=1e-4)
     assert overall["target"]["speedup"] == 1.0
     assert set(res["domains"]) == {"code", "chat", "math", "overall"}
     table = format_table(res)
