@@ -416,6 +416,9 @@ class Ingress:
         if count > self.cfg.ingress.max_choices:
             return _error(400, f"the request asks for {count} choices (n = {req.n} for {len(prompts)} prompt(s)); this "
                                f"server serves at most {self.cfg.ingress.max_choices}", param="n"), 0
+        if count > self.cfg.ingress.max_in_flight:  # could never be admitted: a 503 would ask to retry in vain
+            return _error(400, f"the request asks for {count} choices; this server runs at most "
+                               f"{self.cfg.ingress.max_in_flight} sequences at once", param="n"), 0
         texts = []  # (the text the router reads, the token ids of a token-id prompt)
         for p in prompts:
             ids = p if isinstance(p, list) else None

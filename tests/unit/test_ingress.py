@@ -1200,6 +1200,16 @@ def test_a_request_of_several_choices_holds_a_slot_for_each(folder):
     assert a.ingress.running == 0 and a.ingress.tenants.in_flight["alice"] == 0
 
 
+def test_a_request_of_more_choices_than_the_server_ever_runs_is_a_400_not_a_retry_later(folder):
+    """More choices than ``max_in_flight`` could never be admitted, even on an idle server: a 400
+    (a 503 would send the client to retry forever); as many as it runs are served."""
+    a = App(app_config(folder, ingress={"max_in_flight": 4}))
+    status, err, _ = run(a.post({"prompt": ["Hi"] * 5, "max_tokens": 2}))
+    assert status == 400 and err["error"]["param"] == "n" and "runs at most 4 sequences at once" in err["error"]["message"]
+    assert a.pools[0].requests == [] and a.ingress.running == 0
+    assert run(a.post({"prompt": ["Hi"] * 4, "max_tokens": 2}))[0] == 200
+
+
 def test_a_request_may_ask_for_exactly_max_choices(folder):
     a = App(app_config(folder, ingress={"max_choices": 4}))
     status, body, _ = run(a.post({"prompt": ["Hi", "Yo"], "n": 2, "max_tokens": 2}))
