@@ -27,6 +27,7 @@ import argparse
 import collections
 import itertools
 import json
+import math
 import random
 import time
 import dataclasses
@@ -54,6 +55,7 @@ __all__ = [
     "student_logits_for",
     "draft_loss",
     "top1_agreement_on",
+    "learning_rate",
     "distill",
     "train_draft",
     "with_prompt_positions",
@@ -82,6 +84,9 @@ class DistillConfig(BaseModel):
     grad_clip: float = Field(default=1.0, ge=0.0)
     #: linear learning-rate warm-up over the first steps
     warmup_steps: int = Field(default=10, ge=0)
+    #: after the warm-up: ``constant``, or ``cosine``, down to 0 at the end of the run's budget
+    #: (whichever of ``seconds``, ``max_steps`` and ``epochs`` it has spent the largest share of)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
     #: target greedy generation length per prompt
     max_tokens: int = Field(default=64, gt=0)
     #: prompts per target ``generate`` call while collecting (left-padded when > 1), or per batch of
@@ -613,6 +618,16 @@ def set_trainable(draft: PreTrainedModel, cfg: Any) -> list[torch.nn.Parameter]:
     return [p for p in draft.parameters() if p.requires_grad]
 
 
+def learning_rate(cfg: DistillConfig, step: int, spent: float) -> float:
+    """The rate of optimiser step ``step`` (0-based) once ``spent`` (in [0, 1]) of the run's budget
+    is used: ``cfg.lr`` after a linear warm-up over ``cfg.warmup_steps``, then constant, or
+    ``cosine``: ``cfg.lr * (1 + cos(pi * spent)) / 2``, 0 at the end of the budget."""
+    warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+    if cfg.lr_schedule == "cosine":
+        warm *= (1.0 + math.cos(math.pi * min(1.0, max(0.0, spent)))) / 2.0
+    return cfg.lr * warm
+
+
 def distill(
     draft: PreTrainedModel,
     samples: Sequence[Sample],
@@ -623,8 +638,8 @@ def distill(
 ) -> dict:
     """Train ``draft`` in place on ``samples`` (teacher-forced, loss on output positions only).
 
-    AdamW with linear warm-up then a constant rate, global-norm gradient clipping; stops after
-    ``cfg.seconds`` of training, ``cfg.epochs`` passes or ``cfg.max_steps`` steps, whichever is
+    AdamW at the rates of :func:`learning_rate` (a linear warm-up, then ``cfg.lr_schedule``),
+    global-norm gradient clipping; stops after ``cfg.seconds`` of training, ``cfg.epochs`` passes or ``cfg.max_steps`` steps, whichever is
     first. Top-1 agreement is measured before and after on ``heldout`` (or on ``samples`` when
     no held-out set is given; ``agreement_on`` says which). Returns a JSON-serialisable history.
     """
@@ -653,6 +668,10 @@ def distill(
     losses: list[float] = []
     steps = positions = epochs_done = 0
     stop_reason = "epochs"
+    lr = 0.0
+    per_run = len(_batches(samples, cfg.batch_positions)) * cfg.epochs  # steps the epochs allow
+    if cfg.max_steps is not None:
+        per_run = min(per_run, cfg.max_steps)
     draft.train()
     t0 = time.perf_counter()
     try:
@@ -666,9 +685,10 @@ def distill(
                     target, n_ph = to_student_space(target, keep_cpu)
                 target = SparseDist(ids=target.ids.to(device), probs=target.probs.to(device), tail=target.tail.to(device))
                 loss = draft_loss(draft, batch, loss_fn, target, n_ph, cfg.feature_loss)
-                if cfg.warmup_steps:
-                    for g in opt.param_groups:
-                        g["lr"] = cfg.lr * min(1.0, (steps + 1) / cfg.warmup_steps)
+                spent = max((time.perf_counter() - t0) / cfg.seconds, steps / per_run)
+                lr = learning_rate(cfg, steps, spent)
+                for g in opt.param_groups:
+                    g["lr"] = lr
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 if cfg.grad_clip > 0:
@@ -709,6 +729,7 @@ def distill(
         "loss_curve": losses,
         "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None,
+        "lr_last": lr,
         "agreement_on": agreement_on,
         "agreement_before": before,
         "agreement_after": after,
@@ -922,6 +943,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--loss", default="forward_kl")
     ap.add_argument("--top-k", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+                    help="after the warm-up: constant, or cosine down to 0 at the end of the budget (--seconds)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--teacher-outputs", choices=["hf", "served"], default="hf",
                     help="served: the greedy outputs written by the served runtime (int4 on a CPU), batched; "
@@ -965,7 +988,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         DraftConfig(kind=a.kind, num_layers=a.num_layers, head_vocab=a.head_vocab, feature_layers=a.feature_layers),
         DistillConfig(
             loss=a.loss, top_k=a.top_k, lr=a.lr, max_tokens=a.max_tokens, batch_positions=a.batch_positions,
-            seconds=a.seconds, epochs=a.epochs, seed=a.seed, teacher_outputs=a.teacher_outputs,
+            seconds=a.seconds, epochs=a.epochs, seed=a.seed, teacher_outputs=a.teacher_outputs, lr_schedule=a.lr_schedule,
             train_embeddings=not a.freeze_embeddings, train_head=not a.freeze_head, prompt_positions=a.prompt_positions,
             feature_loss=a.feature_loss, adapter_rank=a.adapter_rank,
         ),

@@ -21,6 +21,7 @@ from learner.offline import (
     _batches,
     collect_teacher_data,
     distill,
+    learning_rate,
     load_samples,
     pad_placeholders,
     save_samples,
@@ -342,6 +343,33 @@ def test_distill_respects_max_steps_and_freezing(data):
     assert torch.equal(draft.get_input_embeddings().weight, emb)  # tied head frozen -> embeddings frozen
     assert not torch.equal(draft.model.layers[0].mlp.up_proj.weight, layer)
     assert all(p.requires_grad for p in draft.parameters())  # flags restored
+
+
+def test_learning_rate_warms_up_then_holds_or_follows_a_cosine_to_zero():
+    const = DistillConfig(lr=0.01, warmup_steps=4)
+    assert [learning_rate(const, s, 0.0) for s in range(5)] == pytest.approx([0.0025, 0.005, 0.0075, 0.01, 0.01])
+    assert learning_rate(const, 100, 0.9) == 0.01
+    cos = DistillConfig(lr=0.01, warmup_steps=0, lr_schedule="cosine")
+    assert learning_rate(cos, 0, 0.0) == pytest.approx(0.01)
+    assert learning_rate(cos, 50, 0.5) == pytest.approx(0.005)
+    assert learning_rate(cos, 75, 0.75) == pytest.approx(0.01 * (1 + math.cos(0.75 * math.pi)) / 2)
+    assert learning_rate(cos, 99, 1.0) == pytest.approx(0.0, abs=1e-12)
+    assert learning_rate(cos, 120, 1.3) == pytest.approx(0.0, abs=1e-12)  # past the budget: stays at 0
+    # the warm-up and the cosine multiply: a step early in the warm-up of a cosine run
+    assert learning_rate(DistillConfig(lr=0.01, warmup_steps=4, lr_schedule="cosine"), 0, 0.5) == pytest.approx(0.00125)
+
+
+def test_a_cosine_run_ends_its_step_budget_near_a_zero_rate(data):
+    target, train, _ = data
+    hist = {sched: distill(truncated_draft(target, 1), train, fast_cfg(max_steps=8, lr_schedule=sched), log=None)
+            for sched in ("constant", "cosine")}
+    assert hist["constant"]["lr_last"] == pytest.approx(3e-3)
+    # the 8th step (index 7) is 7/8 of the way: the rate there is (1 + cos(7 pi / 8)) / 2 of the peak
+    assert hist["cosine"]["lr_last"] == pytest.approx(3e-3 * (1 + math.cos(7 * math.pi / 8)) / 2, rel=1e-6)
+    # the epochs bound the run too: one epoch's batches are the whole budget
+    one = distill(truncated_draft(target, 1), train, fast_cfg(epochs=1, batch_positions=64, warmup_steps=0, lr_schedule="cosine"), log=None)
+    n = len(_batches(train, 64))
+    assert n >= 4 and one["steps"] == n and one["lr_last"] == pytest.approx(3e-3 * (1 + math.cos((n - 1) / n * math.pi)) / 2, rel=1e-6)
 
 
 def test_student_logits_rows_match_plain_forward(data):
