@@ -809,7 +809,7 @@ def train_draft(
     """
     from workloads import load_workload, without_prompts_of
     from config import DraftConfig, ModelConfig
-    from drafts.build import adapter_base, build_draft_model, prompt_digest, save_adapter, save_draft
+    from drafts.build import adapter_base, build_draft_model, prompt_digest, save_adapter, save_draft, trained_prompts
     from speculative.models import load_model
 
     say = log or (lambda _m: None)
@@ -888,7 +888,9 @@ def train_draft(
         "seconds": hist["seconds"],
         "n_train_prompts": len(train_s),
         "n_train_positions": hist["n_train_positions"],
-        "trained_prompts": [prompt_digest(p) for p in train_prompts],  # lets experiments keep to unseen prompts
+        # lets experiments keep to unseen prompts; a run continuing saved adapters lists theirs too
+        "trained_prompts": list(dict.fromkeys([*(prompt_digest(p) for p in train_prompts),
+                                               *(sorted(trained_prompts(draft_cfg.adapter)) if draft_cfg.adapter else [])])),
         "n_heldout_prompts": len(held_s),
         "train_domains": dict(collections.Counter(r.domain for r in train_recs)),
         "balance_domains": balance_domains,
@@ -967,6 +969,8 @@ def parser() -> argparse.ArgumentParser:
                     help="--kind feature: weight of EAGLE's feature regression (smooth L1 to the target's next feature) added to the loss")
     ap.add_argument("--adapter-rank", type=int, default=0,
                     help="train rank-R adapters on the frozen draft and save them alone (0: the whole draft)")
+    ap.add_argument("--init-adapter", default=None, metavar="NAME",
+                    help="with --adapter-rank: start from these saved adapters (a folder, or 'shipped') instead of zero ones")
     ap.add_argument("--target", default=None, help="target model (default: the embedded one)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -985,7 +989,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.workload,
         a.domain,
         a.out,
-        DraftConfig(kind=a.kind, num_layers=a.num_layers, head_vocab=a.head_vocab, feature_layers=a.feature_layers),
+        DraftConfig(kind=a.kind, num_layers=a.num_layers, head_vocab=a.head_vocab, feature_layers=a.feature_layers,
+                    adapter=a.init_adapter),
         DistillConfig(
             loss=a.loss, top_k=a.top_k, lr=a.lr, max_tokens=a.max_tokens, batch_positions=a.batch_positions,
             seconds=a.seconds, epochs=a.epochs, seed=a.seed, teacher_outputs=a.teacher_outputs, lr_schedule=a.lr_schedule,

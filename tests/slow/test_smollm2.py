@@ -110,6 +110,39 @@ def test_train_draft_lists_its_training_prompts_and_streams_skip_them(tmp_path):
     assert trained_prompts(tmp_path / "c") == {prompt_digest(p) for p in PROMPTS[::2]} and rep["excluded_sources"] == ["s1"]
 
 
+def test_a_distillation_can_start_from_saved_adapters_and_continue_them(tmp_path):
+    """``--init-adapter shipped``: the run trains the package's adapters further rather than new
+    zero ones: it starts at their held-out agreement, and one small step leaves its saved adapters
+    next to the ones it started from, where a fresh run's are next to zero."""
+    import json
+
+    from config import DraftConfig
+    from drafts.build import read_adapter
+    from learner.offline import DistillConfig, train_draft
+
+    wl = tmp_path / "w.jsonl"
+    wl.write_text("".join(json.dumps({"text": p, "domain": "chat"}) + "\n" for p in PROMPTS))
+    cfg = DistillConfig(max_tokens=8, top_k=8, max_steps=1, warmup_steps=0, seconds=30, lr=1e-4, adapter_rank=16)
+    base = {"kind": "truncated", "num_layers": 2, "head_vocab": None, "target_vocab": 49152, "hidden": 576}
+    shipped, _ = read_adapter("shipped", base)
+    reports, saved = {}, {}
+    for name, init in (("fresh", None), ("continued", "shipped")):
+        reports[name] = train_draft(wl, None, tmp_path / name, DraftConfig(adapter=init), cfg=cfg, n_prompts=3, holdout=0.25,
+                                    log=None, teacher_cache=tmp_path / "t.pt")
+        saved[name], _ = read_adapter(tmp_path / name, base)
+    assert saved["continued"].keys() == shipped.keys() == saved["fresh"].keys()
+    assert reports["continued"]["agreement_before"] > reports["fresh"]["agreement_before"]
+    bs = [k for k in shipped if k.endswith(".lora_B")]
+    for k in bs:  # B starts at zero in a fresh adapter; one step of 1e-4 moves it by about that
+        assert (saved["continued"][k] - shipped[k]).abs().max() < 0.01 < shipped[k].abs().max()
+        assert saved["fresh"][k].abs().max() < 0.01
+    assert reports["continued"]["draft"]["adapter"] == "shipped"
+    # what it was distilled on is its own prompts and the shipped adapter's (experiments skip both)
+    from drafts.build import trained_prompts
+
+    assert trained_prompts(tmp_path / "continued") == trained_prompts(tmp_path / "fresh") | trained_prompts("shipped")
+
+
 def test_the_teachers_outputs_taken_from_the_served_runtime_are_its_greedy_outputs(tmp_path):
     """``teacher_outputs="served"``: the outputs distilled on are what the served int4 target
     writes greedily, one request at a time, not the float model's."""
