@@ -57,6 +57,7 @@ __all__ = [
     "top1_agreement_on",
     "learning_rate",
     "distill",
+    "continued_from",
     "train_draft",
     "with_prompt_positions",
     "save_samples",
@@ -775,6 +776,15 @@ def by_domain_in_turn(records: list) -> list:
     return [r for row in itertools.zip_longest(*groups.values()) for r in row if r is not None]
 
 
+def continued_from(adapter: str) -> dict:
+    """The summary a run continuing saved adapters keeps of them: their name and their meta's
+    account of how they were made (steps, seconds, agreement, settings, and what they continued in
+    turn), without the list of their prompts (the new run's ``trained_prompts`` holds those)."""
+    from drafts.build import read_meta
+
+    return {"adapter": adapter, **{k: v for k, v in read_meta(adapter).items() if k != "trained_prompts"}}
+
+
 def train_draft(
     workload: str | Path,
     domain: str | None,
@@ -899,6 +909,8 @@ def train_draft(
         "distill": cfg.model_dump(),
         "target": model_cfg.name,
     }
+    if draft_cfg.adapter:  # what it continued: the earlier run's own account, kept whole (stages nest)
+        meta["continued_from"] = continued_from(draft_cfg.adapter)
     if cfg.adapter_rank:  # the adapters alone: a few MB, where a whole draft is 142 MB
         saved_bytes = save_adapter(draft, out, base, meta)
     else:

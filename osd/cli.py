@@ -232,7 +232,9 @@ def distill_args(rest: list[str]) -> list[str]:
     shipped`` reads it (the package's ``drafts/starting``), on the full head that the served draft
     has, with the recipe of the adapter in the package: 720 prompts of router_train.jsonl, 180 of
     each domain, never a prompt of the benchmarks' files nor of the two sources the shift
-    experiment streams (DB-GPT's SQL, HumanEval), 1,200 s of training.
+    experiment streams (DB-GPT's SQL, HumanEval), 1,200 s of training. The package's adapter then
+    trained as long again from there: the same command with ``--init-adapter shipped
+    --teacher-outputs served`` (docs/proposers.md, "Twice the steps").
     """
     from drafts.build import default_draft_path, shipped_adapter_path
 
