@@ -640,8 +640,8 @@ def distill(
     """Train ``draft`` in place on ``samples`` (teacher-forced, loss on output positions only).
 
     AdamW at the rates of :func:`learning_rate` (a linear warm-up, then ``cfg.lr_schedule``),
-    global-norm gradient clipping; stops after ``cfg.seconds`` of training, ``cfg.epochs`` passes or ``cfg.max_steps`` steps, whichever is
-    first. Top-1 agreement is measured before and after on ``heldout`` (or on ``samples`` when
+    global-norm gradient clipping; stops after ``cfg.seconds`` of training, ``cfg.epochs`` passes
+    or ``cfg.max_steps`` steps, whichever is first. Top-1 agreement is measured before and after on ``heldout`` (or on ``samples`` when
     no held-out set is given; ``agreement_on`` says which). Returns a JSON-serialisable history.
     """
     samples = [s for s in samples if s.n_out > 0]
@@ -819,12 +819,17 @@ def train_draft(
     """
     from workloads import load_workload, without_prompts_of
     from config import DraftConfig, ModelConfig
-    from drafts.build import adapter_base, build_draft_model, prompt_digest, save_adapter, save_draft, trained_prompts
+    from drafts.build import (ADAPTER_META, adapter_base, adapter_folder, build_draft_model, prompt_digest, save_adapter,
+                              save_draft, trained_prompts)
     from speculative.models import load_model
 
     say = log or (lambda _m: None)
     draft_cfg = draft_cfg if draft_cfg is not None else DraftConfig()
     model_cfg = model_cfg if model_cfg is not None else ModelConfig()
+    if draft_cfg.adapter:  # refused before the teacher runs: continuing adapters trains them as they are
+        rank = json.loads((adapter_folder(draft_cfg.adapter) / ADAPTER_META).read_text())["rank"]
+        if cfg.adapter_rank != rank:
+            raise ValueError(f"the adapters {draft_cfg.adapter} have rank {rank}: continue them with --adapter-rank {rank}")
     if num_threads:
         torch.set_num_threads(num_threads)
     torch.manual_seed(cfg.seed)

@@ -137,6 +137,10 @@ def test_a_distillation_can_start_from_saved_adapters_and_continue_them(tmp_path
         assert (saved["continued"][k] - shipped[k]).abs().max() < 0.01 < shipped[k].abs().max()
         assert saved["fresh"][k].abs().max() < 0.01
     assert reports["continued"]["draft"]["adapter"] == "shipped"
+    for rank in (0, 8):  # a whole draft, or adapters of another rank: refused, not silently something else
+        with pytest.raises(ValueError, match="have rank 16: continue them with --adapter-rank 16"):
+            train_draft(wl, None, tmp_path / "other", DraftConfig(adapter="shipped"), cfg=cfg.model_copy(update={"adapter_rank": rank}),
+                        n_prompts=2, holdout=0.5, log=None)
     from drafts.build import read_meta
 
     first = read_meta("shipped")
