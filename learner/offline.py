@@ -423,6 +423,15 @@ def save_samples(samples: list[Sample], path: str | Path) -> None:
     tmp.replace(path)
 
 
+def extended_samples(cached: Sequence[Sample], new: Sequence[Sample], run_prompts: Sequence[str]) -> list[Sample]:
+    """A teacher file's samples with ``new`` ones added, in the order a file is read by: the samples
+    of other prompts first, then this run's, in ``run_prompts``' order (training, then held-out), so
+    that the file's last samples are still the held-out ones of the run that wrote it."""
+    by_prompt = {s.prompt: s for s in [*cached, *new]}
+    ours = set(run_prompts)
+    return [s for s in cached if s.prompt not in ours] + [by_prompt[p] for p in dict.fromkeys(run_prompts)]
+
+
 def load_samples(path: str | Path) -> list[Sample]:
     return [Sample(**row) for row in torch.load(Path(path), weights_only=True)]
 
@@ -809,7 +818,8 @@ def train_draft(
     2 layers; ``kind="feature"``: a feature draft, and the teacher data then carries the target's
     features, on which it trains with its two passes); a restricted head keeps the frequent ids of
     the training prompts and the target's outputs on them. ``teacher_cache``: a file to reuse (or write) the collected teacher data;
-    a file collected for more prompts serves any subset of them (e.g. one domain's).
+    a file collected for more prompts serves any subset of them (e.g. one domain's), and a run
+    with prompts the file lacks collects those alone and adds them (:func:`extended_samples`).
     ``exclude``: workload files (or one) whose texts must not be trained on (e.g. the benchmarks' prompts).
     ``balance_domains``: the ``n_prompts`` training prompts are drawn from each domain in turn
     (:func:`by_domain_in_turn`) rather than in the file's proportions. ``exclude_sources``: sources
@@ -852,22 +862,35 @@ def train_draft(
     # a feature draft trains on the target's features; prompt positions are read from them
     features = draft_cfg.kind == "feature" or cfg.prompt_positions
     t0 = time.perf_counter()
+    run_prompts = train_prompts + held_prompts
+
+    def collect(prompts: list[str], model: PreTrainedModel) -> list[Sample]:
+        got = collect_teacher_data(
+            model, tok, prompts, cfg.max_tokens, cfg.top_k, batch_size=cfg.gen_batch_size, log=say,
+            features=features, feature_layers=draft_cfg.feature_layers, greedy=_outputs_by(cfg, model, tok, model_cfg),
+        )
+        if len(got) != len(prompts):
+            raise RuntimeError("some prompts produced no output")  # keeps the train/held-out boundary simple
+        return got
+
     if cache is not None and cache.exists():
         H = target.config.hidden_size
         need = (H * (len(draft_cfg.feature_layers) + 1) if draft_cfg.kind == "feature" else H) if features else 0
+        cached = load_samples(cache)
+        have = {s.prompt for s in cached}
+        missing = [p for p in dict.fromkeys(run_prompts) if p not in have]
+        if missing:  # a longer run over the same file: the teacher runs on its new prompts only
+            say(f"teacher data: {len(cached)} samples in {cache}, collecting the {len(missing)} this run adds")
+            cached = extended_samples(cached, collect(missing, target), run_prompts)
+            save_samples(cached, cache)
         try:
-            data = samples_for(load_samples(cache), train_prompts + held_prompts, cfg.top_k, need, final=need == H)
+            data = samples_for(cached, run_prompts, cfg.top_k, need, final=need == H)
         except ValueError as e:
             raise ValueError(f"teacher cache {cache}: {e}") from None
         train_s, held_s = data[: len(train_prompts)], data[len(train_prompts) :]
-        say(f"teacher data: loaded {len(data)} samples from {cache}")
+        say(f"teacher data: {len(data)} samples from {cache}")
     else:
-        everything = collect_teacher_data(
-            target, tok, train_prompts + held_prompts, cfg.max_tokens, cfg.top_k, batch_size=cfg.gen_batch_size, log=say,
-            features=features, feature_layers=draft_cfg.feature_layers, greedy=_outputs_by(cfg, target, tok, model_cfg),
-        )
-        if len(everything) != len(train_prompts) + len(held_prompts):
-            raise RuntimeError("some prompts produced no output")  # keeps the train/held-out boundary simple
+        everything = collect(run_prompts, target)
         train_s, held_s = everything[: len(train_prompts)], everything[len(train_prompts) :]
         if cache is not None:
             save_samples(everything, cache)

@@ -211,10 +211,10 @@ def test_one_fused_teacher_cache_serves_every_draft_of_equal_data(tmp_path):
         run("other", kind="feature", feature_layers=[5])
 
 
-def test_a_teacher_cache_of_every_prompt_serves_one_domain_and_refuses_others(tmp_path):
+def test_a_teacher_cache_of_every_prompt_serves_one_domain_and_grows_for_new_prompts(tmp_path):
     """A teacher file collected once for every domain's prompts serves a draft of one domain (its
     prompts' samples, read in that run's order, nothing collected again); a run with a prompt the
-    file lacks is refused."""
+    file lacks collects that prompt alone and adds it, the run's held-out samples last."""
     import json
 
     from learner.offline import DistillConfig, load_samples, train_draft
@@ -235,8 +235,20 @@ def test_a_teacher_cache_of_every_prompt_serves_one_domain_and_refuses_others(tm
     assert rep["teacher_tokens"] == sum(n_out[p] for p in PROMPTS[:3])  # the chat prompts' cached samples
     assert cache.stat().st_mtime_ns == stamp  # read, not collected and written again
     wl.write_text(wl.read_text() + json.dumps({"text": "Name a prime number.", "domain": "chat"}) + "\n")
-    with pytest.raises(ValueError, match="1 of this run's missing"):
-        run("more", "chat")
+    said: list[str] = []
+    rep = train_draft(wl, "chat", tmp_path / "more", cfg=cfg, n_prompts=4, holdout=0.25, log=said.append, teacher_cache=cache)
+    assert any("collecting the 1 this run adds" in m for m in said)
+    grown = load_samples(cache)
+    assert sorted(s.prompt for s in grown) == sorted([*PROMPTS, "Name a prime number."])
+    n_held = rep["n_heldout_prompts"]
+    assert n_held == 1 and rep["n_train_prompts"] == 3
+    # the file's last sample is the run's held-out one, as bench.heldout_agreement reads them
+    from learner.offline import _split
+    from workloads import load_workload
+
+    chat = [r for r in load_workload(wl) if r.domain == "chat"]
+    assert [grown[-1].prompt] == [r.text for r in _split(chat, 0.25, cfg.seed)[1]]
+    assert rep["teacher_tokens"] == sum(s.n_out for s in grown if s.prompt != PROMPTS[3])  # every chat prompt's
 
 
 STREAM_PROMPTS = ["用一句话介绍一下长城。", "日本の首都について一文で説明してください。", "Reply with three emoji that describe the sea."]

@@ -446,6 +446,21 @@ def test_teacher_data_for_a_subset_of_its_prompts_in_the_runs_order():
     assert samples_for(every, ["aa"], 4, features=0)[0].features is None
 
 
+def test_a_teacher_file_grown_by_a_run_keeps_other_prompts_first_and_the_runs_held_out_last():
+    """Samples of prompts the run does not use come first (as they were), then the run's own in its
+    order, old and new alike, so the file's last samples are its held-out ones; a prompt is never
+    held twice."""
+    from learner.offline import extended_samples
+
+    old = [_sample(p) for p in ("aa", "bbb", "c")]
+    new = [_sample(p, out=5) for p in ("zz", "y")]
+    got = extended_samples(old, new, ["c", "zz", "aa", "y"])  # training: c, zz, aa; held-out: y
+    assert [s.prompt for s in got] == ["bbb", "c", "zz", "aa", "y"]
+    assert got[0] is old[1] and got[1] is old[2] and got[2] is new[0] and got[4] is new[1]
+    assert [s.prompt for s in extended_samples(old, [], ["aa", "aa"])] == ["bbb", "c", "aa"]
+    assert [s.prompt for s in extended_samples([], new, ["y", "zz"])] == ["y", "zz"]
+
+
 def test_teacher_features_are_cut_to_the_final_feature_only_when_that_is_all_the_run_needs():
     """A fused feature [.., 3 H] serves a run on the final feature (its last H columns); a run on the
     fused width needs that width exactly; a width that is no multiple of H is refused."""
