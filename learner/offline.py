@@ -88,6 +88,10 @@ class DistillConfig(BaseModel):
     #: after the warm-up: ``constant``, or ``cosine``, down to 0 at the end of the run's budget
     #: (whichever of ``seconds``, ``max_steps`` and ``epochs`` it has spent the largest share of)
     lr_schedule: Literal["constant", "cosine"] = "constant"
+    #: ``bf16``: each step's forward runs under bfloat16 autocast (the weights, gradients and the
+    #: optimiser stay float32; the losses upcast their inputs). About 1.3x the steps a second on a
+    #: CPU with AVX-512 BF16 (and GPUs with bfloat16); slower where bfloat16 is emulated (AVX2).
+    autocast: Literal["off", "bf16"] = "off"
     #: target greedy generation length per prompt
     max_tokens: int = Field(default=64, gt=0)
     #: prompts per target ``generate`` call while collecting (left-padded when > 1), or per batch of
@@ -694,7 +698,8 @@ def distill(
                 if keep_cpu is not None:
                     target, n_ph = to_student_space(target, keep_cpu)
                 target = SparseDist(ids=target.ids.to(device), probs=target.probs.to(device), tail=target.tail.to(device))
-                loss = draft_loss(draft, batch, loss_fn, target, n_ph, cfg.feature_loss)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
+                    loss = draft_loss(draft, batch, loss_fn, target, n_ph, cfg.feature_loss)
                 spent = max((time.perf_counter() - t0) / cfg.seconds, steps / per_run)
                 lr = learning_rate(cfg, steps, spent)
                 for g in opt.param_groups:
@@ -987,6 +992,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
                     help="after the warm-up: constant, or cosine down to 0 at the end of the budget (--seconds)")
+    ap.add_argument("--autocast", choices=["off", "bf16"], default="off",
+                    help="bf16: each step's forward under bfloat16 autocast (about 1.3x the steps a second on a CPU "
+                         "with AVX-512 BF16; slower on AVX2)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--teacher-outputs", choices=["hf", "served"], default="hf",
                     help="served: the greedy outputs written by the served runtime (int4 on a CPU), batched; "
@@ -1034,6 +1042,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         DistillConfig(
             loss=a.loss, top_k=a.top_k, lr=a.lr, max_tokens=a.max_tokens, batch_positions=a.batch_positions,
             seconds=a.seconds, epochs=a.epochs, seed=a.seed, teacher_outputs=a.teacher_outputs, lr_schedule=a.lr_schedule,
+            autocast=a.autocast,
             train_embeddings=not a.freeze_embeddings, train_head=not a.freeze_head, prompt_positions=a.prompt_positions,
             feature_loss=a.feature_loss, adapter_rank=a.adapter_rank,
         ),

@@ -372,6 +372,22 @@ def test_a_cosine_run_ends_its_step_budget_near_a_zero_rate(data):
     assert n >= 4 and one["steps"] == n and one["lr_last"] == pytest.approx(3e-3 * (1 + math.cos((n - 1) / n * math.pi)) / 2, rel=1e-6)
 
 
+def test_a_bfloat16_autocast_run_trains_as_the_float_run_does_and_keeps_float_weights(data):
+    """Under bf16 autocast the steps' losses follow the float32 run's closely (same batches, same
+    start), the draft learns, and its weights stay float32 (only the forward is cast)."""
+    target, train, held = data
+    runs = {}
+    for mode in ("off", "bf16"):
+        draft = truncated_draft(target, 1)
+        runs[mode] = distill(draft, train, fast_cfg(max_steps=6, autocast=mode), log=None, heldout=held)
+        assert {p.dtype for p in draft.parameters()} == {torch.float32}
+    off, bf16 = runs["off"]["loss_curve"], runs["bf16"]["loss_curve"]
+    assert len(off) == len(bf16) == 6
+    assert bf16[0] == pytest.approx(off[0], rel=0.02) and bf16[0] != off[0]  # cast, but the same loss
+    assert bf16 == pytest.approx(off, rel=0.1)
+    assert runs["bf16"]["agreement_after"] > runs["bf16"]["agreement_before"]
+
+
 def test_student_logits_rows_match_plain_forward(data):
     target, train, _ = data
     draft = truncated_draft(target, 2)
