@@ -234,7 +234,8 @@ def distill_args(rest: list[str]) -> list[str]:
     each domain, never a prompt of the benchmarks' files nor of the two sources the shift
     experiment streams (DB-GPT's SQL, HumanEval), 1,200 s of training. The package's adapter then
     trained as long again from there: the same command with ``--init-adapter shipped
-    --teacher-outputs served`` (docs/proposers.md, "Twice the steps").
+    --teacher-outputs served`` (docs/proposers.md, "Twice the steps"), and once more with
+    ``--n-prompts 1500`` added ("Twice the prompts").
     """
     from drafts.build import default_draft_path, shipped_adapter_path
 

@@ -131,7 +131,10 @@ def test_a_distillation_can_start_from_saved_adapters_and_continue_them(tmp_path
                                     log=None, teacher_cache=tmp_path / "t.pt")
         saved[name], _ = read_adapter(tmp_path / name, base)
     assert saved["continued"].keys() == shipped.keys() == saved["fresh"].keys()
-    assert reports["continued"]["agreement_before"] > reports["fresh"]["agreement_before"]
+    # it starts where the saved adapters stand: nearer the target than zero adapters (the first step's
+    # loss, over every training position; top-1 on these two held-out prompts is too few to tell)
+    assert reports["continued"]["loss_first"] < reports["fresh"]["loss_first"]
+    assert reports["continued"]["agreement_before"] >= reports["fresh"]["agreement_before"]
     bs = [k for k in shipped if k.endswith(".lora_B")]
     for k in bs:  # B starts at zero in a fresh adapter; one step of 1e-4 moves it by about that
         assert (saved["continued"][k] - shipped[k]).abs().max() < 0.01 < shipped[k].abs().max()
@@ -386,6 +389,6 @@ def test_the_shipped_adapter_makes_the_served_draft_agree_with_the_target_on_pro
             outputs.append(gen.token_ids)
         rates[adapter] = (accepted / checked, outputs)
     assert rates["shipped"][1] == rates[None][1]  # lossless: the same target output either way
-    # measured on 240 such prompts at 48 tokens: 0.253 with the adapter (0.232 before it trained twice as
-    # long); on 48 of them 0.043 bare
+    # measured on 240 such prompts at 48 tokens: 0.268 with the adapter (0.232 after its first run, 0.253
+    # after its second); on 48 of them 0.043 bare
     assert rates[None][0] < 0.1 and rates["shipped"][0] > max(0.12, 2.5 * rates[None][0]), {k: v[0] for k, v in rates.items()}
