@@ -89,8 +89,8 @@ class DistillConfig(BaseModel):
     #: (whichever of ``seconds``, ``max_steps`` and ``epochs`` it has spent the largest share of)
     lr_schedule: Literal["constant", "cosine"] = "constant"
     #: ``bf16``: each step's forward runs under bfloat16 autocast (the weights, gradients and the
-    #: optimiser stay float32; the losses upcast their inputs). About 1.3x the steps a second on a
-    #: CPU with AVX-512 BF16 (and GPUs with bfloat16); slower where bfloat16 is emulated (AVX2).
+    #: optimiser stay float32; the losses upcast their inputs). About 1.25x the steps a second on a
+    #: CPU with AVX-512 BF16 (and GPUs with bfloat16); likely slower where bfloat16 is emulated (AVX2; not measured).
     autocast: Literal["off", "bf16"] = "off"
     #: target greedy generation length per prompt
     max_tokens: int = Field(default=64, gt=0)
@@ -993,8 +993,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
                     help="after the warm-up: constant, or cosine down to 0 at the end of the budget (--seconds)")
     ap.add_argument("--autocast", choices=["off", "bf16"], default="off",
-                    help="bf16: each step's forward under bfloat16 autocast (about 1.3x the steps a second on a CPU "
-                         "with AVX-512 BF16; slower on AVX2)")
+                    help="bf16: each step's forward under bfloat16 autocast (about 1.25x the steps a second on a CPU "
+                         "with AVX-512 BF16; bfloat16 is emulated on AVX2)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--teacher-outputs", choices=["hf", "served"], default="hf",
                     help="served: the greedy outputs written by the served runtime (int4 on a CPU), batched; "
