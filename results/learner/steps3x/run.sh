@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The package's adapter (drafts/starting, "twice the steps") trained 1,200 s more, once on the same
 # 720 prompts and once on 1,500 (the 720 and 780 more of the same sources and recipe), and what
-# bfloat16 autocast does to a step (docs/proposers.md, "A third run"). One run each on a 2-core CPU.
+# bfloat16 autocast does to a step (docs/proposers.md, "Twice the prompts" and "A bfloat16 forward"). One run each on a 2-core CPU.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 OSD=.venv/bin/osd
