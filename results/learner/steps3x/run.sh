@@ -16,6 +16,8 @@ $OSD distill --adapter-rank 16 --init-adapter shipped --teacher-outputs served -
 # all on the same 43 held-out prompts (both files end with them)
 .venv/bin/python -m bench.heldout_agreement --teacher-cache "$T720" --heldout 43 --adapters shipped /tmp/same720 /tmp/more1500 | tee $R/heldout.txt
 .venv/bin/python -m bench.step_time --teacher-cache "$T720" | tee $R/step_time.json
-# the SQL shift stream from the adapter the package now carries (/tmp/more1500 copied to drafts/starting)
+# the SQL and HumanEval shift streams from the adapter the package now carries (/tmp/more1500 copied to drafts/starting)
 $OSD experiment shift --config bench/configs/shift_sql_200.yaml --draft-context 128 --steps-per-round 16 \
   --json $R/shift_sql_200_s16.json --png $R/shift_sql_200_s16.png
+$OSD experiment shift --config bench/configs/shift_sql_200.yaml --draft-context 128 --steps-per-round 16 \
+  --sources humaneval --domains code --order code --n 160 --json $R/shift_code_160_s16.json --png $R/shift_code_160_s16.png
