@@ -1,10 +1,11 @@
 """Seconds an offline distillation step takes, with and without bfloat16 autocast
 (``python -m bench.step_time --teacher-cache FILE``).
 
-It steps the served draft (the truncated target with the given adapters trained, as ``osd
-distill --adapter-rank 16`` trains them) over the same batches of a teacher file's samples, the
-prompts' positions included, once per mode in turn and ``--rounds`` times, and prints each step's
-seconds and loss. The rate is tiny so that the rounds start alike."""
+It runs :func:`learner.offline.distill` itself, the loop ``osd train-draft`` runs, for ``--steps``
+steps in each mode in turn, ``--rounds`` times, on the served draft (the truncated target with the
+given adapters trained, as ``osd distill --adapter-rank 16`` trains them) and the first samples of
+a teacher file, the prompts' positions included. Every run has the same seed, so the same batches.
+The rate is tiny so that the runs start alike. Prints each run's seconds a step and its losses."""
 
 from __future__ import annotations
 
@@ -12,17 +13,12 @@ import argparse
 import dataclasses
 import json
 import statistics
-import time
 
 
 def step_times(teacher_file: str, adapter: str, n_samples: int, n_steps: int, modes: list[str], rounds: int) -> dict:
-    import torch
-
     from config import DraftConfig, ModelConfig
     from drafts.build import build_draft_model
-    from learner.losses import get_loss
-    from learner.offline import (DistillConfig, _batch_target, _batches, draft_loss, load_samples, set_trainable,
-                                 shared_prefix_len, with_prompt_positions)
+    from learner.offline import DistillConfig, distill, load_samples, shared_prefix_len, with_prompt_positions
     from speculative.models import load_model
 
     target, tok = load_model(ModelConfig())
@@ -30,25 +26,16 @@ def step_times(teacher_file: str, adapter: str, n_samples: int, n_steps: int, mo
     start = max(2, shared_prefix_len([s.tokens[: s.prompt_len] for s in samples]))
     samples = [dataclasses.replace(s, features=None) for s in with_prompt_positions(samples, target.get_output_embeddings(), start)]
     draft, _ = build_draft_model(DraftConfig(num_layers=2, adapter=None if adapter == "none" else adapter), target, tok)
-    params = set_trainable(draft, DistillConfig(adapter_rank=16))
-    opt = torch.optim.AdamW(params, lr=1e-9)
-    loss_fn = get_loss("forward_kl")
-    batches = _batches(samples, 512)[:n_steps]
-    draft.train()
-    out: dict = {m: {"seconds": [], "loss": []} for m in modes}
+    out: dict = {m: {"seconds_a_step": [], "loss": []} for m in modes}
     for _ in range(rounds):
         for mode in modes:
-            for batch in batches:
-                t0 = time.perf_counter()
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "bf16"):
-                    loss = draft_loss(draft, batch, loss_fn, _batch_target(batch), 0)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                out[mode]["seconds"].append(time.perf_counter() - t0)
-                out[mode]["loss"].append(float(loss.detach()))
+            cfg = DistillConfig(adapter_rank=16, lr=1e-9, warmup_steps=0, max_steps=n_steps, epochs=1, seconds=3600,
+                                autocast=mode)
+            hist = distill(draft, samples, cfg, log=None, heldout=samples[:1])  # the agreement checks: one sample
+            out[mode]["seconds_a_step"].append(hist["seconds"] / hist["steps"])
+            out[mode]["loss"].append(hist["loss_curve"])
     for m in modes:
-        out[m]["median_s"] = statistics.median(out[m]["seconds"])
+        out[m]["median_s"] = statistics.median(out[m]["seconds_a_step"])
     return out
 
 
