@@ -64,7 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, required=True, help="prompt positions a record gains (0: the plain command)")
     a, rest = ap.parse_known_args(argv)
     import bench.experiments as experiments
-    from osd.cli import main as osd_main
 
     served = experiments.serve_recorded
 
@@ -74,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     experiments.serve_recorded = extended  # the stream's learner is fed what this returns
     try:
-        return osd_main(["experiment", "shift", *rest])
+        return experiments.main(["shift", *rest])  # what `osd experiment shift` runs
     finally:
         experiments.serve_recorded = served
 
