@@ -4,9 +4,9 @@
 shift`` with every replay record extended by rows for its last ``W`` prompt positions before the
 learner sees it: the target's top-K there, from a separate forward of the target's float model
 over the prompt (:func:`with_prompt_rows`). Rows that predict the chat template's system turn
-before the user's text are left out: every record has it, and it says nothing about its domain. The record's ``prompt_len`` moves back to the first of
-them, so the learner trains on them as on output rows (its window of ``--draft-context`` tokens
-then ends where they start). A server would read them from the prefill; this measures first
+before the user's text are left out: every record has it, and it says nothing about its domain.
+The record's ``prompt_len`` moves back to the first of them, so the learner trains on them as on
+output rows (its window of ``--draft-context`` tokens then ends where they start). A server would read them from the prefill; this measures first
 whether they are worth it. The served stream, its outputs and its scores are those of the command
 without ``--rows``; only what the learner trains on changes (and its seconds).
 """
