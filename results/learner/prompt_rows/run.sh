@@ -16,6 +16,8 @@ declare -A RUN=(
   [long_base]="0 static,online $LONG"
   [long_w128]="128 online $LONG"
   [long_s2]="0 online $LONG --steps-per-round 2"   # the rounds of 2 steps the server took before
+  [long_s8]="0 online $LONG --steps-per-round 8"
+  [short_s8]="0 online $SHORT --steps-per-round 8"
 )
 one() {
   set -- $1 ${RUN[$1]}
