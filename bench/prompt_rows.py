@@ -66,10 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     import bench.experiments as experiments
 
     served = experiments.serve_recorded
+    starts: dict[int, int] = {}  # id(engine) -> its template's start: one per method's engine, not per record
 
     def extended(engine, prompt, params, **kw):
         rec, *more = served(engine, prompt, params, **kw)
-        return (rec if rec is None else with_prompt_rows(rec, engine.target.model, a.rows, template_start(engine)), *more)
+        if rec is None:
+            return (rec, *more)
+        if id(engine) not in starts:
+            starts[id(engine)] = template_start(engine)
+        return (with_prompt_rows(rec, engine.target.model, a.rows, starts[id(engine)]), *more)
 
     experiments.serve_recorded = extended  # the stream's learner is fed what this returns
     try:
